@@ -1,0 +1,178 @@
+"""The simulated multi-host cluster: H local processes joined by jax.distributed.
+
+The supervisor starts one process per simulated host, each with its own CPU
+device count, and passes it the coordinator address (127.0.0.1, a free port)
+and its process id. It forwards every line a host prints with a ``[host i]``
+prefix, and ends the whole job when any host fails (a jax.distributed job
+cannot go on without one of its processes), when a deadline passes, or on
+SIGINT/SIGTERM. No orphans: every child gets PR_SET_PDEATHSIG=SIGKILL, so it
+dies with the supervisor even when the supervisor is SIGKILLed, and the
+supervisor kills all of them on any exit path.
+
+``kill_host`` / ``start_host`` exist for fault injection: the launcher
+SIGKILLs a host's process and starts its replacement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class HostFailed(RuntimeError):
+    pass
+
+
+class LocalCluster:
+    """Starts, watches and stops the processes of a simulated cluster.
+
+    Args:
+      argv_for_host: the command line (after the interpreter) of host i.
+      hosts: number of processes.
+      devices_per_host: CPU devices each process gets (XLA_FLAGS).
+      on_line: called with (host, line) for each line a host prints; the
+        default writes ``[host i] line`` to stdout.
+    """
+
+    def __init__(
+        self,
+        argv_for_host: Callable[[int], Sequence[str]],
+        hosts: int,
+        devices_per_host: int,
+        on_line: Callable[[int, str], None] | None = None,
+    ):
+        self.argv_for_host = argv_for_host
+        self.hosts = hosts
+        self.devices_per_host = devices_per_host
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._threads: list[threading.Thread] = []
+        self._on_line = on_line or self._print_line
+        self._print_lock = threading.Lock()
+
+    def _print_line(self, host: int, line: str) -> None:
+        with self._print_lock:
+            sys.stdout.write(f"[host {host}] {line}")
+            if not line.endswith("\n"):
+                sys.stdout.write("\n")
+            sys.stdout.flush()
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags.append(f"--xla_force_host_platform_device_count={self.devices_per_host}")
+        env["XLA_FLAGS"] = " ".join(flags)
+        env["JAX_PLATFORMS"] = "cpu"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start_host(self, host: int) -> None:
+        """Starts (or restarts) the process of ``host``."""
+        proc = subprocess.Popen(
+            [sys.executable, *self.argv_for_host(host)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._env(), preexec_fn=_die_with_parent, text=True, bufsize=1,
+        )
+        self.procs[host] = proc
+        thread = threading.Thread(target=self._forward, args=(host, proc), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _forward(self, host: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._on_line(host, line)
+
+    def start(self) -> None:
+        for host in range(self.hosts):
+            self.start_host(host)
+
+    def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to host's process and waits for it to end."""
+        proc = self.procs[host]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        proc.wait()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every live host, SIGKILL those still alive after grace_s."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for t in self._threads:
+            t.join(timeout=2.0)
+
+    def wait(self, timeout_s: float, poll_s: float = 0.1,
+             on_tick: Callable[[], None] | None = None) -> int:
+        """Waits until every host exits 0 (-> 0) or one fails (-> its code).
+
+        On a failure or when ``timeout_s`` passes, the remaining hosts are
+        stopped. ``on_tick`` runs every poll (fault injection hooks in there).
+
+        Returns:
+          0, the first non-zero exit code, or 124 on timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if on_tick is not None:
+                    on_tick()
+                codes = {h: p.poll() for h, p in self.procs.items()}
+                failed = {h: c for h, c in codes.items() if c not in (None, 0)}
+                if failed:
+                    host, code = min(failed.items())
+                    self._on_line(host, f"exited with code {code}; stopping the other hosts\n")
+                    return code if code > 0 else 128 - code
+                if all(c == 0 for c in codes.values()):
+                    return 0
+                if time.monotonic() > deadline:
+                    self._on_line(0, f"job exceeded {timeout_s:.0f}s; stopping all hosts\n")
+                    return 124
+                time.sleep(poll_s)
+        finally:
+            self.stop()
+
+
+def run(cluster: LocalCluster, timeout_s: float, on_tick: Callable[[], None] | None = None) -> int:
+    """Starts ``cluster``, waits for it, and stops it on SIGINT/SIGTERM too."""
+
+    def _terminate(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        cluster.start()
+        return cluster.wait(timeout_s, on_tick=on_tick)
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,173 @@
+"""Train state, optimizer and the jitted expert-parallel train step.
+
+The train state is a plain dict pytree, what the checkpoint tiers snapshot:
+``{"step": int32[], "params": ..., "opt_state": ..., "rng": uint32[2]}``
+(the RNG as raw key data, so it stores like any other array). The step is
+jitted with NamedShardings over the (data, expert) mesh, donates the state,
+and is compiled once per capacity-factor tuple (bucketed dispatch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from models.gpt import BATCH_AXES, DATA, EXPERT, GPTMoE, param_partition_specs
+
+State = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions:
+    """AdamW with linear warmup and cosine decay."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    total_steps: int = 1000
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+
+def make_optimizer(opts: OptimizerOptions) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, opts.learning_rate, max(1, opts.warmup_steps),
+        max(opts.total_steps, opts.warmup_steps + 1), opts.learning_rate * 0.1,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(opts.clip_norm),
+        optax.adamw(schedule, weight_decay=opts.weight_decay),
+    )
+
+
+def make_mesh(expert_parallel: int, devices: list | None = None) -> Mesh:
+    """A (data, expert) mesh; expert is the fast axis, so it spans hosts first
+    when it is larger than a host's device count."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) % expert_parallel:
+        raise ValueError(f"{len(devices)} devices not divisible by expert_parallel={expert_parallel}")
+    grid = np.array(devices).reshape(len(devices) // expert_parallel, expert_parallel)
+    return Mesh(grid, (DATA, EXPERT))
+
+
+class Trainer:
+    """Builds, shards and steps the train state of a GPT-MoE on a mesh."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions):
+        if cfg.num_experts % mesh.shape[EXPERT]:
+            raise ValueError(
+                f"num_experts={cfg.num_experts} not divisible by the expert axis "
+                f"({mesh.shape[EXPERT]})"
+            )
+        if cfg.global_batch % mesh.size:
+            raise ValueError(f"global_batch={cfg.global_batch} not divisible by {mesh.size} devices")
+        self.cfg, self.mesh = cfg, mesh
+        self.model = GPTMoE(cfg, mesh)
+        self.optimizer = make_optimizer(opt)
+        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
+        self.replicated = NamedSharding(mesh, P())
+        abstract = jax.eval_shape(self._init, jnp.zeros((), jnp.uint32))
+        self.state_shardings = self._shardings(abstract)
+        self.abstract_state = abstract
+        self._init_jit = jax.jit(self._init, out_shardings=self.state_shardings)
+        self._steps: dict[tuple[float, ...], Callable] = {}
+
+    @property
+    def tokens_per_group(self) -> int:
+        """Tokens of one device in one step (one capacity group)."""
+        return self.cfg.global_batch * self.cfg.seq_len // self.mesh.size
+
+    def _init(self, seed: jax.Array) -> State:
+        key = jax.random.key(seed)
+        init_key, state_key = jax.random.split(key)
+        tokens = jnp.zeros((self.mesh.size, self.cfg.seq_len), jnp.int32)
+        params = GPTMoE(self.cfg, None, self.mesh.size).init(init_key, tokens)["params"]
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": self.optimizer.init(params),
+            "rng": jax.random.key_data(state_key),
+        }
+
+    def _shardings(self, abstract: State) -> State:
+        param_specs = param_partition_specs(abstract["params"])
+
+        def opt_spec(path, leaf):
+            # Optimizer moments mirror the params' tree below their own prefix.
+            names = {getattr(k, "key", None) for k in path}
+            expert = bool(names & {"w_in", "w_out"}) and getattr(leaf, "ndim", 0) == 3
+            return NamedSharding(self.mesh, P(EXPERT) if expert else P())
+
+        return {
+            "step": self.replicated,
+            "params": jax.tree.map(lambda s: NamedSharding(self.mesh, s), param_specs),
+            "opt_state": jax.tree_util.tree_map_with_path(opt_spec, abstract["opt_state"]),
+            "rng": self.replicated,
+        }
+
+    def init_state(self, seed: int) -> State:
+        return self._init_jit(jnp.uint32(seed))
+
+    def _loss(self, params, batch, rng, factors):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits, stats = self.model.apply(
+            {"params": params}, inputs, factors, deterministic=self.cfg.dropout == 0.0,
+            rngs={"dropout": rng},
+        )
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        total = ce + self.cfg.aux_loss_coef * stats.aux_loss + self.cfg.z_loss_coef * stats.z_loss
+        return total, (ce, stats)
+
+    def _step(self, state: State, batch: jax.Array, factors: tuple[float, ...]):
+        rng, dropout_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+        grads, (ce, stats) = jax.grad(self._loss, has_aux=True)(
+            state["params"], batch, dropout_rng, factors
+        )
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        new_state = {
+            "step": state["step"] + 1,
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "rng": jax.random.key_data(rng),
+        }
+        metrics = {
+            "loss": ce,
+            "aux_loss": stats.aux_loss,
+            "tokens_per_expert": stats.tokens_per_expert,
+            "dropped": stats.dropped,
+            "max_routed": stats.max_routed,
+        }
+        return new_state, metrics
+
+    def step_fn(self, factors: tuple[float, ...]) -> Callable[[State, jax.Array], tuple[State, dict]]:
+        """The jitted step for one capacity-factor tuple (compiled once, cached)."""
+        factors = tuple(float(f) for f in factors)
+        if factors not in self._steps:
+            self._steps[factors] = jax.jit(
+                lambda s, b: self._step(s, b, factors),
+                in_shardings=(self.state_shardings, self.batch_sharding),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnums=(0,),
+            )
+        return self._steps[factors]
+
+    def global_batch(self, local_batch: np.ndarray) -> jax.Array:
+        """This process's rows -> the global batch array over the mesh."""
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_batch)
+
+    def eval_loss_fn(self) -> Callable[[State, jax.Array], jax.Array]:
+        """Jitted cross-entropy of the model on a batch, no dropout, fixed capacity."""
+
+        def loss(state, batch):
+            logits, _ = self.model.apply({"params": state["params"]}, batch[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        return jax.jit(loss, in_shardings=(self.state_shardings, self.batch_sharding),
+                       out_shardings=self.replicated)
