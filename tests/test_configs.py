@@ -1,0 +1,65 @@
+"""Every shipped config parses, and its parameter count matches the model."""
+
+import jax
+import numpy as np
+import pytest
+
+from models import CONFIGS, GPTMoE, get_config, param_count
+from models.capacity import choose_capacity_factors
+from models.config import ModelConfig, capacity
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_param_count_matches_flax(name):
+    cfg = get_config(name)
+    tokens = np.zeros((1, cfg.seq_len), np.int32)
+    shapes = jax.eval_shape(lambda: GPTMoE(cfg).init(jax.random.key(0), tokens)["params"])
+    counts = param_count(cfg)
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)) == counts["total"]
+    expert = sum(
+        int(np.prod(x.shape))
+        for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+        if any(getattr(k, "key", None) in ("w_in", "w_out") for k in path)
+    )
+    assert expert == counts["expert"]
+    assert 1 <= len(cfg.moe_layers) <= cfg.n_layers
+
+
+def test_paper_configs_span_8_to_64_experts():
+    experts = sorted(c.num_experts for n, c in CONFIGS.items() if n.startswith("gpt_moe"))
+    assert experts[0] == 8 and experts[-1] == 64
+
+
+def test_moe_every_other_layer():
+    assert get_config("small").moe_layers == (1, 3, 5)
+    assert get_config("tiny").moe_layers == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("top_k", 3), ("moe_every", 3), ("dispatch", "ragged"), ("n_heads", 5),
+     ("capacity_buckets", (2.0, 1.0))],
+)
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig(name="x", **{field: value})
+
+
+def test_unknown_model_names_known_ones():
+    with pytest.raises(KeyError, match="tiny"):
+        get_config("nope")
+
+
+def test_capacity_choice_follows_load():
+    cfg = get_config("small")  # bucketed, buckets (1, 1.5, 2, 3, 4)
+    tokens = 2048  # even share per expert: 2048 * 2 / 8 = 512
+    assert choose_capacity_factors(cfg, None, tokens) == (cfg.capacity_factor,) * 3
+    got = choose_capacity_factors(cfg, [400, 700, 5000], tokens)
+    # 400*1.1=440 <= 512 -> 1.0; 770 <= 768? no -> 2.0 (1024); beyond 4x -> largest.
+    assert got == (1.0, 2.0, 4.0)
+    for f in got:
+        assert capacity(cfg, tokens, f) >= 1
+    fixed = get_config("tiny")
+    assert choose_capacity_factors(fixed, [1, 10000], 512) == (fixed.capacity_factor,) * 2
+    with pytest.raises(ValueError, match="max_routed"):
+        choose_capacity_factors(cfg, [1, 2], tokens)

@@ -1,0 +1,93 @@
+"""launch.train as a user runs it: real processes, real jax.distributed."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT, assert_no_orphans, processes_mentioning, run_train
+
+
+def test_two_hosts_two_devices_train(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_train("--hosts=2", "--devices_per_host=2", "--model=tiny", "--steps=12",
+                     "--log_every=4", f"--workdir={workdir}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(12))
+    for r in steps:
+        assert set(r) >= {"step", "loss", "step_time_s", "tokens_per_expert"}
+        assert len(r["tokens_per_expert"]) == 2 and len(r["tokens_per_expert"][0]) == 8
+        # Kept assignments: 16 sequences * 64 tokens * top-2, minus the dropped ones.
+        for layer, dropped in zip(r["tokens_per_expert"], r["dropped"], strict=True):
+            assert sum(layer) == 16 * 64 * 2 - dropped
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert "[host 0]" in proc.stdout and "[host 1]" in proc.stdout
+    assert "report:" in proc.stdout
+    assert any(r.get("event") == "eval" for r in lines)
+    assert_no_orphans(str(workdir))
+
+
+@pytest.mark.parametrize(
+    "flags,flag_name",
+    [
+        (["--model=tiny", "--expert_parallel=3", "--hosts=3", "--devices_per_host=1"],
+         "--expert_parallel"),
+        (["--model=nonesuch"], "--model"),
+        (["--hosts=0"], "--hosts"),
+        (["--hosts=abc"], "--hosts"),
+    ],
+)
+def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):
+    proc = run_train(*flags, f"--workdir={tmp_path}", "--steps=2", timeout=60)
+    assert proc.returncode != 0
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr
+    assert any(flag_name in line for line in err), proc.stderr
+    assert len([line for line in err if flag_name in line]) == 1
+    assert_no_orphans(str(tmp_path))
+
+
+def test_unwritable_workdir_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = run_train(f"--workdir={blocker / 'sub'}", "--steps=2", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "--workdir" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_interrupt_stops_every_host(tmp_path):
+    workdir = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--hosts=2", "--devices_per_host=2",
+         "--model=tiny", "--steps=100000", f"--workdir={workdir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(processes_mentioning(f"--workdir={workdir} --process_id")) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    assert_no_orphans(str(workdir))
+
+
+def test_supervisor_killed_takes_hosts_with_it(tmp_path):
+    workdir = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--hosts=2", "--devices_per_host=1",
+         "--model=tiny", "--steps=100000", f"--workdir={workdir}"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while len(processes_mentioning(f"--workdir={workdir} --process_id")) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.kill()  # SIGKILL: no cleanup code runs in the supervisor
+    proc.wait()
+    assert_no_orphans(str(workdir))
