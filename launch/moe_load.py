@@ -20,8 +20,11 @@ choices of the remaining tokens, are distinct random experts among 1..E-1.
 layer's own ``max_routed`` stat (most assignments on one expert in one group).
 
 Timing: each compiled variant is run once before timing (compile + warm-up);
-then ``--repeats`` runs of each mode, interleaved, each to block_until_ready;
-median and p10-p90 in ms.
+then ``--repeats`` rounds, each running every (skew, mode) once, to
+block_until_ready, in an order rotated every round; median, p10-p90 and min in
+ms. ``ratio`` is the median over rounds of bucketed/fixed time of the same
+round (robust to the host's speed changing between rounds; on a shared 2-core
+VM plain matmul throughput was seen to swing 28-65 GFLOP/s within seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -67,12 +71,12 @@ def routed_inputs(num_experts: int, top_k: int, d_model: int, groups: int, token
     return x
 
 
-def _stats(ms: list[float]) -> dict[str, float]:
+def _stats(ms: list[float]) -> dict[str, Any]:
     import numpy as np
 
     p10, p50, p90 = np.percentile(ms, [10, 50, 90])
     return {"median": float(p50), "p10": float(p10), "p90": float(p90),
-            "min": float(min(ms)), "max": float(max(ms))}
+            "min": float(min(ms)), "max": float(max(ms)), "samples": [round(t, 2) for t in ms]}
 
 
 def measure(model: str, devices: int, repeats: int, skews: Sequence[str | float],
@@ -121,32 +125,42 @@ def measure(model: str, devices: int, repeats: int, skews: Sequence[str | float]
         jax.block_until_ready(fns(factor)[1](params, x))
         return (time.perf_counter() - t0) * 1e3
 
-    rows = []
+    rows, inputs = [], []
     for s in skews:
-        skew = k / e if s == "uniform" else float(s)
+        try:
+            skew = k / e if s == "uniform" else float(s)
+        except ValueError:
+            raise ValueError(f"skew {s!r} is neither a number nor 'uniform'") from None
         if not k / e <= skew <= 1:
             raise ValueError(f"skew {s} outside [k/E={k / e}, 1]")
         x = jax.device_put(routed_inputs(e, k, d, devices, tpg, skew, seed + 1).reshape(shape),
                            x_sharding)
-        _, _, max_routed, _, _ = fns(cfg.capacity_factor)[0](params, x)
-        max_routed = int(max_routed)
-        cf_b = choose_capacity_factors(bucketed, [max_routed] * len(cfg.moe_layers), tpg)[0]
-        cf_f = choose_capacity_factors(fixed, [max_routed] * len(cfg.moe_layers), tpg)[0]
-        times: dict[float, list[float]] = {cf_b: [], cf_f: []}
-        for cf in times:
+        max_routed = int(fns(cfg.capacity_factor)[0](params, x)[2])
+        n_moe = len(cfg.moe_layers)
+        cf_b = choose_capacity_factors(bucketed, [max_routed] * n_moe, tpg)[0]
+        cf_f = choose_capacity_factors(fixed, [max_routed] * n_moe, tpg)[0]
+        for cf in (cf_b, cf_f):
             timed(cf, x)  # compile (once per factor) + warm-up
-        ms_b, ms_f = [], []
-        for _ in range(repeats):
-            ms_b.append(timed(cf_b, x))
-            ms_f.append(timed(cf_f, x))
         drops = {cf: int(fns(cf)[0](params, x)[1]) for cf in (cf_b, cf_f)}
-        row = {"skew": s, "skew_fraction": skew, "max_routed": max_routed,
-               "capacity_factor_bucketed": cf_b, "capacity_bucketed": capacity(cfg, tpg, cf_b),
-               "capacity_factor_fixed": cf_f, "capacity_fixed": capacity(cfg, tpg, cf_f),
-               "dropped_bucketed": drops[cf_b], "dropped_fixed": drops[cf_f],
-               "bucketed_ms": _stats(ms_b), "fixed_ms": _stats(ms_f)}
-        row["ratio"] = row["bucketed_ms"]["median"] / row["fixed_ms"]["median"]
-        rows.append(row)
+        inputs.append(x)
+        rows.append({"skew": s, "skew_fraction": skew, "max_routed": max_routed,
+                     "capacity_factor_bucketed": cf_b, "capacity_factor_fixed": cf_f,
+                     "capacity_bucketed": capacity(cfg, tpg, cf_b),
+                     "capacity_fixed": capacity(cfg, tpg, cf_f),
+                     "dropped_bucketed": drops[cf_b], "dropped_fixed": drops[cf_f]})
+    # Every repeat runs all (skew, mode) variants, in an order rotated by one each
+    # time, so slow phases of a shared host hit all of them alike.
+    variants = [(i, mode) for i in range(len(rows)) for mode in ("bucketed", "fixed")]
+    ms: dict[tuple[int, str], list[float]] = {v: [] for v in variants}
+    for rep in range(repeats):
+        shift = rep % len(variants)
+        for i, mode in variants[shift:] + variants[:shift]:
+            ms[i, mode].append(timed(rows[i][f"capacity_factor_{mode}"], inputs[i]))
+    for i, row in enumerate(rows):
+        b, f = ms[i, "bucketed"], ms[i, "fixed"]
+        row.update(bucketed_ms=_stats(b), fixed_ms=_stats(f),
+                   ratio=statistics.median(x / y for x, y in zip(b, f, strict=True)),
+                   ratio_of_medians=statistics.median(b) / statistics.median(f))
     return {"model": model, "devices": devices, "repeats": repeats, "tokens_per_group": tpg,
             "even_share": tpg * k / e, "top_k": k, "num_experts": e,
             "platform": jax.devices()[0].platform, "rows": rows}
@@ -162,14 +176,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"tokens/group={result['tokens_per_group']} even share={result['even_share']:g}",
         "",
         "| skew | max tokens on one expert/group | CF bucketed (cap) | bucketed ms median "
-        "(p10-p90) | fixed ms median (p10-p90) [CF] | ratio b/f | dropped b / f |",
-        "|---|---|---|---|---|---|---|",
+        "(p10-p90) | fixed ms median (p10-p90) [CF] | min ms b / f | ratio b/f | dropped b / f |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['skew']} ({r['skew_fraction']:.2f}) | {r['max_routed']} | "
             f"{r['capacity_factor_bucketed']:g} ({r['capacity_bucketed']}) | "
             f"{ms(r['bucketed_ms'])} | {ms(r['fixed_ms'])} [{r['capacity_factor_fixed']:g}] | "
+            f"{r['bucketed_ms']['min']:.1f} / {r['fixed_ms']['min']:.1f} | "
             f"{r['ratio']:.2f} | {r['dropped_bucketed']} / {r['dropped_fixed']} |")
     return "\n".join(lines)
 
@@ -184,13 +199,13 @@ def main(argv: Sequence[str]) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     try:
         result = measure(FLAGS.model, FLAGS.devices, FLAGS.repeats, FLAGS.skews, FLAGS.seed)
-    except (ValueError, KeyError) as err:
+        print(markdown(result))
+        if FLAGS.json:
+            with open(FLAGS.json, "w") as f:
+                json.dump(result, f, indent=2)
+    except (ValueError, KeyError, OSError) as err:
         print(f"moe_load: error: {err}", file=sys.stderr)
         sys.exit(1)
-    print(markdown(result))
-    if FLAGS.json:
-        with open(FLAGS.json, "w") as f:
-            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

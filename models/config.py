@@ -131,9 +131,9 @@ CONFIGS: dict[str, ModelConfig] = {
     for c in (
         ModelConfig(name="tiny", dropout=0.1),
         ModelConfig(
-            name="small", seq_len=256, d_model=256, n_heads=8, n_layers=6, d_ff=1024,
+            name="small", seq_len=128, d_model=256, n_heads=8, n_layers=4, d_ff=512,
             num_experts=8, d_expert=512, top_k=2, moe_every=2, dispatch="bucketed",
-            dropout=0.1, global_batch=32,
+            dropout=0.1, global_batch=16,
         ),
         _paper("gpt_moe_125m_8e", 768, 12, 12, 8),
         _paper("gpt_moe_350m_16e", 1024, 24, 16, 16),

@@ -31,7 +31,7 @@ def test_paper_configs_span_8_to_64_experts():
 
 
 def test_moe_every_other_layer():
-    assert get_config("small").moe_layers == (1, 3, 5)
+    assert get_config("small").moe_layers == (1, 3)
     assert get_config("tiny").moe_layers == (0, 1)
 
 
@@ -53,13 +53,14 @@ def test_unknown_model_names_known_ones():
 def test_capacity_choice_follows_load():
     cfg = get_config("small")  # bucketed, buckets (1, 1.5, 2, 3, 4)
     tokens = 2048  # even share per expert: 2048 * 2 / 8 = 512
-    assert choose_capacity_factors(cfg, None, tokens) == (cfg.capacity_factor,) * 3
-    got = choose_capacity_factors(cfg, [400, 700, 5000], tokens)
-    # 400*1.1=440 <= 512 -> 1.0; 770 <= 768? no -> 2.0 (1024); beyond 4x -> largest.
-    assert got == (1.0, 2.0, 4.0)
+    assert choose_capacity_factors(cfg, None, tokens) == (cfg.capacity_factor,) * 2
+    # 400*1.1=440 <= 512 -> 1.0; 700*1.1=770 > 768 (1.5) -> 2.0; beyond 4x -> largest.
+    got = choose_capacity_factors(cfg, [400, 700], tokens) + choose_capacity_factors(
+        cfg, [5000, 512], tokens)
+    assert got == (1.0, 2.0, 4.0, 1.5)
     for f in got:
         assert capacity(cfg, tokens, f) >= 1
     fixed = get_config("tiny")
     assert choose_capacity_factors(fixed, [1, 10000], 512) == (fixed.capacity_factor,) * 2
     with pytest.raises(ValueError, match="max_routed"):
-        choose_capacity_factors(cfg, [1, 2], tokens)
+        choose_capacity_factors(cfg, [1, 2, 3], tokens)
