@@ -13,10 +13,14 @@ worker per host with ``--process_id`` and ``--coordinator`` yourself.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +29,11 @@ from absl import app, flags, logging
 from launch import cluster as cluster_lib
 from launch.metrics import MetricsWriter, read_metrics, summarize
 from models.config import CONFIGS, DISPATCH_MODES, get_config
+
+def _default_store_root() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, "capricorn_jax")
+
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("hosts", 2, "Simulated hosts (processes).")
@@ -37,7 +46,28 @@ flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"],
                   "steady: one domain; dynamic: domain shift every --shift_every steps; "
                   "synthetic: random bytes (explicit opt-in).")
 flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
-flags.DEFINE_enum("ckpt", "none", ["none"], "Checkpoint strategy.")
+flags.DEFINE_enum("ckpt", "none", ["none", "inmem"],
+                  "Checkpoint strategy: none, or inmem (every step to host RAM + m-1 peers).")
+flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
+flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
+flags.DEFINE_string("store_root", _default_store_root(),
+                    "Base directory of the host RAM stores (tmpfs).")
+flags.DEFINE_float("replication_timeout_s", 30.0,
+                   "A version not confirmed by every replica after this is under-replicated.")
+flags.DEFINE_boolean("resume", False,
+                     "Resume a previous job of this workdir from its stores; default: the job "
+                     "starts fresh and only recovers from failures that happen inside it.")
+flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's process...")
+flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
+flags.DEFINE_enum("kill_mode", "process", ["process", "host"],
+                  "...process: its RAM store survives; host: its store is wiped (machine loss).")
+flags.DEFINE_enum("kill_point", "after_step", ["after_step", "mid_replication"],
+                  "after_step: when the step is logged; mid_replication: while the host is "
+                  "halfway through writing the replicas it received for that step.")
+flags.DEFINE_integer("stall_host", -1, "Fault injection: this host's replica writer stalls...")
+flags.DEFINE_integer("stall_at_step", -1, "...at this step...")
+flags.DEFINE_float("stall_seconds", 0.0, "...for this long (a peer that stops answering).")
+flags.DEFINE_integer("pause_mid_replication_at", -1, "Internal: set by the supervisor.")
 flags.DEFINE_integer("expert_parallel", 0,
                      "Size of the expert mesh axis; 0 = all devices (capped at num_experts).")
 flags.DEFINE_enum("dispatch", "", ["", *DISPATCH_MODES],
@@ -52,6 +82,15 @@ flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
 flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole job; hosts are stopped past it.")
 flags.DEFINE_integer("process_id", -1, "Internal: this worker's host index (set by the supervisor).")
 flags.DEFINE_string("coordinator", "", "Internal: jax.distributed coordinator address.")
+
+
+def job_name(workdir: str) -> str:
+    """The store's job name: stable for a workdir across restarts."""
+    return "job-" + hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
+
+
+def store_dir(host: int) -> Path:
+    return Path(FLAGS.store_root) / job_name(FLAGS.workdir) / f"host{host}"
 
 
 class FlagError(ValueError):
@@ -96,6 +135,17 @@ def check_flags() -> None:
             )
         if cfg.global_batch % devices:
             raise FlagError(f"--global_batch={cfg.global_batch} not divisible by {devices} devices")
+    if FLAGS.ckpt == "inmem" and not 1 <= FLAGS.replicas <= FLAGS.hosts:
+        raise FlagError(f"--replicas={FLAGS.replicas} must be in [1, --hosts={FLAGS.hosts}]")
+    if FLAGS.kill_host >= 0:
+        if FLAGS.kill_host >= FLAGS.hosts:
+            raise FlagError(f"--kill_host={FLAGS.kill_host} is not a host (--hosts={FLAGS.hosts})")
+        if not 0 <= FLAGS.kill_at_step < FLAGS.steps:
+            raise FlagError(f"--kill_at_step={FLAGS.kill_at_step} must be in [0, --steps)")
+        if FLAGS.ckpt == "none":
+            raise FlagError("--kill_host needs a checkpoint strategy to recover (--ckpt)")
+        if FLAGS.kill_point == "mid_replication" and FLAGS.replicas < 2:
+            raise FlagError("--kill_point=mid_replication needs --replicas >= 2")
     if not FLAGS.workdir:
         raise FlagError("--workdir is required")
     try:
@@ -107,26 +157,114 @@ def check_flags() -> None:
         raise FlagError(f"--workdir: cannot write to {FLAGS.workdir!r}: {e.strerror}") from None
 
 
-def _worker_argv(host: int, coordinator: str) -> list[str]:
-    passed = [a for a in sys.argv[1:] if not a.startswith(("--process_id", "--coordinator"))]
-    return ["-m", "launch.train", *passed, f"--process_id={host}", f"--coordinator={coordinator}"]
+def _worker_argv(host: int, coordinator: str, extra: tuple[str, ...] = ()) -> list[str]:
+    internal = ("--process_id", "--coordinator", "--pause_mid_replication_at")
+    passed = [a for a in sys.argv[1:] if not a.startswith(internal)]
+    return ["-m", "launch.train", *passed, f"--process_id={host}", f"--coordinator={coordinator}",
+            *extra]
+
+
+class _FaultInjector:
+    """Kills host K at the requested point of the first attempt (supervisor side)."""
+
+    def __init__(self, metrics_path: Path):
+        self.metrics_path = metrics_path
+        self.marker = Path(FLAGS.workdir) / f".paused_host{FLAGS.kill_host}"
+        self.fired = False
+        self.cluster: cluster_lib.LocalCluster | None = None
+
+    def extra_args(self, host: int) -> tuple[str, ...]:
+        if FLAGS.kill_point == "mid_replication" and host == FLAGS.kill_host:
+            return (f"--pause_mid_replication_at={FLAGS.kill_at_step + 1}",)
+        return ()
+
+    def _due(self) -> bool:
+        if FLAGS.kill_point == "mid_replication":
+            return self.marker.exists()
+        if not self.metrics_path.exists():
+            return False
+        steps = [r["step"] for r in read_metrics(self.metrics_path) if "event" not in r]
+        return bool(steps) and max(steps) >= FLAGS.kill_at_step
+
+    def tick(self) -> None:
+        if self.fired or self.cluster is None or not self._due():
+            return
+        self.fired = True
+        self.cluster.kill_host(FLAGS.kill_host, signal.SIGKILL)
+        print(f"fault: SIGKILLed host {FLAGS.kill_host} at step {FLAGS.kill_at_step} "
+              f"({FLAGS.kill_point}, mode {FLAGS.kill_mode})", flush=True)
+
+
+def _report(metrics_path: Path, injector: _FaultInjector | None) -> None:
+    records = read_metrics(metrics_path)
+    print("report:", json.dumps(summarize(records)), flush=True)
+    for r in records:
+        if r.get("event") == "recovery":
+            print(f"recovery: resumed from step {r['step']} via tier {r['tier']} "
+                  f"(hosts: {', '.join(r['tiers'])}) in {r['seconds']:.2f}s, "
+                  f"{r['bytes_moved']} bytes from peers", flush=True)
+    if injector is not None and not any(r.get("event") == "recovery" for r in records):
+        print("recovery: none happened", flush=True)
 
 
 def supervise() -> int:
-    """Runs the simulated cluster; returns the job's exit code."""
-    coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
+    """Runs the simulated cluster (restarting it after an injected failure)."""
     metrics_path = Path(FLAGS.workdir) / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()
-    cluster = cluster_lib.LocalCluster(
-        lambda h: _worker_argv(h, coordinator), FLAGS.hosts, FLAGS.devices_per_host
-    )
-    code = cluster_lib.run(cluster, FLAGS.timeout_s)
+    if not FLAGS.resume:
+        metrics_path.unlink(missing_ok=True)
+        shutil.rmtree(Path(FLAGS.store_root) / job_name(FLAGS.workdir), ignore_errors=True)
+    injector = _FaultInjector(metrics_path) if FLAGS.kill_host >= 0 else None
+    for attempt in range(2):
+        coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
+        first = attempt == 0 and injector is not None
+        cluster = cluster_lib.LocalCluster(
+            lambda h, c=coordinator, f=first: _worker_argv(
+                h, c, injector.extra_args(h) if f else ()),
+            FLAGS.hosts, FLAGS.devices_per_host)
+        if first:
+            injector.cluster = cluster
+        code = cluster_lib.run(cluster, FLAGS.timeout_s, on_tick=injector.tick if first else None)
+        if not (first and injector.fired):
+            break
+        if FLAGS.kill_mode == "host":
+            shutil.rmtree(store_dir(FLAGS.kill_host), ignore_errors=True)
+            print(f"fault: wiped host {FLAGS.kill_host}'s RAM store (machine loss)", flush=True)
+        injector.marker.unlink(missing_ok=True)
+        print("fault: restarting all hosts; they recover from the in-memory tier", flush=True)
     if code == 0 and metrics_path.exists():
-        print("report:", json.dumps(summarize(read_metrics(metrics_path))), flush=True)
+        _report(metrics_path, injector)
     elif code != 0:
         print(f"train: job failed with exit code {code}", file=sys.stderr, flush=True)
     return code
+
+
+def _make_checkpointer(trainer, mesh, host: int, hosts: int):
+    import capricorn_jax
+
+    stall = None
+    if FLAGS.stall_host == host and FLAGS.stall_at_step >= 0:
+        stall = (FLAGS.stall_at_step, FLAGS.stall_seconds)
+    pause = FLAGS.pause_mid_replication_at if FLAGS.pause_mid_replication_at >= 0 else None
+    options = capricorn_jax.InMemoryOptions(
+        store_root=FLAGS.store_root, job=job_name(FLAGS.workdir), replicas=FLAGS.replicas,
+        chunk_bytes=FLAGS.chunk_bytes, replication_timeout_s=FLAGS.replication_timeout_s,
+        stall_replica_writer_at=stall, pause_mid_replication_at=pause,
+    )
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts)
+    marker = Path(FLAGS.workdir) / f".paused_host{host}"
+
+    def on_pause(step: int) -> None:
+        logging.warning("host %d: paused halfway through writing replicas of version %d",
+                        host, step)
+        marker.write_text(str(step))
+        time.sleep(120)  # the supervisor kills this process meanwhile
+
+    ckpt.on_pause = on_pause
+    return ckpt
+
+
+_TIER_ORDER = ("local", "peer", "persistent")
 
 
 def train_worker(process_id: int) -> None:
@@ -134,6 +272,7 @@ def train_worker(process_id: int) -> None:
     import jax
     import numpy as np
 
+    import capricorn_jax
     from launch.data import Corpus, DataIterator, DataOptions, validation_batch
     from launch.trainer import OptimizerOptions, Trainer, make_mesh
     from models.capacity import choose_capacity_factors
@@ -158,25 +297,49 @@ def train_worker(process_id: int) -> None:
     metrics = MetricsWriter(Path(FLAGS.workdir) / "metrics.jsonl", enabled=host == 0)
     logging.info("host %d/%d: %d local devices, mesh %s, model %s", host, num_hosts,
                  jax.local_device_count(), dict(mesh.shape), cfg.name)
-    state = trainer.init_state(FLAGS.seed)
-    max_routed = None
+    state, max_routed, start = None, None, 0
+    ckpt = _make_checkpointer(trainer, mesh, host, num_hosts) if FLAGS.ckpt == "inmem" else None
+    if ckpt is not None:
+        recovered = capricorn_jax.recover(ckpt)
+        if recovered is not None:
+            state, start = recovered.state, recovered.step
+            data.restore(recovered.host_state["data"])
+            max_routed = recovered.host_state["max_routed"]
+            tier = max(recovered.tiers, key=_TIER_ORDER.index)
+            metrics.write({"event": "recovery", "step": start, "tier": tier,
+                           "seconds": recovered.seconds, "tiers": recovered.tiers,
+                           "bytes_moved": recovered.bytes_moved})
+            logging.info("host %d: recovered version %d from tier %s in %.2fs", host, start,
+                         recovered.tier, recovered.seconds)
+    if state is None:
+        state = trainer.init_state(FLAGS.seed)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     window_start, window_tokens = time.perf_counter(), 0
-    for step in range(FLAGS.steps):
+    for step in range(start, FLAGS.steps):
         factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
         domain = data.domain
         t0 = time.perf_counter()
         batch = trainer.global_batch(data.next_batch())
         state, out = trainer.step_fn(factors)(state, batch)
         loss = float(out["loss"])
-        step_time = time.perf_counter() - t0
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]
+        if ckpt is not None:
+            report = ckpt.save(step + 1, state, {"data": data.state(), "max_routed": max_routed})
+        step_time = time.perf_counter() - t0
         metrics.write({
             "step": step, "loss": loss, "step_time_s": step_time,
             "tokens_per_expert": tpe.tolist(), "domain": domain,
             "capacity_factors": list(factors), "dropped": np.asarray(out["dropped"]).tolist(),
         })
+        if ckpt is not None:
+            metrics.write({"event": "checkpoint", "step": step + 1, "bytes": report.bytes,
+                           "store_bytes": report.store_bytes, "committed": report.committed,
+                           "replicated": report.replicated, "skipped": report.skipped,
+                           "under_replicated": report.under_replicated})
+            for u in report.under_replicated:
+                logging.warning("host %d: version %d under-replicated (missing on hosts %s)",
+                                host, u["step"], u["missing"])
         window_tokens += tokens_per_step
         if host == 0 and ((step + 1) % FLAGS.log_every == 0 or step + 1 == FLAGS.steps):
             elapsed = time.perf_counter() - window_start
@@ -185,6 +348,8 @@ def train_worker(process_id: int) -> None:
                          "domain %s", step + 1, FLAGS.steps, loss, window_tokens / elapsed,
                          imbalance, domain)
             window_start, window_tokens = time.perf_counter(), 0
+    if ckpt is not None:
+        ckpt.close()
     if FLAGS.eval_sequences and corpus is not None:
         eval_fn = trainer.eval_loss_fn()
         per_domain = {}
@@ -205,7 +370,15 @@ def main(argv: list[str]) -> None:
         print(f"train: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.process_id >= 0:
-        train_worker(FLAGS.process_id)
+        try:
+            train_worker(FLAGS.process_id)
+        except BaseException:  # noqa: BLE001
+            # Exit now: a normal exit would wait in jax.distributed's shutdown
+            # barrier for hosts that are still training, and never return.
+            logging.exception("host %d failed", FLAGS.process_id)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return
     try:
         check_flags()

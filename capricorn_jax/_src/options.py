@@ -1,0 +1,44 @@
+"""Options of the in-memory tier, one frozen dataclass per concern."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemoryOptions:
+    """Where and how the in-memory tier keeps and replicates versions.
+
+    Attributes:
+      store_root: base directory in host RAM (tmpfs); each (job, host) gets
+        ``store_root/job/host{h}``.
+      job: the job's name; restarts of the same job find its versions.
+      replicas: m, copies of each host's shards (own + m-1 peers).
+      chunk_bytes: transfer chunk size; a payload moves as this many-byte
+        collective-permutes and is stored as chunk files of this size.
+      replication_timeout_s: a version whose replicas are not all confirmed
+        this long after its save is reported under-replicated.
+      writer_timeout_s: how long a save waits for the writer of the previous
+        version before skipping this version (never an unbounded wait).
+      stall_replica_writer_at: fault injection: (step, seconds) to stall this
+        host's replica writer, simulating a peer that stops answering.
+      pause_mid_replication_at: fault injection: at this step the replica
+        writer stops halfway through a version and calls ``on_pause``.
+    """
+
+    store_root: str
+    job: str
+    replicas: int = 2
+    chunk_bytes: int = 4 << 20
+    replication_timeout_s: float = 30.0
+    writer_timeout_s: float = 60.0
+    stall_replica_writer_at: tuple[int, float] | None = None
+    pause_mid_replication_at: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
+        if not self.job or "/" in self.job:
+            raise ValueError(f"job must be a non-empty name without '/', got {self.job!r}")

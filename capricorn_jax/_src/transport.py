@@ -1,0 +1,176 @@
+"""Moving payload chunks between hosts with collective-permutes in the training mesh.
+
+``Transport.replicate`` is one jitted ``shard_map`` program over the whole
+mesh that (1) packs every device's share of the state into its payload
+(``packing``), (2) sends the payload to the peer device of each replication
+round as ``num_chunks`` separate collective-permutes, one per chunk, and (3)
+all-gathers each host's small status vector (the newest version it holds of
+every owner), which is how owners learn that their replicas are in place. Its
+outputs are fresh arrays, never the state's own buffers, so the next step may
+donate the state while the host copies of these outputs are still being made.
+
+``Transport.serve`` moves payloads read from a host store to the hosts that
+need them during recovery, by the same collective-permutes.
+
+Choice: XLA collectives over the training mesh, not ``jax.experimental.transfer``
+(a side channel with its own server per process). The collective is the link
+the expert all-to-all uses, which is the interference Capricorn schedules
+around, and a chunk's collective-permute can later be placed at a layer
+boundary inside the step. The cost: every host takes part in each transfer
+call, in the same order, from its main thread.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from capricorn_jax._src.packing import PackPlan
+
+
+def _linear_index(mesh: Mesh) -> jax.Array:
+    index = jnp.int32(0)
+    for name in mesh.axis_names:
+        index = index * mesh.shape[name] + jax.lax.axis_index(name)
+    return index
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def device_perm(plan: PackPlan, host_perm: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """Host-level (src -> dst) pairs to device-level pairs: local device j -> j."""
+    pairs = []
+    for src, dst in sorted(host_perm.items()):
+        src_pos, dst_pos = plan.host_positions(src), plan.host_positions(dst)
+        if len(src_pos) != len(dst_pos):
+            raise ValueError(f"hosts {src} and {dst} have different device counts")
+        pairs.extend(zip(src_pos, dst_pos, strict=True))
+    return tuple(pairs)
+
+
+class Transport:
+    """Packs, replicates and serves checkpoint payloads over ``mesh``.
+
+    Args:
+      plan: the payload layout.
+      mesh: the training mesh (all devices of all hosts).
+      state_shardings: the state's NamedShardings (pytree).
+      rounds: the replication rounds, host -> peer maps (placement.send_rounds).
+      status_len: entries of each host's status vector.
+    """
+
+    def __init__(self, plan: PackPlan, mesh: Mesh, state_shardings: Any,
+                 rounds: list[dict[int, int]], status_len: int):
+        self.plan, self.mesh, self.status_len = plan, mesh, status_len
+        self.axes = tuple(mesh.axis_names)
+        self.rows = NamedSharding(mesh, P(self.axes))
+        self.perms = [device_perm(plan, r) for r in rounds]
+        specs = jax.tree.map(lambda s: s.spec, state_shardings)
+        body = functools.partial(self._replicate_body, treedef=jax.tree.structure(specs))
+        mapped = jax.shard_map(
+            body, mesh=mesh,
+            in_specs=(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                      P(self.axes), P(self.axes)),
+            out_specs=(P(self.axes), [P(self.axes)] * len(self.perms), P()),
+            check_vma=False,  # the all-gathered statuses are replicated by construction
+        )
+        self._replicate = jax.jit(lambda leaves, trailer, status: mapped(leaves, trailer, status))
+        self._serve: dict[tuple, Any] = {}
+
+    def _pack(self, leaves: list[jax.Array], trailer: jax.Array) -> jax.Array:
+        plan = self.plan
+        lin = _linear_index(self.mesh)
+        parts = []
+        for slot, ranks, x in zip(plan.leaves, plan.ranks, leaves, strict=True):
+            flat = _as_bytes(x)
+            need = (max(ranks) + 1) * slot.segment
+            flat = jnp.pad(flat, (0, max(0, need - flat.shape[0])))
+            start = jnp.asarray(ranks, jnp.int32)[lin] * slot.segment
+            parts.append(jax.lax.dynamic_slice(flat, (start,), (slot.segment,)))
+        parts.append(trailer.reshape(-1))
+        return jnp.concatenate(parts)
+
+    def _send(self, payload: jax.Array, perm: tuple[tuple[int, int], ...]) -> jax.Array:
+        chunks = []
+        for k in range(self.plan.num_chunks):
+            lo, hi = self.plan.chunk_range(k)
+            chunks.append(jax.lax.ppermute(payload[lo:hi], self.axes, perm))
+        return jnp.concatenate(chunks)
+
+    def _replicate_body(self, leaves, trailer, status, *, treedef):
+        del treedef
+        payload = self._pack(leaves, trailer)
+        received = [self._send(payload, perm)[None] for perm in self.perms]
+        statuses = jax.lax.all_gather(status, self.axes, tiled=True)
+        return payload[None], received, statuses
+
+    def _rows(self, per_host_row: np.ndarray, dtype) -> jax.Array:
+        """A [devices, n] array whose rows on this process's devices are ``per_host_row``."""
+        local = np.broadcast_to(per_host_row.astype(dtype), (jax.local_device_count(),
+                                                              per_host_row.shape[-1]))
+        return jax.make_array_from_process_local_data(self.rows, np.ascontiguousarray(local))
+
+    def replicate(self, state: Any, trailer: np.ndarray, status: np.ndarray):
+        """Dispatches pack + replication of ``state``; returns device arrays.
+
+        Returns:
+          (own [devices, payload] uint8, [received per round], statuses
+          [devices, status_len] int32): own and received rows live on each
+          host's devices; statuses is replicated.
+        """
+        return self._replicate(jax.tree.leaves(state), self._rows(trailer, np.uint8),
+                               self._rows(status, np.int32))
+
+    def serve(self, payloads: dict[int, np.ndarray], host_perm: dict[int, int]) -> jax.Array:
+        """Sends payload rows between hosts (recovery from a peer's replica).
+
+        Args:
+          payloads: {local device index: uint8 [payload_bytes]} this host sends
+            (missing rows are zeros).
+          host_perm: {server host: receiving host}; every host passes the same.
+
+        Returns:
+          [devices, payload_bytes] uint8; the rows on a receiving host's
+          devices are what its server sent.
+        """
+        perm = device_perm(self.plan, host_perm)
+        if perm not in self._serve:
+            mapped = jax.shard_map(
+                lambda x: self._send(x[0], perm)[None], mesh=self.mesh,
+                in_specs=P(self.axes), out_specs=P(self.axes),
+            )
+            self._serve[perm] = jax.jit(mapped)
+        rows = np.zeros((jax.local_device_count(), self.plan.payload_bytes), np.uint8)
+        for j, row in payloads.items():
+            rows[j] = row
+        return self._serve[perm](jax.make_array_from_process_local_data(self.rows, rows))
+
+
+def local_rows(array: jax.Array, plan: PackPlan) -> list[np.ndarray]:
+    """This process's rows of a [devices, n] array, in local device order (copies)."""
+    position = {d: p for p, d in enumerate(array.sharding.mesh.devices.flat)}
+    rows = sorted((position[s.device], s) for s in array.addressable_shards)
+    return [np.array(s.data)[0] for _, s in rows]
+
+
+def assemble(blocks: dict[int, list[np.ndarray]], abstract: Any, shardings: Any,
+             mesh: Mesh) -> Any:
+    """Global arrays from the blocks of this process's devices (by mesh position)."""
+    devices = list(mesh.devices.flat)
+    leaves, treedef = jax.tree.flatten(abstract)
+    out = []
+    for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(shardings), strict=True)):
+        arrays = [jax.device_put(blocks[p][i], devices[p]) for p in sorted(blocks)]
+        out.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
+    return jax.tree.unflatten(treedef, out)
