@@ -1,0 +1,123 @@
+"""The in-memory tier inside one process: packing, replication, agreement, donation.
+
+Four CPU devices are split into two simulated hosts (devices 0,1 and 2,3) for
+the packing and transport layout; the multi-process behaviour is covered by
+tests/test_recovery.py.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from capricorn_jax._src.packing import (
+    check_compatible, decode_trailer, encode_trailer, make_plan, unpack,
+)
+from capricorn_jax._src.placement import send_rounds
+from capricorn_jax._src.recovery import choose_version, serve_rounds
+from capricorn_jax._src.transport import Transport, assemble, local_rows
+from launch.trainer import OptimizerOptions, Trainer, make_mesh
+from models import get_config
+from tests.tree_utils import assert_trees_equal
+
+
+@pytest.fixture(scope="module", params=[4, 2], ids=["ep4", "ep2_dp2"])
+def trainer(request):
+    return Trainer(get_config("tiny"), make_mesh(request.param), OptimizerOptions())
+
+
+def test_pack_replicate_unpack_roundtrip(trainer):
+    state = trainer.init_state(0)
+    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh,
+                     chunk_bytes=100_000, device_host=[0, 0, 1, 1])
+    assert plan.num_chunks > 1  # the transfer really is chunked
+    transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 2)
+    own, received, statuses = transport.replicate(state, encode_trailer({"h": 7}),
+                                                  np.array([3, 4]))
+    own_rows, recv_rows = local_rows(own, plan), local_rows(received[0], plan)
+    # Host 0's devices received host 1's payloads and vice versa, byte for byte.
+    for j in range(2):
+        np.testing.assert_array_equal(recv_rows[j], own_rows[2 + j])
+        np.testing.assert_array_equal(recv_rows[2 + j], own_rows[j])
+    np.testing.assert_array_equal(np.asarray(statuses), [[3, 4]] * 4)
+    assert decode_trailer(plan, own_rows[1]) == {"h": 7}
+    blocks = {**unpack(plan, 0, own_rows[:2]), **unpack(plan, 1, own_rows[2:])}
+    restored = assemble(blocks, trainer.abstract_state, trainer.state_shardings, trainer.mesh)
+    assert_trees_equal(restored, state, check_sharding=True)
+
+
+def test_each_host_payload_holds_each_unique_byte_once(trainer):
+    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh,
+                     chunk_bytes=1 << 20, device_host=[0, 0, 1, 1])
+    params = trainer.abstract_state["params"]
+    expert = sum(x.size * 4 for p, x in jax.tree_util.tree_leaves_with_path(params)
+                 if "w_" in jax.tree_util.keystr(p)) * 3  # params + two Adam moments
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_state))
+    non_expert = total - expert
+    ep = trainer.mesh.shape["expert"]
+    # A host stores all non-expert bytes once, plus its share of the experts.
+    per_host_state = non_expert + expert * min(2, ep) // ep
+    payload_data = 2 * plan.trailer_offset  # two devices per host
+    assert per_host_state <= payload_data <= per_host_state + 2 * len(plan.leaves) * 2
+
+
+def test_restore_into_a_different_tree_names_the_leaf(trainer):
+    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh, 1 << 20)
+    table = plan.leaf_table()
+    bad = [dict(x) for x in table]
+    i = next(i for i, x in enumerate(bad) if "w_in" in x["path"])
+    bad[i]["shape"] = [1, 2, 3]
+    with pytest.raises(ValueError, match=r"w_in.*shape"):
+        check_compatible(plan, bad)
+    bad = [dict(x) for x in table]
+    bad[0]["dtype"] = "float16"
+    with pytest.raises(ValueError, match=re.escape(table[0]["path"]) + ".*dtype"):
+        check_compatible(plan, bad)
+    with pytest.raises(ValueError, match="leaves"):
+        check_compatible(plan, table[:-1])
+    check_compatible(plan, table)
+
+
+def test_choose_version_prefers_newest_covered_step_and_own_store():
+    # Host 1 lost its store: its data at step 7 lives only on host 0.
+    inv = [{0: [6, 7], 1: [6, 7]}, {}]
+    assert choose_version(inv, 2) == (7, {0: 0, 1: 0})
+    # Host 0 wrote step 8 but nobody else did: 8 is not covered for owner 1.
+    inv = [{0: [7, 8], 1: [7]}, {1: [7], 0: [7]}]
+    assert choose_version(inv, 2) == (7, {0: 0, 1: 1})
+    inv = [{0: [8], 1: [7]}, {1: [8], 0: [7]}]
+    assert choose_version(inv, 2) == (8, {0: 0, 1: 1})
+    assert choose_version([{0: [3]}, {}], 2) is None
+    assert choose_version([{}, {}], 2) is None
+
+
+def test_serve_rounds_send_once_per_host_per_round():
+    rounds = serve_rounds({0: 1, 1: 1, 2: 1, 3: 3})
+    assert rounds == [{1: 0}, {1: 2}]
+    assert serve_rounds({0: 0, 1: 1}) == []
+
+
+def test_donated_state_is_not_read_after_donation(trainer, tmp_path):
+    """Save, then the next step donates the state: the version holds the right bytes."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    batch = trainer.global_batch(np.random.default_rng(0).integers(0, 256, (16, 65), np.int32))
+    step = trainer.step_fn((2.0, 2.0))
+    state, _ = step(trainer.init_state(0), batch)
+    expected = jax.tree.map(np.array, state)
+    ckpt.save(1, state, {"data": {"step": 1}})
+    old_leaves = jax.tree.leaves(state)
+    state, _ = step(state, batch)  # donates the saved state's buffers
+    assert all(x.is_deleted() for x in old_leaves)
+    ckpt.wait_until_finished(60)
+    rows = [np.frombuffer(b"".join(ckpt.store.read_chunk(0, 1, f"d{j}.c{k}")
+                                   for k in range(ckpt.plan.num_chunks)), np.uint8)
+            for j in range(4)]
+    restored = assemble(unpack(ckpt.plan, 0, rows), trainer.abstract_state,
+                        trainer.state_shardings, trainer.mesh)
+    assert_trees_equal(restored, expected)
+    ckpt.close()

@@ -1,0 +1,80 @@
+"""The host store: commit protocol, checksums, partial versions, isolation."""
+
+import os
+
+import pytest
+
+from capricorn_jax import ChecksumError, HostStore
+from capricorn_jax._src.store import MANIFEST, StoreIsolationError
+
+
+def _write(store, owner, step, chunks=(b"abc", b"defg")):
+    w = store.begin(owner, step)
+    for i, c in enumerate(chunks):
+        w.write_chunk(f"d0.c{i}", c)
+    return w
+
+
+def test_commit_makes_a_version_visible(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    w = _write(store, 0, 5)
+    assert store.versions(0) == []  # not committed yet: invisible
+    w.commit({"host_state": {"x": 1}})
+    assert store.versions(0) == [5]
+    m = store.manifest(0, 5)
+    assert m["host_state"] == {"x": 1} and set(m["chunks"]) == {"d0.c0", "d0.c1"}
+    assert store.read_chunk(0, 5, "d0.c1") == b"defg"
+    assert store.verify(0, 5)
+    assert store.bytes_held() > 7
+
+
+def test_torn_version_is_never_listed_and_is_removed_on_open(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    _write(store, 0, 1).commit({})
+    _write(store, 0, 2)  # the process dies here: chunks written, no manifest
+    torn = tmp_path / "h0" / "owner0" / "v000000000002.partial"
+    assert torn.is_dir()
+    assert store.versions(0) == [1]
+    # A manifest written but the directory not yet renamed: still not a version.
+    (torn / MANIFEST).write_text("{}")
+    assert store.versions(0) == [1]
+    reopened = HostStore(tmp_path / "h0")
+    assert not torn.exists()
+    assert reopened.removed_partials == ["owner0/v000000000002.partial"]
+    assert reopened.versions(0) == [1]
+
+
+def test_corrupted_chunk_is_detected(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    _write(store, 1, 3, (b"x" * 100,)).commit({})
+    path = tmp_path / "h0" / "owner1" / "v000000000003" / "d0.c0"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="owner1/v000000000003/d0.c0"):
+        store.read_chunk(1, 3, "d0.c0")
+    assert not store.verify(1, 3)
+
+
+def test_prune_keeps_what_is_asked(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    for step in (1, 2, 3):
+        _write(store, 0, step).commit({})
+    store.prune(0, {1, 3})
+    assert store.versions(0) == [1, 3]
+
+
+def test_paths_outside_the_root_are_refused(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    with pytest.raises(StoreIsolationError):
+        store._path("..", "h1", "owner0")
+    with pytest.raises(ValueError):
+        _write(store, 0, 1).write_chunk("../../h1/evil", b"x")
+    assert not os.path.exists(tmp_path / "h1")
+
+
+def test_wipe_forgets_everything(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    _write(store, 0, 1).commit({})
+    store.wipe()
+    assert store.versions(0) == [] and store.owners() == []
