@@ -265,6 +265,29 @@ def _make_checkpointer(trainer, mesh, host: int, hosts: int):
 
 
 _TIER_ORDER = ("local", "peer", "persistent")
+_AUDITED_EVENTS = {"open", "os.listdir", "os.scandir", "os.rename", "os.replace", "os.remove",
+                   "os.rmdir", "os.mkdir", "shutil.rmtree", "os.unlink"}
+
+
+def _install_store_audit(host: int) -> None:
+    """Test aid (CAPRICORN_AUDIT_STORE=1): ends the process if it touches another
+    host's store; data from peers may reach this host only through the transport."""
+    job_root = os.path.abspath(os.path.join(FLAGS.store_root, job_name(FLAGS.workdir)))
+    own = os.path.join(job_root, f"host{host}")
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in _AUDITED_EVENTS:
+            return
+        for arg in args[:2]:
+            if isinstance(arg, (str, bytes, os.PathLike)):
+                path = os.path.abspath(os.fsdecode(arg))
+                if path.startswith(job_root + os.sep) and not (
+                        path == own or path.startswith(own + os.sep)):
+                    os.write(2, f"STORE ISOLATION VIOLATION: host {host} {event} {path}\n"
+                             .encode())
+                    os._exit(3)
+
+    sys.addaudithook(hook)
 
 
 def train_worker(process_id: int) -> None:
@@ -277,6 +300,8 @@ def train_worker(process_id: int) -> None:
     from launch.trainer import OptimizerOptions, Trainer, make_mesh
     from models.capacity import choose_capacity_factors
 
+    if os.environ.get("CAPRICORN_AUDIT_STORE") == "1":
+        _install_store_audit(process_id)
     if FLAGS.hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(

@@ -11,9 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_train(*flags: str, timeout: float = 300.0) -> subprocess.CompletedProcess:
+def run_train(*flags: str, timeout: float = 300.0,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs ``python -m launch.train FLAGS`` from the repo root; captures output."""
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.pop("XLA_FLAGS", None)  # the launcher sets each host's device count
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
