@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -27,6 +26,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from launch import cluster as cluster_lib
+from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
 from models.config import CONFIGS, DISPATCH_MODES, get_config
 
@@ -106,10 +106,6 @@ def _config_overrides() -> dict:
     return overrides
 
 
-def _expert_parallel(num_experts: int, devices: int) -> int:
-    return FLAGS.expert_parallel or math.gcd(num_experts, devices)
-
-
 def check_flags() -> None:
     """Raises FlagError naming the first bad flag."""
     if FLAGS.hosts < 1:
@@ -125,7 +121,7 @@ def check_flags() -> None:
     cfg = get_config(FLAGS.model, **_config_overrides())
     devices = FLAGS.hosts * FLAGS.devices_per_host
     if FLAGS.platform == "cpu":
-        ep = _expert_parallel(cfg.num_experts, devices)
+        ep = runtime.expert_parallel(FLAGS.expert_parallel, cfg.num_experts, devices)
         if ep < 1 or devices % ep:
             raise FlagError(f"--expert_parallel={ep} does not divide the {devices} devices")
         if cfg.num_experts % ep:
@@ -296,29 +292,17 @@ def train_worker(process_id: int) -> None:
     import numpy as np
 
     import capricorn_jax
-    from launch.data import Corpus, DataIterator, DataOptions, validation_batch
-    from launch.trainer import OptimizerOptions, Trainer, make_mesh
+    from launch.data import validation_batch
     from models.capacity import choose_capacity_factors
 
     if os.environ.get("CAPRICORN_AUDIT_STORE") == "1":
         _install_store_audit(process_id)
-    if FLAGS.hosts > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            FLAGS.coordinator, num_processes=FLAGS.hosts, process_id=process_id,
-            initialization_timeout=120,
-        )
-    cfg = get_config(FLAGS.model, **_config_overrides())
-    devices = jax.devices()
-    mesh = make_mesh(_expert_parallel(cfg.num_experts, len(devices)), devices)
-    opt = OptimizerOptions(FLAGS.learning_rate, FLAGS.warmup_steps, FLAGS.steps)
-    trainer = Trainer(cfg, mesh, opt)
-    host, num_hosts = jax.process_index(), jax.process_count()
-    data_opts = DataOptions(seq_len=cfg.seq_len, batch_per_host=cfg.global_batch // num_hosts,
-                            workload=FLAGS.workload, shift_every=FLAGS.shift_every,
-                            seed=FLAGS.seed)
-    corpus = None if FLAGS.workload == "synthetic" else Corpus.load(data_opts.max_bytes_per_domain)
-    data = DataIterator(data_opts, host, num_hosts, corpus)
+    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
+    job = runtime.build_job(FLAGS.model, _config_overrides(), FLAGS.expert_parallel, FLAGS.steps,
+                            FLAGS.learning_rate, FLAGS.warmup_steps, FLAGS.workload,
+                            FLAGS.shift_every, FLAGS.seed)
+    cfg, mesh, trainer, data, corpus = job.cfg, job.mesh, job.trainer, job.data, job.corpus
+    host, num_hosts, data_opts = job.host, job.hosts, job.data_options
     metrics = MetricsWriter(Path(FLAGS.workdir) / "metrics.jsonl", enabled=host == 0)
     logging.info("host %d/%d: %d local devices, mesh %s, model %s", host, num_hosts,
                  jax.local_device_count(), dict(mesh.shape), cfg.name)
@@ -395,15 +379,7 @@ def main(argv: list[str]) -> None:
         print(f"train: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.process_id >= 0:
-        try:
-            train_worker(FLAGS.process_id)
-        except BaseException:  # noqa: BLE001
-            # Exit now: a normal exit would wait in jax.distributed's shutdown
-            # barrier for hosts that are still training, and never return.
-            logging.exception("host %d failed", FLAGS.process_id)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        runtime.exit_now_on_failure(train_worker, FLAGS.process_id)
         return
     try:
         check_flags()

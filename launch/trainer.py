@@ -19,10 +19,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from capricorn_jax import BoundaryHook, boundary_hooks
 from models.config import ModelConfig
 from models.gpt import BATCH_AXES, DATA, EXPERT, GPTMoE, param_partition_specs
 
 State = dict[str, Any]
+StepBody = Callable[[State, jax.Array], tuple[State, dict]]
+"""The traced (unjitted) step: (state, batch) -> (new state, metrics)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,7 @@ class Trainer:
         self.state_shardings = self._shardings(abstract)
         self.abstract_state = abstract
         self._init_jit = jax.jit(self._init, out_shardings=self.state_shardings)
-        self._steps: dict[tuple[float, ...], Callable] = {}
+        self._steps: dict[tuple, Callable] = {}
 
     @property
     def tokens_per_group(self) -> int:
@@ -146,17 +149,44 @@ class Trainer:
         }
         return new_state, metrics
 
-    def step_fn(self, factors: tuple[float, ...]) -> Callable[[State, jax.Array], tuple[State, dict]]:
-        """The jitted step for one capacity-factor tuple (compiled once, cached)."""
+    def step_fn(
+        self,
+        factors: tuple[float, ...],
+        hooks: tuple[BoundaryHook, ...] = (),
+        wrap: Callable[[StepBody], StepBody] | None = None,
+    ) -> Callable[[State, jax.Array], tuple[State, dict]]:
+        """The jitted step for one capacity-factor tuple (compiled once, cached).
+
+        Args:
+          factors: the capacity factor of each MoE layer (static).
+          hooks: boundary hooks attached inside the traced step; with hooks the
+            step is an instrumented variant, cached apart from the plain one.
+          wrap: optional instrumentation of the whole traced step (e.g. marks
+            at its start and end), applied inside the jit around the hooked
+            body; it must return (state, metrics) of the same structure.
+
+        Returns:
+          (state, batch) -> (new state, metrics), jitted with the state's
+          shardings, the state donated.
+        """
         factors = tuple(float(f) for f in factors)
-        if factors not in self._steps:
-            self._steps[factors] = jax.jit(
-                lambda s, b: self._step(s, b, factors),
+        key = (factors, tuple(hooks), wrap)
+        if key not in self._steps:
+            def body(s: State, b: jax.Array) -> tuple[State, dict]:
+                with boundary_hooks(*hooks):
+                    return self._step(s, b, factors)
+
+            self._steps[key] = jax.jit(
+                body if wrap is None else wrap(body),
                 in_shardings=(self.state_shardings, self.batch_sharding),
                 out_shardings=(self.state_shardings, self.replicated),
                 donate_argnums=(0,),
             )
-        return self._steps[factors]
+        return self._steps[key]
+
+    def has_step(self, factors: tuple[float, ...]) -> bool:
+        """Whether the plain step for these capacity factors is compiled already."""
+        return (tuple(float(f) for f in factors), (), None) in self._steps
 
     def global_batch(self, local_batch: np.ndarray) -> jax.Array:
         """This process's rows -> the global batch array over the mesh."""

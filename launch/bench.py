@@ -1,0 +1,277 @@
+"""Checkpoint strategies side by side, in one run, on the simulated cluster.
+
+    python -m launch.bench --strategies=none,inmem --model=tiny --steps=10 --reps=5 \
+        --json=/tmp/bench.json
+
+Every host process builds the model once and then runs the strategies in
+interleaved blocks (A B C, B C A, C A B, ...) of ``--steps`` steps each,
+``--reps`` times, after a warm-up block per strategy that excludes
+compilation; a step that compiles a new variant (a new capacity bucket) and
+the first step of each block (which absorbs the previous strategy's tail) are
+left out. A sample is the mean step time of a block; per strategy the report
+gives the median and spread of the samples and the ratio of the median to
+``none``'s. With ``inmem`` it then measures recovery: from the local RAM store,
+and from a peer after host 1's store is wiped.
+
+Output: a markdown table on stdout, ``--json`` (contract in DESIGN.md), and a
+PNG bar chart with ``--png``. Exits non-zero, and reports no number, when any
+host or strategy fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags, logging
+
+from launch import cluster as cluster_lib
+from launch import runtime
+from launch.strategies import STRATEGIES
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("strategies", ["none", "inmem"], f"Strategies, from {', '.join(STRATEGIES)}.")
+flags.DEFINE_string("model", "tiny", "Model config.")
+flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"], "Data workload.")
+flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
+flags.DEFINE_integer("steps", 10, "Steps per block (one strategy, one repetition).")
+flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.")
+flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.")
+flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
+flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+flags.DEFINE_integer("expert_parallel", 0, "Expert axis size; 0 = all devices.")
+flags.DEFINE_string("dispatch", "", "fixed|bucketed; '' = the model's (bucketed for small).")
+flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
+flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
+flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
+flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
+flags.DEFINE_string("json", None, "Write the results here as JSON.")
+flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.")
+flags.DEFINE_integer("seed", 0, "Seed.")
+flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole benchmark.")
+flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
+flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
+
+
+def _make_strategy(name: str, job, workdir: Path):
+    import capricorn_jax
+    from launch import strategies
+
+    if name == "none":
+        return strategies.NoCheckpoint()
+    if name == "blocking":
+        return strategies.BlockingCheckpoint(workdir / "blocking", job.host)
+    if name == "orbax_async":
+        return strategies.OrbaxAsync(Path(FLAGS.store_root) / "orbax")
+    if name == "inmem":
+        options = capricorn_jax.InMemoryOptions(
+            store_root=FLAGS.store_root, job="bench", replicas=FLAGS.replicas,
+            chunk_bytes=FLAGS.chunk_bytes)
+        return strategies.InMemory(capricorn_jax.InMemoryCheckpointer(
+            options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
+            job.host, job.hosts))
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+class _Runner:
+    """Steps the job under a given strategy, timing each step."""
+
+    def __init__(self, job):
+        from models.capacity import choose_capacity_factors
+
+        self.job, self.choose = job, choose_capacity_factors
+        self.state = job.trainer.init_state(FLAGS.seed)
+        self.max_routed, self.step = None, 0
+
+    def block(self, strategy, n: int) -> tuple[list[float], list[float]]:
+        import numpy as np
+
+        trainer, times, a2a = self.job.trainer, [], []
+        for i in range(n):
+            factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
+            cached = trainer.has_step(factors)
+            t0 = time.perf_counter()
+            batch = trainer.global_batch(self.job.data.next_batch())
+            self.state, out = trainer.step_fn(factors)(self.state, batch)
+            float(out["loss"])
+            self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
+            strategy.save(self.step + 1, self.state,
+                          {"data": self.job.data.state(), "max_routed": self.max_routed})
+            if cached and i > 0:
+                times.append(time.perf_counter() - t0)
+            self.step += 1
+        return times, a2a
+
+
+def _allgather(values: list[float], hosts: int) -> list[list[float]]:
+    import numpy as np
+
+    if hosts == 1:
+        return [values]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64))).tolist()
+
+
+def _recovery_times(inmem, job) -> dict:
+    import capricorn_jax
+
+    inmem.ckpt.wait_until_finished(120)
+    out = {}
+    local = capricorn_jax.recover(inmem.ckpt)
+    out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved}
+    if job.hosts > 1 and FLAGS.replicas > 1:
+        if job.host == 1:
+            inmem.ckpt.store.wipe()
+        _allgather([0.0], job.hosts)  # barrier: the wipe is done before anyone scans
+        peer = capricorn_jax.recover(inmem.ckpt)
+        out["peer"] = {"seconds": peer.seconds, "bytes_moved": peer.bytes_moved,
+                       "tiers": peer.tiers}
+    return out
+
+
+def bench_worker(process_id: int, workdir: Path) -> None:
+    import jax
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
+    overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
+    total_steps = (FLAGS.warmup + FLAGS.steps * FLAGS.reps) * len(FLAGS.strategies)
+    job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
+                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
+    strategies = {name: _make_strategy(name, job, workdir) for name in FLAGS.strategies}
+    runner = _Runner(job)
+    for name, strategy in strategies.items():
+        runner.block(strategy, FLAGS.warmup)
+        if job.host == 0:
+            print(f"warm-up of {name} done", flush=True)
+    samples = {name: [] for name in strategies}
+    names = list(strategies)
+    for rep in range(FLAGS.reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            times, _ = runner.block(strategies[name], FLAGS.steps)
+            if times:
+                samples[name].append(statistics.fmean(times))
+        if job.host == 0:
+            print(f"repetition {rep + 1}/{FLAGS.reps}: " + ", ".join(
+                f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in order if samples[n]), flush=True)
+    ram = {}
+    for name, strategy in strategies.items():
+        store = getattr(getattr(strategy, "ckpt", None), "store", None)
+        held = float(store.bytes_held()) if store is not None else 0.0
+        ram[name] = _allgather([held, float(strategy.bytes_per_step)], job.hosts)
+    recovery = _recovery_times(strategies["inmem"], job) if "inmem" in strategies else {}
+    for strategy in strategies.values():
+        strategy.close()
+    if job.host == 0:
+        result = {"samples": samples, "ram": ram, "recovery": recovery,
+                  "state_bytes": sum(x.size * x.dtype.itemsize
+                                     for x in jax.tree.leaves(job.trainer.abstract_state))}
+        (workdir / "worker_result.json").write_text(json.dumps(result))
+
+
+def summarize(raw: dict) -> dict:
+    """The DESIGN.md JSON: per strategy median, spread, ratio, bytes, RAM."""
+    out = {}
+    for name, samples in raw["samples"].items():
+        if not samples:
+            raise RuntimeError(f"strategy {name}: no measured steps")
+        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        per_host = raw["ram"][name]
+        out[name] = {
+            "median_step_s": statistics.median(samples),
+            "spread_s": q[2] - q[0],
+            "min_step_s": min(samples), "max_step_s": max(samples),
+            "samples": len(samples),
+            "ckpt_bytes_per_step": int(sum(h[1] for h in per_host)),
+            "store_bytes_per_host": [int(h[0]) for h in per_host],
+        }
+    base = out.get("none", {}).get("median_step_s")
+    for row in out.values():
+        row["ratio"] = row["median_step_s"] / base if base else None
+    if raw.get("recovery"):
+        out.setdefault("inmem", {})["recovery"] = raw["recovery"]
+    return out
+
+
+def markdown(results: dict) -> str:
+    lines = ["| strategy | median step (ms) | spread IQR (ms) | ratio to none | ckpt bytes/step "
+             "(all hosts) | store RAM per host (MB) |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
+        ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
+        lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
+                     f"{ratio} | {r['ckpt_bytes_per_step']:,} | {ram} |")
+    rec = results.get("inmem", {}).get("recovery")
+    if rec:
+        for tier, r in rec.items():
+            lines.append(f"\nrecovery from {tier}: {r['seconds']:.3f} s, "
+                         f"{r['bytes_moved']:,} bytes between hosts")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    med = [results[n]["median_step_s"] * 1e3 for n in names]
+    err = [[(results[n]["median_step_s"] - results[n]["min_step_s"]) * 1e3 for n in names],
+           [(results[n]["max_step_s"] - results[n]["median_step_s"]) * 1e3 for n in names]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, med, yerr=err, capsize=4, color="#4c72b0")
+    ax.set_ylabel("median step time (ms), min-max bars")
+    ax.set_title(f"{FLAGS.model}, {FLAGS.hosts}x{FLAGS.devices_per_host} CPU, {FLAGS.workload}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    unknown = [s for s in FLAGS.strategies if s not in STRATEGIES]
+    if unknown:
+        print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}",
+              file=sys.stderr)
+        sys.exit(2)
+    workdir = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if FLAGS.process_id >= 0:
+        runtime.exit_now_on_failure(bench_worker, FLAGS.process_id, workdir)
+        return
+    import shutil
+
+    shutil.rmtree(FLAGS.store_root, ignore_errors=True)
+    coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
+    passed = [a for a in sys.argv[1:] if not a.startswith(("--workdir", "--process_id"))]
+    cluster = cluster_lib.LocalCluster(
+        lambda h: ["-m", "launch.bench", *passed, f"--workdir={workdir}", f"--process_id={h}",
+                   f"--coordinator={coordinator}"], FLAGS.hosts, FLAGS.devices_per_host)
+    code = cluster_lib.run(cluster, FLAGS.timeout_s)
+    shutil.rmtree(FLAGS.store_root, ignore_errors=True)
+    result_file = workdir / "worker_result.json"
+    if code != 0 or not result_file.exists():
+        print(f"bench: error: a host failed (exit code {code}); no results reported",
+              file=sys.stderr)
+        sys.exit(code or 1)
+    results = summarize(json.loads(result_file.read_text()))
+    print(markdown(results))
+    config = {k: getattr(FLAGS, k) for k in ("model", "workload", "steps", "reps", "hosts",
+                                             "devices_per_host", "dispatch", "replicas")}
+    if FLAGS.json:
+        Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
+                                                "date": time.strftime("%Y-%m-%d")}, indent=1))
+    if FLAGS.png:
+        _plot(results, FLAGS.png)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    app.run(main)
