@@ -1,0 +1,49 @@
+"""launch.bench runs strategies side by side and never reports a failed run."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT, assert_no_orphans
+
+
+def _bench(*flags, timeout=400):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "launch.bench", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_reports_every_strategy(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench("--strategies=none,blocking,inmem", "--model=tiny", "--steps=3", "--reps=2",
+                  "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
+                  f"--json={out}", f"--png={tmp_path / 'bench.png'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())["strategies"]
+    assert set(result) == {"none", "blocking", "inmem"}
+    for name, row in result.items():
+        assert row["median_step_s"] > 0 and row["samples"] == 2
+        assert {"spread_s", "ratio", "ckpt_bytes_per_step"} <= set(row)
+    assert result["none"]["ratio"] == 1.0 and result["none"]["ckpt_bytes_per_step"] == 0
+    assert result["inmem"]["ckpt_bytes_per_step"] > 0
+    assert result["blocking"]["ckpt_bytes_per_step"] > 0
+    recovery = result["inmem"]["recovery"]
+    assert recovery["local"]["bytes_moved"] == 0
+    assert recovery["peer"]["tiers"] == ["local", "peer"] and recovery["peer"]["bytes_moved"] > 0
+    assert "| inmem |" in proc.stdout and "repetition 2/2" in proc.stdout
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert_no_orphans(str(tmp_path / "w"))
+
+
+def test_bench_failure_reports_no_numbers(tmp_path):
+    out = tmp_path / "bench.json"
+    # Three replicas on two hosts: the in-memory strategy cannot be built.
+    proc = _bench("--strategies=none,inmem", "--replicas=3", "--model=tiny", "--steps=2",
+                  "--reps=1", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
+                  f"--json={out}")
+    assert proc.returncode != 0
+    assert "no results reported" in proc.stderr
+    assert not out.exists() and "| none |" not in proc.stdout
+    bad = _bench("--strategies=none,bogus", f"--workdir={tmp_path / 'w2'}", timeout=60)
+    assert bad.returncode == 2 and "--strategies" in bad.stderr
