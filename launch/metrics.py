@@ -43,8 +43,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     if not steps:
         return {"steps": 0}
     times = sorted(r["step_time_s"] for r in steps[1:]) or [steps[0]["step_time_s"]]
+    distinct = len({r["step"] for r in steps})
     return {
-        "steps": len(steps),
+        "steps": distinct,
+        "steps_rerun_after_recovery": len(steps) - distinct,
         "first_loss": steps[0]["loss"],
         "last_loss": steps[-1]["loss"],
         "median_step_time_s": times[len(times) // 2],
