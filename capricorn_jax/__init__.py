@@ -5,9 +5,28 @@ change without notice.
 """
 
 from capricorn_jax._src.boundary import BoundaryHook, active_hooks, boundary_hooks, layer_boundary
+from capricorn_jax._src.detector import (
+    CostModel,
+    Decision,
+    DetectorOptions,
+    DynamicityDetector,
+    FirstNProfiler,
+    IterationProfile,
+    ProfilePolicy,
+    drift_score,
+    should_profile,
+)
 from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
 from capricorn_jax._src.options import InMemoryOptions
 from capricorn_jax._src.placement import holders as replica_holders
+from capricorn_jax._src.profiler import (
+    LayerProfile,
+    ProfiledStep,
+    Segment,
+    gpt_moe_all_to_alls,
+    make_profiled_step,
+    measure_overhead,
+)
 from capricorn_jax._src.recovery import Recovered, recover
 from capricorn_jax._src.store import ChecksumError, HostStore
 
@@ -19,9 +38,24 @@ __all__ = [
     "InMemoryOptions",
     "Recovered",
     "SaveReport",
-    "active_hooks",
-    "boundary_hooks",
-    "layer_boundary",
     "recover",
     "replica_holders",
+    "CostModel",
+    "Decision",
+    "DetectorOptions",
+    "DynamicityDetector",
+    "FirstNProfiler",
+    "IterationProfile",
+    "LayerProfile",
+    "ProfilePolicy",
+    "ProfiledStep",
+    "Segment",
+    "active_hooks",
+    "boundary_hooks",
+    "drift_score",
+    "gpt_moe_all_to_alls",
+    "layer_boundary",
+    "make_profiled_step",
+    "measure_overhead",
+    "should_profile",
 ]

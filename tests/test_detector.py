@@ -1,0 +1,165 @@
+"""The dynamicity detector, its cost model and the profiling policies (no JAX)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from capricorn_jax import (
+    CostModel,
+    Decision,
+    DetectorOptions,
+    DynamicityDetector,
+    FirstNProfiler,
+    ProfilePolicy,
+    drift_score,
+    should_profile,
+)
+
+METRICS = ("jsd", "l1", "max_load")
+
+
+@st.composite
+def load_pairs(draw):
+    experts = draw(st.integers(2, 16))
+    counts = st.lists(st.integers(0, 10_000), min_size=experts, max_size=experts)
+    return np.array(draw(counts)), np.array(draw(counts))
+
+
+@settings(max_examples=200, deadline=None)
+@given(load_pairs(), st.sampled_from(METRICS), st.integers(1, 1000))
+def test_drift_score_properties(pair, metric, scale):
+    a, b = pair
+    score = drift_score(a, b, metric)
+    assert drift_score(a, a, metric) == pytest.approx(0.0, abs=1e-6)
+    assert score == pytest.approx(drift_score(b, a, metric), abs=1e-12)
+    assert 0.0 <= score <= 1.0
+    # Only the shares matter, not the tokens in total.
+    assert drift_score(a * scale, b, metric) == pytest.approx(score, abs=1e-6)
+    assert drift_score(a, b * scale, metric) == pytest.approx(score, abs=1e-6)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_drift_score_extremes(metric):
+    # Disjoint loads are as far apart as shares go, but their peak is the same.
+    disjoint = drift_score([1, 0], [0, 1], metric)
+    assert disjoint == pytest.approx(0.0 if metric == "max_load" else 1.0)
+    assert drift_score([8, 0, 0, 0], [2, 2, 2, 2], metric) == pytest.approx(
+        {"jsd": math.sqrt(0.5 * (math.log2(1.6) + 0.25 * math.log2(0.4) + 0.75)),
+         "l1": 0.75, "max_load": 0.75}[metric]
+    )
+    assert drift_score([0, 0, 0], [5, 5, 5], metric) == 0.0  # no tokens = uniform
+    with pytest.raises(ValueError):
+        drift_score([1, 2], [1, 2, 3], metric)
+    with pytest.raises(ValueError):
+        drift_score([-1, 2], [1, 2], metric)
+
+
+def _skewed(p_first: float, experts: int = 8, tokens: int = 4096) -> np.ndarray:
+    """Two layers, layer 1 uniform; layer 0 gives ``p_first`` of its tokens to expert 0."""
+    layer0 = np.full(experts, (1 - p_first) * tokens / (experts - 1))
+    layer0[0] = p_first * tokens
+    return np.stack([layer0, np.full(experts, tokens / experts)]).round().astype(np.int32)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_detector_activates_only_past_the_threshold(metric):
+    det = DynamicityDetector(DetectorOptions(threshold=0.2, metric=metric))
+    first = det.observe(0, _skewed(1 / 8))
+    assert first.profile_next and first.scores == (math.inf, math.inf)
+    det.record_profile(1, _skewed(1 / 8), {})
+    small = det.observe(1, _skewed(0.15))
+    assert small.repartition and not small.profile_next  # new profile: re-plan once
+    assert max(small.scores) <= 0.2 and small.scores[1] == 0.0
+    big = det.observe(2, _skewed(0.9))
+    assert big.profile_next and not big.repartition
+    assert big.scores[0] > 0.2 and big.scores[1] == 0.0
+
+
+def test_min_interval_delays_the_next_profile():
+    det = DynamicityDetector(DetectorOptions(threshold=0.05, min_interval=3))
+    det.record_profile(10, _skewed(1 / 8), {})
+    assert not det.observe(10, _skewed(0.9)).profile_next  # step 11: 1 after the profile
+    assert not det.observe(11, _skewed(0.9)).profile_next
+    assert det.observe(12, _skewed(0.9)).profile_next  # step 13: 3 after
+
+
+def test_detector_rejects_bad_loads_and_options():
+    det = DynamicityDetector()
+    with pytest.raises(ValueError):
+        det.observe(0, [1, 2, 3])
+    det.record_profile(0, _skewed(0.5), {})
+    with pytest.raises(ValueError):
+        det.observe(1, np.ones((2, 4)))
+    with pytest.raises(ValueError):
+        det.record_profile(1, _skewed(0.5), {(5, "fwd"): 1.0})
+    with pytest.raises(ValueError):
+        DetectorOptions(metric="kl")
+    with pytest.raises(ValueError):
+        DetectorOptions(min_interval=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.floats(-1.0, 1.0), st.floats(-1e-3, 1e-3),
+    st.lists(st.integers(0, 100_000), min_size=2, max_size=30, unique=True),
+)
+def test_cost_model_recovers_exact_linear_data(a, b, xs):
+    model = CostModel()
+    for x in xs:
+        model.update(x, a + b * x)
+    got_a, got_b = model.coefficients
+    assert got_b == pytest.approx(b, rel=1e-6, abs=1e-12)
+    assert got_a == pytest.approx(a, rel=1e-6, abs=1e-7)
+    assert model.predict(50_000) == pytest.approx(a + b * 50_000, rel=1e-6, abs=1e-7)
+
+
+def test_cost_model_with_fewer_than_two_distinct_points():
+    model = CostModel()
+    assert model.coefficients is None and model.predict(3) is None
+    model.update(100, 0.5)
+    assert model.coefficients == (0.5, 0.0)
+    model.update(100, 0.7)
+    assert model.coefficients == pytest.approx((0.6, 0.0))
+    assert model.predict(1000) == pytest.approx(0.6)
+
+
+def test_detector_predicts_from_this_hosts_max_load():
+    det = DynamicityDetector(DetectorOptions(host_experts=(4, 5, 6, 7)))
+    for peak in (100, 300):
+        load = np.full((2, 8), 10)
+        load[0, 5] = peak
+        load[0, 0] = 10_000  # another host's expert: not this host's cost
+        det.record_profile(peak, load, {(0, "fwd"): 0.001 + 1e-5 * peak, (1, "bwd"): 0.02})
+    query = np.full((2, 8), 10)
+    query[0, 6] = 200
+    got = det.predict(query)
+    assert got[(0, "fwd")] == pytest.approx(0.003)
+    assert got[(1, "bwd")] == pytest.approx(0.02)
+    np.testing.assert_array_equal(det.max_load(query), [200, 10])
+
+
+def test_first_n_profile_is_taken_once_and_kept():
+    prof = FirstNProfiler(n=3)
+    assert prof.observe(0, 1.0) is None and prof.observe(1, 3.0) is None
+    fixed = prof.observe(2, 2.0)
+    assert fixed is not None and fixed.iterations == 3 and fixed.median_s == 2.0
+    assert prof.observe(3, 100.0) is fixed and prof.observe(0, 100.0) is fixed
+    with pytest.raises(ValueError):
+        FirstNProfiler(0)
+
+
+def test_should_profile_for_each_policy():
+    yes, no = Decision(4, (0.5,), True, False), Decision(4, (0.0,), False, True)
+    assert not any(should_profile("off", 5, d) for d in (None, yes, no))
+    assert all(should_profile(ProfilePolicy.EVERY, 5, d) for d in (None, yes, no))
+    assert should_profile("first_n", 5, no, first_n=6)
+    assert not should_profile("first_n", 5, yes, first_n=5)
+    assert should_profile("speculative", 0, None)
+    assert should_profile("speculative", 5, yes)
+    assert not should_profile("speculative", 5, no)
+    with pytest.raises(ValueError):
+        should_profile("speculative", 7, yes)  # a stale decision
+    with pytest.raises(ValueError):
+        should_profile("sometimes", 5, yes)

@@ -1,0 +1,131 @@
+"""The layer profiler on the tiny model over 4 CPU devices (expert axis 4)."""
+
+import statistics
+
+import jax
+import numpy as np
+import pytest
+
+from capricorn_jax import LayerProfile, Segment, make_profiled_step
+from capricorn_jax._src import profiler
+from launch.trainer import OptimizerOptions, Trainer, make_mesh
+from models import get_config
+
+FACTORS = (2.0, 2.0)
+SEGMENTS = [("block0", "fwd"), ("block1", "fwd"), ("head", "fwd"), ("block1", "bwd"),
+            ("tail", "bwd")]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    # A batch of 32 (twice tiny's) so the step is long next to its dispatch.
+    cfg = get_config("tiny", global_batch=32)
+    assert cfg.dropout > 0  # the dropout RNG must be used the same way in both
+    trainer = Trainer(cfg, make_mesh(4), OptimizerOptions())
+    rows = np.random.default_rng(0).integers(0, 256, (cfg.global_batch, cfg.seq_len + 1))
+    batch = trainer.global_batch(rows.astype(np.int32))
+    return trainer, batch
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_profiled_step_computes_bitwise_what_the_plain_step_computes(setup):
+    trainer, batch = setup
+    want_state, want_metrics = trainer.step_fn(FACTORS)(trainer.init_state(0), batch)
+    got_state, got_metrics, profile = make_profiled_step(trainer, FACTORS)(
+        trainer.init_state(0), batch
+    )
+    assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+    for got, want in zip(_leaves((got_state, got_metrics)), _leaves((want_state, want_metrics)),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert profile.step == 0 and profile.devices == 4
+
+
+def test_marks_fire_once_per_device_in_layer_order(setup):
+    trainer, batch = setup
+    step = make_profiled_step(trainer, FACTORS)
+    state, _, _ = step(trainer.init_state(0), batch)  # compiled, marks traced
+    step.recorder.clear()
+    jax.block_until_ready(step.jitted(state, batch))
+    times = step.recorder.drain()
+    order = profiler.event_order(step.hook.names)
+    assert step.hook.names == ["block0", "block1"]
+    assert order[1:5] == [("block0", "fwd"), ("block1", "fwd"), ("block1", "bwd"),
+                          ("block0", "bwd")]
+    assert set(times) == {(n, d, dev) for n, d in order for dev in range(4)}
+    for dev in range(4):
+        stamps = [times[(n, d, dev)] for n, d in order]
+        assert stamps == sorted(stamps), f"device {dev}: marks out of order"
+
+
+def test_segments_tile_the_step_and_add_up_to_its_wall_time(setup):
+    trainer, batch = setup
+    step = make_profiled_step(trainer, FACTORS)
+    state, _, _ = step(trainer.init_state(0), batch)
+    ratios = []
+    for _ in range(5):
+        state, _, profile = step(state, batch)
+        assert [(s.name, s.direction) for s in profile.segments] == SEGMENTS
+        starts = np.cumsum([0.0] + [s.duration_s for s in profile.segments[:-1]])
+        np.testing.assert_allclose([s.start_s for s in profile.segments], starts, atol=1e-9)
+        assert all(s.duration_s >= 0 for s in profile.segments)
+        ratios.append(profile.span_s / profile.total_s)
+    # The rest is the host's dispatch before the first device starts.
+    assert 0.9 <= statistics.median(ratios) <= 1.0, ratios
+
+
+def test_only_the_profiled_variant_is_instrumented(setup):
+    trainer, batch = setup
+    abstract = trainer.abstract_state
+    plain = trainer.step_fn(FACTORS).lower(abstract, batch).compile().as_text()
+    step = make_profiled_step(trainer, FACTORS)
+    profiled = step.jitted.lower(abstract, batch).compile().as_text()
+    assert "custom-call" not in plain and "python_cpu_callback" not in plain
+    # start, a fwd and a bwd mark per boundary, end.
+    assert profiled.count("python_cpu_callback") == 2 + 2 * len(step.hook.names)
+    assert make_profiled_step(trainer, FACTORS) is step
+    assert trainer.step_fn(FACTORS) is trainer.step_fn(FACTORS)
+
+
+def test_profile_json_round_trip_and_collective_split():
+    names = ["block0", "block1"]
+    order = profiler.event_order(names)
+    times = {(n, d, dev): 1.0 + 0.1 * i + 0.01 * dev for i, (n, d) in enumerate(order)
+             for dev in range(2)}
+    profile = profiler.build_profile(3, 0.7, names, times, {"block1": 0.02})
+    assert [(s.name, s.direction) for s in profile.segments] == SEGMENTS
+    # START: first device; every later mark: last device.
+    np.testing.assert_allclose(profile.segments[0].duration_s, 0.11)
+    np.testing.assert_allclose(profile.span_s, 0.51)
+    by_key = {(s.name, s.direction): s for s in profile.segments}
+    assert by_key[("block1", "fwd")].collective_s == 0.02
+    np.testing.assert_allclose(by_key[("block1", "bwd")].compute_s, 0.08)
+    assert by_key[("block0", "fwd")].collective_s is None
+    assert by_key[("block0", "fwd")].compute_s is None
+    again = LayerProfile.from_json(profile.to_json())
+    assert again == profile and isinstance(again.segments[0], Segment)
+
+
+def test_build_profile_rejects_missing_or_disordered_marks():
+    names = ["block0"]
+    order = profiler.event_order(names)
+    times = {(n, d, 0): float(i) for i, (n, d) in enumerate(order)}
+    with pytest.raises(RuntimeError, match="missing"):
+        profiler.build_profile(0, 1.0, names, {k: v for k, v in times.items() if k[1] != "bwd"})
+    times[("block0", "bwd", 0)] = -1.0
+    with pytest.raises(RuntimeError, match="out of order"):
+        profiler.build_profile(0, 1.0, names, times)
+
+
+def test_all_to_all_estimate_for_the_moe_layers(setup):
+    trainer, _ = setup
+    bufs = profiler.gpt_moe_all_to_alls(trainer, FACTORS)
+    cfg = trainer.cfg
+    assert sorted(bufs) == [f"block{i}" for i in cfg.moe_layers]
+    cap = 2 * trainer.tokens_per_group * cfg.top_k // cfg.num_experts
+    assert [b.shape for b in bufs["block0"]] == [(cfg.num_experts, cap, cfg.d_model)] * 2
+    seconds = profiler.time_all_to_all(trainer.mesh, "expert", bufs["block0"][0], repeats=3)
+    assert 0.0 <= seconds < 1.0
