@@ -61,6 +61,9 @@ flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's proc
 flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
 flags.DEFINE_enum("kill_mode", "process", ["process", "host"],
                   "...process: its RAM store survives; host: its store is wiped (machine loss).")
+flags.DEFINE_boolean("corrupt_store", False,
+                     "Fault injection: after the kill, flip bytes in a chunk of the killed host's "
+                     "own newest version (RAM bit rot); it must then recover from a peer.")
 flags.DEFINE_enum("kill_point", "after_step", ["after_step", "mid_replication"],
                   "after_step: when the step is logged; mid_replication: while the host is "
                   "halfway through writing the replicas it received for that step.")
@@ -191,6 +194,18 @@ class _FaultInjector:
               f"({FLAGS.kill_point}, mode {FLAGS.kill_mode})", flush=True)
 
 
+def _corrupt_newest_own_chunk(root: Path, host: int) -> None:
+    versions = sorted((root / f"owner{host}").glob("v*[0-9]"))
+    if not versions:
+        print(f"fault: host {host} has no own version to corrupt", flush=True)
+        return
+    chunk = versions[-1] / "d0.c0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    print(f"fault: flipped a byte in {chunk.relative_to(root)} of host {host}", flush=True)
+
+
 def _report(metrics_path: Path, injector: _FaultInjector | None) -> None:
     records = read_metrics(metrics_path)
     print("report:", json.dumps(summarize(records)), flush=True)
@@ -225,6 +240,8 @@ def supervise() -> int:
         if FLAGS.kill_mode == "host":
             shutil.rmtree(store_dir(FLAGS.kill_host), ignore_errors=True)
             print(f"fault: wiped host {FLAGS.kill_host}'s RAM store (machine loss)", flush=True)
+        if FLAGS.corrupt_store:
+            _corrupt_newest_own_chunk(store_dir(FLAGS.kill_host), FLAGS.kill_host)
         injector.marker.unlink(missing_ok=True)
         print("fault: restarting all hosts; they recover from the in-memory tier", flush=True)
     if code == 0 and metrics_path.exists():

@@ -67,6 +67,16 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     assert max(c["store_bytes"] for c in checkpoints) >= 2 * checkpoints[0]["bytes"]
 
 
+def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
+    proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
+                           "--kill_mode=process", "--corrupt_store", audit=True)
+    assert "fault: flipped a byte in owner1/" in proc.stdout
+    assert "fails its checksums" in proc.stdout
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    assert _losses(records) == reference
+
+
 def test_kill_mid_replication(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=0", "--kill_at_step=5",
                            "--kill_point=mid_replication", "--kill_mode=process")

@@ -169,6 +169,8 @@ class InMemoryCheckpointer:
         own, received, statuses = self.transport.replicate(
             state, encode_trailer(host_state), self.status_vector())
         self._last_statuses = statuses
+        for array in (own, *received):
+            array.copy_to_host_async()  # start the device-to-host copy now; writers read it
         skipped = False
         try:
             self._own_q.put((step, own), timeout=self.options.writer_timeout_s)
