@@ -45,7 +45,8 @@ flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not
 flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
 flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
 flags.DEFINE_integer("expert_parallel", 0, "Expert axis size; 0 = all devices.")
-flags.DEFINE_string("dispatch", "", "fixed|bucketed; '' = the model's (bucketed for small).")
+flags.DEFINE_enum("dispatch", "bucketed", ["", "fixed", "bucketed"],
+                  "MoE dispatch; bucketed (load-dependent) by default; '' = the model's.")
 flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
 flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
@@ -124,7 +125,8 @@ def _recovery_times(inmem, job) -> dict:
     inmem.ckpt.wait_until_finished(120)
     out = {}
     local = capricorn_jax.recover(inmem.ckpt)
-    out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved}
+    out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved,
+                    "tiers": local.tiers}
     if job.hosts > 1 and FLAGS.replicas > 1:
         if job.host == 1:
             inmem.ckpt.store.wipe()

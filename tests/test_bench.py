@@ -16,7 +16,8 @@ def _bench(*flags, timeout=400):
 
 def test_bench_reports_every_strategy(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=none,blocking,inmem", "--model=tiny", "--steps=3", "--reps=2",
+    proc = _bench("--strategies=none,blocking,inmem", "--model=tiny", "--dispatch=fixed",
+                  "--steps=3", "--reps=2",
                   "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}", f"--png={tmp_path / 'bench.png'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -30,6 +31,7 @@ def test_bench_reports_every_strategy(tmp_path):
     assert result["blocking"]["ckpt_bytes_per_step"] > 0
     recovery = result["inmem"]["recovery"]
     assert recovery["local"]["bytes_moved"] == 0
+    assert recovery["local"]["tiers"] == ["local", "local"]
     assert recovery["peer"]["tiers"] == ["local", "peer"] and recovery["peer"]["bytes_moved"] > 0
     assert "| inmem |" in proc.stdout and "repetition 2/2" in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0

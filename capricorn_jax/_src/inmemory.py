@@ -55,6 +55,8 @@ class SaveReport:
 
     ``committed`` and ``replicated`` lag the save by the writers' latency: they
     describe the newest versions confirmed so far, not necessarily ``step``.
+    ``store_bytes`` is this host's store now; ``store_kib_per_host`` every
+    host's, as of the previous save (it travels in the all-gathered statuses).
     """
 
     step: int
@@ -64,6 +66,7 @@ class SaveReport:
     replicated: int
     under_replicated: list[dict[str, int]]
     skipped: bool
+    store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
 
 
 class InMemoryCheckpointer:
@@ -92,8 +95,9 @@ class InMemoryCheckpointer:
                                         options.chunk_bytes, device_host)
         self.holders = placement.holders(hosts, options.replicas)
         self.sources = placement.replica_sources(hosts, options.replicas, host)
+        # Status vector: newest version held of each owner, then the store's KiB.
         self.transport = Transport(self.plan, mesh, state_shardings,
-                                   placement.send_rounds(hosts, options.replicas), hosts)
+                                   placement.send_rounds(hosts, options.replicas), hosts + 1)
         self._newest = {o: int((self.store.versions(o) or [-1])[-1]) for o in range(hosts)}
         self._replicated_everywhere = -1
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
@@ -159,7 +163,8 @@ class InMemoryCheckpointer:
 
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
-        return np.array([self._newest[o] for o in range(self.hosts)], np.int64)
+        newest = [self._newest[o] for o in range(self.hosts)]
+        return np.array([*newest, self.store.bytes_held() // 1024], np.int64)
 
     def save(self, step: int, state: Any, host_state: dict[str, Any]) -> SaveReport:
         """Checkpoints ``state`` as version ``step`` (see the module docstring)."""
@@ -199,6 +204,7 @@ class InMemoryCheckpointer:
             return report
         rows = np.asarray(self._last_statuses)
         per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
+        report.store_kib_per_host = [int(x) for x in per_host[:, self.hosts]]
         # per_host[x][o]: newest version of owner o held by host x.
         confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(self.hosts)]
         self._replicated_everywhere = max(self._replicated_everywhere, min(confirmed))
