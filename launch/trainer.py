@@ -129,10 +129,32 @@ class Trainer:
         return total, (ce, stats)
 
     def _step(self, state: State, batch: jax.Array, factors: tuple[float, ...]):
+        new_state, metrics, _ = self._step_with(state, batch, factors, None)
+        return new_state, metrics
+
+    def _step_with(self, state: State, batch: jax.Array, factors: tuple[float, ...], sender,
+                   *sender_args):
+        """The step; with a ``sender`` (capricorn_jax's in-step transfer executor)
+        its boundary hooks move checkpoint chunks during the forward and backward
+        pass, and the third output is what the sender returns."""
         rng, dropout_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-        grads, (ce, stats) = jax.grad(self._loss, has_aux=True)(
-            state["params"], batch, dropout_rng, factors
-        )
+        extra = None
+        if sender is None:
+            grads, (ce, stats) = jax.grad(self._loss, has_aux=True)(
+                state["params"], batch, dropout_rng, factors
+            )
+        else:
+            ctx = sender.begin(state, *sender_args)
+
+            def loss(params, carriers):
+                received: list = []
+                with boundary_hooks(*sender.hooks(ctx, carriers, received)):
+                    total, aux = self._loss(params, batch, dropout_rng, factors)
+                return total, (aux, received)
+
+            (grads, carrier_cts), ((ce, stats), received) = jax.grad(
+                loss, argnums=(0, 1), has_aux=True)(state["params"], ctx.carriers)
+            extra = sender.finish(ctx, received, carrier_cts)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         new_state = {
             "step": state["step"] + 1,
@@ -147,7 +169,7 @@ class Trainer:
             "dropped": stats.dropped,
             "max_routed": stats.max_routed,
         }
-        return new_state, metrics
+        return new_state, metrics, extra
 
     def step_fn(
         self,

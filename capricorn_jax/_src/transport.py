@@ -88,7 +88,8 @@ class Transport:
         self._replicate = jax.jit(lambda leaves, trailer, status: mapped(leaves, trailer, status))
         self._serve: dict[tuple, Any] = {}
 
-    def _pack(self, leaves: list[jax.Array], trailer: jax.Array) -> jax.Array:
+    def pack_local(self, leaves: list[jax.Array], trailer: jax.Array) -> jax.Array:
+        """Inside a shard_map over the whole mesh: this device's payload."""
         plan = self.plan
         lin = _linear_index(self.mesh)
         parts = []
@@ -110,7 +111,7 @@ class Transport:
 
     def _replicate_body(self, leaves, trailer, status, *, treedef):
         del treedef
-        payload = self._pack(leaves, trailer)
+        payload = self.pack_local(leaves, trailer)
         received = [self._send(payload, perm)[None] for perm in self.perms]
         statuses = jax.lax.all_gather(status, self.axes, tiled=True)
         return payload[None], received, statuses

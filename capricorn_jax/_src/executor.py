@@ -1,0 +1,199 @@
+"""The in-step transfer executor: checkpoint chunks sent at layer boundaries.
+
+A ``Schedule`` (partitioner) assigns byte ranges of each device's payload to
+the idle windows of the step. ``InStepSender`` turns it into a variant of the
+jitted train step in which each chunk's collective-permute sits at the layer
+boundary that opens its window:
+
+* window (block_i, fwd) opens at the forward boundary after block i-1 (block 0's
+  at the start of the step); (head, fwd) at the last forward boundary;
+* window (block_i, bwd) opens at block i's backward boundary; (tail, bwd) at
+  block 0's backward boundary; the schedule's tail is sent after the update.
+
+Placement is by data dependency, not by wall clock: before its
+collective-permute a chunk gets ``(v > +inf)`` added, v one element of the
+boundary's activation (forward) or cotangent (backward): always 0, so the bytes
+are unchanged, but XLA cannot start the permute before the layer is done.
+(Measured: with ``lax.optimization_barrier`` as the only tie, XLA CPU hoisted
+every permute to the start of the step.) The version sent is the state the
+step starts from (version t while step t+1 runs). Forward receptions leave the
+differentiated function as auxiliary outputs; a backward reception leaves it as
+the cotangent of a zero "carrier" input of the boundary's ``custom_vjp``
+identity (bytes viewed as float32; the cotangent is returned unchanged).
+
+Alternative not taken here: a host thread that sends chunks through
+``jax.experimental.transfer`` when the profile says a window opens. It needs no
+recompilation per schedule, but its timing is a guess from the host clock and
+its bytes leave the link the all-to-all uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.partitioner import Schedule, Window
+from capricorn_jax._src.transport import Transport
+
+START = ("<start>", "fwd")
+AFTER = ("<after>", "bwd")
+Site = tuple[str, str]
+
+
+def site_of(window: Window, boundaries: list[str]) -> Site:
+    """The boundary (name, direction) at which ``window`` opens."""
+    if window.direction == "fwd":
+        if window.name == "head":
+            return (boundaries[-1], "fwd")
+        i = boundaries.index(window.name)
+        return START if i == 0 else (boundaries[i - 1], "fwd")
+    if window.name == "tail":
+        return (boundaries[0], "bwd")
+    return (window.name, "bwd")
+
+
+@dataclasses.dataclass
+class _Ctx:
+    payload: jax.Array  # [devices, payload_bytes] uint8, this step's version
+    chunks: dict[Site, list[tuple[int, int]]]
+    carriers: list[jax.Array]  # one zero float32 row block per backward chunk
+    start_received: list[tuple[tuple[int, int], jax.Array]]
+
+
+class InStepSender:
+    """Sends a Schedule's chunks inside the train step (see module docstring).
+
+    Args:
+      transport: packs the payload (its plan) and knows the mesh.
+      state_shardings: the train state's NamedShardings.
+      schedule: byte ranges of the payload per window, plus the tail.
+      boundaries: the model's boundary names in forward order.
+      round_index: which replication round (peer) the chunks go to.
+    """
+
+    def __init__(self, transport: Transport, state_shardings: Any, schedule: Schedule,
+                 boundaries: list[str], round_index: int = 0):
+        if schedule.payload_bytes != transport.plan.payload_bytes:
+            raise ValueError(f"schedule covers {schedule.payload_bytes} bytes, the payload has "
+                             f"{transport.plan.payload_bytes}")
+        self.transport, self.schedule, self.boundaries = transport, schedule, boundaries
+        self.state_specs = [s.spec for s in jax.tree.leaves(state_shardings)]
+        self.perm = transport.perms[round_index]
+        self.axes = transport.axes
+        self.sites: dict[Site, list[tuple[int, int]]] = {}
+        for window, chunks in zip(schedule.windows, schedule.chunks, strict=True):
+            site = site_of(window, boundaries)
+            self.sites.setdefault(site, []).extend((c.start, c.stop) for c in chunks)
+        tail = [(c.start, c.stop) for c in schedule.tail]
+        if tail:
+            self.sites.setdefault(AFTER, []).extend(tail)
+        self.bwd_chunks = [r for site, rs in sorted(self.sites.items())
+                           if site[1] == "bwd" and site != AFTER for r in rs]
+
+    # --- collectives, each inside a shard_map over the whole mesh ---
+    def _permute(self, chunk: jax.Array, tie: jax.Array | None) -> jax.Array:
+        """chunk [devices, n] uint8 -> the peer's chunk; after ``tie`` is computed."""
+        spec = P(self.axes)
+
+        def body(c, t=None):
+            if t is not None:
+                # A true data dependency that leaves the bytes as they are:
+                # nothing compares greater than +inf, so the flag is always 0,
+                # but XLA cannot know it before the layer output exists.
+                probe = t.reshape(-1)[:64].astype(jnp.float32)
+                flag = (jnp.max(probe) > jnp.inf).astype(c.dtype)
+                c = c + flag
+            return jax.lax.ppermute(c, self.axes, self.perm)
+
+        if tie is None:
+            return jax.shard_map(body, mesh=self.transport.mesh, in_specs=spec,
+                                 out_specs=spec)(chunk)
+        return jax.shard_map(body, mesh=self.transport.mesh, in_specs=(spec, spec),
+                             out_specs=spec)(chunk, tie)
+
+    # --- the protocol Trainer._step_with calls ---
+    def begin(self, state: Any, trailer: jax.Array) -> _Ctx:
+        transport = self.transport
+        payload = jax.shard_map(
+            lambda leaves, t: transport.pack_local(leaves, t[0])[None], mesh=transport.mesh,
+            in_specs=(self.state_specs, P(self.axes)), out_specs=P(self.axes),
+        )(jax.tree.leaves(state), trailer)
+        start = [((lo, hi), self._permute(payload[:, lo:hi], None))
+                 for lo, hi in self.sites.get(START, [])]
+        carriers = [jnp.zeros((payload.shape[0], -(-(hi - lo) // 4)), jnp.float32)
+                    for lo, hi in self.bwd_chunks]
+        return _Ctx(payload, self.sites, carriers, start)
+
+    def hooks(self, ctx: _Ctx, carriers: list[jax.Array], received: list) -> tuple:
+        bwd_index = {r: i for i, r in enumerate(self.bwd_chunks)}
+
+        def hook(x, name):
+            for lo, hi in ctx.chunks.get((name, "fwd"), []):
+                received.append(((lo, hi), self._permute(ctx.payload[:, lo:hi], x)))
+            bwd = ctx.chunks.get((name, "bwd"), [])
+            if bwd:
+                x = self._bwd_identity(ctx, [bwd_index[r] for r in bwd], bwd)(
+                    x, [carriers[bwd_index[r]] for r in bwd])
+            return x
+
+        return (hook,)
+
+    def _bwd_identity(self, ctx: _Ctx, indices: list[int], ranges: list[tuple[int, int]]):
+        @jax.custom_vjp
+        def ident(x, carriers):
+            return x
+
+        def fwd(x, carriers):
+            return x, None
+
+        def bwd(_, g):
+            cts = []
+            for lo, hi in ranges:
+                recv = self._permute(ctx.payload[:, lo:hi], g)
+                pad = -(-(hi - lo) // 4) * 4 - (hi - lo)
+                recv = jnp.pad(recv, ((0, 0), (0, pad)))
+                cts.append(jax.lax.bitcast_convert_type(
+                    recv.reshape(recv.shape[0], -1, 4), jnp.float32))
+            return g, cts
+
+        ident.defvjp(fwd, bwd)
+        del indices
+        return ident
+
+    def finish(self, ctx: _Ctx, received: list, carrier_cts: list) -> dict[str, jax.Array]:
+        pieces = list(ctx.start_received) + list(received)
+        for (lo, hi), ct in zip(self.bwd_chunks, carrier_cts, strict=True):
+            raw = jax.lax.bitcast_convert_type(ct, jnp.uint8).reshape(ct.shape[0], -1)
+            pieces.append(((lo, hi), raw[:, : hi - lo]))
+        # The tail goes after the backward pass: tied to every reception so far.
+        tie = jnp.concatenate([p[:, :1] for _, p in pieces], axis=1) if pieces else None
+        for lo, hi in ctx.chunks.get(AFTER, []):
+            pieces.append(((lo, hi), self._permute(ctx.payload[:, lo:hi], tie)))
+        pieces.sort(key=lambda p: p[0][0])
+        got = [r for r, _ in pieces]
+        expect = sorted(r for rs in self.sites.values() for r in rs)
+        if got != expect:
+            raise RuntimeError(f"chunks received {got} differ from those scheduled {expect}")
+        return {"own": ctx.payload, "received": jnp.concatenate([p for _, p in pieces], axis=1)}
+
+
+def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...]):
+    """The jitted train step that also moves the schedule's chunks.
+
+    Returns:
+      (state, batch, trailer) -> (new state, metrics, {"own", "received"}),
+      the state donated; "own" is this step's input version packed, "received"
+      the peer's payload of the same version, both [devices, payload_bytes].
+    """
+    rows = trainer.batch_sharding.__class__(trainer.mesh, P(sender.axes))
+    return jax.jit(
+        lambda s, b, t: trainer._step_with(s, b, tuple(factors), sender, t),
+        in_shardings=(trainer.state_shardings, trainer.batch_sharding, rows),
+        out_shardings=(trainer.state_shardings, trainer.replicated,
+                       {"own": rows, "received": rows}),
+        donate_argnums=(0,),
+    )
