@@ -110,3 +110,10 @@ def test_schedule_of_another_payload_is_refused(setup):
     schedule = partition(1000, WINDOWS, LinkModel(0.0, 2e8), chunk_cap=100)
     with pytest.raises(ValueError, match="payload"):
         InStepSender(transport, trainer.state_shardings, schedule, BOUNDARIES)
+
+
+
+def test_status_gather_alone(setup):
+    _, transport, *_ = setup
+    got = np.asarray(transport.gather_status(np.array([4, 5, 6])))
+    np.testing.assert_array_equal(got, [[4, 5, 6]] * 4)

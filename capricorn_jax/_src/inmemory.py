@@ -168,11 +168,31 @@ class InMemoryCheckpointer:
 
     def save(self, step: int, state: Any, host_state: dict[str, Any]) -> SaveReport:
         """Checkpoints ``state`` as version ``step`` (see the module docstring)."""
+        own, received, statuses = self.transport.replicate(
+            state, encode_trailer(host_state), self.status_vector())
+        return self._enqueue(step, own, received, statuses)
+
+    def trailer_rows(self, host_state: dict[str, Any]):
+        """The [devices, trailer] input of a scheduled step (InStepSender)."""
+        return self.transport.rows_of(encode_trailer(host_state), np.uint8)
+
+    def save_transferred(self, step: int, own, received: list) -> SaveReport:
+        """Commits version ``step`` whose payloads a scheduled step already moved.
+
+        Args:
+          step: the version (the state the scheduled step started from).
+          own: [devices, payload] this host's packed payload (output of the step).
+          received: one [devices, payload] array per replication round.
+        """
+        if len(received) != len(self.sources):
+            raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
+        statuses = self.transport.gather_status(self.status_vector())
+        return self._enqueue(step, own, received, statuses)
+
+    def _enqueue(self, step: int, own, received: list, statuses) -> SaveReport:
         if self._errors:
             raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
         report = self._read_statuses()
-        own, received, statuses = self.transport.replicate(
-            state, encode_trailer(host_state), self.status_vector())
         self._last_statuses = statuses
         for array in (own, *received):
             array.copy_to_host_async()  # start the device-to-host copy now; writers read it

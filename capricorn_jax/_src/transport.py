@@ -87,6 +87,7 @@ class Transport:
         )
         self._replicate = jax.jit(lambda leaves, trailer, status: mapped(leaves, trailer, status))
         self._serve: dict[tuple, Any] = {}
+        self._gather = None
 
     def pack_local(self, leaves: list[jax.Array], trailer: jax.Array) -> jax.Array:
         """Inside a shard_map over the whole mesh: this device's payload."""
@@ -115,6 +116,17 @@ class Transport:
         received = [self._send(payload, perm)[None] for perm in self.perms]
         statuses = jax.lax.all_gather(status, self.axes, tiled=True)
         return payload[None], received, statuses
+
+    def gather_status(self, status: np.ndarray) -> jax.Array:
+        """All-gathers each host's status vector alone (used with scheduled steps)."""
+        if self._gather is None:
+            self._gather = jax.jit(jax.shard_map(
+                lambda x: jax.lax.all_gather(x, self.axes, tiled=True), mesh=self.mesh,
+                in_specs=P(self.axes), out_specs=P(), check_vma=False))
+        return self._gather(self._rows(status, np.int32))
+
+    def rows_of(self, per_host_row: np.ndarray, dtype) -> jax.Array:
+        return self._rows(per_host_row, dtype)
 
     def _rows(self, per_host_row: np.ndarray, dtype) -> jax.Array:
         """A [devices, n] array whose rows on this process's devices are ``per_host_row``."""
