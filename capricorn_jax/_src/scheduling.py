@@ -1,0 +1,112 @@
+"""The scheduled strategies: ``gemini`` and ``capricorn`` on one interface.
+
+Both move version t's chunks *inside* step t+1 (``executor.InStepSender``)
+according to a ``partitioner.Schedule`` built from profiled windows and a
+link model measured on the real transport. They differ in when the schedule
+is (re)built:
+
+* ``gemini``: once, from the iteration-level timeline of the first N steps
+  (Gemini profiles ~20 iterations and assumes the timeline stays constant);
+* ``capricorn``: from each new layer-level profile, i.e. whenever the
+  dynamicity detector fired (speculative activation), so the chunks follow the
+  experts' load.
+
+Until the first schedule exists, a version moves unscheduled after its step,
+like ``inmem``. A version is committed by ``InMemoryCheckpointer`` in both
+cases. The final state of a run goes unscheduled at ``finish``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.executor import InStepSender, scheduled_step
+from capricorn_jax._src.partitioner import (
+    LinkModel, Schedule, Window, fit_link_model, partition, scale_windows,
+)
+
+
+def measure_link(transport, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20),
+                 repeats: int = 5) -> LinkModel:
+    """Fits alpha + bytes/B from timed collective-permutes on the replication link."""
+    perm = transport.perms[0]
+    spec = P(transport.axes)
+    mapped = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, transport.axes, perm),
+                                   mesh=transport.mesh, in_specs=spec, out_specs=spec))
+    xs, ts = [], []
+    for size in sizes:
+        rows = transport.rows_of(np.zeros(size, np.uint8), np.uint8)
+        jax.block_until_ready(mapped(rows))  # compile
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(mapped(rows))
+            xs.append(size)
+            ts.append(time.perf_counter() - t0)
+    # Medians per size: robust to the noisy machine.
+    med = {s: float(np.median([t for x, t in zip(xs, ts, strict=True) if x == s])) for s in sizes}
+    return fit_link_model(list(med), list(med.values()))
+
+
+def average_windows(profiles: Sequence[Any], windows_of) -> list[Window]:
+    """Mean window per (name, direction) over several profiles, in step order."""
+    per_key: dict[tuple[str, str], list[float]] = {}
+    order: list[tuple[str, str]] = []
+    for profile in profiles:
+        for w in windows_of(profile):
+            key = (w.name, w.direction)
+            if key not in per_key:
+                per_key[key] = []
+                order.append(key)
+            per_key[key].append(w.duration_s)
+    return [Window(n, d, float(np.mean(per_key[(n, d)]))) for n, d in order]
+
+
+class ScheduledTransfers:
+    """Keeps the current schedule and the compiled scheduled steps.
+
+    Args:
+      ckpt: the InMemoryCheckpointer (its transport, plan and writers).
+      trainer: builds the steps (launch.trainer.Trainer or compatible).
+      boundaries: the model's boundary names, forward order.
+      link: the measured link model.
+      chunk_cap: largest chunk in bytes.
+      margin: windows are scaled by this before partitioning (safety).
+    """
+
+    def __init__(self, ckpt, trainer, boundaries: list[str], link: LinkModel,
+                 chunk_cap: int, margin: float = 0.8):
+        self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
+        self.link, self.chunk_cap, self.margin = link, chunk_cap, margin
+        self.schedule: Schedule | None = None
+        self.partitions = 0
+        self._steps: dict[tuple, Any] = {}
+        self._key = None
+
+    def repartition(self, windows: Sequence[Window]) -> Schedule:
+        self.schedule = partition(self.ckpt.plan.payload_bytes,
+                                  scale_windows(windows, self.margin), self.link, self.chunk_cap)
+        self._key = self.schedule.to_json()
+        self.partitions += 1
+        return self.schedule
+
+    def step_fn(self, factors: tuple[float, ...]):
+        key = (self._key, tuple(factors))
+        if key not in self._steps:
+            sender = InStepSender(self.ckpt.transport, self.trainer.state_shardings,
+                                  self.schedule, self.boundaries)
+            self._steps[key] = scheduled_step(self.trainer, sender, factors)
+        return self._steps[key]
+
+    def summary(self) -> dict[str, Any]:
+        s = self.schedule
+        if s is None:
+            return {"scheduled": False}
+        return {"scheduled": True, "partitions": self.partitions,
+                "window_bytes": [s.bytes_in_window(i) for i in range(len(s.windows))],
+                "tail_bytes": s.tail_bytes}
