@@ -69,13 +69,19 @@ def _make_strategy(name: str, job, workdir: Path):
         return strategies.BlockingCheckpoint(workdir / "blocking", job.host)
     if name == "orbax_async":
         return strategies.OrbaxAsync(Path(FLAGS.store_root) / "orbax")
-    if name == "inmem":
+    if name in ("inmem", "gemini", "capricorn"):
         options = capricorn_jax.InMemoryOptions(
-            store_root=FLAGS.store_root, job="bench", replicas=FLAGS.replicas,
-            chunk_bytes=FLAGS.chunk_bytes)
-        return strategies.InMemory(capricorn_jax.InMemoryCheckpointer(
+            store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
+            chunk_bytes=FLAGS.chunk_bytes,
+            # A strategy's statuses refresh only when it saves; interleaved blocks of
+            # the other strategies must not read as replicas that stopped answering.
+            replication_timeout_s=FLAGS.timeout_s)
+        ckpt = capricorn_jax.InMemoryCheckpointer(
             options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
-            job.host, job.hosts))
+            job.host, job.hosts)
+        if name == "inmem":
+            return strategies.InMemory(ckpt)
+        return strategies.Scheduled(name, ckpt, job.trainer, chunk_cap=FLAGS.chunk_bytes)
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -98,7 +104,11 @@ class _Runner:
             cached = trainer.has_step(factors)
             t0 = time.perf_counter()
             batch = trainer.global_batch(self.job.data.next_batch())
-            self.state, out = trainer.step_fn(factors)(self.state, batch)
+            if hasattr(strategy, "step"):
+                cached = strategy.compiled(self.step, factors)
+                self.state, out = strategy.step(self.step, factors, self.state, batch)
+            else:
+                self.state, out = trainer.step_fn(factors)(self.state, batch)
             float(out["loss"])
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
             strategy.save(self.step + 1, self.state,

@@ -91,9 +91,18 @@ class ScheduledTransfers:
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         self.schedule = partition(self.ckpt.plan.payload_bytes,
                                   scale_windows(windows, self.margin), self.link, self.chunk_cap)
-        self._key = self.schedule.to_json()
+        # Compiled variants are keyed by where the bytes go, not by the window
+        # durations, so a re-partition that moves nothing reuses its variant.
+        self._key = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
+                           for w, cs in zip(self.schedule.windows, self.schedule.chunks,
+                                            strict=True)),
+                     tuple((c.start, c.stop) for c in self.schedule.tail))
         self.partitions += 1
         return self.schedule
+
+    def has_step(self, factors: tuple[float, ...]) -> bool:
+        """Whether the scheduled step for the current schedule is compiled."""
+        return (self._key, tuple(factors)) in self._steps
 
     def step_fn(self, factors: tuple[float, ...]):
         key = (self._key, tuple(factors))
