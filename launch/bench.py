@@ -178,11 +178,13 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         store = getattr(getattr(strategy, "ckpt", None), "store", None)
         held = float(store.bytes_held()) if store is not None else 0.0
         ram[name] = _allgather([held, float(strategy.bytes_per_step)], job.hosts)
+    schedules = {name: {**s.transfers.summary(), "repartition_steps": s.repartitions}
+                 for name, s in strategies.items() if hasattr(s, "transfers")}
     recovery = _recovery_times(strategies["inmem"], job) if "inmem" in strategies else {}
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
-        result = {"samples": samples, "ram": ram, "recovery": recovery,
+        result = {"samples": samples, "ram": ram, "recovery": recovery, "schedules": schedules,
                   "state_bytes": sum(x.size * x.dtype.itemsize
                                      for x in jax.tree.leaves(job.trainer.abstract_state))}
         (workdir / "worker_result.json").write_text(json.dumps(result))
@@ -207,6 +209,8 @@ def summarize(raw: dict) -> dict:
     base = out.get("none", {}).get("median_step_s")
     for row in out.values():
         row["ratio"] = row["median_step_s"] / base if base else None
+    for name, schedule in raw.get("schedules", {}).items():
+        out[name]["schedule"] = schedule
     if raw.get("recovery"):
         out.setdefault("inmem", {})["recovery"] = raw["recovery"]
     return out
@@ -273,7 +277,11 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: a host failed (exit code {code}); no results reported",
               file=sys.stderr)
         sys.exit(code or 1)
-    results = summarize(json.loads(result_file.read_text()))
+    try:
+        results = summarize(json.loads(result_file.read_text()))
+    except RuntimeError as e:
+        print(f"bench: error: {e}; no results reported", file=sys.stderr)
+        sys.exit(1)
     print(markdown(results))
     config = {k: getattr(FLAGS, k) for k in ("model", "workload", "steps", "reps", "hosts",
                                              "devices_per_host", "dispatch", "replicas")}

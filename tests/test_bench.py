@@ -49,3 +49,21 @@ def test_bench_failure_reports_no_numbers(tmp_path):
     assert not out.exists() and "| none |" not in proc.stdout
     bad = _bench("--strategies=none,bogus", f"--workdir={tmp_path / 'w2'}", timeout=60)
     assert bad.returncode == 2 and "--strategies" in bad.stderr
+
+
+def test_bench_scheduled_strategies(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _bench("--strategies=none,gemini,capricorn", "--model=tiny", "--dispatch=fixed",
+                  "--workload=steady", "--steps=8", "--reps=1",
+                  "--warmup=4", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
+                  f"--json={out}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())["strategies"]
+    for name in ("gemini", "capricorn"):
+        schedule = result[name]["schedule"]
+        assert schedule["scheduled"], name
+        assert sum(schedule["window_bytes"]) + schedule["tail_bytes"] > 0
+        assert result[name]["ckpt_bytes_per_step"] > 0
+    # Gemini partitions once, from its first profiled steps, and never again.
+    assert result["gemini"]["schedule"]["partitions"] == 1
+    assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1
