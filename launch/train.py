@@ -25,10 +25,24 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
+from capricorn_jax import (
+    DetectorOptions,
+    DynamicityDetector,
+    FirstNProfiler,
+    ProfilePolicy,
+    gpt_moe_all_to_alls,
+    make_profiled_step,
+    should_profile,
+)
+from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
 from models.config import CONFIGS, DISPATCH_MODES, get_config
+
+# The profiling policy a --ckpt strategy runs when --profile is not given; off
+# for any strategy not named here.
+STRATEGY_PROFILE = {"capricorn": "speculative", "gemini": "first_n"}
 
 def _default_store_root() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -48,6 +62,16 @@ flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"],
 flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
 flags.DEFINE_enum("ckpt", "none", ["none", "inmem"],
                   "Checkpoint strategy: none, or inmem (every step to host RAM + m-1 peers).")
+flags.DEFINE_string("profile", "",
+                    "Layer profiling: off | every | first_n (the first --profile_first_n steps "
+                    "once, Gemini) | speculative (when the dynamicity detector asks, Capricorn); "
+                    "'' = the --ckpt strategy's policy (off for none and inmem).")
+flags.DEFINE_integer("profile_first_n", 20, "--profile=first_n: the steps profiled at the start.")
+flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
+                   "--profile=speculative: a layer's drift score of the expert load (since the "
+                   "last profile) above which the next step is profiled.")
+flags.DEFINE_enum("drift_metric", DetectorOptions().metric, list(DRIFT_METRICS),
+                  "--profile=speculative: the drift score (see capricorn_jax.drift_score).")
 flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
 flags.DEFINE_string("store_root", _default_store_root(),
@@ -134,6 +158,7 @@ def check_flags() -> None:
             )
         if cfg.global_batch % devices:
             raise FlagError(f"--global_batch={cfg.global_batch} not divisible by {devices} devices")
+    _check_profile_flags()
     if FLAGS.ckpt == "inmem" and not 1 <= FLAGS.replicas <= FLAGS.hosts:
         raise FlagError(f"--replicas={FLAGS.replicas} must be in [1, --hosts={FLAGS.hosts}]")
     if FLAGS.kill_host >= 0:
@@ -154,6 +179,29 @@ def check_flags() -> None:
         probe.unlink()
     except OSError as e:
         raise FlagError(f"--workdir: cannot write to {FLAGS.workdir!r}: {e.strerror}") from None
+
+
+def profile_policy() -> ProfilePolicy:
+    """--profile, or the strategy's policy when it is not given."""
+    return ProfilePolicy(FLAGS.profile or STRATEGY_PROFILE.get(FLAGS.ckpt, "off"))
+
+
+def _check_profile_flags() -> None:
+    names = [p.value for p in ProfilePolicy]
+    if FLAGS.profile and FLAGS.profile not in names:
+        raise FlagError(f"--profile must be one of {', '.join(names)}, got {FLAGS.profile!r}")
+    policy = profile_policy()
+    if FLAGS.profile_first_n < 1:
+        raise FlagError(f"--profile_first_n must be >= 1, got {FLAGS.profile_first_n}")
+    if not 0.0 <= FLAGS.drift_threshold <= 1.0:
+        raise FlagError(f"--drift_threshold must be in [0, 1], got {FLAGS.drift_threshold}")
+    # Set explicitly for a policy that does not read them, they would mislead.
+    for flag, user in (("profile_first_n", ProfilePolicy.FIRST_N),
+                       ("drift_threshold", ProfilePolicy.SPECULATIVE),
+                       ("drift_metric", ProfilePolicy.SPECULATIVE)):
+        if FLAGS[flag].present and policy is not user:
+            raise FlagError(f"--{flag} is only used with --profile={user.value} "
+                            f"(profiling policy here: {policy.value})")
 
 
 def _worker_argv(host: int, coordinator: str, extra: tuple[str, ...] = ()) -> list[str]:
@@ -303,6 +351,104 @@ def _install_store_audit(host: int) -> None:
     sys.addaudithook(hook)
 
 
+def _r6(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 6)
+
+
+class StepProfiling:
+    """Which steps run the instrumented (layer-profiled) step, and their events.
+
+    One per worker, on every host: all hosts take the same decisions (the
+    detector reads the replicated tokens_per_expert, and a new profiled variant
+    times its all-to-alls collectively), while only host 0's ``metrics``
+    writes. Per policy (``capricorn_jax.should_profile``): off; every step;
+    the first n steps, whose step times become one fixed ``IterationProfile``
+    (Gemini, ``iteration_profile`` event); speculative, the step after one
+    whose expert load drifted from the load at the last profile (Capricorn,
+    ``detector`` event per step). A profiled step that ran a variant for the
+    first time (compile, cold first run) is no duration measurement: the
+    detector takes its load as the new reference but not its durations, and
+    profiles the next step again.
+    """
+
+    def __init__(self, policy: ProfilePolicy, trainer, metrics: MetricsWriter, first_n: int,
+                 detector_options: DetectorOptions):
+        self.policy, self.trainer, self.metrics, self.first_n = policy, trainer, metrics, first_n
+        speculative = policy is ProfilePolicy.SPECULATIVE
+        self.detector = DynamicityDetector(detector_options) if speculative else None
+        self.iterations = FirstNProfiler(first_n) if policy is ProfilePolicy.FIRST_N else None
+        self.decision = None  # the detector's, about the previous step
+        self._reprofile = False
+        self._profiled_variants: set[tuple[float, ...]] = set()
+
+    def run(self, step: int, factors: tuple[float, ...], state, batch):
+        """One train step, instrumented or not (same state and metrics bitwise).
+
+        Returns:
+          (new state, step metrics, LayerProfile or None, whether the step ran
+          its variant for the first time in this process).
+        """
+        if not (self._reprofile or should_profile(self.policy, step, self.decision,
+                                                  self.first_n)):
+            first = not self.trainer.has_step(factors)
+            state, out = self.trainer.step_fn(factors)(state, batch)
+            return state, out, None, first
+        first = factors not in self._profiled_variants
+        self._profiled_variants.add(factors)
+        profiled = make_profiled_step(self.trainer, factors,
+                                      gpt_moe_all_to_alls(self.trainer, factors))
+        state, out, profile = profiled(state, batch)
+        return state, out, profile, first
+
+    def moe_layer_of(self, profile) -> dict[tuple[str, str], int]:
+        """{(segment name, direction): MoE layer index} of the MoE layers' segments."""
+        moe = self.trainer.cfg.moe_layers
+        first_boundary = profile.segments[0].name  # its fwd segment opens the step
+        out = {}
+        for seg in profile.segments:
+            name = first_boundary if seg.name == "tail" else seg.name
+            if name.startswith("block") and int(name[5:]) in moe:
+                out[(seg.name, seg.direction)] = moe.index(int(name[5:]))
+        return out
+
+    def log(self, step: int, tpe, profile, first: bool) -> None:
+        """The step's profiling events; feeds the detector / first-n profiler."""
+        if profile is not None:
+            moe = self.moe_layer_of(profile)
+            self.metrics.write({
+                "event": "profile", "step": step, "total_s": _r6(profile.total_s),
+                "compiled": first, "devices": profile.devices,
+                "layers": [{"name": s.name, "direction": s.direction, "start_s": _r6(s.start_s),
+                            "duration_s": _r6(s.duration_s), "collective_s": _r6(s.collective_s),
+                            "moe_layer": moe.get((s.name, s.direction))}
+                           for s in profile.segments],
+            })
+            if self.iterations is not None and self.iterations.profile is None:
+                done = self.iterations.observe(step, profile.total_s)
+                if done is not None:
+                    collective = sum(s.collective_s or 0.0 for s in profile.segments)
+                    self.metrics.write({
+                        "event": "iteration_profile", "step": step,
+                        "iterations": done.iterations, "median_s": _r6(done.median_s),
+                        "step_times_s": [_r6(t) for t in done.step_times_s],
+                        "collective_s": _r6(collective),
+                    })
+        if self.detector is None:
+            return
+        if profile is not None:
+            durations = {} if first else {
+                (layer, s.direction): s.duration_s for s in profile.segments
+                if (layer := moe.get((s.name, s.direction))) is not None}
+            self.detector.record_profile(step, tpe, durations)
+        self.decision = self.detector.observe(step, tpe)
+        self._reprofile = profile is not None and first
+        self.metrics.write({
+            "event": "detector", "step": step,
+            "scores": [None if s == float("inf") else round(s, 5) for s in self.decision.scores],
+            "profile_next": self.decision.profile_next, "repartition": self.decision.repartition,
+        })
+
+
 def train_worker(process_id: int) -> None:
     """One host's training loop (imports JAX here, after the env is set)."""
     import jax
@@ -339,6 +485,9 @@ def train_worker(process_id: int) -> None:
                          recovered.tier, recovered.seconds)
     if state is None:
         state = trainer.init_state(FLAGS.seed)
+    profiling = StepProfiling(
+        profile_policy(), trainer, metrics, FLAGS.profile_first_n,
+        DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start, FLAGS.steps):
@@ -346,7 +495,7 @@ def train_worker(process_id: int) -> None:
         domain = data.domain
         t0 = time.perf_counter()
         batch = trainer.global_batch(data.next_batch())
-        state, out = trainer.step_fn(factors)(state, batch)
+        state, out, profile, first_run = profiling.run(step, factors, state, batch)
         loss = float(out["loss"])
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]
@@ -357,15 +506,19 @@ def train_worker(process_id: int) -> None:
             "step": step, "loss": loss, "step_time_s": step_time,
             "tokens_per_expert": tpe.tolist(), "domain": domain,
             "capacity_factors": list(factors), "dropped": np.asarray(out["dropped"]).tolist(),
+            "profiled": profile is not None, "compiled": first_run,
         })
         if ckpt is not None:
             metrics.write({"event": "checkpoint", "step": step + 1, "bytes": report.bytes,
-                           "store_bytes": report.store_bytes, "committed": report.committed,
+                           "store_bytes": report.store_bytes,
+                           "store_kib_per_host": report.store_kib_per_host,
+                           "committed": report.committed,
                            "replicated": report.replicated, "skipped": report.skipped,
                            "under_replicated": report.under_replicated})
             for u in report.under_replicated:
                 logging.warning("host %d: version %d under-replicated (missing on hosts %s)",
                                 host, u["step"], u["missing"])
+        profiling.log(step, tpe, profile, first_run)
         window_tokens += tokens_per_step
         if host == 0 and ((step + 1) % FLAGS.log_every == 0 or step + 1 == FLAGS.steps):
             elapsed = time.perf_counter() - window_start

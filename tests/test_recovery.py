@@ -54,10 +54,16 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
                            f"--kill_mode={mode}", audit=True)
     (recovery,) = _events(records, "recovery")
-    assert recovery["tier"] == tier
-    assert recovery["tiers"] == ["local", tier]
+    assert recovery["tiers"][0] == "local"
+    if mode == "host":
+        assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    else:
+        # A crashed process keeps its store, but it may have died while writing
+        # the newest version, which then only its peer holds.
+        assert recovery["tiers"][1] in ("local", "peer")
+        assert (recovery["bytes_moved"] > 0) == (recovery["tiers"][1] == "peer")
+    tier = recovery["tier"]
     assert 6 <= recovery["step"] <= STEPS
-    assert (recovery["bytes_moved"] > 0) == (tier == "peer")
     assert _losses(records) == reference
     assert f"via tier {tier}" in proc.stdout
     checkpoints = _events(records, "checkpoint")
@@ -65,6 +71,9 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     assert all(c["bytes"] > 0 for c in checkpoints)
     # RAM held by host 0's store (measured when a save starts): own + replica versions.
     assert max(c["store_bytes"] for c in checkpoints) >= 2 * checkpoints[0]["bytes"]
+    # Every host's store size reaches host 0 through the all-gathered statuses.
+    per_host = checkpoints[-1]["store_kib_per_host"]
+    assert len(per_host) == 2 and all(k * 1024 >= checkpoints[0]["bytes"] for k in per_host)
 
 
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):

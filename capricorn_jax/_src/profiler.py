@@ -441,10 +441,18 @@ def make_profiled_step(
     if key not in per_trainer:
         estimate = None
         if collectives is not None:
-            estimate = {
-                name: sum(time_all_to_all(trainer.mesh, collective_axis, b) for b in bufs)
-                for name, bufs in collectives.items()
-            }
+            # One timing per buffer shape, shared by the variants (a layer's
+            # dispatch and combine, and the layers that keep their capacity
+            # when another layer's bucket changes, have the same buffers).
+            timed = vars(trainer).setdefault("_all_to_all_s", {})
+
+            def seconds(b: jax.ShapeDtypeStruct) -> float:
+                shape_key = (collective_axis, tuple(b.shape), str(b.dtype))
+                if shape_key not in timed:
+                    timed[shape_key] = time_all_to_all(trainer.mesh, collective_axis, b)
+                return timed[shape_key]
+
+            estimate = {name: sum(seconds(b) for b in bufs) for name, bufs in collectives.items()}
         per_trainer[key] = ProfiledStep(trainer, factors, estimate)
     return per_trainer[key]
 
