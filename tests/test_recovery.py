@@ -17,7 +17,12 @@ def _train(workdir, store, *flags, hosts=2, devices=2, steps=STEPS, audit=False)
     proc = run_train(f"--hosts={hosts}", f"--devices_per_host={devices}", f"--steps={steps}",
                      f"--workdir={workdir}", f"--store_root={store}", *COMMON, *flags,
                      timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    if proc.returncode != 0:
+        per_host = {h: [x for x in proc.stdout.splitlines() if x.startswith(f"[host {h}]")
+                        and "Gloo" not in x] for h in range(hosts)}
+        tails = "\n".join("\n".join(lines[-25:]) for lines in per_host.values())
+        raise AssertionError(f"launch.train failed ({proc.returncode}):\n{tails}\n"
+                             f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     assert "STORE ISOLATION VIOLATION" not in proc.stdout + proc.stderr
     records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert_no_orphans(str(workdir))

@@ -32,9 +32,24 @@ from capricorn_jax._src.partitioner import (
 )
 
 
-def measure_link(transport, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20),
+def agree(values: Sequence[float]) -> list[float]:
+    """Host 0's values on every host: all hosts must build the same schedule, or
+    their compiled steps (which hold the collectives) would differ."""
+    arr = np.asarray(values, np.float32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        arr = np.asarray(multihost_utils.broadcast_one_to_all(arr))
+    return [float(v) for v in arr]
+
+
+def measure_link(transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
                  repeats: int = 5) -> LinkModel:
-    """Fits alpha + bytes/B from timed collective-permutes on the replication link."""
+    """Fits alpha + bytes/B from timed collective-permutes on the replication link.
+
+    The fastest of ``repeats`` runs per size is used (the others carry the
+    machine's noise), and host 0's fit is taken by every host.
+    """
     perm = transport.perms[0]
     spec = P(transport.axes)
     mapped = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, transport.axes, perm),
@@ -48,9 +63,8 @@ def measure_link(transport, sizes: Sequence[int] = (1 << 14, 1 << 17, 1 << 20),
             jax.block_until_ready(mapped(rows))
             xs.append(size)
             ts.append(time.perf_counter() - t0)
-    # Medians per size: robust to the noisy machine.
-    med = {s: float(np.median([t for x, t in zip(xs, ts, strict=True) if x == s])) for s in sizes}
-    return fit_link_model(list(med), list(med.values()))
+    best = [min(t for x, t in zip(xs, ts, strict=True) if x == s) for s in sizes]
+    return fit_link_model(list(sizes), agree(best))
 
 
 def average_windows(profiles: Sequence[Any], windows_of) -> list[Window]:
@@ -89,6 +103,9 @@ class ScheduledTransfers:
         self._key = None
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
+        """A new schedule from ``windows`` (host 0's durations, on every host)."""
+        durations = agree([w.duration_s for w in windows])
+        windows = [Window(w.name, w.direction, d) for w, d in zip(windows, durations, strict=True)]
         self.schedule = partition(self.ckpt.plan.payload_bytes,
                                   scale_windows(windows, self.margin), self.link, self.chunk_cap)
         # Compiled variants are keyed by where the bytes go, not by the window
