@@ -102,6 +102,7 @@ class InMemoryCheckpointer:
         self._replicated_everywhere = -1
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
         self._last_statuses = None
+        self._store_bytes = 0
         self.on_pause = None
         self._own_q: queue.Queue = queue.Queue(maxsize=1)
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
@@ -164,7 +165,8 @@ class InMemoryCheckpointer:
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
         newest = [self._newest[o] for o in range(self.hosts)]
-        return np.array([*newest, self.store.bytes_held() // 1024], np.int64)
+        self._store_bytes = self.store.bytes_held()  # one walk of the store per save
+        return np.array([*newest, self._store_bytes // 1024], np.int64)
 
     def save(self, step: int, state: Any, host_state: dict[str, Any]) -> SaveReport:
         """Checkpoints ``state`` as version ``step`` (see the module docstring)."""
@@ -216,7 +218,7 @@ class InMemoryCheckpointer:
 
     def _read_statuses(self) -> SaveReport:
         """Folds in the statuses gathered by the previous save (already computed)."""
-        report = SaveReport(step=-1, bytes=0, store_bytes=self.store.bytes_held(),
+        report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
                             committed=self._newest[self.host],
                             replicated=self._replicated_everywhere,
                             under_replicated=[], skipped=False)
