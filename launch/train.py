@@ -95,6 +95,7 @@ flags.DEFINE_integer("stall_host", -1, "Fault injection: this host's replica wri
 flags.DEFINE_integer("stall_at_step", -1, "...at this step...")
 flags.DEFINE_float("stall_seconds", 0.0, "...for this long (a peer that stops answering).")
 flags.DEFINE_integer("pause_mid_replication_at", -1, "Internal: set by the supervisor.")
+flags.DEFINE_integer("pause_after_step_at", -1, "Internal: set by the supervisor.")
 flags.DEFINE_integer("expert_parallel", 0,
                      "Size of the expert mesh axis; 0 = all devices (capped at num_experts).")
 flags.DEFINE_enum("dispatch", "", ["", *DISPATCH_MODES],
@@ -205,7 +206,8 @@ def _check_profile_flags() -> None:
 
 
 def _worker_argv(host: int, coordinator: str, extra: tuple[str, ...] = ()) -> list[str]:
-    internal = ("--process_id", "--coordinator", "--pause_mid_replication_at")
+    internal = ("--process_id", "--coordinator", "--pause_mid_replication_at",
+                "--pause_after_step_at")
     passed = [a for a in sys.argv[1:] if not a.startswith(internal)]
     return ["-m", "launch.train", *passed, f"--process_id={host}", f"--coordinator={coordinator}",
             *extra]
@@ -221,17 +223,16 @@ class _FaultInjector:
         self.cluster: cluster_lib.LocalCluster | None = None
 
     def extra_args(self, host: int) -> tuple[str, ...]:
-        if FLAGS.kill_point == "mid_replication" and host == FLAGS.kill_host:
+        if host != FLAGS.kill_host:
+            return ()
+        if FLAGS.kill_point == "mid_replication":
             return (f"--pause_mid_replication_at={FLAGS.kill_at_step + 1}",)
-        return ()
+        return (f"--pause_after_step_at={FLAGS.kill_at_step}",)
 
     def _due(self) -> bool:
-        if FLAGS.kill_point == "mid_replication":
-            return self.marker.exists()
-        if not self.metrics_path.exists():
-            return False
-        steps = [r["step"] for r in read_metrics(self.metrics_path) if "event" not in r]
-        return bool(steps) and max(steps) >= FLAGS.kill_at_step
+        # Host K writes the marker and waits at the kill point, so the kill lands
+        # there however fast the steps are (a job must not finish before it).
+        return self.marker.exists()
 
     def tick(self) -> None:
         if self.fired or self.cluster is None or not self._due():
@@ -313,16 +314,23 @@ def _make_checkpointer(trainer, mesh, host: int, hosts: int):
     )
     ckpt = capricorn_jax.InMemoryCheckpointer(
         options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts)
-    marker = Path(FLAGS.workdir) / f".paused_host{host}"
 
     def on_pause(step: int) -> None:
-        logging.warning("host %d: paused halfway through writing replicas of version %d",
-                        host, step)
-        marker.write_text(str(step))
-        time.sleep(120)  # the supervisor kills this process meanwhile
+        _pause_for_kill(host, f"halfway through writing replicas of version {step}")
 
     ckpt.on_pause = on_pause
     return ckpt
+
+
+def _pause_for_kill(host: int, where: str) -> None:
+    """Fault injection: mark the kill point and wait for the supervisor's SIGKILL."""
+    logging.warning("host %d: paused %s", host, where)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    (Path(FLAGS.workdir) / f".paused_host{host}").write_text(where)
+    time.sleep(120)
+    logging.error("host %d: not killed within 120 s of pausing", host)
+    os._exit(1)
 
 
 _TIER_ORDER = ("local", "peer", "persistent")
@@ -519,6 +527,8 @@ def train_worker(process_id: int) -> None:
                 logging.warning("host %d: version %d under-replicated (missing on hosts %s)",
                                 host, u["step"], u["missing"])
         profiling.log(step, tpe, profile, first_run)
+        if step == FLAGS.pause_after_step_at:
+            _pause_for_kill(host, f"after step {step}")
         window_tokens += tokens_per_step
         if host == 0 and ((step + 1) % FLAGS.log_every == 0 or step + 1 == FLAGS.steps):
             elapsed = time.perf_counter() - window_start
