@@ -216,8 +216,7 @@ def _worker_argv(host: int, coordinator: str, extra: tuple[str, ...] = ()) -> li
 class _FaultInjector:
     """Kills host K at the requested point of the first attempt (supervisor side)."""
 
-    def __init__(self, metrics_path: Path):
-        self.metrics_path = metrics_path
+    def __init__(self):
         self.marker = Path(FLAGS.workdir) / f".paused_host{FLAGS.kill_host}"
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
@@ -273,7 +272,7 @@ def supervise() -> int:
     if not FLAGS.resume:
         metrics_path.unlink(missing_ok=True)
         shutil.rmtree(Path(FLAGS.store_root) / job_name(FLAGS.workdir), ignore_errors=True)
-    injector = _FaultInjector(metrics_path) if FLAGS.kill_host >= 0 else None
+    injector = _FaultInjector() if FLAGS.kill_host >= 0 else None
     for attempt in range(2):
         coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
         first = attempt == 0 and injector is not None
