@@ -1,8 +1,9 @@
 """Checkpoint strategies on one interface, for launch.train and launch.bench.
 
 Every strategy is called the same way after each training step:
-``save(step, state, host_state) -> dict`` (what it did, for the metrics) and
-``close()`` at the end. ``none`` does nothing; ``blocking`` is a
+``save(step, state, host_state) -> list[dict]`` (the ``checkpoint`` events
+of the versions it committed: ``version``, ``bytes``, ...), ``finish`` after
+the last step (what ``save`` left unsaved) and ``close()`` at the end. ``none`` does nothing; ``blocking`` is a
 TorchSnapshot-like synchronous checkpoint; ``orbax_async`` is plain Orbax
 CheckpointManager async saves to a RAM disk, what a JAX user does today;
 ``inmem`` is capricorn_jax's in-memory tier (every step to host RAM and m-1
@@ -26,8 +27,11 @@ class NoCheckpoint:
     name = "none"
     bytes_per_step = 0
 
-    def save(self, step: int, state: Any, host_state: dict) -> dict:
-        return {}
+    def save(self, step: int, state: Any, host_state: dict) -> list[dict]:
+        return []
+
+    def finish(self, step: int, state: Any, host_state: dict) -> list[dict]:
+        return []
 
     def close(self) -> None:
         pass
@@ -55,7 +59,7 @@ class BlockingCheckpoint:
         self.root.mkdir(parents=True, exist_ok=True)
         self.bytes_per_step = 0
 
-    def save(self, step: int, state: Any, host_state: dict) -> dict:
+    def save(self, step: int, state: Any, host_state: dict) -> list[dict]:
         tmp = self.root / f"step{step}.tmp"
         tmp.mkdir()
         total = 0
@@ -71,7 +75,7 @@ class BlockingCheckpoint:
             shutil.rmtree(final)
         os.replace(tmp, final)
         self.bytes_per_step = total
-        return {"bytes": total}
+        return [{"version": step, "bytes": total}]
 
     def close(self) -> None:
         pass
@@ -96,7 +100,7 @@ class OrbaxAsync:
         self.manager.save(step, args=self._ocp.args.StandardSave(state))
         if not self.bytes_per_step:
             self.bytes_per_step = sum(s.data.nbytes for _, _, s in _unique_local_shards(state))
-        return {"bytes": self.bytes_per_step}
+        return [{"version": step, "bytes": self.bytes_per_step}]
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -112,25 +116,41 @@ class InMemory:
         self.ckpt = checkpointer
         self.bytes_per_step = 0
 
-    def save(self, step: int, state: Any, host_state: dict) -> dict:
-        report = self.ckpt.save(step, state, host_state)
+    def _event(self, version: int, report) -> dict:
         self.bytes_per_step = report.bytes
-        return {"bytes": report.bytes, "store_bytes": report.store_bytes,
+        return {"version": version, "bytes": report.bytes, "store_bytes": report.store_bytes,
+                "store_kib_per_host": report.store_kib_per_host,
                 "committed": report.committed, "replicated": report.replicated,
                 "skipped": report.skipped, "under_replicated": report.under_replicated}
+
+    def save(self, step: int, state: Any, host_state: dict) -> list[dict]:
+        return [self._event(step, self.ckpt.save(step, state, host_state))]
+
+    def finish(self, step: int, state: Any, host_state: dict) -> list[dict]:
+        """After the last step: saves what ``save`` left unsaved (nothing here)."""
+        return []
 
     def close(self) -> None:
         self.ckpt.close()
 
 
 class Scheduled(InMemory):
-    """``gemini`` / ``capricorn``: version t's chunks move inside step t+1.
+    """``gemini`` / ``capricorn``: version t's chunks move inside step t.
 
+    Version t is the state step t starts from; the scheduled variant of step t
+    packs it and moves its chunks at the layer boundaries the schedule names,
+    and ``save`` after step t commits it (``InMemoryCheckpointer.save_transferred``).
     The schedule comes from layer profiles (``windows_from_profile``): gemini
-    builds it once from the profiles of its first steps and keeps it;
-    capricorn re-profiles when the dynamicity detector sees the expert load
-    drift and re-partitions from the new profile. Before a schedule exists,
-    versions move unscheduled after the step (as ``inmem``).
+    builds it once from the profiles of its first ``first_n`` steps and keeps
+    it; capricorn re-partitions from every new (warm) profile, and profiles
+    when the dynamicity detector sees the expert load drift. A step that is
+    profiled, or runs before a schedule exists, moves no chunks: its version
+    moves unscheduled after the step (as ``inmem``). ``finish`` saves the last
+    state, which no later step moves.
+
+    Two drivers: ``step`` decides profiling itself (launch.bench); launch.train
+    decides it with its StepProfiling and calls ``unprofiled_step`` and
+    ``on_profile``.
     """
 
     def __init__(self, name: str, checkpointer, trainer, first_n: int = 3,
@@ -139,6 +159,8 @@ class Scheduled(InMemory):
         from capricorn_jax._src.scheduling import ScheduledTransfers, measure_link
 
         super().__init__(checkpointer)
+        if name not in ("gemini", "capricorn"):
+            raise ValueError(f"unknown scheduled strategy {name!r}")
         if len(checkpointer.sources) != 1:
             raise ValueError(f"{name} sends one replica per step inside the step; it needs "
                              f"--replicas=2, got {len(checkpointer.sources) + 1}")
@@ -151,13 +173,16 @@ class Scheduled(InMemory):
             capricorn_jax.DetectorOptions(threshold=drift_threshold))
             if name == "capricorn" else None)
         self._profiles: list = []
+        self._profiles_seen = 0
+        self._profiled_variants: set[tuple[float, ...]] = set()
         self._profile_next = True
         self._moved = None
         self._host_states: dict[int, dict] = {}
+        self._last_saved = -1
         self.repartitions: list[int] = []
 
     def compiled(self, step: int, factors) -> bool:
-        """Whether step ``step`` would run an already-compiled variant."""
+        """Whether step ``step`` would run an already-compiled variant (bench)."""
         if self._wants_profile():
             return False
         if self.transfers.schedule is not None and step in self._host_states:
@@ -169,30 +194,61 @@ class Scheduled(InMemory):
             return self.transfers.schedule is None
         return self._profile_next
 
-    def step(self, step: int, factors, state, batch):
-        """Runs training step ``step`` (0-based); returns (state, metrics)."""
-        import capricorn_jax
-        from capricorn_jax._src.partitioner import windows_from_profile
-        from capricorn_jax._src.scheduling import average_windows
-
-        self._moved = None
-        if self._wants_profile():
-            profiled = capricorn_jax.make_profiled_step(self.trainer, factors)
-            state, out, profile = profiled(state, batch)
-            self._profiles.append(profile)
-            if self.name == "gemini" and len(self._profiles) >= self.first_n:
-                self.transfers.repartition(average_windows(self._profiles[1:] or self._profiles,
-                                                           windows_from_profile))
-                self.repartitions.append(step)
-            elif self.name == "capricorn" and len(self._profiles) >= 2:
-                self.transfers.repartition(windows_from_profile(profile))
-                self.repartitions.append(step)
-        elif self.transfers.schedule is not None and step in self._host_states:
+    def unprofiled_step(self, step: int, factors, state, batch):
+        """Step ``step``, moving version ``step`` in it when a schedule exists."""
+        if self.transfers.schedule is not None and step in self._host_states:
             trailer = self.ckpt.trailer_rows(self._host_states[step])
             state, out, moved = self.transfers.step_fn(factors)(state, batch, trailer)
             self._moved = (step, moved)
+            return state, out
+        return self.trainer.step_fn(factors)(state, batch)
+
+    def on_profile(self, step: int, profile, cold: bool) -> dict | None:
+        """Feeds the profile of step ``step``; re-partitions when the strategy does.
+
+        Args:
+          step: the profiled step.
+          profile: its LayerProfile.
+          cold: the step ran its variant for the first time (compile, cold
+            caches): its durations are not windows.
+
+        Returns:
+          The ``repartition`` event's fields, or None when it kept the schedule.
+        """
+        from capricorn_jax._src.partitioner import windows_from_profile
+        from capricorn_jax._src.scheduling import average_windows
+
+        self._profiles_seen += 1
+        if not cold:
+            self._profiles.append(profile)
+        if self.name == "gemini":
+            if self.transfers.schedule is not None or self._profiles_seen < self.first_n:
+                return None
+            # Gemini: the iteration timeline of the first n steps, kept for good.
+            windows = average_windows(self._profiles or [profile], windows_from_profile)
         else:
-            state, out = self.trainer.step_fn(factors)(state, batch)
+            if cold:
+                return None
+            windows = windows_from_profile(profile)
+        self.transfers.repartition(windows)
+        self.repartitions.append(step)
+        return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
+                "link_bytes_per_s": self.link.bytes_per_s,
+                "windows_s": [round(w.duration_s, 6) for w in windows]}
+
+    def step(self, step: int, factors, state, batch):
+        """Runs training step ``step`` (0-based), deciding profiling itself (bench)."""
+        import capricorn_jax
+
+        if self._wants_profile():
+            factors = tuple(float(f) for f in factors)
+            cold = factors not in self._profiled_variants
+            self._profiled_variants.add(factors)
+            profiled = capricorn_jax.make_profiled_step(self.trainer, factors)
+            state, out, profile = profiled(state, batch)
+            self.on_profile(step, profile, cold)
+        else:
+            state, out = self.unprofiled_step(step, factors, state, batch)
         if self.detector is not None:
             tpe = np.asarray(out["tokens_per_expert"])
             decision = self.detector.observe(step, tpe)
@@ -201,17 +257,46 @@ class Scheduled(InMemory):
             self._profile_next = decision.profile_next
         return state, out
 
-    def save(self, step: int, state: Any, host_state: dict) -> dict:
-        self._host_states = {step: host_state}  # the next step moves this version
-        if self._moved is None:
-            return super().save(step, state, host_state)
-        version, moved = self._moved
-        report = self.ckpt.save_transferred(version, moved["own"], [moved["received"]])
-        self.bytes_per_step = report.bytes
-        return {"bytes": report.bytes, "store_bytes": report.store_bytes,
-                "committed": report.committed, "replicated": report.replicated,
-                "skipped": report.skipped, "under_replicated": report.under_replicated,
-                "moved_in_step": version}
+    def save(self, step: int, state: Any, host_state: dict,
+             next_profiled: bool | None = None) -> list[dict]:
+        """After step ``step - 1``: commits the version moved inside it.
+
+        Version ``step`` (``state``) is then either deferred, when step ``step``
+        will move it (a schedule exists and that step is not profiled), or
+        saved now, unscheduled. A version is never moved twice.
+
+        Args:
+          step, state, host_state: version ``step``.
+          next_profiled: whether step ``step`` will be profiled; None: as this
+            strategy decides (``step`` driver).
+
+        Returns:
+          The ``checkpoint`` events of the versions committed now: the one
+          moved in the step, and ``step`` when it is saved now.
+        """
+        if next_profiled is None:
+            next_profiled = self._wants_profile()
+        will_move = self.transfers.schedule is not None and not next_profiled
+        self._host_states = {step: host_state} if will_move else {}
+        moved, self._moved = self._moved, None
+        events = []
+        if moved is not None:
+            version, payloads = moved
+            report = self.ckpt.save_transferred(version, payloads["own"],
+                                                [payloads["received"]])
+            self._last_saved = version
+            events.append({**self._event(version, report), "moved_in_step": version})
+        if not will_move:
+            self._last_saved = step
+            events += super().save(step, state, host_state)
+        return events
+
+    def finish(self, step: int, state: Any, host_state: dict) -> list[dict]:
+        """Saves the final state (version ``step``), which no later step moves."""
+        if self._last_saved == step:
+            return []
+        self._last_saved = step
+        return super().save(step, state, host_state)
 
     def close(self) -> None:
         self.ckpt.close()

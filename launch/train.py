@@ -43,6 +43,10 @@ from models.config import CONFIGS, DISPATCH_MODES, get_config
 # The profiling policy a --ckpt strategy runs when --profile is not given; off
 # for any strategy not named here.
 STRATEGY_PROFILE = {"capricorn": "speculative", "gemini": "first_n"}
+# Strategies built on the in-memory tier (recoverable); the last two move
+# chunks inside the step on a schedule.
+IN_MEMORY = ("inmem", "gemini", "capricorn")
+SCHEDULED = ("gemini", "capricorn")
 
 def _default_store_root() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -60,8 +64,11 @@ flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"],
                   "steady: one domain; dynamic: domain shift every --shift_every steps; "
                   "synthetic: random bytes (explicit opt-in).")
 flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
-flags.DEFINE_enum("ckpt", "none", ["none", "inmem"],
-                  "Checkpoint strategy: none, or inmem (every step to host RAM + m-1 peers).")
+flags.DEFINE_enum("ckpt", "none", ["none", *IN_MEMORY],
+                  "Checkpoint strategy: none; inmem (every step to host RAM + m-1 peers, "
+                  "moved after the step); gemini (moved inside the step on a schedule from the "
+                  "first --profile_first_n steps' profile, kept); capricorn (layer-level "
+                  "schedule, re-partitioned when the expert load drifts).")
 flags.DEFINE_string("profile", "",
                     "Layer profiling: off | every | first_n (the first --profile_first_n steps "
                     "once, Gemini) | speculative (when the dynamicity detector asks, Capricorn); "
@@ -160,8 +167,11 @@ def check_flags() -> None:
         if cfg.global_batch % devices:
             raise FlagError(f"--global_batch={cfg.global_batch} not divisible by {devices} devices")
     _check_profile_flags()
-    if FLAGS.ckpt == "inmem" and not 1 <= FLAGS.replicas <= FLAGS.hosts:
+    if FLAGS.ckpt in IN_MEMORY and not 1 <= FLAGS.replicas <= FLAGS.hosts:
         raise FlagError(f"--replicas={FLAGS.replicas} must be in [1, --hosts={FLAGS.hosts}]")
+    if FLAGS.ckpt in SCHEDULED and FLAGS.replicas != 2:
+        raise FlagError(f"--replicas={FLAGS.replicas}: --ckpt={FLAGS.ckpt} moves one peer "
+                        f"replica inside the step; it needs --replicas=2")
     if FLAGS.kill_host >= 0:
         if FLAGS.kill_host >= FLAGS.hosts:
             raise FlagError(f"--kill_host={FLAGS.kill_host} is not a host (--hosts={FLAGS.hosts})")
@@ -192,6 +202,9 @@ def _check_profile_flags() -> None:
     if FLAGS.profile and FLAGS.profile not in names:
         raise FlagError(f"--profile must be one of {', '.join(names)}, got {FLAGS.profile!r}")
     policy = profile_policy()
+    if FLAGS.ckpt in SCHEDULED and policy.value != STRATEGY_PROFILE[FLAGS.ckpt]:
+        raise FlagError(f"--profile={FLAGS.profile}: --ckpt={FLAGS.ckpt} schedules from its own "
+                        f"profiling policy, {STRATEGY_PROFILE[FLAGS.ckpt]}")
     if FLAGS.profile_first_n < 1:
         raise FlagError(f"--profile_first_n must be >= 1, got {FLAGS.profile_first_n}")
     if not 0.0 <= FLAGS.drift_threshold <= 1.0:
@@ -376,11 +389,20 @@ class StepProfiling:
     first time (compile, cold first run) is no duration measurement: the
     detector takes its load as the new reference but not its durations, and
     profiles the next step again.
+
+    ``plain_step(step, factors, state, batch)`` runs a step that is not
+    profiled (default: the trainer's plain step; the scheduled strategies pass
+    theirs, which moves a checkpoint version inside the step). ``start`` is the
+    first step this process runs: first_n counts from it, so a restarted
+    process profiles again.
     """
 
     def __init__(self, policy: ProfilePolicy, trainer, metrics: MetricsWriter, first_n: int,
-                 detector_options: DetectorOptions):
+                 detector_options: DetectorOptions, plain_step=None, start: int = 0):
         self.policy, self.trainer, self.metrics, self.first_n = policy, trainer, metrics, first_n
+        self.plain_step = plain_step or (
+            lambda step, factors, state, batch: trainer.step_fn(factors)(state, batch))
+        self.start = start
         speculative = policy is ProfilePolicy.SPECULATIVE
         self.detector = DynamicityDetector(detector_options) if speculative else None
         self.iterations = FirstNProfiler(first_n) if policy is ProfilePolicy.FIRST_N else None
@@ -395,10 +417,9 @@ class StepProfiling:
           (new state, step metrics, LayerProfile or None, whether the step ran
           its variant for the first time in this process).
         """
-        if not (self._reprofile or should_profile(self.policy, step, self.decision,
-                                                  self.first_n)):
+        if not self.will_profile(step):
             first = not self.trainer.has_step(factors)
-            state, out = self.trainer.step_fn(factors)(state, batch)
+            state, out = self.plain_step(step, factors, state, batch)
             return state, out, None, first
         first = factors not in self._profiled_variants
         self._profiled_variants.add(factors)
@@ -406,6 +427,12 @@ class StepProfiling:
                                       gpt_moe_all_to_alls(self.trainer, factors))
         state, out, profile = profiled(state, batch)
         return state, out, profile, first
+
+    def will_profile(self, step: int) -> bool:
+        """Whether step ``step`` (the next one) runs instrumented."""
+        counted = step - self.start if self.policy is ProfilePolicy.FIRST_N else step
+        return self._reprofile or should_profile(self.policy, counted, self.decision,
+                                                 self.first_n)
 
     def moe_layer_of(self, profile) -> dict[tuple[str, str], int]:
         """{(segment name, direction): MoE layer index} of the MoE layers' segments."""
@@ -431,7 +458,7 @@ class StepProfiling:
                            for s in profile.segments],
             })
             if self.iterations is not None and self.iterations.profile is None:
-                done = self.iterations.observe(step, profile.total_s)
+                done = self.iterations.observe(step - self.start, profile.total_s)
                 if done is not None:
                     collective = sum(s.collective_s or 0.0 for s in profile.segments)
                     self.metrics.write({
@@ -456,12 +483,44 @@ class StepProfiling:
         })
 
 
+def _make_strategy(ckpt, trainer):
+    """The --ckpt strategy over the in-memory checkpointer (None for none)."""
+    from launch import strategies
+
+    if ckpt is None:
+        return None
+    if FLAGS.ckpt in SCHEDULED:
+        return strategies.Scheduled(FLAGS.ckpt, ckpt, trainer, first_n=FLAGS.profile_first_n,
+                                    drift_threshold=FLAGS.drift_threshold,
+                                    chunk_cap=FLAGS.chunk_bytes)
+    return strategies.InMemory(ckpt)
+
+
+def _repartition(metrics: MetricsWriter, host: int, step: int, event: dict | None) -> None:
+    """The ``repartition`` event, when the scheduled strategy re-partitioned."""
+    if event is None:
+        return
+    metrics.write({"event": "repartition", "step": step, "strategy": FLAGS.ckpt, **event})
+    logging.info("host %d: %s re-partitioned after step %d: %d bytes in windows, %d in the "
+                 "tail", host, FLAGS.ckpt, step, sum(event["window_bytes"]), event["tail_bytes"])
+
+
+def _log_checkpoint(metrics: MetricsWriter, host: int, saved: dict) -> None:
+    """The ``checkpoint`` event of a save (its ``step`` is the version saved)."""
+    metrics.write({"event": "checkpoint", "step": saved["version"],
+                   **{k: v for k, v in saved.items() if k != "version"}})
+    for u in saved["under_replicated"]:
+        logging.warning("host %d: version %d under-replicated (missing on hosts %s)",
+                        host, u["step"], u["missing"])
+
+
 def train_worker(process_id: int) -> None:
     """One host's training loop (imports JAX here, after the env is set)."""
     import jax
     import numpy as np
 
     import capricorn_jax
+    from launch import strategies
     from launch.data import validation_batch
     from models.capacity import choose_capacity_factors
 
@@ -477,7 +536,7 @@ def train_worker(process_id: int) -> None:
     logging.info("host %d/%d: %d local devices, mesh %s, model %s", host, num_hosts,
                  jax.local_device_count(), dict(mesh.shape), cfg.name)
     state, max_routed, start = None, None, 0
-    ckpt = _make_checkpointer(trainer, mesh, host, num_hosts) if FLAGS.ckpt == "inmem" else None
+    ckpt = _make_checkpointer(trainer, mesh, host, num_hosts) if FLAGS.ckpt in IN_MEMORY else None
     if ckpt is not None:
         recovered = capricorn_jax.recover(ckpt)
         if recovered is not None:
@@ -492,9 +551,12 @@ def train_worker(process_id: int) -> None:
                          recovered.tier, recovered.seconds)
     if state is None:
         state = trainer.init_state(FLAGS.seed)
+    strategy = _make_strategy(ckpt, trainer)
+    scheduled = isinstance(strategy, strategies.Scheduled)
     profiling = StepProfiling(
         profile_policy(), trainer, metrics, FLAGS.profile_first_n,
-        DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric))
+        DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric),
+        plain_step=strategy.unprofiled_step if scheduled else None, start=start)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start, FLAGS.steps):
@@ -506,8 +568,15 @@ def train_worker(process_id: int) -> None:
         loss = float(out["loss"])
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]
-        if ckpt is not None:
-            report = ckpt.save(step + 1, state, {"data": data.state(), "max_routed": max_routed})
+        profiling.log(step, tpe, profile, first_run)
+        if scheduled and profile is not None:
+            _repartition(metrics, host, step, strategy.on_profile(step, profile, first_run))
+        saved = []
+        if strategy is not None:
+            host_state = {"data": data.state(), "max_routed": max_routed}
+            saved = (strategy.save(step + 1, state, host_state,
+                                   next_profiled=profiling.will_profile(step + 1))
+                     if scheduled else strategy.save(step + 1, state, host_state))
         step_time = time.perf_counter() - t0
         metrics.write({
             "step": step, "loss": loss, "step_time_s": step_time,
@@ -515,17 +584,8 @@ def train_worker(process_id: int) -> None:
             "capacity_factors": list(factors), "dropped": np.asarray(out["dropped"]).tolist(),
             "profiled": profile is not None, "compiled": first_run,
         })
-        if ckpt is not None:
-            metrics.write({"event": "checkpoint", "step": step + 1, "bytes": report.bytes,
-                           "store_bytes": report.store_bytes,
-                           "store_kib_per_host": report.store_kib_per_host,
-                           "committed": report.committed,
-                           "replicated": report.replicated, "skipped": report.skipped,
-                           "under_replicated": report.under_replicated})
-            for u in report.under_replicated:
-                logging.warning("host %d: version %d under-replicated (missing on hosts %s)",
-                                host, u["step"], u["missing"])
-        profiling.log(step, tpe, profile, first_run)
+        for event in saved:
+            _log_checkpoint(metrics, host, event)
         if step == FLAGS.pause_after_step_at:
             _pause_for_kill(host, f"after step {step}")
         window_tokens += tokens_per_step
@@ -536,8 +596,12 @@ def train_worker(process_id: int) -> None:
                          "domain %s", step + 1, FLAGS.steps, loss, window_tokens / elapsed,
                          imbalance, domain)
             window_start, window_tokens = time.perf_counter(), 0
-    if ckpt is not None:
-        ckpt.close()
+    if strategy is not None:
+        final = strategy.finish(FLAGS.steps, state, {"data": data.state(),
+                                                     "max_routed": max_routed})
+        for event in final:
+            _log_checkpoint(metrics, host, event)
+        strategy.close()
     if FLAGS.eval_sequences and corpus is not None:
         eval_fn = trainer.eval_loss_fn()
         per_domain = {}

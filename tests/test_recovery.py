@@ -8,14 +8,15 @@ import pytest
 
 from tests.helpers import assert_no_orphans, run_train
 
-COMMON = ("--model=tiny", "--ckpt=inmem", "--eval_sequences=0", "--log_every=5")
+COMMON = ("--model=tiny", "--eval_sequences=0", "--log_every=5")
 STEPS = 14
 
 
-def _train(workdir, store, *flags, hosts=2, devices=2, steps=STEPS, audit=False):
+def _train(workdir, store, *flags, hosts=2, devices=2, steps=STEPS, audit=False, ckpt="inmem"):
     env = {"CAPRICORN_AUDIT_STORE": "1"} if audit else {}
     proc = run_train(f"--hosts={hosts}", f"--devices_per_host={devices}", f"--steps={steps}",
-                     f"--workdir={workdir}", f"--store_root={store}", *COMMON, *flags,
+                     f"--workdir={workdir}", f"--store_root={store}", f"--ckpt={ckpt}",
+                     *COMMON, *flags,
                      timeout=400, env=env)
     if proc.returncode != 0:
         per_host = {h: [x for x in proc.stdout.splitlines() if x.startswith(f"[host {h}]")
@@ -79,6 +80,38 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     # Every host's store size reaches host 0 through the all-gathered statuses.
     per_host = checkpoints[-1]["store_kib_per_host"]
     assert len(per_host) == 2 and all(k * 1024 >= checkpoints[0]["bytes"] for k in per_host)
+
+
+@pytest.mark.parametrize("ckpt,flags", [("gemini", ("--profile_first_n=3",)),
+                                        ("capricorn", ())])
+def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, reference, ckpt,
+                                                                flags):
+    """The scheduled strategies move versions inside the step, re-partition
+    (capricorn: mid-run), commit every version, and recover from a host loss
+    bitwise like inmem."""
+    proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=7",
+                           "--kill_mode=host", *flags, audit=True, ckpt=ckpt)
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    assert 7 <= recovery["step"] <= STEPS
+    assert _losses(records) == reference
+    checkpoints = _events(records, "checkpoint")
+    assert {c["step"] for c in checkpoints} == set(range(1, STEPS + 1))
+    # A version moved inside a step carries every byte of the unscheduled one.
+    moved = [c for c in checkpoints if "moved_in_step" in c]
+    assert moved and all(c["moved_in_step"] == c["step"] for c in moved)
+    assert {c["bytes"] for c in checkpoints} == {checkpoints[0]["bytes"]}
+    repartitions = _events(records, "repartition")
+    assert repartitions and all(r["strategy"] == ckpt for r in repartitions)
+    for r in repartitions:
+        assert sum(r["window_bytes"]) + r["tail_bytes"] == checkpoints[0]["bytes"] // 2
+    if ckpt == "capricorn":
+        # Re-partitioned in the middle of the run, between versions moved in steps.
+        assert any(min(c["step"] for c in moved) < r["step"] < max(c["step"] for c in moved)
+                   for r in repartitions)
+    else:  # gemini schedules once per process, after its first n steps
+        assert len(repartitions) == 2
+    assert f"via tier {recovery['tier']}" in proc.stdout
 
 
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
