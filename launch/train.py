@@ -73,6 +73,11 @@ flags.DEFINE_string("profile", "",
                     "Layer profiling: off | every | first_n (the first --profile_first_n steps "
                     "once, Gemini) | speculative (when the dynamicity detector asks, Capricorn); "
                     "'' = the --ckpt strategy's policy (off for none and inmem).")
+flags.DEFINE_boolean("timeline", False,
+                     "Write WORKDIR/timeline.json (Chrome/Perfetto trace) and timeline.png: host "
+                     "0's last profiled iteration (layers, all-to-alls) with the checkpoint chunks "
+                     "of the schedule in force in it (gemini/capricorn), overflowing windows red. "
+                     "Needs a profiling policy.")
 flags.DEFINE_integer("profile_first_n", 20, "--profile=first_n: the steps profiled at the start.")
 flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
                    "--profile=speculative: a layer's drift score of the expert load (since the "
@@ -205,6 +210,9 @@ def _check_profile_flags() -> None:
     if FLAGS.ckpt in SCHEDULED and policy.value != STRATEGY_PROFILE[FLAGS.ckpt]:
         raise FlagError(f"--profile={FLAGS.profile}: --ckpt={FLAGS.ckpt} schedules from its own "
                         f"profiling policy, {STRATEGY_PROFILE[FLAGS.ckpt]}")
+    if FLAGS.timeline and policy is ProfilePolicy.OFF:
+        raise FlagError("--timeline draws a profiled iteration: it needs --profile (or "
+                        "--ckpt=gemini|capricorn)")
     if FLAGS.profile_first_n < 1:
         raise FlagError(f"--profile_first_n must be >= 1, got {FLAGS.profile_first_n}")
     if not 0.0 <= FLAGS.drift_threshold <= 1.0:
@@ -505,6 +513,23 @@ def _repartition(metrics: MetricsWriter, host: int, step: int, event: dict | Non
                  "tail", host, FLAGS.ckpt, step, sum(event["window_bytes"]), event["tail_bytes"])
 
 
+def _write_timeline(timeline) -> None:
+    """WORKDIR/timeline.json and .png from host 0's last warm profile."""
+    from capricorn_jax._src import timeline as timeline_lib
+    from launch.plot_timeline import render
+
+    if timeline is None:
+        logging.warning("--timeline: no warm profiled step in this run; nothing written")
+        return
+    profile, schedule = timeline
+    doc = timeline_lib.trace(profile, schedule, 0, title=f"{FLAGS.ckpt} {FLAGS.model}")
+    path = timeline_lib.write_trace(Path(FLAGS.workdir) / "timeline.json", doc)
+    png = render(doc, path.with_suffix(".png"))
+    over = doc["metadata"]["overflows"]
+    logging.info("timeline of step %d written to %s and %s; windows overflowed: %s",
+                 profile.step, path, png, [o["window"] for o in over] or "none")
+
+
 def _log_checkpoint(metrics: MetricsWriter, host: int, saved: dict) -> None:
     """The ``checkpoint`` event of a save (its ``step`` is the version saved)."""
     metrics.write({"event": "checkpoint", "step": saved["version"],
@@ -559,6 +584,7 @@ def train_worker(process_id: int) -> None:
         plain_step=strategy.unprofiled_step if scheduled else None, start=start)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     window_start, window_tokens = time.perf_counter(), 0
+    timeline = None  # (last warm profile, schedule in force during it)
     for step in range(start, FLAGS.steps):
         factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
         domain = data.domain
@@ -569,8 +595,13 @@ def train_worker(process_id: int) -> None:
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]
         profiling.log(step, tpe, profile, first_run)
+        if profile is not None and not first_run:
+            in_force = strategy.transfers.schedule if scheduled else None
+            timeline = (profile, in_force)
         if scheduled and profile is not None:
             _repartition(metrics, host, step, strategy.on_profile(step, profile, first_run))
+            if timeline is not None and timeline[0] is profile and timeline[1] is None:
+                timeline = (profile, strategy.transfers.schedule)
         saved = []
         if strategy is not None:
             host_state = {"data": data.state(), "max_routed": max_routed}
@@ -602,6 +633,8 @@ def train_worker(process_id: int) -> None:
         for event in final:
             _log_checkpoint(metrics, host, event)
         strategy.close()
+    if FLAGS.timeline and host == 0:
+        _write_timeline(timeline)
     if FLAGS.eval_sequences and corpus is not None:
         eval_fn = trainer.eval_loss_fn()
         per_domain = {}

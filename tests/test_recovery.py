@@ -83,7 +83,7 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
 
 
 @pytest.mark.parametrize("ckpt,flags", [("gemini", ("--profile_first_n=3",)),
-                                        ("capricorn", ())])
+                                        ("capricorn", ("--timeline",))])
 def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, reference, ckpt,
                                                                 flags):
     """The scheduled strategies move versions inside the step, re-partition
@@ -112,6 +112,9 @@ def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, referen
     else:  # gemini schedules once per process, after its first n steps
         assert len(repartitions) == 2
     assert f"via tier {recovery['tier']}" in proc.stdout
+    if "--timeline" in flags:
+        doc = json.loads((tmp_path / "w" / "timeline.json").read_text())
+        assert doc["metadata"]["scheduled"] and (tmp_path / "w" / "timeline.png").exists()
 
 
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
