@@ -179,7 +179,9 @@ class Scheduled(InMemory):
         self._moved = None
         self._host_states: dict[int, dict] = {}
         self._last_saved = -1
+        self._planned_on = None  # the profile the schedule in force was planned on
         self.repartitions: list[int] = []
+        self.gated = 0  # speculative activations vetoed: the schedule still fit
 
     def compiled(self, step: int, factors) -> bool:
         """Whether step ``step`` would run an already-compiled variant (bench)."""
@@ -231,30 +233,55 @@ class Scheduled(InMemory):
                 return None
             windows = windows_from_profile(profile)
         self.transfers.repartition(windows)
+        self._planned_on = profile
         self.repartitions.append(step)
         return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
                 "link_bytes_per_s": self.link.bytes_per_s,
                 "windows_s": [round(w.duration_s, 6) for w in windows]}
 
+    def at_risk(self, detector, tokens_per_expert) -> bool:
+        """Whether the schedule in force may overflow at this load (capricorn's
+        gate on the detector's activations; ``scheduling.schedule_at_risk``)."""
+        from capricorn_jax._src.scheduling import agree, schedule_at_risk
+
+        risk = schedule_at_risk(self.transfers.schedule, detector, tokens_per_expert,
+                                self._planned_on, self.trainer.cfg.moe_layers)
+        # Host 0's answer everywhere: the cost models are fitted on each host's
+        # own durations, and a profiled step (other collectives) must run on
+        # every host or on none. Called on every host at once: the detector's
+        # activation depends only on the (replicated) expert load.
+        risk = agree([float(risk)])[0] > 0.5
+        self.gated += not risk
+        return risk
+
     def step(self, step: int, factors, state, batch):
         """Runs training step ``step`` (0-based), deciding profiling itself (bench)."""
         import capricorn_jax
+        from capricorn_jax._src.scheduling import moe_segments
 
+        profile, cold = None, False
         if self._wants_profile():
             factors = tuple(float(f) for f in factors)
             cold = factors not in self._profiled_variants
             self._profiled_variants.add(factors)
-            profiled = capricorn_jax.make_profiled_step(self.trainer, factors)
+            profiled = capricorn_jax.make_profiled_step(
+                self.trainer, factors, capricorn_jax.gpt_moe_all_to_alls(self.trainer, factors))
             state, out, profile = profiled(state, batch)
             self.on_profile(step, profile, cold)
         else:
             state, out = self.unprofiled_step(step, factors, state, batch)
         if self.detector is not None:
             tpe = np.asarray(out["tokens_per_expert"])
+            if profile is not None:
+                layer_of = moe_segments(profile, self.trainer.cfg.moe_layers)
+                self.detector.record_profile(step, tpe, {} if cold else {
+                    (layer_of[(s.name, s.direction)], s.direction): s.duration_s
+                    for s in profile.segments if (s.name, s.direction) in layer_of})
             decision = self.detector.observe(step, tpe)
-            if self._profile_next:
-                self.detector.record_profile(step, tpe, {})
-            self._profile_next = decision.profile_next
+            # A cold profile is no measurement: profile again; else only when
+            # the load drifted and the schedule may no longer fit.
+            self._profile_next = cold or (decision.profile_next
+                                          and self.at_risk(self.detector, tpe))
         return state, out
 
     def save(self, step: int, state: Any, host_state: dict,

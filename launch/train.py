@@ -13,6 +13,7 @@ worker per host with ``--process_id`` and ``--coordinator`` yourself.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from capricorn_jax import (
     should_profile,
 )
 from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
+from capricorn_jax._src.scheduling import moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
@@ -402,15 +404,19 @@ class StepProfiling:
     profiled (default: the trainer's plain step; the scheduled strategies pass
     theirs, which moves a checkpoint version inside the step). ``start`` is the
     first step this process runs: first_n counts from it, so a restarted
-    process profiles again.
+    process profiles again. ``gate(tokens_per_expert)``, when given, may
+    veto a speculative activation (capricorn: only when the schedule in force
+    is at risk at this load, ``scheduling.schedule_at_risk``).
     """
 
     def __init__(self, policy: ProfilePolicy, trainer, metrics: MetricsWriter, first_n: int,
-                 detector_options: DetectorOptions, plain_step=None, start: int = 0):
+                 detector_options: DetectorOptions, plain_step=None, start: int = 0,
+                 gate=None):
         self.policy, self.trainer, self.metrics, self.first_n = policy, trainer, metrics, first_n
         self.plain_step = plain_step or (
             lambda step, factors, state, batch: trainer.step_fn(factors)(state, batch))
         self.start = start
+        self.gate = gate
         speculative = policy is ProfilePolicy.SPECULATIVE
         self.detector = DynamicityDetector(detector_options) if speculative else None
         self.iterations = FirstNProfiler(first_n) if policy is ProfilePolicy.FIRST_N else None
@@ -444,14 +450,7 @@ class StepProfiling:
 
     def moe_layer_of(self, profile) -> dict[tuple[str, str], int]:
         """{(segment name, direction): MoE layer index} of the MoE layers' segments."""
-        moe = self.trainer.cfg.moe_layers
-        first_boundary = profile.segments[0].name  # its fwd segment opens the step
-        out = {}
-        for seg in profile.segments:
-            name = first_boundary if seg.name == "tail" else seg.name
-            if name.startswith("block") and int(name[5:]) in moe:
-                out[(seg.name, seg.direction)] = moe.index(int(name[5:]))
-        return out
+        return moe_segments(profile, self.trainer.cfg.moe_layers)
 
     def log(self, step: int, tpe, profile, first: bool) -> None:
         """The step's profiling events; feeds the detector / first-n profiler."""
@@ -483,11 +482,17 @@ class StepProfiling:
                 if (layer := moe.get((s.name, s.direction))) is not None}
             self.detector.record_profile(step, tpe, durations)
         self.decision = self.detector.observe(step, tpe)
+        gated = False
+        if self.decision.profile_next and self.gate is not None and not self.gate(tpe):
+            # The load drifted but the schedule in force still fits its windows.
+            self.decision = dataclasses.replace(self.decision, profile_next=False)
+            gated = True
         self._reprofile = profile is not None and first
         self.metrics.write({
             "event": "detector", "step": step,
             "scores": [None if s == float("inf") else round(s, 5) for s in self.decision.scores],
             "profile_next": self.decision.profile_next, "repartition": self.decision.repartition,
+            "gated": gated,
         })
 
 
@@ -582,6 +587,8 @@ def train_worker(process_id: int) -> None:
         profile_policy(), trainer, metrics, FLAGS.profile_first_n,
         DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric),
         plain_step=strategy.unprofiled_step if scheduled else None, start=start)
+    if FLAGS.ckpt == "capricorn":
+        profiling.gate = lambda tpe: strategy.at_risk(profiling.detector, tpe)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     window_start, window_tokens = time.perf_counter(), 0
     timeline = None  # (last warm profile, schedule in force during it)

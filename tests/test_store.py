@@ -1,6 +1,7 @@
 """The host store: commit protocol, checksums, partial versions, isolation."""
 
 import os
+import threading
 
 import pytest
 
@@ -78,3 +79,25 @@ def test_wipe_forgets_everything(tmp_path):
     _write(store, 0, 1).commit({})
     store.wipe()
     assert store.versions(0) == [] and store.owners() == []
+
+
+def test_bytes_held_while_a_writer_prunes(tmp_path):
+    """The training thread walks the store while a writer commits and prunes."""
+    store = HostStore(tmp_path / "h0")
+    stop = threading.Event()
+
+    def churn():
+        step = 0
+        while not stop.is_set():
+            step += 1
+            _write(store, 0, step, (b"x" * 512,) * 4).commit({})
+            store.prune(0, {step})
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        sizes = [store.bytes_held() for _ in range(300)]
+    finally:
+        stop.set()
+        writer.join()
+    assert max(sizes) >= 2048

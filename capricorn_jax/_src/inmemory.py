@@ -26,6 +26,28 @@ consistent version survives any single host loss at any moment.
 Alternative not taken: a blocking save that returns when every replica is
 written. It is simpler but puts the peer's disk-less write and the slowest
 host on every step's critical path.
+
+Partial expert checkpointing (``InMemoryOptions.pec``; MoC-System): each
+version carries the non-expert state and K experts of every MoE layer, each
+with its Adam moments. The checkpointer owns the bookkeeping (a
+``pec.PltTracker`` fed with each step's ``tokens_per_expert``, the current
+K), the decision is ``pec.version_mask`` (dynamic K, then the policy's
+selection), and a version is packed with the plan of its per-device record
+count C (``packing.make_pec_plan``; one compiled pack + replicate program per
+C, the gather indices traced). A version with every expert (the first ones,
+or K = N) uses the full plan: bitwise the payload of a run without PEC. Every
+host takes the same decision, so a replica's manifest is written from the
+receiver's own record of the version (K, mask, the tracker, the versions a
+restore to it reads). Pruning keeps, per owner, the newest version, the safe
+one and the candidates of the last ``pec_window`` versions, with every
+version holding the newest copy of an expert for them
+(``pec.versions_to_keep``). The caller may pass its own ``expert_mask``
+(tests, external policies); the tracker still records it.
+
+Alternative not taken: the caller selecting experts and carrying the tracker
+in its host state (the trailer). The trailer would then differ between a PEC
+version with K = N and a full one, and a receiver could not prune a replica
+without decoding its payload.
 """
 
 from __future__ import annotations
@@ -40,9 +62,12 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src import placement
+from capricorn_jax._src import pec as pec_lib, placement
 from capricorn_jax._src.options import InMemoryOptions
-from capricorn_jax._src.packing import PackPlan, decode_trailer, encode_trailer, make_plan
+from capricorn_jax._src.packing import (
+    PackPlan, decode_trailer, encode_trailer, make_pec_plan, make_plan,
+)
+from capricorn_jax._src.pec import DynamicK, MoEShape, PecOptions, PltTracker
 from capricorn_jax._src.store import HostStore
 from capricorn_jax._src.transport import Transport, local_rows
 
@@ -67,6 +92,120 @@ class SaveReport:
     under_replicated: list[dict[str, int]]
     skipped: bool
     store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
+    pec_k: int | None = None
+    pec_plt: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PecVersion:
+    """One version under PEC, as every host decided it.
+
+    Attributes:
+      step: the version.
+      k: experts per MoE layer (the largest row of ``mask``).
+      mask: bool [L, N] the experts it carries.
+      gather: int32 [R, C] gather indices, or None for a full version.
+      plan, transport: the layout it is packed with and its program.
+      meta: the manifest's "pec" entry.
+    """
+
+    step: int
+    k: int
+    mask: np.ndarray
+    gather: np.ndarray | None
+    plan: PackPlan
+    transport: Transport
+    meta: dict[str, Any]
+
+
+class PecTier:
+    """The PEC bookkeeping of an InMemoryCheckpointer (see the module doc).
+
+    Args:
+      options: the PEC options.
+      model: the model's MoE shape (num_experts, top_k, moe_layers).
+      tokens_per_step: tokens of one training step (global batch x seq len).
+      ckpt: the checkpointer (its full plan, transport, mesh and rounds).
+    """
+
+    def __init__(self, options: PecOptions, model: MoEShape, tokens_per_step: int, ckpt):
+        options.check(model.num_experts)
+        axes = pec_lib.expert_leaf_axes(ckpt.abstract_state, model)
+        self.layers = [None if a is None else a.moe_layer for a in axes.values()]
+        self.shape = (len(model.moe_layers), model.num_experts)
+        self.tokens_per_step = tokens_per_step
+        self._ckpt = ckpt
+        self._transports: dict[int | None, Transport] = {None: ckpt.transport}
+        self.experts = make_pec_plan(ckpt.plan, self.layers, 1).experts  # the expert layout
+        self.ranks = self.experts.ranks
+        self.dyn = DynamicK(options, model.num_experts, self.ranks)
+        self.tracker = PltTracker(*self.shape, model.top_k)
+        self.k = options.k
+
+    def transport(self, count: int | None) -> Transport:
+        """The program of versions with ``count`` records per device (None: full)."""
+        if count not in self._transports:
+            ckpt = self._ckpt
+            plan = make_pec_plan(ckpt.plan, self.layers, count)
+            self._transports[count] = Transport(plan, ckpt.mesh, ckpt.state_shardings,
+                                                ckpt.rounds, ckpt.hosts + 1)
+        return self._transports[count]
+
+    def resume(self, tracker: PltTracker, k: int) -> None:
+        """Continues from ``tracker`` (restored, or fresh at a step) with K ``k``."""
+        if tracker.shape != self.shape:
+            raise ValueError(f"tracker of shape {tracker.shape}, the model has {self.shape}")
+        self.tracker, self.k = tracker, k
+
+    def plt(self) -> float:
+        """The PLT a restore now would leave (accumulated)."""
+        return self.tracker.plt(self.tracker.step * self.tokens_per_step)
+
+    def version(self, step: int, tokens_per_expert: Any, expert_mask: Any = None,
+                full: bool = False) -> PecVersion:
+        """Records version ``step`` (after observing its step) and returns it.
+
+        Args:
+          step: the version; must follow the tracker's step by one.
+          tokens_per_expert: [L, N] kept assignments of the step that made it.
+          expert_mask: bool [L, N] to save instead of the policy's choice.
+          full: save every expert (a version moved by the full plan).
+        """
+        if tokens_per_expert is None:
+            raise ValueError("PEC needs tokens_per_expert ([moe_layers, experts] of the step) "
+                             "with every save")
+        if step != self.tracker.step + 1:
+            raise ValueError(f"PEC version {step} does not follow step {self.tracker.step}: "
+                             f"save once per step, or call resume_pec first")
+        tracker = self.tracker.copy()
+        tracker.observe(tokens_per_expert)
+        k, mask = self._choose(tracker, tokens_per_expert, expert_mask, full)
+        tracker.on_saved(step, mask)
+        gather, _ = pec_lib.padded_gather_indices(mask, self.ranks)
+        count = None if mask.all() else gather.shape[1]
+        transport = self.transport(count)
+        needed, complete = pec_lib.version_needs(tracker.saved_step)
+        meta = {"k": k, "shape": list(self.shape), "mask": pec_lib.mask_to_hex(mask),
+                "count": count, "needed": list(needed), "complete": complete,
+                "tokens": step * self.tokens_per_step, "tracker": tracker.to_dict()}
+        self.tracker, self.k = tracker, k
+        return PecVersion(step, k, mask, None if count is None else gather,
+                          transport.plan, transport, meta)
+
+    def _choose(self, tracker: PltTracker, rate: Any, expert_mask: Any,
+                full: bool) -> tuple[int, np.ndarray]:
+        if full:
+            return self.shape[1], np.ones(self.shape, bool)
+        if expert_mask is None:
+            return pec_lib.version_mask(tracker, self.dyn, self.k, rate, self.tokens_per_step,
+                                        tracker.step)
+        mask = np.asarray(expert_mask)
+        if mask.shape != self.shape or mask.dtype != bool:
+            raise ValueError(f"expert_mask must be bool {self.shape}, got {mask.dtype} "
+                             f"{mask.shape}")
+        if not mask.any(axis=1).all():
+            raise ValueError("expert_mask selects no expert of some MoE layer")
+        return int(mask.sum(axis=1).max()), mask
 
 
 class InMemoryCheckpointer:
@@ -79,13 +218,21 @@ class InMemoryCheckpointer:
       state_shardings: the matching NamedShardings.
       host, hosts: this process's index and the process count.
       device_host: host of each mesh device; default: the devices' processes.
+      model: the model config (num_experts, top_k, moe_layers); PEC only.
+      tokens_per_step: tokens of one training step (global batch x sequence
+        length), the PLT's unit; PEC only.
     """
 
     def __init__(self, options: InMemoryOptions, mesh, abstract_state: Any,
                  state_shardings: Any, host: int, hosts: int,
-                 device_host: list[int] | None = None):
+                 device_host: list[int] | None = None, *, model: MoEShape | None = None,
+                 tokens_per_step: int = 0):
         if options.replicas > hosts:
             raise ValueError(f"replicas={options.replicas} exceeds the {hosts} hosts")
+        if options.pec is not None and (model is None or tokens_per_step < 1):
+            raise ValueError(f"InMemoryOptions.pec needs model= (num_experts, top_k, "
+                             f"moe_layers) and tokens_per_step= > 0, got model={model!r}, "
+                             f"tokens_per_step={tokens_per_step}")
         self.options, self.mesh, self.host, self.hosts = options, mesh, host, hosts
         self.abstract_state, self.state_shardings = abstract_state, state_shardings
         self.store = HostStore(Path(options.store_root) / options.job / f"host{host}")
@@ -95,9 +242,13 @@ class InMemoryCheckpointer:
                                         options.chunk_bytes, device_host)
         self.holders = placement.holders(hosts, options.replicas)
         self.sources = placement.replica_sources(hosts, options.replicas, host)
+        self.rounds = placement.send_rounds(hosts, options.replicas)
         # Status vector: newest version held of each owner, then the store's KiB.
-        self.transport = Transport(self.plan, mesh, state_shardings,
-                                   placement.send_rounds(hosts, options.replicas), hosts + 1)
+        self.transport = Transport(self.plan, mesh, state_shardings, self.rounds, hosts + 1)
+        self.pec: PecTier | None = None
+        if options.pec is not None:
+            self.pec = PecTier(options.pec, model, tokens_per_step, self)
+        self._pec_needs: dict[int, dict[int, tuple[tuple[int, ...], bool]]] = {}
         self._newest = {o: int((self.store.versions(o) or [-1])[-1]) for o in range(hosts)}
         self._replicated_everywhere = -1
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
@@ -130,29 +281,61 @@ class InMemoryCheckpointer:
             finally:
                 q.task_done()
 
-    def _write_version(self, owner: int, step: int, rows: list[np.ndarray],
-                       pause_halfway: bool = False) -> None:
+    def _write_version(self, owner: int, step: int, rows: list[np.ndarray], plan: PackPlan,
+                       pec_meta: dict | None, pause_halfway: bool = False) -> None:
         writer = self.store.begin(owner, step)
-        names = [(j, k) for j in range(len(rows)) for k in range(self.plan.num_chunks)]
+        names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
         for n, (j, k) in enumerate(names):
             if pause_halfway and n == len(names) // 2 and self.on_pause is not None:
                 self.on_pause(step)
-            lo, hi = self.plan.chunk_range(k)
+            lo, hi = plan.chunk_range(k)
             writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]))
-        writer.commit({
-            "fingerprint": self.plan.fingerprint(), "leaves": self.plan.leaf_table(),
-            "payload_bytes": self.plan.payload_bytes, "chunk_bytes": self.plan.chunk_bytes,
-            "devices": len(rows), "host_state": decode_trailer(self.plan, rows[0]),
-        })
+        meta = {
+            "fingerprint": plan.fingerprint(), "leaves": plan.leaf_table(),
+            "payload_bytes": plan.payload_bytes, "chunk_bytes": plan.chunk_bytes,
+            "devices": len(rows), "host_state": decode_trailer(plan, rows[0]),
+        }
+        if pec_meta is not None:
+            meta["pec"] = pec_meta
+        writer.commit(meta)
         self._newest[owner] = step
-        # Keep the newest version and the newest one every holder confirmed.
-        safe = [v for v in self.store.versions(owner) if v <= self._replicated_everywhere]
-        self.store.prune(owner, {step, *safe[-1:]})
+        self._prune(owner, step, pec_meta)
 
-    def _write_own(self, step: int, own) -> None:
-        self._write_version(self.host, step, local_rows(own, self.plan))
+    def _prune(self, owner: int, step: int, pec_meta: dict | None) -> None:
+        if self.pec is None:
+            # Keep the newest version and the newest one every holder confirmed.
+            safe = [v for v in self.store.versions(owner) if v <= self._replicated_everywhere]
+            self.store.prune(owner, {step, *safe[-1:]})
+            return
+        needs = self._stored_needs(owner, step, pec_meta)
+        keep = pec_lib.versions_to_keep(needs, step, self._replicated_everywhere,
+                                        self.options.pec_window)
+        self.store.prune(owner, keep)
+        cache = self._pec_needs[owner]
+        for v in set(cache) - keep:
+            del cache[v]
 
-    def _write_replicas(self, step: int, received: list) -> None:
+    def _stored_needs(self, owner: int, step: int, pec_meta: dict | None
+                      ) -> dict[int, tuple[tuple[int, ...], bool]]:
+        """{stored version of owner: (versions its restore reads, complete)}."""
+        cache = self._pec_needs.setdefault(owner, {})
+        if pec_meta is not None:
+            cache[step] = (tuple(pec_meta["needed"]), bool(pec_meta["complete"]))
+        out = {}
+        for v in self.store.versions(owner):
+            if v not in cache:
+                try:
+                    cache[v] = version_needs_of(self.store.manifest(owner, v), v)
+                except (OSError, ValueError):  # removed meanwhile, or unreadable: not kept
+                    continue
+            out[v] = cache[v]
+        return out
+
+    def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
+        self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
+
+    def _write_replicas(self, step: int, received: list, plan: PackPlan,
+                        pec_meta: dict | None) -> None:
         stall = self.options.stall_replica_writer_at
         if stall is not None and stall[0] == step:
             log.warning("host %d: fault injection: replica writer stalls %.1fs at step %d",
@@ -160,7 +343,8 @@ class InMemoryCheckpointer:
             time.sleep(stall[1])
         pause = self.options.pause_mid_replication_at == step
         for owner, array in zip(self.sources, received, strict=True):
-            self._write_version(owner, step, local_rows(array, self.plan), pause_halfway=pause)
+            self._write_version(owner, step, local_rows(array, plan), plan, pec_meta,
+                                pause_halfway=pause)
 
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
@@ -168,39 +352,90 @@ class InMemoryCheckpointer:
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
         return np.array([*newest, self._store_bytes // 1024], np.int64)
 
-    def save(self, step: int, state: Any, host_state: dict[str, Any]) -> SaveReport:
-        """Checkpoints ``state`` as version ``step`` (see the module docstring)."""
-        own, received, statuses = self.transport.replicate(
-            state, encode_trailer(host_state), self.status_vector())
-        return self._enqueue(step, own, received, statuses)
+    def save(self, step: int, state: Any, host_state: dict[str, Any], *,
+             tokens_per_expert: Any = None, expert_mask: Any = None) -> SaveReport:
+        """Checkpoints ``state`` as version ``step`` (see the module docstring).
+
+        Args:
+          step: the version (the number of steps ``state`` holds).
+          state: the train state.
+          host_state: this host's small JSON state (the trailer).
+          tokens_per_expert: PEC only, required: [moe_layers, experts] kept
+            assignments of the step that produced ``state``.
+          expert_mask: PEC only: bool [moe_layers, experts] to save instead of
+            the policy's choice.
+        """
+        trailer = encode_trailer(host_state)
+        if self.pec is None:
+            _refuse_pec_args(tokens_per_expert, expert_mask)
+            own, received, statuses = self.transport.replicate(state, trailer,
+                                                               self.status_vector())
+            return self._enqueue(step, own, received, statuses)
+        version = self.pec.version(step, tokens_per_expert, expert_mask)
+        own, received, statuses = version.transport.replicate(
+            state, trailer, self.status_vector(), version.gather)
+        return self._enqueue(step, own, received, statuses, version)
 
     def trailer_rows(self, host_state: dict[str, Any]):
         """The [devices, trailer] input of a scheduled step (InStepSender)."""
         return self.transport.rows_of(encode_trailer(host_state), np.uint8)
 
-    def save_transferred(self, step: int, own, received: list) -> SaveReport:
+    def save_transferred(self, step: int, own, received: list, *,
+                         tokens_per_expert: Any = None,
+                         version: PecVersion | None = None) -> SaveReport:
         """Commits version ``step`` whose payloads a scheduled step already moved.
 
         Args:
           step: the version (the state the scheduled step started from).
           own: [devices, payload] this host's packed payload (output of the step).
           received: one [devices, payload] array per replication round.
+          tokens_per_expert: PEC, when ``version`` is None: [moe_layers,
+            experts] of the step that produced version ``step``; the payloads
+            are then taken as packed with the full plan (a full version).
+          version: PEC: the version ``plan_pec_version`` decided, whose
+            ``transport.pack_local(leaves, trailer, gather)`` packed ``own``.
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
+        if self.pec is None:
+            _refuse_pec_args(tokens_per_expert, version)
+        elif version is None:
+            version = self.pec.version(step, tokens_per_expert, full=True)
+        elif version.step != step or tokens_per_expert is not None:
+            raise ValueError(f"version is PEC version {version.step} (already recorded, no "
+                             f"tokens_per_expert), saving {step}")
         statuses = self.transport.gather_status(self.status_vector())
-        return self._enqueue(step, own, received, statuses)
+        return self._enqueue(step, own, received, statuses, version)
 
-    def _enqueue(self, step: int, own, received: list, statuses) -> SaveReport:
+    def plan_pec_version(self, step: int, tokens_per_expert: Any,
+                         expert_mask: Any = None) -> PecVersion:
+        """PEC: decides and records version ``step`` without moving it, for a
+        scheduled step that packs it (``version.transport``, ``version.gather``)
+        and ``save_transferred(..., version=...)`` that commits it."""
+        if self.pec is None:
+            raise ValueError("plan_pec_version needs PEC (InMemoryOptions.pec)")
+        return self.pec.version(step, tokens_per_expert, expert_mask)
+
+    def resume_pec(self, tracker: PltTracker, k: int | None = None) -> None:
+        """PEC: continue from ``tracker`` (e.g. ``PltTracker(L, N, top_k, step)``
+        after a restore from another tier at ``step``); ``recover`` calls it."""
+        if self.pec is None:
+            raise ValueError("resume_pec needs PEC (InMemoryOptions.pec)")
+        self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k)
+
+    def _enqueue(self, step: int, own, received: list, statuses,
+                 version: PecVersion | None = None) -> SaveReport:
         if self._errors:
             raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
+        plan = self.plan if version is None else version.plan
+        meta = None if version is None else version.meta
         report = self._read_statuses()
         self._last_statuses = statuses
         for array in (own, *received):
             array.copy_to_host_async()  # start the device-to-host copy now; writers read it
         skipped = False
         try:
-            self._own_q.put((step, own), timeout=self.options.writer_timeout_s)
+            self._own_q.put((step, own, plan, meta), timeout=self.options.writer_timeout_s)
             self._pending[step] = time.monotonic()
         except queue.Full:
             skipped = True
@@ -208,12 +443,14 @@ class InMemoryCheckpointer:
                         self.options.writer_timeout_s, step)
         if received:
             try:
-                self._rep_q.put_nowait((step, received))
+                self._rep_q.put_nowait((step, received, plan, meta))
             except queue.Full:
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
         report.step, report.skipped = step, skipped
-        report.bytes = self.plan.payload_bytes * len(self.plan.host_positions(self.host))
+        report.bytes = plan.payload_bytes * len(plan.host_positions(self.host))
+        if version is not None:
+            report.pec_k, report.pec_plt = version.k, self.pec.plt()
         return report
 
     def _read_statuses(self) -> SaveReport:
@@ -262,3 +499,18 @@ class InMemoryCheckpointer:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
+
+
+def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:
+    if tokens_per_expert is not None or other is not None:
+        raise ValueError("tokens_per_expert, expert_mask and version are for PEC "
+                         "(InMemoryOptions.pec); this checkpointer saves whole versions")
+
+
+def version_needs_of(manifest: dict[str, Any], step: int) -> tuple[tuple[int, ...], bool]:
+    """(versions a restore to this version reads, complete) from its manifest;
+    a version saved without PEC reads itself only."""
+    pec = manifest.get("pec")
+    if pec is None:
+        return (step,), True
+    return tuple(int(v) for v in pec["needed"]), bool(pec["complete"])

@@ -1,8 +1,16 @@
-"""Options of the in-memory tier, one frozen dataclass per concern."""
+"""Options of the in-memory tier, one frozen dataclass per concern.
+
+Partial expert checkpointing has its own options (``pec.PecOptions``: K,
+policy, PLT threshold); the in-memory tier turns it on through
+``InMemoryOptions.pec``, the model's shape and tokens per step being given to
+the checkpointer (they are the model's, not the tier's).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+
+from capricorn_jax._src.pec import PecOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +32,12 @@ class InMemoryOptions:
         host's replica writer, simulating a peer that stops answering.
       pause_mid_replication_at: fault injection: at this step the replica
         writer stops halfway through a version and calls ``on_pause``.
+      pec: partial expert checkpointing (None: every version is the whole
+        state, as without PEC); with it each version carries the non-expert
+        state and K experts of every MoE layer (``InMemoryCheckpointer``).
+      pec_window: under PEC, how many versions before the newest stay
+        candidates for the safe version while replication lags
+        (``pec.versions_to_keep``).
     """
 
     store_root: str
@@ -34,6 +48,8 @@ class InMemoryOptions:
     writer_timeout_s: float = 60.0
     stall_replica_writer_at: tuple[int, float] | None = None
     pause_mid_replication_at: int | None = None
+    pec: PecOptions | None = None
+    pec_window: int = 2
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -42,3 +58,7 @@ class InMemoryOptions:
             raise ValueError(f"chunk_bytes must be >= 1024, got {self.chunk_bytes}")
         if not self.job or "/" in self.job:
             raise ValueError(f"job must be a non-empty name without '/', got {self.job!r}")
+        if self.pec is not None and not isinstance(self.pec, PecOptions):
+            raise ValueError(f"pec must be a PecOptions or None, got {self.pec!r}")
+        if self.pec_window < 0:
+            raise ValueError(f"pec_window must be >= 0, got {self.pec_window}")

@@ -17,6 +17,22 @@ Alternative not taken: serializing each shard on the host and shipping bytes
 from there (jax.experimental.transfer). Packing on the device keeps the bytes
 on the link the all-to-all uses and lets later schedules place each chunk's
 collective-permute at a chosen layer boundary inside the step.
+
+Partial expert checkpointing (``make_pec_plan``): a PEC version carries every
+non-expert leaf (laid out as in the full plan) and, of the expert leaves, only
+C *expert records* per device, one record being everything of one local expert
+(its slice of every expert leaf of its MoE layer: parameters and Adam moments,
+concatenated; the records of all layers are padded to one size). Which
+records a device carries is a gather with indices that are an *input* of the
+packing program (``pec.padded_gather_indices``), so a new expert selection
+with the same C reuses the compiled program; there is one plan (and one
+compiled variant) per C, and C = ceil(K*L/R) under the sequential policy.
+The full plan stays the layout of K = N versions, so those are bitwise the
+payloads of a run without PEC. Alternative not taken: one segment per expert
+leaf, gathered leaf by leaf: an expert-parallel rank's share of a single
+layer's K experts is not constant (the sequential policy balances the ranks
+over all layers together, not per layer), so per-leaf segments would be
+padded to the busiest rank of each layer.
 """
 
 from __future__ import annotations
@@ -47,6 +63,47 @@ class LeafSlot:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertSegment:
+    """Where a PEC plan puts the selected experts' records (see the module doc).
+
+    Attributes:
+      leaves: plan indices of the expert leaves, in plan order.
+      layers: the MoE layer of each of them.
+      num_layers: MoE layers L.
+      local_experts: experts of a layer each device holds (N/R).
+      count: records each device carries (C).
+      record_offsets: where each expert leaf's slice of one expert starts in
+        its layer's record.
+      slice_bytes: bytes of one expert's slice of each expert leaf.
+      record_bytes: bytes of one record (the largest layer's; others padded).
+      offset: where the segment starts in every payload.
+      segment: bytes of the segment in every payload.
+      expert_rank: expert-parallel rank of each mesh device (its experts are
+        rank*N/R .. (rank+1)*N/R - 1 of every layer).
+      member: which segment-sized byte range of its gathered records device p
+        carries (devices of one host holding the same experts split them).
+    """
+
+    leaves: tuple[int, ...]
+    layers: tuple[int, ...]
+    num_layers: int
+    local_experts: int
+    count: int
+    record_offsets: tuple[int, ...]
+    slice_bytes: tuple[int, ...]
+    record_bytes: int
+    offset: int
+    segment: int
+    expert_rank: tuple[int, ...]
+    member: tuple[int, ...]
+
+    @property
+    def ranks(self) -> int:
+        """Expert-parallel ranks R."""
+        return max(self.expert_rank) + 1
+
+
+@dataclasses.dataclass(frozen=True)
 class PackPlan:
     """The payload layout of a state pytree over a mesh.
 
@@ -58,6 +115,9 @@ class PackPlan:
       device_host: host index of each mesh device (mesh.devices.flat order).
       ranks: ranks[i][p]: which byte range of leaf i's block device p carries.
       block_keys: block_keys[i][p]: the block (index) of leaf i on device p.
+      experts: the expert segment of a PEC plan (None: a full plan). In a PEC
+        plan the expert leaves' slots have segment 0 (their bytes are in the
+        expert segment) and ``unpack`` refuses the plan (``unpack_pec``).
     """
 
     leaves: tuple[LeafSlot, ...]
@@ -67,6 +127,7 @@ class PackPlan:
     device_host: tuple[int, ...]
     ranks: tuple[tuple[int, ...], ...]
     block_keys: tuple[tuple[tuple, ...], ...]
+    experts: ExpertSegment | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -90,6 +151,8 @@ class PackPlan:
     def fingerprint(self) -> str:
         doc = {"leaves": [dataclasses.asdict(s) for s in self.leaves],
                "chunk": self.chunk_bytes, "hosts": self.device_host, "ranks": self.ranks}
+        if self.experts is not None:  # full plans keep the fingerprint they always had
+            doc["experts"] = dataclasses.asdict(self.experts)
         return hashlib.sha256(json.dumps(doc, default=list).encode()).hexdigest()[:16]
 
 
@@ -140,6 +203,89 @@ def make_plan(abstract: Any, shardings: Any, mesh: jax.sharding.Mesh, chunk_byte
     return PackPlan(tuple(slots), chunk_bytes, payload, offset, hosts, tuple(ranks), tuple(keys))
 
 
+def _expert_layout(base: PackPlan, idx: list[int]) -> tuple[tuple, int, tuple[int, ...]]:
+    """(the experts-axis range of each device, N/R, member ranks), checked equal
+    for every expert leaf (the same expert sharding, no other axis split)."""
+    first = idx[0]
+    ranges = tuple(base.block_keys[first][p][0] for p in range(len(base.device_host)))
+    local = ranges[0][1] - ranges[0][0]
+    num_experts = base.leaves[first].shape[0]
+    for i in idx:
+        slot = base.leaves[i]
+        if not slot.shape or slot.shape[0] != num_experts:
+            raise ValueError(f"expert leaf {slot.path}: shape {slot.shape} has no leading "
+                             f"experts axis of {num_experts}")
+        for p, key in enumerate(base.block_keys[i]):
+            whole = all(k == (0, n) for k, n in zip(key[1:], slot.shape[1:], strict=True))
+            if key[0] != ranges[p] or not whole:
+                raise ValueError(f"expert leaf {slot.path} is sharded unlike "
+                                 f"{base.leaves[first].path} (block {key} on device {p}); "
+                                 f"PEC needs every expert leaf split over its experts axis only")
+        if base.ranks[i] != base.ranks[first]:
+            raise ValueError(f"expert leaf {slot.path}: its blocks are shared unlike "
+                             f"{base.leaves[first].path}'s")
+    if any(b - a != local for a, b in ranges):
+        raise ValueError(f"expert blocks of {base.leaves[first].path} differ in size: {ranges}")
+    return ranges, local, base.ranks[first]
+
+
+def _record_layout(layers: list[int], slice_bytes: list[int]) -> tuple[tuple[int, ...], int]:
+    """(offset of each expert leaf's slice in its layer's record, record bytes:
+    the largest layer's)."""
+    offsets, used = [], dict.fromkeys(layers, 0)
+    for layer, size in zip(layers, slice_bytes, strict=True):
+        offsets.append(used[layer])
+        used[layer] += size
+    return tuple(offsets), max(used.values())
+
+
+def make_pec_plan(base: PackPlan, expert_layers: list[int | None], count: int) -> PackPlan:
+    """The layout of PEC versions carrying ``count`` expert records per device.
+
+    Args:
+      base: the full plan of the state (``make_plan``).
+      expert_layers: per leaf of ``base`` (plan order), its MoE layer, or None
+        for a non-expert leaf (``pec.expert_leaf_axes``).
+      count: records per device, C (``pec.padded_gather_indices``' width).
+
+    Returns:
+      A PackPlan with ``experts`` set: the non-expert slots of ``base`` (same
+      segments, packed together), then the expert segment, then the trailer.
+    """
+    if base.experts is not None:
+        raise ValueError("base must be a full plan, got a PEC plan")
+    if len(expert_layers) != len(base.leaves):
+        raise ValueError(f"expert_layers has {len(expert_layers)} entries for "
+                         f"{len(base.leaves)} leaves")
+    idx = [i for i, layer in enumerate(expert_layers) if layer is not None]
+    if not idx:
+        raise ValueError("the state has no expert leaves; PEC has nothing to select")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    ranges, local, member = _expert_layout(base, idx)
+    layers = [int(expert_layers[i]) for i in idx]
+    slice_bytes = [base.leaves[i].block_bytes // local for i in idx]
+    offsets, record = _record_layout(layers, slice_bytes)
+    groups: dict[tuple, int] = {}
+    for p, key in enumerate(ranges):
+        groups[(base.device_host[p], key)] = groups.get((base.device_host[p], key), 0) + 1
+    segment = math.ceil(count * record / min(groups.values()))
+    offset = sum(s.segment for i, s in enumerate(base.leaves) if expert_layers[i] is None)
+    end = offset + segment
+    slots, at = [], 0
+    for i, slot in enumerate(base.leaves):
+        if expert_layers[i] is None:
+            slots.append(dataclasses.replace(slot, offset=at))
+            at += slot.segment
+        else:  # its bytes live in the expert segment
+            slots.append(dataclasses.replace(slot, offset=offset, segment=0))
+    experts = ExpertSegment(tuple(idx), tuple(layers), max(layers) + 1, local, count, offsets,
+                            tuple(slice_bytes), record, offset, segment,
+                            tuple(a // local for a, _ in ranges), member)
+    return dataclasses.replace(base, leaves=tuple(slots), payload_bytes=end + TRAILER_BYTES,
+                               trailer_offset=end, experts=experts)
+
+
 def encode_trailer(host_state: dict[str, Any]) -> np.ndarray:
     raw = json.dumps(host_state, separators=(",", ":")).encode()
     if len(raw) > TRAILER_BYTES:
@@ -154,11 +300,46 @@ def decode_trailer(plan: PackPlan, payload: np.ndarray) -> dict[str, Any]:
     return json.loads(raw.rstrip(b"\0").decode() or "{}")
 
 
+def _group(plan: PackPlan, i: int, positions: list[int], p: int) -> list[int]:
+    """The devices of ``positions`` holding leaf i's block of device p, by rank."""
+    key = plan.block_keys[i][p]
+    return sorted((q for q in positions if plan.block_keys[i][q] == key),
+                  key=lambda q: plan.ranks[i][q])
+
+
+def _leaf_blocks(plan: PackPlan, i: int, positions: list[int],
+                 rows: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """Leaf i's block on each of ``positions`` from their payloads (by position)."""
+    slot = plan.leaves[i]
+    cache: dict[tuple, np.ndarray] = {}
+    out = {}
+    for p in positions:
+        key = plan.block_keys[i][p]
+        if key not in cache:
+            raw = np.concatenate([rows[q][slot.offset: slot.offset + slot.segment]
+                                  for q in _group(plan, i, positions, p)])[: slot.block_bytes]
+            cache[key] = raw.view(np.dtype(slot.dtype)).reshape(slot.block_shape)
+        out[p] = cache[key]
+    return out
+
+
+def _owner_rows(plan: PackPlan, owner: int, payloads: list[np.ndarray]
+                ) -> tuple[list[int], dict[int, np.ndarray]]:
+    positions = plan.host_positions(owner)
+    if len(payloads) != len(positions):
+        raise ValueError(f"host {owner} has {len(positions)} devices, got {len(payloads)} payloads")
+    for row in payloads:
+        if row.shape != (plan.payload_bytes,):
+            raise ValueError(f"payload of shape {row.shape}, the plan's has "
+                             f"{plan.payload_bytes} bytes")
+    return positions, dict(zip(positions, payloads, strict=True))
+
+
 def unpack(plan: PackPlan, owner: int, payloads: list[np.ndarray]) -> dict[int, list[np.ndarray]]:
     """The shard blocks of ``owner``'s devices from its device payloads.
 
     Args:
-      plan: the layout the payloads were packed with.
+      plan: the (full) layout the payloads were packed with.
       owner: the host whose payloads these are.
       payloads: one uint8 [payload_bytes] array per device of ``owner``, in
         local order.
@@ -166,23 +347,65 @@ def unpack(plan: PackPlan, owner: int, payloads: list[np.ndarray]) -> dict[int, 
     Returns:
       {mesh position: [block of each leaf]} for each of owner's devices.
     """
-    positions = plan.host_positions(owner)
-    if len(payloads) != len(positions):
-        raise ValueError(f"host {owner} has {len(positions)} devices, got {len(payloads)} payloads")
-    local = {p: j for j, p in enumerate(positions)}
+    if plan.experts is not None:
+        raise ValueError("a PEC plan's payloads hold some experts only: use unpack_pec")
+    positions, rows = _owner_rows(plan, owner, payloads)
     out: dict[int, list[np.ndarray]] = {p: [] for p in positions}
-    for i, slot in enumerate(plan.leaves):
-        cache: dict[tuple, np.ndarray] = {}
-        for p in positions:
-            key = plan.block_keys[i][p]
-            if key not in cache:
-                members = sorted((q for q in positions if plan.block_keys[i][q] == key),
-                                 key=lambda q: plan.ranks[i][q])
-                raw = np.concatenate([
-                    payloads[local[q]][slot.offset: slot.offset + slot.segment] for q in members
-                ])[: slot.block_bytes]
-                cache[key] = raw.view(np.dtype(slot.dtype)).reshape(slot.block_shape)
-            out[p].append(cache[key])
+    for i in range(len(plan.leaves)):
+        for p, block in _leaf_blocks(plan, i, positions, rows).items():
+            out[p].append(block)
+    return out
+
+
+def unpack_pec(plan: PackPlan, owner: int, payloads: list[np.ndarray], gather: np.ndarray
+               ) -> tuple[dict[int, list[np.ndarray | None]],
+                          dict[int, dict[tuple[int, int], np.ndarray]]]:
+    """The non-expert blocks and the carried experts of a PEC version.
+
+    Args:
+      plan: the PEC plan the payloads were packed with.
+      owner: the host whose payloads these are.
+      payloads: one uint8 [payload_bytes] array per device of ``owner``.
+      gather: int32 [R, C] the version's gather indices (-1: an empty slot).
+
+    Returns:
+      ({position: [block of each leaf, None for expert leaves]},
+       {position: {(leaf index, local expert j): the leaf's slice of expert j}}).
+    """
+    ep = plan.experts
+    if ep is None:
+        raise ValueError("unpack_pec needs a PEC plan; a full plan's payloads go to unpack")
+    if gather.shape != (ep.ranks, ep.count):
+        raise ValueError(f"gather indices of shape {gather.shape}, the plan carries "
+                         f"{(ep.ranks, ep.count)}")
+    positions, rows = _owner_rows(plan, owner, payloads)
+    blocks: dict[int, list[np.ndarray | None]] = {p: [None] * len(plan.leaves) for p in positions}
+    for i in range(len(plan.leaves)):
+        if i not in ep.leaves:
+            for p, block in _leaf_blocks(plan, i, positions, rows).items():
+                blocks[p][i] = block
+    return blocks, {p: _expert_slices(plan, positions, rows, p, gather) for p in positions}
+
+
+def _expert_slices(plan: PackPlan, positions: list[int], rows: dict[int, np.ndarray], p: int,
+                   gather: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    ep = plan.experts
+    assert ep is not None
+    members = sorted((q for q in positions if ep.expert_rank[q] == ep.expert_rank[p]),
+                     key=lambda q: ep.member[q])
+    raw = np.concatenate([rows[q][ep.offset: ep.offset + ep.segment] for q in members])
+    records = raw[: ep.count * ep.record_bytes].reshape(ep.count, ep.record_bytes)
+    out = {}
+    for c, index in enumerate(gather[ep.expert_rank[p]]):
+        if index < 0:
+            continue
+        layer, j = divmod(int(index), ep.local_experts)
+        for n, i in enumerate(ep.leaves):
+            if ep.layers[n] == layer:
+                slot = plan.leaves[i]
+                lo = ep.record_offsets[n]
+                out[(i, j)] = records[c, lo: lo + ep.slice_bytes[n]].view(
+                    np.dtype(slot.dtype)).reshape(slot.block_shape[1:])
     return out
 
 

@@ -17,7 +17,11 @@ deterministic, on plain numpy data ([moe_layers, experts] arrays):
 * ``restore_plan``: the step each expert is restored from and the PLT;
 * ``expert_leaf_axes`` / ``state_bytes``: which train-state leaves are expert
   leaves (params and the optax moments that mirror them) and the bytes a
-  version moves for a given K.
+  version moves for a given K;
+* for the in-memory tier's versions: ``version_mask`` (the K and experts of
+  the next version), ``padded_gather_indices`` (its per-rank gather indices,
+  padded to a fixed count), ``version_needs`` (the versions a restore to it
+  reads) and ``versions_to_keep`` (the pruning policy of a store).
 
 Design choice: the unit of selection is the *expert* (one (layer, expert)
 pair), never a leaf: an expert's ``w_in``, ``w_out`` and their Adam ``mu`` and
@@ -686,3 +690,131 @@ def pec_bytes(tree: Any, cfg: MoEShape, k: int,
               rule: ExpertLeafRule = ExpertLeafRule()) -> int:
     """Bytes per PEC version with k experts per layer (see PecBytes.per_version)."""
     return state_bytes(tree, cfg, rule).per_version(k)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def padded_gather_indices(mask: ArrayLike, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """``local_gather_indices`` for unequal per-rank counts, padded to the largest.
+
+    A fixed-size device payload carries C = max per-rank count experts on every
+    device; a rank with fewer selected experts fills its other slots with -1
+    (the packer leaves those records zero, the unpacker skips them).
+
+    Args:
+      mask: bool [L, N].
+      ranks: expert-parallel ranks R (must divide N).
+
+    Returns:
+      (int32 [R, C] ascending indices into each rank's [L * N/R] local stack,
+      then -1s; int64 [R] the real count of each row).
+    """
+    mask = np.asarray(mask, bool)
+    counts = rank_counts(mask, ranks)
+    local = mask.shape[1] // ranks
+    by_rank = mask.reshape(mask.shape[0], ranks, local).transpose(1, 0, 2).reshape(ranks, -1)
+    out = np.full((ranks, int(counts.max())), -1, np.int32)
+    for r, row in enumerate(by_rank):
+        picked = np.flatnonzero(row)
+        out[r, : picked.size] = picked
+    return out, counts
+
+
+def version_mask(tracker: PltTracker, dyn: DynamicK, k_current: int, rate: ArrayLike,
+                 tokens_per_step: int, version: int) -> tuple[int, np.ndarray]:
+    """The K and experts of the version at ``tracker.step`` (pure).
+
+    Call it after ``tracker.observe`` of the version's step and before
+    ``tracker.on_saved``: the K comes from ``dyn.next_k`` (full while some
+    expert has no copy), the experts from ``select_experts``.
+
+    Args:
+      tracker: the PLT tracker, the version's step observed.
+      dyn: the dynamic-K policy (options, experts, ranks).
+      k_current: the K of the previous version.
+      rate: [L, N] assignments per step expected (the step's own counts).
+      tokens_per_step: tokens of one step (global batch x sequence length).
+      version: the version's index (its step: one version per step).
+
+    Returns:
+      (k, bool [L, N] mask with k experts per layer).
+    """
+    layers, experts = tracker.shape
+    k = dyn.next_k(k_current, tracker, rate, tracker.step * tokens_per_step, tokens_per_step,
+                   version)
+    mask = select_experts(dyn.options.policy, k, num_layers=layers, num_experts=experts,
+                          version=version, ranks=dyn.ranks, since_save=tracker.since_save)
+    return k, mask
+
+
+def version_needs(saved_step: ArrayLike) -> tuple[tuple[int, ...], bool]:
+    """The versions a restore to a version reads, from its tracker's ``saved_step``.
+
+    Returns:
+      (the distinct steps of the experts' newest copies, ascending; whether
+      every expert has one, i.e. whether the version can be restored at all).
+    """
+    saved = np.asarray(saved_step, np.int64)
+    return tuple(int(s) for s in np.unique(saved[saved >= 0])), bool(np.all(saved >= 0))
+
+
+def versions_to_keep(needs: Mapping[int, tuple[Sequence[int], bool]], newest: int,
+                     replicated: int, window: int = 2) -> set[int]:
+    """The versions of one owner a store keeps under PEC (pure).
+
+    A version is *restorable* when every expert has a copy (``complete``) and
+    every version its restore reads is stored. Roots: the newest version; the
+    *safe* one (the newest restorable version at or before ``replicated``,
+    the newest step every holder confirmed); and the restorable versions among
+    the ``window`` before the newest (the candidates to become safe while
+    replication lags by up to ``window`` versions). The store keeps the roots
+    and every version a root reads. With the sequential policy at a constant
+    K and replication lagging by at most ``window``, that is at most
+    ceil(N/K) + window versions (ceil(N/K) consecutive versions hold every
+    expert); a longer lag adds the safe version's own needs (at most
+    2 * ceil(N/K) + window), until replication catches up.
+
+    Alternative not taken: keeping every version after the safe one, which
+    also survives any lag but grows without bound while a peer stalls.
+
+    Args:
+      needs: {stored step: (steps its restore reads, complete)} (version_needs).
+      newest: the version just written (must be stored).
+      replicated: the newest step every holder confirmed (-1: none).
+      window: how many versions before the newest stay candidates.
+
+    Returns:
+      The steps to keep.
+    """
+    if newest not in needs:
+        raise ValueError(f"newest version {newest} is not among the stored {sorted(needs)}")
+    stored = set(needs)
+
+    def restorable(v: int) -> bool:
+        steps, complete = needs[v]
+        return complete and set(steps) <= stored
+
+    safe = max((v for v in stored if v <= min(replicated, newest) and restorable(v)),
+               default=None)
+    roots = {newest} | ({safe} if safe is not None else set())
+    roots |= {v for v in stored if newest - window <= v < newest and restorable(v)
+              and (safe is None or v > safe)}
+    keep = set(roots)
+    for root in roots:
+        keep |= set(needs[root][0]) & stored
+    return keep
+
+
+def mask_to_hex(mask: ArrayLike) -> str:
+    """A bool [L, N] mask as a hex string (row-major bits; for manifests)."""
+    return np.packbits(np.asarray(mask, bool).reshape(-1)).tobytes().hex()
+
+
+def mask_from_hex(text: str, shape: tuple[int, int]) -> np.ndarray:
+    """The mask ``mask_to_hex`` wrote, of ``shape``."""
+    bits = np.unpackbits(np.frombuffer(bytes.fromhex(text), np.uint8))
+    size = shape[0] * shape[1]
+    if bits.size < size or bits[size:].any():
+        raise ValueError(f"mask {text!r} does not encode a {shape} mask")
+    return bits[:size].astype(bool).reshape(shape)

@@ -11,6 +11,20 @@
    ``Transport.serve`` collective-permutes (tier ``peer``), in rounds in which
    each server sends one owner's payload.
 
+Under partial expert checkpointing (the checkpointer's ``pec``), a version
+holds K experts per MoE layer, so a restore reads several versions: the
+restore point s for the non-expert state, and for each expert its newest copy
+at or before s, parameters and Adam moments alike (``pec.restore_plan``).
+Each version's manifest records the versions a restore to it reads (from the
+tracker saved with it), so the decision (``choose_pec_version``, pure) is:
+the newest complete s such that s and every version it reads are held, for
+every owner, by some host. Every needed version then moves like a single
+one (local read or serve rounds, one version after the other, with the
+transport of that version's layout), and the state is assembled expert by
+expert. The tracker saved with s gives the PLT of the restore and becomes the
+checkpointer's tracker. With K = N everywhere the restore reads s alone, as
+without PEC.
+
 Design choice: agreement through a collective rather than the jax.distributed
 key-value store; the key-value client is a private JAX API, and every host
 must run the serve collectives anyway.
@@ -27,9 +41,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.packing import check_compatible, decode_trailer, unpack
+from capricorn_jax._src import pec as pec_lib
+from capricorn_jax._src.packing import (
+    PackPlan, check_compatible, decode_trailer, unpack, unpack_pec,
+)
 from capricorn_jax._src.store import ChecksumError
-from capricorn_jax._src.transport import assemble, local_rows
+from capricorn_jax._src.transport import Transport, assemble, local_rows
 
 log = logging.getLogger("capricorn_jax")
 _INVENTORY_BYTES = 1 << 16
@@ -47,6 +64,7 @@ class Recovered:
       tiers: the tier of every host.
       seconds: wall time of the recovery on the slowest host.
       bytes_moved: payload bytes moved between hosts, all hosts together.
+      pec: under PEC, where the experts came from and the PLT; else None.
     """
 
     state: Any
@@ -56,6 +74,39 @@ class Recovered:
     tiers: list[str]
     seconds: float
     bytes_moved: int
+    pec: PecRestore | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PecRestore:
+    """What a PEC restore took from where (``Recovered.pec``).
+
+    Attributes:
+      plt: the portion of lost tokens of this restore (``pec.RestorePlan``).
+      accumulated_plt: the same with the earlier restores included.
+      source: [L][N] the step each expert (its parameters and its optimizer
+        state alike) was restored from.
+      versions: the versions read: the restore point and every expert source.
+      k: experts per layer of the restore point's version.
+    """
+
+    plt: float
+    accumulated_plt: float
+    source: list[list[int]]
+    versions: list[int]
+    k: int
+
+
+def _servers_at(inventories: list[dict[int, list[int]]], step: int, hosts: int
+                ) -> dict[int, int] | None:
+    """{owner: serving host} for ``step``, preferring the owner; None if some owner lacks it."""
+    sources = {}
+    for owner in range(hosts):
+        have = [x for x in range(hosts) if step in inventories[x].get(owner, [])]
+        if not have:
+            return None
+        sources[owner] = owner if owner in have else have[0]
+    return sources
 
 
 def choose_version(inventories: list[dict[int, list[int]]], hosts: int
@@ -71,14 +122,37 @@ def choose_version(inventories: list[dict[int, list[int]]], hosts: int
     """
     steps = sorted({s for inv in inventories for v in inv.values() for s in v}, reverse=True)
     for step in steps:
-        sources = {}
-        for owner in range(hosts):
-            have = [x for x in range(hosts) if step in inventories[x].get(owner, [])]
-            if not have:
-                break
-            sources[owner] = owner if owner in have else have[0]
-        else:
+        sources = _servers_at(inventories, step, hosts)
+        if sources is not None:
             return step, sources
+    return None
+
+
+def choose_pec_version(inventories: list[dict[int, list[int]]],
+                       needs: dict[int, tuple[list[int], bool]], hosts: int
+                       ) -> tuple[int, dict[int, dict[int, int]]] | None:
+    """The newest PEC restore point every owner can be assembled at.
+
+    Args:
+      inventories: inventories[x][o]: verified steps of owner o in host x's store.
+      needs: {step: (versions a restore to it reads, complete)} from the manifests.
+      hosts: number of hosts.
+
+    Returns:
+      (step, {version read: {owner: serving host}}) or None.
+    """
+    for step in sorted(needs, reverse=True):
+        needed, complete = needs[step]
+        if not complete:
+            continue
+        servers = {}
+        for version in sorted({*needed, step}):
+            got = _servers_at(inventories, version, hosts)
+            if got is None:
+                break
+            servers[version] = got
+        else:
+            return step, servers
     return None
 
 
@@ -128,22 +202,60 @@ def _allgather_json(doc: Any, hosts: int) -> list[Any]:
     return [json.loads(row.tobytes().rstrip(b"\0").decode()) for row in gathered]
 
 
-def _read_rows(ckpt, owner: int, step: int) -> list[np.ndarray]:
+def _allgather_large(doc: Any, hosts: int) -> list[Any]:
+    """Every host's JSON ``doc`` (any size: the lengths are gathered first)."""
+    if hosts == 1:
+        return [doc]
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(doc).encode()
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([len(raw)], np.int32)))
+    sizes = sizes.reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buf))
+    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(gathered, sizes, strict=True)]
+
+
+def _read_rows(ckpt, owner: int, step: int, plan: PackPlan | None = None) -> list[np.ndarray]:
+    plan = ckpt.plan if plan is None else plan
     manifest = ckpt.store.manifest(owner, step)
-    check_compatible(ckpt.plan, manifest["leaves"])
-    if manifest["fingerprint"] != ckpt.plan.fingerprint():
+    check_compatible(plan, manifest["leaves"])
+    if manifest["fingerprint"] != plan.fingerprint():
         raise ValueError(f"version {step} of host {owner} was saved with another layout "
-                         f"(mesh, sharding or chunk size) than the current one")
+                         f"(mesh, sharding, chunk size or expert count) than the current one")
     rows = []
     for j in range(manifest["devices"]):
         parts = [ckpt.store.read_chunk(owner, step, f"d{j}.c{k}", manifest)
-                 for k in range(ckpt.plan.num_chunks)]
+                 for k in range(plan.num_chunks)]
         rows.append(np.frombuffer(b"".join(parts), np.uint8))
     return rows
 
 
+def _fetch_rows(ckpt, step: int, sources: dict[int, int], transport: Transport
+                ) -> tuple[list[np.ndarray], int]:
+    """This host's own payloads of version ``step``: read locally or served by a
+    peer (every host runs the same serve rounds). Returns (rows, bytes received)."""
+    plan = transport.plan
+    rows = _read_rows(ckpt, ckpt.host, step, plan) if sources[ckpt.host] == ckpt.host else None
+    moved = 0
+    for perm in serve_rounds(sources):
+        send = {}
+        if ckpt.host in perm:
+            send = dict(enumerate(_read_rows(ckpt, perm[ckpt.host], step, plan)))
+        received = transport.serve(send, perm)
+        if ckpt.host in perm.values():
+            rows = local_rows(received, plan)
+            moved = sum(r.nbytes for r in rows)
+    if rows is None:
+        raise ChecksumError(f"host {ckpt.host}: no payload for version {step}")
+    return rows, moved
+
+
 def recover(ckpt) -> Recovered | None:
     """Restores the newest version every host can reach, or None if there is none."""
+    if getattr(ckpt, "pec", None) is not None:
+        return _recover_pec(ckpt)
     start = time.perf_counter()
     inventory = _inventory(ckpt)
     gathered = _allgather_json({str(o): v for o, v in inventory.items()}, ckpt.hosts)
@@ -155,18 +267,7 @@ def recover(ckpt) -> Recovered | None:
                         ckpt.host)
         return None
     step, sources = decision
-    rows = _read_rows(ckpt, ckpt.host, step) if sources[ckpt.host] == ckpt.host else None
-    moved = 0
-    for perm in serve_rounds(sources):
-        send = {}
-        if ckpt.host in perm:
-            send = dict(enumerate(_read_rows(ckpt, perm[ckpt.host], step)))
-        received = ckpt.transport.serve(send, perm)
-        if ckpt.host in perm.values():
-            rows = local_rows(received, ckpt.plan)
-            moved = sum(r.nbytes for r in rows)
-    if rows is None:
-        raise ChecksumError(f"host {ckpt.host}: no payload for version {step}")
+    rows, moved = _fetch_rows(ckpt, step, sources, ckpt.transport)
     blocks = unpack(ckpt.plan, ckpt.host, rows)
     state = jax.block_until_ready(
         assemble(blocks, ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
@@ -175,3 +276,157 @@ def recover(ckpt) -> Recovered | None:
     everyone = _allgather_json(mine, ckpt.hosts)
     return Recovered(state, decode_trailer(ckpt.plan, rows[0]), step, tiers[ckpt.host], tiers,
                      max(x["seconds"] for x in everyone), sum(x["bytes"] for x in everyone))
+
+
+# --------------------------------------------------------------------------- PEC
+
+
+def _pec_meta(ckpt, owner: int, step: int) -> dict[str, Any]:
+    """A version's PEC record (without its tracker); a full one if saved without PEC."""
+    meta = ckpt.store.manifest(owner, step).get("pec")
+    if meta is None:
+        shape = ckpt.pec.shape
+        return {"needed": [step], "complete": True, "count": None, "k": shape[1],
+                "mask": pec_lib.mask_to_hex(np.ones(shape, bool)),
+                "tokens": step * ckpt.pec.tokens_per_step}
+    return {key: meta[key] for key in ("needed", "complete", "count", "k", "mask", "tokens")}
+
+
+def _pec_inventories(ckpt) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
+    """Every host's verified steps per owner, and every version's PEC record."""
+    inventory = _inventory(ckpt)
+    metas = {}
+    for owner, steps in inventory.items():
+        for step in steps:
+            if step not in metas:
+                metas[step] = _pec_meta(ckpt, owner, step)
+    doc = {"inv": {str(o): v for o, v in inventory.items()},
+           "meta": {str(s): m for s, m in metas.items()}}
+    gathered = _allgather_large(doc, ckpt.hosts)
+    merged: dict[int, dict[str, Any]] = {}
+    for d in gathered:  # every host records a version alike
+        for s, m in d["meta"].items():
+            merged.setdefault(int(s), m)
+    return [{int(o): v for o, v in d["inv"].items()} for d in gathered], merged
+
+
+def _tracker_at(ckpt, inventories: list[dict[int, list[int]]], step: int
+                ) -> pec_lib.PltTracker:
+    """The tracker saved with version ``step`` (any host's copy; all are alike)."""
+    mine = None
+    owner = next((o for o, steps in inventories[ckpt.host].items() if step in steps), None)
+    if owner is not None:
+        mine = (ckpt.store.manifest(owner, step).get("pec") or {}).get("tracker")
+    docs = [d for d in _allgather_large(mine, ckpt.hosts) if d is not None]
+    if docs:
+        return pec_lib.PltTracker.from_dict(docs[0])
+    tracker = pec_lib.PltTracker(*ckpt.pec.shape, ckpt.pec.tracker.top_k, step)
+    tracker.on_saved(step, np.ones(ckpt.pec.shape, bool))  # a version saved without PEC
+    return tracker
+
+
+def _recover_pec(ckpt) -> Recovered | None:
+    start = time.perf_counter()
+    inventories, metas = _pec_inventories(ckpt)
+    needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
+    decision = choose_pec_version(inventories, needs, ckpt.hosts)
+    if decision is None:
+        if metas:
+            log.warning("host %d: no PEC version can be assembled for every host (some expert "
+                        "copy is missing); starting fresh", ckpt.host)
+        return None
+    step, servers = decision
+    tracker = _tracker_at(ckpt, inventories, step)
+    shape = ckpt.pec.shape
+    masks = {v: pec_lib.mask_from_hex(metas[v]["mask"], shape) for v in servers}
+    saved = {key: [v for v in sorted(masks) if masks[v][key]] for key in np.ndindex(*shape)}
+    plan = pec_lib.restore_plan(saved, step, tracker, metas[step]["tokens"])
+    blocks = _PecBlocks(ckpt, plan.source)
+    moved, host_state = 0, {}
+    for version in sorted(servers):
+        transport = ckpt.pec.transport(metas[version]["count"])
+        rows, got = _fetch_rows(ckpt, version, servers[version], transport)
+        moved += got
+        blocks.fold(version, rows, transport.plan, masks[version], version == step)
+        if version == step:
+            host_state = decode_trailer(transport.plan, rows[0])
+    state = jax.block_until_ready(
+        assemble(blocks.result(), ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
+    tracker.on_restored(plan)
+    ckpt.resume_pec(tracker, int(metas[step]["k"]))
+    tiers = ["local" if all(s[h] == h for s in servers.values()) else "peer"
+             for h in range(ckpt.hosts)]
+    everyone = _allgather_json({"seconds": time.perf_counter() - start, "bytes": moved},
+                               ckpt.hosts)
+    info = PecRestore(plan.plt, plan.accumulated_plt, plan.source.tolist(), sorted(servers),
+                      int(metas[step]["k"]))
+    return Recovered(state, host_state, step, tiers[ckpt.host], tiers,
+                     max(x["seconds"] for x in everyone), sum(x["bytes"] for x in everyone),
+                     info)
+
+
+class _PecBlocks:
+    """This host's shard blocks, assembled from several versions (PEC restore).
+
+    Non-expert leaves come from the restore point; expert leaf i's block on
+    device p gets local expert j from the version ``source[layer, e]``, e the
+    expert's global index. Devices of this host holding the same block share
+    one buffer.
+    """
+
+    def __init__(self, ckpt, source: np.ndarray):
+        self.ckpt, self.source = ckpt, source
+        self.experts = ckpt.pec.experts
+        self.layer_of = dict(zip(self.experts.leaves, self.experts.layers, strict=True))
+        self.positions = ckpt.plan.host_positions(ckpt.host)
+        self.blocks: dict[int, list[np.ndarray | None]] = {
+            p: [None] * len(ckpt.plan.leaves) for p in self.positions}
+        self.filled: dict[tuple[int, int], set[int]] = {}
+
+    def fold(self, version: int, rows: list[np.ndarray], plan: PackPlan, mask: np.ndarray,
+             restore_point: bool) -> None:
+        """Takes what ``source`` wants of version ``version`` (its payload ``rows``)."""
+        host = self.ckpt.host
+        if plan.experts is None:
+            full = unpack(plan, host, rows)
+            local = range(self.experts.local_experts)
+            slices = {p: {(i, j): full[p][i][j] for i in self.layer_of for j in local}
+                      for p in self.positions}
+            non_expert = full
+        else:
+            gather = pec_lib.padded_gather_indices(mask, self.experts.ranks)[0]
+            non_expert, slices = unpack_pec(plan, host, rows, gather)
+        for p in self.positions:
+            if restore_point:
+                for i, block in enumerate(non_expert[p]):
+                    if i not in self.layer_of:
+                        self.blocks[p][i] = block
+            self._take_experts(p, version, slices[p])
+
+    def _take_experts(self, p: int, version: int,
+                      slices: dict[tuple[int, int], np.ndarray]) -> None:
+        ep, plan = self.experts, self.ckpt.plan
+        for (i, j), piece in slices.items():
+            expert = ep.expert_rank[p] * ep.local_experts + j
+            if self.source[self.layer_of[i], expert] != version:
+                continue
+            if self.blocks[p][i] is None:
+                slot = plan.leaves[i]
+                twin = next((q for q in self.positions if self.blocks[q][i] is not None
+                             and plan.block_keys[i][q] == plan.block_keys[i][p]), None)
+                self.blocks[p][i] = (self.blocks[twin][i] if twin is not None
+                                     else np.empty(slot.block_shape, np.dtype(slot.dtype)))
+            self.blocks[p][i][j] = piece
+            self.filled.setdefault((p, i), set()).add(j)
+
+    def result(self) -> dict[int, list[np.ndarray]]:
+        """The blocks; raises naming a leaf whose block is incomplete."""
+        plan = self.ckpt.plan
+        for p in self.positions:
+            for i, block in enumerate(self.blocks[p]):
+                missing = (block is None or (i in self.layer_of and len(
+                    self.filled.get((p, i), ())) != self.experts.local_experts))
+                if missing:
+                    raise RuntimeError(f"host {self.ckpt.host}: the restore assembled no "
+                                        f"complete block of {plan.leaves[i].path} on device {p}")
+        return self.blocks  # type: ignore[return-value]

@@ -136,3 +136,66 @@ class ScheduledTransfers:
         return {"scheduled": True, "partitions": self.partitions,
                 "window_bytes": [s.bytes_in_window(i) for i in range(len(s.windows))],
                 "tail_bytes": s.tail_bytes}
+
+
+def moe_segments(profile: Any, moe_layers: Sequence[int]) -> dict[tuple[str, str], int]:
+    """{(segment name, direction): MoE layer index} of a profile's MoE segments.
+
+    A segment named ``block{i}`` holds layer i (forward: the segment closing
+    at boundary i; backward: the segment opening there); the backward
+    ``tail`` segment holds the first boundary's layer.
+
+    Args:
+      profile: a LayerProfile.
+      moe_layers: the model's MoE layer indices (``ModelConfig.moe_layers``).
+    """
+    moe = list(moe_layers)
+    first_boundary = profile.segments[0].name  # its fwd segment opens the step
+    out = {}
+    for seg in profile.segments:
+        name = first_boundary if seg.name == "tail" else seg.name
+        if name.startswith("block") and int(name[5:]) in moe:
+            out[(seg.name, seg.direction)] = moe.index(int(name[5:]))
+    return out
+
+
+def schedule_at_risk(schedule: Schedule | None, detector: Any, tokens_per_expert: Any,
+                     profile: Any, moe_layers: Sequence[int]) -> bool:
+    """Whether ``schedule`` may overflow a window at this expert load.
+
+    Capricorn's gate on speculative profiling: a drift of the load only
+    matters to the checkpoint if a window the schedule fills shrinks below its
+    chunks. Each MoE window is predicted by the detector's cost model (its
+    segment's duration at this load minus the all-to-all estimate of
+    ``profile``, the one the schedule was planned on); other windows do not
+    depend on the load. At risk when some window's chunks cost more than its
+    predicted length (the partitioner filled only a share of each window, so
+    a small shrink is absorbed), when the schedule has a tail that grown
+    windows might take, or when a model has fewer than two profiles to fit
+    (exploration: the model must see the load move).
+
+    Args:
+      schedule: the schedule in force (None: at risk, there is none).
+      detector: the DynamicityDetector whose cost models are keyed
+        (MoE layer, direction).
+      tokens_per_expert: [moe_layers, experts] load now.
+      profile: the LayerProfile the schedule was planned on.
+      moe_layers: the model's MoE layer indices.
+    """
+    if schedule is None or profile is None or schedule.tail_bytes > 0:
+        return True
+    segments = {(s.name, s.direction): s for s in profile.segments}
+    layer_of = moe_segments(profile, moe_layers)
+    predicted = detector.predict(tokens_per_expert)
+    for i, window in enumerate(schedule.windows):
+        key = (window.name, window.direction)
+        if not schedule.chunks[i] or key not in layer_of:
+            continue
+        model = detector.cost_models.get((layer_of[key], window.direction))
+        if model is None or model.count < 2:
+            return True
+        seg = segments[key]
+        room = predicted[(layer_of[key], window.direction)] - (seg.collective_s or 0.0)
+        if schedule.window_cost_s(i) > room:
+            return True
+    return False

@@ -19,6 +19,11 @@ needs nothing to be started or supervised. The alternative (an agent per
 host) would only pay off to pin memory or to serve peers itself; here peers
 are served by the training processes through the transport.
 
+A manifest holds the chunk checksums and what the checkpointer passes to
+``commit``: the layout's fingerprint and leaf table, the host state and, under
+partial expert checkpointing, a ``pec`` entry (K, the experts' mask, the
+versions a restore to it reads, the PLT tracker).
+
 Isolation: every path the store touches is checked to lie inside its root;
 data from another host reaches this store only through ``write_chunk`` of a
 version received over the transport.
@@ -173,4 +178,17 @@ class HostStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def bytes_held(self) -> int:
-        return sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file())
+        """Bytes of every file in the store.
+
+        The writer threads prune and rename versions while the training thread
+        walks the store: a file or directory that vanishes during the walk is
+        skipped (``os.walk`` ignores directories it cannot list), never an error.
+        """
+        total = 0
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(directory, name)).st_size
+                except FileNotFoundError:
+                    continue
+        return total

@@ -12,6 +12,11 @@ donate the state while the host copies of these outputs are still being made.
 ``Transport.serve`` moves payloads read from a host store to the hosts that
 need them during recovery, by the same collective-permutes.
 
+With a PEC plan (``packing.make_pec_plan``) the program takes one more
+input, the version's gather indices [R, C] (replicated, traced), and packs
+only the selected experts' records: a new selection with the same C runs the
+same compiled program.
+
 Choice: XLA collectives over the training mesh, not ``jax.experimental.transfer``
 (a side channel with its own server per process). The collective is the link
 the expert all-to-all uses, which is the interference Capricorn schedules
@@ -76,32 +81,71 @@ class Transport:
         self.axes = tuple(mesh.axis_names)
         self.rows = NamedSharding(mesh, P(self.axes))
         self.perms = [device_perm(plan, r) for r in rounds]
+        self.replicated = NamedSharding(mesh, P())
         specs = jax.tree.map(lambda s: s.spec, state_shardings)
         body = functools.partial(self._replicate_body, treedef=jax.tree.structure(specs))
+        gather_spec = (P(),) if plan.experts is not None else ()
         mapped = jax.shard_map(
             body, mesh=mesh,
             in_specs=(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                      P(self.axes), P(self.axes)),
+                      P(self.axes), P(self.axes), *gather_spec),
             out_specs=(P(self.axes), [P(self.axes)] * len(self.perms), P()),
             check_vma=False,  # the all-gathered statuses are replicated by construction
         )
-        self._replicate = jax.jit(lambda leaves, trailer, status: mapped(leaves, trailer, status))
+        self._replicate = jax.jit(lambda leaves, trailer, status, *gather: mapped(
+            leaves, trailer, status, *gather))
         self._serve: dict[tuple, Any] = {}
         self._gather = None
 
-    def pack_local(self, leaves: list[jax.Array], trailer: jax.Array) -> jax.Array:
-        """Inside a shard_map over the whole mesh: this device's payload."""
+    def pack_local(self, leaves: list[jax.Array], trailer: jax.Array,
+                   gather: jax.Array | None = None) -> jax.Array:
+        """Inside a shard_map over the whole mesh: this device's payload.
+
+        Args:
+          leaves: this device's blocks of the state leaves.
+          trailer: this device's trailer bytes.
+          gather: int32 [R, C] gather indices (PEC plans only, replicated).
+        """
         plan = self.plan
+        if (gather is None) != (plan.experts is None):
+            raise ValueError("gather indices are required by a PEC plan and only by one")
         lin = _linear_index(self.mesh)
         parts = []
         for slot, ranks, x in zip(plan.leaves, plan.ranks, leaves, strict=True):
+            if plan.experts is not None and slot.segment == 0:
+                continue  # an expert leaf: its records follow
             flat = _as_bytes(x)
             need = (max(ranks) + 1) * slot.segment
             flat = jnp.pad(flat, (0, max(0, need - flat.shape[0])))
             start = jnp.asarray(ranks, jnp.int32)[lin] * slot.segment
             parts.append(jax.lax.dynamic_slice(flat, (start,), (slot.segment,)))
+        if gather is not None:
+            parts.append(self._pack_experts(leaves, gather, lin))
         parts.append(trailer.reshape(-1))
         return jnp.concatenate(parts)
+
+    def _pack_experts(self, leaves: list[jax.Array], gather: jax.Array,
+                      lin: jax.Array) -> jax.Array:
+        """This device's share of its selected experts' records (packing doc)."""
+        ep = self.plan.experts
+        assert ep is not None
+        row = gather[jnp.asarray(ep.expert_rank, jnp.int32)[lin]]  # [C], -1: empty slot
+        layer_of = jnp.where(row >= 0, row // ep.local_experts, -1)
+        out = jnp.zeros((ep.count, ep.record_bytes), jnp.uint8)
+        for layer in range(ep.num_layers):
+            cols = [_as_bytes(leaves[i]).reshape(ep.local_experts, -1)
+                    for i, at in zip(ep.leaves, ep.layers, strict=True) if at == layer]
+            if not cols:
+                continue
+            rec = jnp.concatenate(cols, axis=1)
+            rec = jnp.pad(rec, ((0, 0), (0, ep.record_bytes - rec.shape[1])))
+            local = jnp.clip(row - layer * ep.local_experts, 0, ep.local_experts - 1)
+            out = jnp.where((layer_of == layer)[:, None], jnp.take(rec, local, axis=0), out)
+        flat = out.reshape(-1)
+        need = (max(ep.member) + 1) * ep.segment
+        flat = jnp.pad(flat, (0, max(0, need - flat.shape[0])))
+        start = jnp.asarray(ep.member, jnp.int32)[lin] * ep.segment
+        return jax.lax.dynamic_slice(flat, (start,), (ep.segment,))
 
     def _send(self, payload: jax.Array, perm: tuple[tuple[int, int], ...]) -> jax.Array:
         chunks = []
@@ -110,9 +154,9 @@ class Transport:
             chunks.append(jax.lax.ppermute(payload[lo:hi], self.axes, perm))
         return jnp.concatenate(chunks)
 
-    def _replicate_body(self, leaves, trailer, status, *, treedef):
+    def _replicate_body(self, leaves, trailer, status, *gather, treedef):
         del treedef
-        payload = self.pack_local(leaves, trailer)
+        payload = self.pack_local(leaves, trailer, *gather)
         received = [self._send(payload, perm)[None] for perm in self.perms]
         statuses = jax.lax.all_gather(status, self.axes, tiled=True)
         return payload[None], received, statuses
@@ -134,16 +178,33 @@ class Transport:
                                                               per_host_row.shape[-1]))
         return jax.make_array_from_process_local_data(self.rows, np.ascontiguousarray(local))
 
-    def replicate(self, state: Any, trailer: np.ndarray, status: np.ndarray):
+    def replicate(self, state: Any, trailer: np.ndarray, status: np.ndarray,
+                  gather: np.ndarray | None = None):
         """Dispatches pack + replication of ``state``; returns device arrays.
+
+        Args:
+          state: the train state (global arrays in the plan's shardings).
+          trailer: this host's trailer bytes (encode_trailer).
+          status: this host's status vector.
+          gather: int32 [R, C] gather indices of a PEC version (PEC plans
+            only; every host passes the same).
 
         Returns:
           (own [devices, payload] uint8, [received per round], statuses
           [devices, status_len] int32): own and received rows live on each
           host's devices; statuses is replicated.
         """
-        return self._replicate(jax.tree.leaves(state), self._rows(trailer, np.uint8),
-                               self._rows(status, np.int32))
+        args = [jax.tree.leaves(state), self._rows(trailer, np.uint8), self._rows(status, np.int32)]
+        ep = self.plan.experts
+        if (gather is None) != (ep is None):
+            raise ValueError("gather indices are required by a PEC plan and only by one")
+        if gather is not None:
+            if gather.shape != (ep.ranks, ep.count):
+                raise ValueError(f"gather indices of shape {gather.shape}, the plan carries "
+                                 f"{(ep.ranks, ep.count)}")
+            args.append(jax.make_array_from_process_local_data(
+                self.replicated, np.ascontiguousarray(gather, np.int32)))
+        return self._replicate(*args)
 
     def serve(self, payloads: dict[int, np.ndarray], host_perm: dict[int, int]) -> jax.Array:
         """Sends payload rows between hosts (recovery from a peer's replica).
