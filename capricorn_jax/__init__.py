@@ -18,6 +18,7 @@ from capricorn_jax._src.detector import (
 )
 from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
 from capricorn_jax._src.options import InMemoryOptions
+from capricorn_jax._src.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
 from capricorn_jax._src.placement import holders as replica_holders
 from capricorn_jax._src.profiler import (
     LayerProfile,
@@ -27,7 +28,7 @@ from capricorn_jax._src.profiler import (
     make_profiled_step,
     measure_overhead,
 )
-from capricorn_jax._src.recovery import Recovered, recover
+from capricorn_jax._src.recovery import PecRestore, Recovered, recover
 from capricorn_jax._src.store import ChecksumError, HostStore
 
 __all__ = [
@@ -36,6 +37,12 @@ __all__ = [
     "HostStore",
     "InMemoryCheckpointer",
     "InMemoryOptions",
+    "DynamicK",
+    "PecOptions",
+    "PecRestore",
+    "PltTracker",
+    "pec_bytes",
+    "state_bytes",
     "Recovered",
     "SaveReport",
     "recover",

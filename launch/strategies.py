@@ -118,13 +118,19 @@ class InMemory:
 
     def _event(self, version: int, report) -> dict:
         self.bytes_per_step = report.bytes
-        return {"version": version, "bytes": report.bytes, "store_bytes": report.store_bytes,
-                "store_kib_per_host": report.store_kib_per_host,
-                "committed": report.committed, "replicated": report.replicated,
-                "skipped": report.skipped, "under_replicated": report.under_replicated}
+        event = {"version": version, "bytes": report.bytes, "store_bytes": report.store_bytes,
+                 "store_kib_per_host": report.store_kib_per_host,
+                 "committed": report.committed, "replicated": report.replicated,
+                 "skipped": report.skipped, "under_replicated": report.under_replicated}
+        if report.pec_k is not None:
+            event.update(pec_k=report.pec_k, plt=report.pec_plt)
+        return event
 
-    def save(self, step: int, state: Any, host_state: dict) -> list[dict]:
-        return [self._event(step, self.ckpt.save(step, state, host_state))]
+    def save(self, step: int, state: Any, host_state: dict,
+             tokens_per_expert: Any = None) -> list[dict]:
+        """Version ``step``; with PEC, ``tokens_per_expert`` of the step that made it."""
+        pec = {} if self.ckpt.pec is None else {"tokens_per_expert": tokens_per_expert}
+        return [self._event(step, self.ckpt.save(step, state, host_state, **pec))]
 
     def finish(self, step: int, state: Any, host_state: dict) -> list[dict]:
         """After the last step: saves what ``save`` left unsaved (nothing here)."""

@@ -99,6 +99,17 @@ flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's proc
 flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
 flags.DEFINE_enum("kill_mode", "process", ["process", "host"],
                   "...process: its RAM store survives; host: its store is wiped (machine loss).")
+flags.DEFINE_integer("kill_every", 0,
+                     "Fault injection: kill --kill_host again every this many steps after "
+                     "--kill_at_step (0: once); each time all hosts restart and recover.")
+flags.DEFINE_integer("pec_k", 0,
+                     "Partial expert checkpointing (--ckpt=inmem): experts per MoE layer in "
+                     "each version (0: all, no PEC).")
+flags.DEFINE_enum("pec_policy", "sequential", ["sequential", "load_aware"],
+                  "PEC: which experts a version carries.")
+flags.DEFINE_float("pec_plt_threshold", 0.0375,
+                   "PEC: dynamic K doubles K when the portion of lost tokens would pass this.")
+flags.DEFINE_boolean("pec_dynamic", True, "PEC: adapt K to the portion of lost tokens.")
 flags.DEFINE_boolean("corrupt_store", False,
                      "Fault injection: after the kill, flip bytes in a chunk of the killed host's "
                      "own newest version (RAM bit rot); it must then recover from a peer.")
@@ -179,6 +190,9 @@ def check_flags() -> None:
     if FLAGS.ckpt in SCHEDULED and FLAGS.replicas != 2:
         raise FlagError(f"--replicas={FLAGS.replicas}: --ckpt={FLAGS.ckpt} moves one peer "
                         f"replica inside the step; it needs --replicas=2")
+    _check_pec_flags(cfg)
+    if FLAGS.kill_every < 0 or (FLAGS.kill_every and FLAGS.kill_host < 0):
+        raise FlagError(f"--kill_every={FLAGS.kill_every} needs --kill_host and must be >= 0")
     if FLAGS.kill_host >= 0:
         if FLAGS.kill_host >= FLAGS.hosts:
             raise FlagError(f"--kill_host={FLAGS.kill_host} is not a host (--hosts={FLAGS.hosts})")
@@ -197,6 +211,23 @@ def check_flags() -> None:
         probe.unlink()
     except OSError as e:
         raise FlagError(f"--workdir: cannot write to {FLAGS.workdir!r}: {e.strerror}") from None
+
+
+def _check_pec_flags(cfg) -> None:
+    pec_flags = ("pec_policy", "pec_plt_threshold", "pec_dynamic")
+    if FLAGS.pec_k == 0:
+        for flag in pec_flags:
+            if FLAGS[flag].present:
+                raise FlagError(f"--{flag} is only used with --pec_k > 0")
+        return
+    if FLAGS.ckpt != "inmem":
+        raise FlagError(f"--pec_k needs --ckpt=inmem (the scheduled strategies move full "
+                        f"versions inside the step), got --ckpt={FLAGS.ckpt}")
+    if not 1 <= FLAGS.pec_k <= cfg.num_experts:
+        raise FlagError(f"--pec_k={FLAGS.pec_k} must be in [1, {cfg.num_experts}] "
+                        f"(experts of {cfg.name})")
+    if not 0.0 < FLAGS.pec_plt_threshold < 1.0:
+        raise FlagError(f"--pec_plt_threshold must be in (0, 1), got {FLAGS.pec_plt_threshold}")
 
 
 def profile_policy() -> ProfilePolicy:
@@ -243,13 +274,25 @@ class _FaultInjector:
         self.marker = Path(FLAGS.workdir) / f".paused_host{FLAGS.kill_host}"
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
+        every = FLAGS.kill_every or FLAGS.steps
+        self.kill_steps = list(range(FLAGS.kill_at_step, FLAGS.steps, every))
+        self.kills = 0  # kills done so far
+
+    @property
+    def pending(self) -> bool:
+        return self.kills < len(self.kill_steps)
+
+    def arm(self, cluster) -> None:
+        """The next attempt's cluster: it will be killed at the next kill step."""
+        self.cluster, self.fired = cluster, False
 
     def extra_args(self, host: int) -> tuple[str, ...]:
-        if host != FLAGS.kill_host:
+        if host != FLAGS.kill_host or not self.pending:
             return ()
+        at = self.kill_steps[self.kills]
         if FLAGS.kill_point == "mid_replication":
-            return (f"--pause_mid_replication_at={FLAGS.kill_at_step + 1}",)
-        return (f"--pause_after_step_at={FLAGS.kill_at_step}",)
+            return (f"--pause_mid_replication_at={at + 1}",)
+        return (f"--pause_after_step_at={at}",)
 
     def _due(self) -> bool:
         # Host K writes the marker and waits at the kill point, so the kill lands
@@ -261,8 +304,9 @@ class _FaultInjector:
             return
         self.fired = True
         self.cluster.kill_host(FLAGS.kill_host, signal.SIGKILL)
-        print(f"fault: SIGKILLed host {FLAGS.kill_host} at step {FLAGS.kill_at_step} "
+        print(f"fault: SIGKILLed host {FLAGS.kill_host} at step {self.kill_steps[self.kills]} "
               f"({FLAGS.kill_point}, mode {FLAGS.kill_mode})", flush=True)
+        self.kills += 1
 
 
 def _corrupt_newest_own_chunk(root: Path, host: int) -> None:
@@ -296,17 +340,19 @@ def supervise() -> int:
         metrics_path.unlink(missing_ok=True)
         shutil.rmtree(Path(FLAGS.store_root) / job_name(FLAGS.workdir), ignore_errors=True)
     injector = _FaultInjector() if FLAGS.kill_host >= 0 else None
-    for attempt in range(2):
+    deadline = time.monotonic() + FLAGS.timeout_s
+    while True:
         coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
-        first = attempt == 0 and injector is not None
+        armed = injector is not None and injector.pending
         cluster = cluster_lib.LocalCluster(
-            lambda h, c=coordinator, f=first: _worker_argv(
-                h, c, injector.extra_args(h) if f else ()),
+            lambda h, c=coordinator, a=armed: _worker_argv(
+                h, c, injector.extra_args(h) if a else ()),
             FLAGS.hosts, FLAGS.devices_per_host)
-        if first:
-            injector.cluster = cluster
-        code = cluster_lib.run(cluster, FLAGS.timeout_s, on_tick=injector.tick if first else None)
-        if not (first and injector.fired):
+        if armed:
+            injector.arm(cluster)
+        code = cluster_lib.run(cluster, max(1.0, deadline - time.monotonic()),
+                               on_tick=injector.tick if armed else None)
+        if not (armed and injector.fired):
             break
         if FLAGS.kill_mode == "host":
             shutil.rmtree(store_dir(FLAGS.kill_host), ignore_errors=True)
@@ -322,6 +368,15 @@ def supervise() -> int:
     return code
 
 
+def _pec_fields(recovered) -> dict:
+    """A PEC restore's portion of lost tokens and where each expert came from."""
+    pec = getattr(recovered, "pec", None)
+    if pec is None:
+        return {}
+    return {"plt": pec.plt, "accumulated_plt": pec.accumulated_plt, "pec_k": pec.k,
+            "versions": pec.versions, "expert_source_steps": pec.source}
+
+
 def _make_checkpointer(trainer, mesh, host: int, hosts: int):
     import capricorn_jax
 
@@ -333,9 +388,15 @@ def _make_checkpointer(trainer, mesh, host: int, hosts: int):
         store_root=FLAGS.store_root, job=job_name(FLAGS.workdir), replicas=FLAGS.replicas,
         chunk_bytes=FLAGS.chunk_bytes, replication_timeout_s=FLAGS.replication_timeout_s,
         stall_replica_writer_at=stall, pause_mid_replication_at=pause,
+        pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k,
+                                     policy=FLAGS.pec_policy,
+                                     plt_threshold=FLAGS.pec_plt_threshold,
+                                     dynamic=FLAGS.pec_dynamic) if FLAGS.pec_k else None,
     )
+    cfg = trainer.cfg
     ckpt = capricorn_jax.InMemoryCheckpointer(
-        options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts)
+        options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts,
+        model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
 
     def on_pause(step: int) -> None:
         _pause_for_kill(host, f"halfway through writing replicas of version {step}")
@@ -576,7 +637,7 @@ def train_worker(process_id: int) -> None:
             tier = max(recovered.tiers, key=_TIER_ORDER.index)
             metrics.write({"event": "recovery", "step": start, "tier": tier,
                            "seconds": recovered.seconds, "tiers": recovered.tiers,
-                           "bytes_moved": recovered.bytes_moved})
+                           "bytes_moved": recovered.bytes_moved, **_pec_fields(recovered)})
             logging.info("host %d: recovered version %d from tier %s in %.2fs", host, start,
                          recovered.tier, recovered.seconds)
     if state is None:
@@ -614,7 +675,8 @@ def train_worker(process_id: int) -> None:
             host_state = {"data": data.state(), "max_routed": max_routed}
             saved = (strategy.save(step + 1, state, host_state,
                                    next_profiled=profiling.will_profile(step + 1))
-                     if scheduled else strategy.save(step + 1, state, host_state))
+                     if scheduled else strategy.save(step + 1, state, host_state,
+                                                     tokens_per_expert=tpe))
         step_time = time.perf_counter() - t0
         metrics.write({
             "step": step, "loss": loss, "step_time_s": step_time,

@@ -117,6 +117,36 @@ def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, referen
         assert doc["metadata"]["scheduled"] and (tmp_path / "w" / "timeline.png").exists()
 
 
+def test_pec_full_k_recovers_bitwise(tmp_path, reference):
+    """PEC with K = N is the full checkpoint: same bytes, bitwise the same run."""
+    _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
+                        "--kill_mode=host", "--pec_k=8", "--nopec_dynamic")
+    (recovery,) = _events(records, "recovery")
+    assert recovery["plt"] == 0.0 and recovery["versions"] == [recovery["step"]]
+    assert _losses(records) == reference
+
+
+def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path):
+    """K = 2 of 8 experts per version, host 1 lost every 5 steps: each restore
+    takes every expert (params and moments) from its newest copy."""
+    _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=5",
+                        "--kill_every=5", "--kill_mode=host", "--pec_k=2", "--nopec_dynamic",
+                        steps=16)
+    recoveries = _events(records, "recovery")
+    assert [r["step"] for r in recoveries] == [6, 11, 16][: len(recoveries)]
+    assert len(recoveries) >= 2
+    checkpoints = _events(records, "checkpoint")
+    full = checkpoints[0]["bytes"]
+    assert checkpoints[0]["pec_k"] == 8  # the first version has no older copies to lean on
+    assert all(c["pec_k"] == 2 and c["bytes"] < full for c in checkpoints[1:])
+    for r in recoveries:
+        sources = {s for layer in r["expert_source_steps"] for s in layer}
+        assert len(sources) == 4 and max(sources) == r["step"]  # ceil(8 / 2) versions
+        assert sorted(sources) == r["versions"] and r["tiers"] == ["local", "peer"]
+        assert 0.0 < r["plt"] <= r["accumulated_plt"]
+    assert [r["step"] for r in records if "event" not in r][-1] == 15
+
+
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
                            "--kill_mode=process", "--corrupt_store", audit=True)

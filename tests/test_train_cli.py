@@ -40,6 +40,13 @@ def test_two_hosts_two_devices_train(tmp_path):
         (["--model=nonesuch"], "--model"),
         (["--hosts=0"], "--hosts"),
         (["--hosts=abc"], "--hosts"),
+        (["--ckpt=gemini", "--pec_k=2"], "--pec_k"),
+        (["--ckpt=inmem", "--pec_k=9"], "--pec_k"),
+        (["--ckpt=inmem", "--pec_policy=load_aware"], "--pec_policy"),
+        (["--ckpt=capricorn", "--replicas=1"], "--replicas"),
+        (["--ckpt=gemini", "--profile=every"], "--profile"),
+        (["--ckpt=inmem", "--timeline"], "--timeline"),
+        (["--kill_every=5"], "--kill_every"),
     ],
 )
 def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):
