@@ -18,6 +18,13 @@ from capricorn_jax._src.detector import (
 )
 from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
 from capricorn_jax._src.options import InMemoryOptions
+from capricorn_jax._src.orbax_handler import (
+    CapricornHandler,
+    CapricornRestore,
+    CapricornSave,
+    CheckpointManager,
+    RestoreInfo,
+)
 from capricorn_jax._src.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
 from capricorn_jax._src.placement import holders as replica_holders
 from capricorn_jax._src.profiler import (
@@ -37,6 +44,11 @@ __all__ = [
     "HostStore",
     "InMemoryCheckpointer",
     "InMemoryOptions",
+    "CapricornHandler",
+    "CapricornRestore",
+    "CapricornSave",
+    "CheckpointManager",
+    "RestoreInfo",
     "DynamicK",
     "PecOptions",
     "PecRestore",

@@ -49,6 +49,7 @@ flags.DEFINE_enum("dispatch", "bucketed", ["", "fixed", "bucketed"],
                   "MoE dispatch; bucketed (load-dependent) by default; '' = the model's.")
 flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
+flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
 flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
 flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
 flags.DEFINE_string("json", None, "Write the results here as JSON.")
@@ -69,17 +70,20 @@ def _make_strategy(name: str, job, workdir: Path):
         return strategies.BlockingCheckpoint(workdir / "blocking", job.host)
     if name == "orbax_async":
         return strategies.OrbaxAsync(Path(FLAGS.store_root) / "orbax")
-    if name in ("inmem", "gemini", "capricorn"):
+    if name in ("inmem", "gemini", "capricorn", "pec"):
+        cfg = job.trainer.cfg
         options = capricorn_jax.InMemoryOptions(
             store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
             chunk_bytes=FLAGS.chunk_bytes,
             # A strategy's statuses refresh only when it saves; interleaved blocks of
             # the other strategies must not read as replicas that stopped answering.
-            replication_timeout_s=FLAGS.timeout_s)
+            replication_timeout_s=FLAGS.timeout_s,
+            pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
+            if name == "pec" else None)
         ckpt = capricorn_jax.InMemoryCheckpointer(
             options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
-            job.host, job.hosts)
-        if name == "inmem":
+            job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+        if name in ("inmem", "pec"):
             return strategies.InMemory(ckpt)
         return strategies.Scheduled(name, ckpt, job.trainer, chunk_cap=FLAGS.chunk_bytes)
     raise ValueError(f"unknown strategy {name!r}")
@@ -111,8 +115,19 @@ class _Runner:
                 self.state, out = trainer.step_fn(factors)(self.state, batch)
             float(out["loss"])
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
+            pec = getattr(getattr(strategy, "ckpt", None), "pec", None)
+            if pec is not None and pec.tracker.step != self.step:
+                # Interleaved: the other strategies ran the steps in between, which
+                # this tracker never saw; its PLT starts over (timing only).
+                import capricorn_jax
+
+                cfg = self.job.cfg
+                strategy.ckpt.resume_pec(capricorn_jax.PltTracker(
+                    len(cfg.moe_layers), cfg.num_experts, cfg.top_k, self.step))
             strategy.save(self.step + 1, self.state,
-                          {"data": self.job.data.state(), "max_routed": self.max_routed})
+                          {"data": self.job.data.state(), "max_routed": self.max_routed},
+                          **({} if pec is None else
+                             {"tokens_per_expert": np.asarray(out["tokens_per_expert"])}))
             if cached and i > 0:
                 times.append(time.perf_counter() - t0)
             self.step += 1
@@ -180,7 +195,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         ram[name] = _allgather([held, float(strategy.bytes_per_step)], job.hosts)
     schedules = {name: {**s.transfers.summary(), "repartition_steps": s.repartitions}
                  for name, s in strategies.items() if hasattr(s, "transfers")}
-    recovery = _recovery_times(strategies["inmem"], job) if "inmem" in strategies else {}
+    recovery = {name: _recovery_times(strategies[name], job)
+                for name in ("inmem", "pec") if name in strategies}
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
@@ -211,8 +227,8 @@ def summarize(raw: dict) -> dict:
         row["ratio"] = row["median_step_s"] / base if base else None
     for name, schedule in raw.get("schedules", {}).items():
         out[name]["schedule"] = schedule
-    if raw.get("recovery"):
-        out.setdefault("inmem", {})["recovery"] = raw["recovery"]
+    for name, recovery in raw.get("recovery", {}).items():
+        out[name]["recovery"] = recovery
     return out
 
 
@@ -224,11 +240,10 @@ def markdown(results: dict) -> str:
         ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
                      f"{ratio} | {r['ckpt_bytes_per_step']:,} | {ram} |")
-    rec = results.get("inmem", {}).get("recovery")
-    if rec:
-        for tier, r in rec.items():
-            lines.append(f"\nrecovery from {tier}: {r['seconds']:.3f} s, "
-                         f"{r['bytes_moved']:,} bytes between hosts")
+    for name, r in results.items():
+        for tier, rec in r.get("recovery", {}).items():
+            lines.append(f"\n{name}: recovery from {tier}: {rec['seconds']:.3f} s, "
+                         f"{rec['bytes_moved']:,} bytes between hosts")
     return "\n".join(lines)
 
 

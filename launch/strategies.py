@@ -7,7 +7,9 @@ the last step (what ``save`` left unsaved) and ``close()`` at the end. ``none`` 
 TorchSnapshot-like synchronous checkpoint; ``orbax_async`` is plain Orbax
 CheckpointManager async saves to a RAM disk, what a JAX user does today;
 ``inmem`` is capricorn_jax's in-memory tier (every step to host RAM and m-1
-peers). ``gemini`` and ``capricorn`` (scheduled chunks) build on ``inmem``.
+peers). ``gemini`` and ``capricorn`` (scheduled chunks) build on ``inmem``;
+``pec`` is ``inmem`` with partial expert checkpointing (K of N experts per
+version).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-STRATEGIES = ("none", "blocking", "orbax_async", "inmem", "gemini", "capricorn")
+STRATEGIES = ("none", "blocking", "orbax_async", "inmem", "gemini", "capricorn", "pec")
 
 
 class NoCheckpoint:

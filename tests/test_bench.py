@@ -16,13 +16,13 @@ def _bench(*flags, timeout=400):
 
 def test_bench_reports_every_strategy(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=none,blocking,inmem", "--model=tiny", "--dispatch=fixed",
+    proc = _bench("--strategies=none,blocking,inmem,pec", "--model=tiny", "--dispatch=fixed",
                   "--steps=3", "--reps=2",
                   "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}", f"--png={tmp_path / 'bench.png'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["strategies"]
-    assert set(result) == {"none", "blocking", "inmem"}
+    assert set(result) == {"none", "blocking", "inmem", "pec"}
     for name, row in result.items():
         assert row["median_step_s"] > 0 and row["samples"] == 2
         assert {"spread_s", "ratio", "ckpt_bytes_per_step"} <= set(row)
@@ -33,6 +33,9 @@ def test_bench_reports_every_strategy(tmp_path):
     assert recovery["local"]["bytes_moved"] == 0
     assert recovery["local"]["tiers"] == ["local", "local"]
     assert recovery["peer"]["tiers"] == ["local", "peer"] and recovery["peer"]["bytes_moved"] > 0
+    # PEC (K=2 of 8 experts) moves the non-expert state and a quarter of the experts.
+    assert 0 < result["pec"]["ckpt_bytes_per_step"] < 0.5 * result["inmem"]["ckpt_bytes_per_step"]
+    assert result["pec"]["recovery"]["peer"]["tiers"] == ["local", "peer"]
     assert "| inmem |" in proc.stdout and "repetition 2/2" in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert_no_orphans(str(tmp_path / "w"))

@@ -1,0 +1,382 @@
+"""The Orbax integration: CapricornHandler + CheckpointManager, two tiers.
+
+In-process tests use the 4 CPU devices of the pytest process (one host);
+multi-host behaviour runs real processes (tests/orbax_worker.py): 2 processes
+x 2 devices that save every step and persist every 2 steps, are SIGKILLed
+while a persistent step is being written, are restored by plain Orbax in
+fresh processes (1x4 and 1x1 devices) that never import capricorn_jax, and
+restart from the memory tier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import capricorn_jax
+from capricorn_jax._src.orbax_handler import read_own_blocks
+from capricorn_jax._src.packing import unpack
+from tests.helpers import ROOT
+from tests.orbax_worker import INTERVAL, README_SNIPPET, SHAPES, expected_state
+from tests.tree_utils import assert_trees_equal
+
+WORKER = ROOT / "tests" / "orbax_worker.py"
+STANDARD_TYPESTR = ocp.StandardCheckpointHandler.typestr()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)])
+    return env
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(x[len("RESULT "):]) for x in stdout.splitlines() if x.startswith("RESULT ")]
+
+
+def _run(mode: str, args: dict | None = None, devices: int = 4, cwd=None, timeout: float = 120,
+         **popen) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(WORKER), mode] + ([] if args is None else [json.dumps(args)])
+    proc = subprocess.run(cmd, cwd=cwd or ROOT, env=_env(devices), capture_output=True,
+                          text=True, timeout=timeout, **popen)
+    assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_job(mode: str, args: dict) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, str(WORKER), mode,
+               json.dumps({**args, "processes": 2, "process": pid, "port": port})]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(2), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish_job(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, f"worker failed ({p.returncode}):\n{out[-4000:]}"
+    return outs
+
+
+def _kill_job_at(procs: list[subprocess.Popen], marker: str, timeout: float = 150) -> list[str]:
+    """Reads both workers' output until ``marker`` appears, then SIGKILLs both."""
+    lines: list[list[str]] = [[] for _ in procs]
+    seen = threading.Event()
+
+    def pump(i: int) -> None:
+        for line in procs[i].stdout:
+            lines[i].append(line)
+            if line.strip() == marker:
+                seen.set()
+
+    threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    ok = seen.wait(timeout)
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    for t in threads:
+        t.join(5)
+    outs = ["".join(x) for x in lines]
+    assert ok, "marker never printed:\n" + "\n".join(o[-3000:] for o in outs)
+    return outs
+
+
+def _mesh_state():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "expert"))
+    shardings = {k: NamedSharding(mesh, P(*spec)) for k, (_, _, spec) in SHAPES.items()}
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in expected_state(0).items()}
+    return mesh, shardings, abstract
+
+
+def _state(step, shardings):
+    return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+            for k, v in expected_state(step).items()}
+
+
+def _target(shardings, abstract, **changes):
+    out = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[k])
+           for k, a in abstract.items()}
+    out.update(changes)
+    return out
+
+
+@pytest.fixture
+def two_tier(tmp_path, request):
+    """A single-host manager over 4 devices: persist every INTERVAL steps."""
+    mesh, shardings, abstract = _mesh_state()
+    inmem = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1,
+                                      chunk_bytes=1024),
+        mesh, abstract, shardings, 0, 1)
+    handler = capricorn_jax.CapricornHandler(
+        inmem, host_memory_kind=getattr(request, "param", "auto"))
+    manager = capricorn_jax.CheckpointManager(
+        tmp_path / "ckpt", options=ocp.CheckpointManagerOptions(save_interval_steps=INTERVAL),
+        handler_registry=handler.registry("state"))
+    yield manager, handler, shardings, abstract
+    manager.close()
+
+
+def _save(manager, step, shardings, **host_state):
+    return manager.save(step, args=ocp.args.Composite(state=capricorn_jax.CapricornSave(
+        _state(step, shardings), {"pos": step, **host_state})))
+
+
+# --------------------------------------------------------------------------- one process
+
+
+# "pinned_host": the memory kind used on accelerators, exercised here on CPU.
+@pytest.mark.parametrize("two_tier", ["auto", "pinned_host"], indirect=True)
+def test_round_trip_memory_every_step_disk_every_k(two_tier):
+    manager, handler, shardings, abstract = two_tier
+    persisted = [_save(manager, s, shardings) for s in range(4)]
+    manager.wait_until_finished()
+    assert persisted == [True, False, True, False]
+    assert list(manager.all_steps()) == [0, 2] and manager.persistent_errors == []
+    assert handler.checkpointer.store.versions(0)[-1] == 3  # the memory tier ran every step
+    # The step is a standard Orbax item: its metadata names the standard handler.
+    assert manager.metadata(2).item_handlers == {"state": STANDARD_TYPESTR}
+    target = _target(shardings, abstract)
+
+    newest = manager.restore(args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+    assert (manager.last_restore.step, manager.last_restore.tier) == (3, "memory")
+    assert manager.last_restore.host_state == {"pos": 3}
+    assert_trees_equal(newest.state, expected_state(3))
+
+    manager.restore(3, args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+    assert (manager.last_restore.step, manager.last_restore.tier) == (3, "memory")
+    disk = manager.restore(2, args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+    assert (manager.last_restore.step, manager.last_restore.tier) == (2, "persistent")
+    assert manager.last_restore.host_state == {"pos": 2}
+    assert_trees_equal(disk.state, expected_state(2))
+    assert all(disk.state[k].sharding == target[k].sharding for k in target)
+
+    # The persistent tier read the bytes packing.unpack gives for that version
+    # (multi-chunk payloads, a replicated leaf split over 4 devices).
+    ckpt = handler.checkpointer
+    assert ckpt.plan.num_chunks > 1
+    blocks, host_state = read_own_blocks(ckpt, 3, 10)
+    rows = [np.frombuffer(b"".join(ckpt.store.read_chunk(0, 3, f"d{j}.c{k}")
+                                   for k in range(ckpt.plan.num_chunks)), np.uint8)
+            for j in range(4)]
+    want = unpack(ckpt.plan, 0, rows)
+    assert host_state == {"pos": 3} and sorted(blocks) == sorted(want)
+    for p in want:
+        for got, exp in zip(blocks[p], want[p], strict=True):
+            assert got.tobytes() == exp.tobytes() and got.ctypes.data % 64 == 0
+
+
+def test_save_returns_before_the_persistent_write(two_tier):
+    manager, handler, shardings, _ = two_tier
+    release, reached = threading.Event(), threading.Event()
+
+    def hook(step, phase):
+        if phase == "read":
+            reached.set()
+            assert release.wait(60)
+
+    handler.on_persist = hook
+    try:
+        assert _save(manager, 0, shardings) is True  # returned while the write is held
+        assert reached.wait(60)
+        assert manager.is_saving_in_progress()
+        assert not (manager.directory / "0").exists()  # not committed yet
+        assert list(ocp.utils.checkpoint_steps(manager.directory)) == []
+    finally:
+        release.set()
+    manager.wait_until_finished()
+    assert list(ocp.utils.checkpoint_steps(manager.directory)) == [0]
+    assert manager.persistent_errors == []
+
+
+def test_failed_background_write_is_recorded_and_cleaned_up(two_tier):
+    manager, handler, shardings, abstract = two_tier
+
+    def hook(step, phase):
+        if step == 0 and phase == "read":
+            raise OSError("disk full (injected)")
+
+    handler.on_persist = hook
+    assert _save(manager, 0, shardings) is True  # started; fails in the background
+    manager.wait_until_finished()  # collects the failure (a later save() would too)
+    assert [e["step"] for e in manager.persistent_errors] == [0]
+    assert "disk full (injected)" in manager.persistent_errors[0]["error"]
+    assert os.listdir(manager.directory) == []  # the failed step's tmp dir is gone
+    assert _save(manager, 1, shardings) is True  # no step committed yet: Orbax saves 1
+    manager.wait_until_finished()
+    assert list(manager.all_steps()) == [1] and len(manager.persistent_errors) == 1
+    manager.restore(args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(
+        _target(shardings, abstract))))
+    assert (manager.last_restore.step, manager.last_restore.tier) == (1, "memory")
+
+
+def test_handler_under_a_plain_orbax_manager_names_the_fix(tmp_path):
+    mesh, shardings, abstract = _mesh_state()
+    inmem = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1),
+        mesh, abstract, shardings, 0, 1)
+    handler = capricorn_jax.CapricornHandler(inmem)
+    # Synchronous directory creation: with Orbax's asynchronous one, a handler
+    # that raises leaves Orbax's directory-creation thread waiting 300 s for a
+    # signal, which would hold this process at exit.
+    plain = ocp.CheckpointManager(
+        tmp_path / "ckpt", handler_registry=handler.registry("state"),
+        options=ocp.CheckpointManagerOptions(
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
+    with pytest.raises(RuntimeError, match=r"capricorn_jax\.CheckpointManager.*save_to_memory"):
+        plain.save(0, args=ocp.args.Composite(
+            state=capricorn_jax.CapricornSave(_state(0, shardings))))
+    plain.close()
+    with pytest.raises(ValueError, match="CapricornHandler"):
+        capricorn_jax.CheckpointManager(tmp_path / "other")
+
+
+def test_wrong_args_and_mismatched_trees_are_named(two_tier):
+    manager, _, shardings, abstract = two_tier
+    for s in range(3):
+        _save(manager, s, shardings)
+    manager.wait_until_finished()
+    target = _target(shardings, abstract)
+    with pytest.raises(TypeError, match=r"Composite\(state="):
+        manager.restore(args=capricorn_jax.CapricornRestore(target))
+    with pytest.raises(TypeError, match="CapricornSave is a save argument"):
+        manager.restore(args=ocp.args.Composite(state=capricorn_jax.CapricornSave(target)))
+    with pytest.raises(TypeError, match="takes CapricornSave, got StandardSave"):
+        manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(3, shardings))))
+    bad_shape = _target(shardings, abstract, w=jax.ShapeDtypeStruct((8, 7), np.float32,
+                                                                    sharding=shardings["w"]))
+    missing = {k: v for k, v in target.items() if k != "e"}
+    for step, where in ((None, "in-memory"), (2, "persistent")):  # newest (2) is in memory
+        with pytest.raises(ValueError, match=rf"{where} checkpoint at leaf w: shape \(8, 6\).*"
+                                             r"\(8, 7\) in the target"):
+            manager.restore(step, args=ocp.args.Composite(
+                state=capricorn_jax.CapricornRestore(bad_shape)))
+        with pytest.raises(ValueError, match=rf"leaf e of the {where} checkpoint is not in the "
+                                             "target"):
+            manager.restore(step, args=ocp.args.Composite(
+                state=capricorn_jax.CapricornRestore(missing)))
+    with pytest.raises(FileNotFoundError, match="step 1 is neither"):
+        manager.restore(1, args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+
+
+def test_unwritable_directory_is_recorded_and_memory_tier_goes_on(tmp_path):
+    args = {"store": str(tmp_path / "shm"), "ckpt": str(tmp_path / "ckpt")}
+    (result,) = _results(_run("readonly", args).stdout)
+    if result["privileged"]:
+        pytest.skip("this process cannot drop the privilege to write read-only directories")
+    # No step ever committed, so Orbax's policy asks for one at every step: each
+    # attempt is refused before Orbax starts, and recorded; every step reached RAM.
+    assert [r["persisted"] for r in result["reports"]] == [False] * 5
+    assert [e["step"] for e in result["errors"]] == [0, 1, 2, 3, 4]
+    assert all("not writable" in e["error"] and "Permission denied" in e["error"]
+               for e in result["errors"])
+    committed = [r["memory_committed"] for r in result["reports"]]  # lags the writers
+    assert committed == sorted(committed)
+    assert result["memory_versions"][-1] == 4
+    assert result["listing"] == []  # no step, no temporary directory
+
+
+def test_readme_snippet_runs_verbatim(tmp_path):
+    first = _run("snippet", cwd=tmp_path).stdout
+    assert "persistent steps: [2, 4] errors: []" in first
+    assert "restored step 5 from the memory tier, host state {'data_position': 5}" in first
+    assert "plain Orbax step 4: w[0, 0] = 4.0" in first
+    again = _run("snippet", cwd=tmp_path).stdout  # a restart resumes from step 5
+    assert "restored step 10 from the memory tier, host state {'data_position': 10}" in again
+    assert README_SNIPPET.count("capricorn_jax.") >= 5
+
+
+# --------------------------------------------------------------------------- real processes
+
+KILL_STEP = 6  # persisted steps 0, 2, 4 commit; 6 is written but never committed
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory):
+    """2 processes x 2 devices, SIGKILLed inside the persistent write of step 6."""
+    root = tmp_path_factory.mktemp("job")
+    args = {"store": str(root / "shm"), "ckpt": str(root / "ckpt"), "steps": KILL_STEP + 1,
+            "kill_step": KILL_STEP}
+    outs = _kill_job_at(_start_job("train", args), f"WRITTEN {KILL_STEP}")
+    saves = [{r["step"]: r["persisted"] for r in _results(out) if "step" in r} for out in outs]
+    return root, saves
+
+
+def test_killed_write_leaves_no_partial_step(killed_job):
+    root, saves = killed_job
+    for host_saves in saves:
+        assert host_saves == {s: s % INTERVAL == 0 for s in range(KILL_STEP + 1)}
+    entries = sorted(os.listdir(root / "ckpt"))
+    assert [e for e in entries if e.isdigit()] == ["2", "4"]  # max_to_keep=2
+    # The killed write: host 1 had written its files (then stopped before the commit).
+    (tmp,) = [e for e in entries if e.startswith(f"{KILL_STEP}.")]
+    assert list((root / "ckpt" / tmp).glob("state*/capricorn_host_state.1.json"))
+    assert ocp.CheckpointManager(root / "ckpt").latest_step() == 4
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_plain_orbax_restores_on_another_topology(killed_job, devices):
+    root, _ = killed_job
+    (result,) = _results(_run("plain", {"ckpt": str(root / "ckpt")}, devices=devices).stdout)
+    assert result == {"step": 4, "all_steps": [2, 4], "devices": devices, "bitwise": True,
+                      "sharded_as_target": True, "item_handler": STANDARD_TYPESTR,
+                      "capricorn_imported": False}
+
+
+def test_restart_takes_the_newest_tier(killed_job, tmp_path):
+    root, _ = killed_job
+    shutil.copytree(root, tmp_path / "job")  # the plain-restore tests read the original
+    args = {"store": str(tmp_path / "job" / "shm"), "ckpt": str(tmp_path / "job" / "ckpt"),
+            "explicit_step": 4}
+    outs = _finish_job(_start_job("resume", args))
+    for host, out in enumerate(outs):
+        (r,) = _results(out)
+        # Memory (step 6, committed in RAM before the kill) is newer than disk (4).
+        assert r["newest"] == {"step": KILL_STEP, "tier": "memory", "bitwise": True,
+                               "sharded_as_target": True,
+                               "host_state": {"pos": KILL_STEP, "host": host}}
+        assert r["explicit"] == {"step": 4, "tier": "persistent", "bitwise": True,
+                                 "sharded_as_target": True, "host_state": {"pos": 4, "host": host}}
+        assert r["persisted"] == [False, True] and r["errors"] == []
+        assert r["all_steps"] == [4, KILL_STEP + 2]
+    # cleanup_tmp_directories removed the killed write's directory.
+    assert not any(e.startswith(f"{KILL_STEP}.") for e in os.listdir(tmp_path / "job" / "ckpt"))
