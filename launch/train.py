@@ -99,6 +99,11 @@ flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's proc
 flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
 flags.DEFINE_enum("kill_mode", "process", ["process", "host"],
                   "...process: its RAM store survives; host: its store is wiped (machine loss).")
+flags.DEFINE_integer("persist_every", 0,
+                     "Persistent tier (in-memory strategies): every this many steps, write the "
+                     "in-memory version to WORKDIR/checkpoints as a standard Orbax step, in the "
+                     "background, from host RAM; 0: no persistent tier.")
+flags.DEFINE_integer("max_to_keep", 3, "Persistent steps kept in WORKDIR/checkpoints.")
 flags.DEFINE_integer("kill_every", 0,
                      "Fault injection: kill --kill_host again every this many steps after "
                      "--kill_at_step (0: once); each time all hosts restart and recover.")
@@ -191,6 +196,15 @@ def check_flags() -> None:
         raise FlagError(f"--replicas={FLAGS.replicas}: --ckpt={FLAGS.ckpt} moves one peer "
                         f"replica inside the step; it needs --replicas=2")
     _check_pec_flags(cfg)
+    if FLAGS.persist_every < 0 or FLAGS.max_to_keep < 1:
+        raise FlagError(f"--persist_every must be >= 0 and --max_to_keep >= 1, got "
+                        f"{FLAGS.persist_every}, {FLAGS.max_to_keep}")
+    if FLAGS.persist_every and FLAGS.ckpt not in IN_MEMORY:
+        raise FlagError(f"--persist_every writes the in-memory versions to disk: it needs "
+                        f"--ckpt in {', '.join(IN_MEMORY)}, got --ckpt={FLAGS.ckpt}")
+    if FLAGS.persist_every and FLAGS.pec_k:
+        raise FlagError("--persist_every: the persistent tier writes whole versions; it does "
+                        "not take partial expert versions (--pec_k)")
     if FLAGS.kill_every < 0 or (FLAGS.kill_every and FLAGS.kill_host < 0):
         raise FlagError(f"--kill_every={FLAGS.kill_every} needs --kill_host and must be >= 0")
     if FLAGS.kill_host >= 0:
@@ -339,6 +353,7 @@ def supervise() -> int:
     if not FLAGS.resume:
         metrics_path.unlink(missing_ok=True)
         shutil.rmtree(Path(FLAGS.store_root) / job_name(FLAGS.workdir), ignore_errors=True)
+        shutil.rmtree(Path(FLAGS.workdir) / "checkpoints", ignore_errors=True)
     injector = _FaultInjector() if FLAGS.kill_host >= 0 else None
     deadline = time.monotonic() + FLAGS.timeout_s
     while True:
@@ -366,6 +381,80 @@ def supervise() -> int:
     elif code != 0:
         print(f"train: job failed with exit code {code}", file=sys.stderr, flush=True)
     return code
+
+
+class _Persistent:
+    """The persistent tier of launch.train: capricorn_jax.CheckpointManager over
+    the strategy's InMemoryCheckpointer, writing WORKDIR/checkpoints.
+
+    The strategy saves to memory itself (after the step, or inside it);
+    ``maybe_persist`` hands each committed version to the manager, which writes
+    it from the host store when ``--persist_every`` says so.
+    """
+
+    def __init__(self, ckpt, trainer, metrics: MetricsWriter):
+        import orbax.checkpoint as ocp
+
+        import capricorn_jax
+
+        self.ocp, self.cj, self.trainer, self.metrics = ocp, capricorn_jax, trainer, metrics
+        self.handler = capricorn_jax.CapricornHandler(ckpt)
+        self.manager = capricorn_jax.CheckpointManager(
+            Path(FLAGS.workdir).absolute() / "checkpoints",
+            options=ocp.CheckpointManagerOptions(save_interval_steps=FLAGS.persist_every,
+                                                 max_to_keep=FLAGS.max_to_keep),
+            handler_registry=self.handler.registry("state"))
+        self._errors = 0
+
+    def restore(self):
+        """(state, step, host_state) of the newest step across tiers, or Nones."""
+        import jax
+
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              self.trainer.abstract_state, self.trainer.state_shardings)
+        try:
+            restored = self.manager.restore(args=self.ocp.args.Composite(
+                state=self.cj.CapricornRestore(target)))
+        except FileNotFoundError:
+            return None, 0, None
+        info = self.manager.last_restore
+        tiers = info.memory_tiers or ["persistent"] * jax.process_count()
+        tier = max(tiers, key=_TIER_ORDER.index)
+        self.metrics.write({"event": "recovery", "step": info.step, "tier": tier,
+                            "seconds": info.seconds, "tiers": tiers, "bytes_moved": None})
+        logging.info("host %d: recovered version %d from tier %s in %.2fs", jax.process_index(),
+                     info.step, tier, info.seconds)
+        return restored.state, info.step, info.host_state
+
+    def maybe_persist(self, version: int, state) -> None:
+        args = self.ocp.args.Composite(state=self.cj.CapricornSave(state))
+        if self.manager.persist(version, args):
+            self.metrics.write({"event": "persist", "step": version,
+                                "directory": str(self.manager.directory)})
+        self._report_errors()
+
+    def _report_errors(self) -> None:
+        for error in self.manager.persistent_errors[self._errors:]:
+            self.metrics.write({"event": "persist_error", **error})
+            logging.warning("persistent tier: step %s failed: %s; training goes on with the "
+                            "memory tier", error.get("step"), error.get("error"))
+        self._errors = len(self.manager.persistent_errors)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self._report_errors()
+        self.manager.close()
+
+
+def _quiet_orbax_info() -> None:
+    """Orbax logs every save step at INFO through absl; keep its warnings only."""
+    import logging as pylogging
+
+    class QuietOrbax(pylogging.Filter):
+        def filter(self, record: pylogging.LogRecord) -> bool:
+            return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+    pylogging.getLogger("absl").addFilter(QuietOrbax())
 
 
 def _pec_fields(recovered) -> dict:
@@ -617,6 +706,7 @@ def train_worker(process_id: int) -> None:
 
     if os.environ.get("CAPRICORN_AUDIT_STORE") == "1":
         _install_store_audit(process_id)
+    _quiet_orbax_info()
     runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
     job = runtime.build_job(FLAGS.model, _config_overrides(), FLAGS.expert_parallel, FLAGS.steps,
                             FLAGS.learning_rate, FLAGS.warmup_steps, FLAGS.workload,
@@ -628,7 +718,13 @@ def train_worker(process_id: int) -> None:
                  jax.local_device_count(), dict(mesh.shape), cfg.name)
     state, max_routed, start = None, None, 0
     ckpt = _make_checkpointer(trainer, mesh, host, num_hosts) if FLAGS.ckpt in IN_MEMORY else None
-    if ckpt is not None:
+    persistent = _Persistent(ckpt, trainer, metrics) if FLAGS.persist_every else None
+    if persistent is not None:
+        state, start, host_state = persistent.restore()
+        if state is not None:
+            data.restore(host_state["data"])
+            max_routed = host_state["max_routed"]
+    elif ckpt is not None:
         recovered = capricorn_jax.recover(ckpt)
         if recovered is not None:
             state, start = recovered.state, recovered.step
@@ -672,6 +768,8 @@ def train_worker(process_id: int) -> None:
                 timeline = (profile, strategy.transfers.schedule)
         saved = []
         if strategy is not None:
+            if persistent is not None:
+                persistent.handler.await_reader()  # no prune under the disk writer's read
             host_state = {"data": data.state(), "max_routed": max_routed}
             saved = (strategy.save(step + 1, state, host_state,
                                    next_profiled=profiling.will_profile(step + 1))
@@ -686,6 +784,8 @@ def train_worker(process_id: int) -> None:
         })
         for event in saved:
             _log_checkpoint(metrics, host, event)
+            if persistent is not None:
+                persistent.maybe_persist(event["version"], state)
         if step == FLAGS.pause_after_step_at:
             _pause_for_kill(host, f"after step {step}")
         window_tokens += tokens_per_step
@@ -701,6 +801,10 @@ def train_worker(process_id: int) -> None:
                                                      "max_routed": max_routed})
         for event in final:
             _log_checkpoint(metrics, host, event)
+            if persistent is not None:
+                persistent.maybe_persist(event["version"], state)
+        if persistent is not None:
+            persistent.close()
         strategy.close()
     if FLAGS.timeline and host == 0:
         _write_timeline(timeline)

@@ -147,6 +147,28 @@ def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path
     assert [r["step"] for r in records if "event" not in r][-1] == 15
 
 
+def test_persistent_tier_takes_over_when_every_ram_store_is_lost(tmp_path, reference):
+    """Two levels: the memory tier every step, Orbax steps every 4 from host RAM;
+    with every host's RAM store gone, --resume restores the newest Orbax step."""
+    _, first = _train(tmp_path / "w", tmp_path / "s", "--persist_every=4", "--max_to_keep=2",
+                      "--kill_host=1", "--kill_at_step=6", "--kill_mode=host", steps=10)
+    (recovery,) = _events(first, "recovery")
+    assert recovery["tiers"] == ["local", "peer"]
+    assert [e["step"] for e in _events(first, "persist")] == [1, 4, 8]
+    steps = sorted(int(p.name) for p in (tmp_path / "w" / "checkpoints").iterdir()
+                   if p.name.isdigit())
+    assert steps == [4, 8]  # max_to_keep; no temporary step left behind
+    assert not list((tmp_path / "w" / "checkpoints").glob("*tmp*"))
+    import shutil
+
+    shutil.rmtree(tmp_path / "s")  # every host's RAM is lost
+    _, records = _train(tmp_path / "w", tmp_path / "s", "--persist_every=4", "--max_to_keep=2",
+                        "--resume", steps=STEPS)
+    (restore,) = [r for r in _events(records, "recovery") if r not in first]
+    assert restore["tier"] == "persistent" and restore["step"] == 8
+    assert _losses(records) == reference  # the same run, bitwise, from the Orbax step
+
+
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
                            "--kill_mode=process", "--corrupt_store", audit=True)

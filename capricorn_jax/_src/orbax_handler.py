@@ -171,7 +171,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
                        ) -> SaveReport:
         """Checkpoints ``state`` as in-memory version ``step`` (all hosts, every step)."""
         ckpt = self._require_checkpointer("save")
-        self._await_reader()
+        self.await_reader()
         own = ckpt.store.versions(ckpt.host)
         if step in own:
             # A version with this number left by an earlier run: drop it so the
@@ -182,7 +182,18 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             self._memory = _MemorySave(step, id(state), report.skipped)
         return report
 
-    def _await_reader(self) -> None:
+    def adopt_memory_version(self, step: int, state: Any) -> None:
+        """Takes in-memory version ``step``, saved by the caller through the
+        checkpointer, as the one the next ``async_save`` of ``state`` persists."""
+        self._require_checkpointer("persist")
+        with self._lock:
+            self._memory = _MemorySave(step, id(state), False)
+
+    def await_reader(self) -> None:
+        """Waits (bounded) until the persistent save in flight has read its
+        in-memory version, so the next in-memory save cannot prune it mid-read.
+        ``save_to_memory`` calls it; callers that save through the checkpointer
+        themselves call it before each save."""
         with self._lock:
             reader = self._reader
         if reader is None:
@@ -586,6 +597,26 @@ class CheckpointManager(ocp.CheckpointManager):
                             "(...), not the deprecated items/save_kwargs")
         cap = self._item_args(args, CapricornSave, "save")
         self.last_memory_report = self.handler.save_to_memory(step, cap.state, cap.host_state)
+        return self._persist(step, args, metrics, force, custom_metadata)
+
+    def persist(self, step: int, args, force: bool = False) -> bool:
+        """The persistent half of ``save`` for a version the memory tier already holds.
+
+        For callers that drive the ``InMemoryCheckpointer`` themselves (e.g.
+        a version moved inside the training step and committed with
+        ``save_transferred``): when Orbax's policy (or ``force``) asks, writes
+        in-memory version ``step`` to disk from the host store, as ``save``
+        would. Every host calls it for the same steps.
+
+        Returns:
+          As ``save``.
+        """
+        cap = self._item_args(args, CapricornSave, "persist")
+        self.handler.adopt_memory_version(step, cap.state)
+        return self._persist(step, args, None, force, None)
+
+    def _persist(self, step: int, args, metrics, force: bool,
+                 custom_metadata: dict[str, Any] | None) -> bool:
         if not self.is_saving_in_progress():
             self._collect_errors()  # non-blocking: the previous save has finished
         if not force and not self.should_save(step):
