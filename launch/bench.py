@@ -56,6 +56,9 @@ flags.DEFINE_string("json", None, "Write the results here as JSON.")
 flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.")
 flags.DEFINE_integer("seed", 0, "Seed.")
 flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole benchmark.")
+flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
+                  "cpu: the simulated cluster (--hosts processes); gpu: this process on the "
+                  "local GPU(s), --hosts=1, strategies without peers (--replicas=1).")
 flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
 flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
 
@@ -280,12 +283,21 @@ def main(argv: list[str]) -> None:
     import shutil
 
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
-    coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
-    passed = [a for a in sys.argv[1:] if not a.startswith(("--workdir", "--process_id"))]
-    cluster = cluster_lib.LocalCluster(
-        lambda h: ["-m", "launch.bench", *passed, f"--workdir={workdir}", f"--process_id={h}",
-                   f"--coordinator={coordinator}"], FLAGS.hosts, FLAGS.devices_per_host)
-    code = cluster_lib.run(cluster, FLAGS.timeout_s)
+    if FLAGS.platform == "gpu":
+        if FLAGS.hosts != 1 or FLAGS.replicas != 1:
+            print("bench: error: --platform=gpu runs in this process: --hosts=1 --replicas=1",
+                  file=sys.stderr)
+            sys.exit(2)
+        code = 0
+        bench_worker(0, workdir)
+    else:
+        coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
+        passed = [a for a in sys.argv[1:] if not a.startswith(("--workdir", "--process_id"))]
+        cluster = cluster_lib.LocalCluster(
+            lambda h: ["-m", "launch.bench", *passed, f"--workdir={workdir}",
+                       f"--process_id={h}", f"--coordinator={coordinator}"],
+            FLAGS.hosts, FLAGS.devices_per_host)
+        code = cluster_lib.run(cluster, FLAGS.timeout_s)
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
     result_file = workdir / "worker_result.json"
     if code != 0 or not result_file.exists():

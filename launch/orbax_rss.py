@@ -144,10 +144,33 @@ def _run_capricorn(workdir: str) -> list[dict]:
         rows.append(_measure("capricorn persistent", persistent_tier, state_bytes))
         rows[-1]["after_read_mib"] = read_rss[-1] / MIB - rows[-1]["rss_before_mib"]
         assert not manager.persistent_errors and 1 in manager.all_steps()
+        rows.append(_blocking(manager, inmem, state, args))
         manager.close()
         return rows
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def _blocking(manager, inmem, state, args, repeats: int = 3) -> dict:
+    """How long ``manager.save`` of a persistent step holds the training thread,
+    against one device-to-host copy of the state (``jax.device_get``)."""
+    import statistics
+
+    import jax
+
+    d2h, blocked = [], []
+    for step in range(2, 2 + repeats):
+        t0 = time.perf_counter()
+        jax.device_get(state)
+        d2h.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        started = manager.save(step, args=args(step))  # memory tier + persistent step
+        blocked.append(time.perf_counter() - t0)
+        assert started, f"step {step} was not persisted"
+        manager.wait_until_finished()
+        inmem.wait_until_finished(600)
+    return {"phase": "timing", "d2h_s": statistics.median(d2h),
+            "save_blocked_s": statistics.median(blocked), "repeats": repeats}
 
 
 def _run_orbax(workdir: str) -> list[dict]:
@@ -196,6 +219,8 @@ def main(argv) -> None:
     finally:
         if FLAGS.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+    timing = [r for r in rows if r["phase"] == "timing"]
+    rows = [r for r in rows if r["phase"] != "timing"]
     print(f"State: {rows[0]['state_mib']:.0f} MiB over {FLAGS.devices} CPU devices; peak = "
           f"VmHWM during the save (reset before it), delta = peak - RSS before.\n")
     print("| phase | RSS before (MiB) | peak (MiB) | delta (MiB) | delta / state | seconds |")
@@ -207,11 +232,16 @@ def main(argv) -> None:
         if "after_read_mib" in r:
             print(f"\n{r['phase']}: RSS grew by {r['after_read_mib']:.0f} MiB once the version "
                   f"was read into host buffers (before Orbax started writing).")
+    for t in timing:
+        print(f"\ncapricorn CheckpointManager.save of a persistent step held the training "
+              f"thread {t['save_blocked_s']:.3f} s (median of {t['repeats']}); one "
+              f"device-to-host copy of the state takes {t['d2h_s']:.3f} s: "
+              f"{t['save_blocked_s'] / t['d2h_s']:.2f}x.")
     if not all(r["peak_reset"] for r in rows):
         print("\n(/proc/self/clear_refs was not writable: peaks are since process start)")
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows + timing, f, indent=1)
 
 
 if __name__ == "__main__":

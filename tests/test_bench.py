@@ -70,3 +70,18 @@ def test_bench_scheduled_strategies(tmp_path):
     # Gemini partitions once, from its first profiled steps, and never again.
     assert result["gemini"]["schedule"]["partitions"] == 1
     assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1
+
+
+def test_bench_single_process_path(tmp_path):
+    """The one-GPU path runs the bench in this process (here on the CPU backend)."""
+    out = tmp_path / "bench.json"
+    proc = _bench("--platform=gpu", "--hosts=1", "--replicas=1", "--devices_per_host=1",
+                  "--strategies=none,inmem,pec", "--model=tiny", "--dispatch=fixed", "--steps=3",
+                  "--reps=2", "--warmup=2", f"--store_root={tmp_path / 'shm'}",
+                  f"--workdir={tmp_path / 'w'}", f"--json={out}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())["strategies"]
+    assert set(result) == {"none", "inmem", "pec"}
+    assert result["inmem"]["recovery"]["local"]["tiers"] == ["local"]
+    bad = _bench("--platform=gpu", "--hosts=2", f"--workdir={tmp_path / 'w2'}", timeout=60)
+    assert bad.returncode == 2 and "--hosts=1" in bad.stderr

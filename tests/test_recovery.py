@@ -133,8 +133,10 @@ def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path
                         "--kill_every=5", "--kill_mode=host", "--pec_k=2", "--nopec_dynamic",
                         steps=16)
     recoveries = _events(records, "recovery")
-    assert [r["step"] for r in recoveries] == [6, 11, 16][: len(recoveries)]
+    # Lost after steps 5, 10, 15: each resume is from the version that step made,
+    # or the one before if the lost host was still writing it.
     assert len(recoveries) >= 2
+    assert all(r["step"] in (kill, kill + 1) for r, kill in zip(recoveries, (5, 10, 15)))
     checkpoints = _events(records, "checkpoint")
     full = checkpoints[0]["bytes"]
     assert checkpoints[0]["pec_k"] == 8  # the first version has no older copies to lean on
