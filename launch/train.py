@@ -340,9 +340,10 @@ def _report(metrics_path: Path, injector: _FaultInjector | None) -> None:
     print("report:", json.dumps(summarize(records)), flush=True)
     for r in records:
         if r.get("event") == "recovery":
+            moved = ("" if r.get("bytes_moved") is None
+                     else f", {r['bytes_moved']} bytes from peers")
             print(f"recovery: resumed from step {r['step']} via tier {r['tier']} "
-                  f"(hosts: {', '.join(r['tiers'])}) in {r['seconds']:.2f}s, "
-                  f"{r['bytes_moved']} bytes from peers", flush=True)
+                  f"(hosts: {', '.join(r['tiers'])}) in {r['seconds']:.2f}s{moved}", flush=True)
     if injector is not None and not any(r.get("event") == "recovery" for r in records):
         print("recovery: none happened", flush=True)
 
@@ -421,7 +422,8 @@ class _Persistent:
         tiers = info.memory_tiers or ["persistent"] * jax.process_count()
         tier = max(tiers, key=_TIER_ORDER.index)
         self.metrics.write({"event": "recovery", "step": info.step, "tier": tier,
-                            "seconds": info.seconds, "tiers": tiers, "bytes_moved": None})
+                            "seconds": info.seconds, "tiers": tiers,
+                            "bytes_moved": info.bytes_moved})
         logging.info("host %d: recovered version %d from tier %s in %.2fs", jax.process_index(),
                      info.step, tier, info.seconds)
         return restored.state, info.step, info.host_state

@@ -429,6 +429,7 @@ class RestoreInfo:
       host_state: this host's JSON state saved with that step ({} if none).
       memory_tiers: for the memory tier, how each host got its shards
         ("local" or "peer", see ``recover``); None otherwise.
+      bytes_moved: for the memory tier, bytes that came from peers (all hosts).
     """
 
     step: int
@@ -436,6 +437,7 @@ class RestoreInfo:
     seconds: float
     host_state: dict[str, Any]
     memory_tiers: list[str] | None = None
+    bytes_moved: int | None = None
 
 
 # --------------------------------------------------------------------------- bytes
@@ -777,7 +779,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
         state = jax.tree.map(place, recovered.state, abstract)
         self.last_restore = RestoreInfo(recovered.step, "memory", time.perf_counter() - start,
-                                        recovered.host_state, recovered.tiers)
+                                        recovered.host_state, recovered.tiers,
+                                        recovered.bytes_moved)
         return state
 
     # ----- helpers -----
