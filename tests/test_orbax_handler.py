@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -323,6 +324,9 @@ def test_readme_snippet_runs_verbatim(tmp_path):
     again = _run("snippet", cwd=tmp_path).stdout  # a restart resumes from step 5
     assert "restored step 10 from the memory tier, host state {'data_position': 10}" in again
     assert README_SNIPPET.count("capricorn_jax.") >= 5
+    # The snippet run here is the one README.md shows, character for character.
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "```python\n" + README_SNIPPET + "```" in readme
 
 
 # --------------------------------------------------------------------------- real processes
