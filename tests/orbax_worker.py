@@ -261,6 +261,38 @@ def plain(args: dict) -> None:
             capricorn_imported=any(m.startswith("capricorn_jax") for m in sys.modules))
 
 
+def reshard(args: dict) -> None:
+    """capricorn_jax's manager on another topology: an empty memory tier, so the
+    newest step is the persistent one, read into this process's shardings."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import capricorn_jax
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    target = {}
+    for k, v in expected_state(0).items():
+        spec = P("x") if v.ndim and v.shape[0] % mesh.size == 0 else P()
+        target[k] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, spec))
+    abstract = {k: jax.ShapeDtypeStruct(t.shape, t.dtype) for k, t in target.items()}
+    inmem = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=args["store"], job="reshard", replicas=1),
+        mesh, abstract, {k: t.sharding for k, t in target.items()}, host=0, hosts=1)
+    handler = capricorn_jax.CapricornHandler(inmem)
+    manager = capricorn_jax.CheckpointManager(args["ckpt"],
+                                              handler_registry=handler.registry("state"))
+    state = manager.restore(args=ocp.args.Composite(
+        state=capricorn_jax.CapricornRestore(target))).state
+    info = manager.last_restore
+    _result(step=info.step, tier=info.tier, devices=len(jax.devices()),
+            bitwise=_bitwise_equal(state, info.step),
+            sharded_as_target=all(state[k].sharding == target[k].sharding for k in state))
+    manager.close()
+
+
 def readonly(args: dict) -> None:
     import orbax.checkpoint as ocp
 
@@ -320,7 +352,8 @@ def main() -> None:
         exec(compile(README_SNIPPET, "README_SNIPPET", "exec"), {"__name__": "__main__"})
         return
     args = json.loads(sys.argv[2])
-    {"train": train, "resume": resume, "plain": plain, "readonly": readonly}[mode](args)
+    {"train": train, "resume": resume, "plain": plain, "readonly": readonly,
+     "reshard": reshard}[mode](args)
 
 
 if __name__ == "__main__":

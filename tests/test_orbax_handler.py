@@ -366,6 +366,17 @@ def test_plain_orbax_restores_on_another_topology(killed_job, devices):
                       "capricorn_imported": False}
 
 
+@pytest.mark.parametrize("devices", [4, 1])
+def test_capricorn_manager_restores_persistent_step_on_another_topology(killed_job, tmp_path,
+                                                                        devices):
+    root, _ = killed_job
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")
+    (result,) = _results(_run("reshard", {"ckpt": str(tmp_path / "ckpt"),
+                                          "store": str(tmp_path / "shm")}, devices=devices).stdout)
+    assert result == {"step": 4, "tier": "persistent", "devices": devices, "bitwise": True,
+                      "sharded_as_target": True}
+
+
 def test_restart_takes_the_newest_tier(killed_job, tmp_path):
     root, _ = killed_job
     shutil.copytree(root, tmp_path / "job")  # the plain-restore tests read the original
