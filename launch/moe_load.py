@@ -86,7 +86,8 @@ def measure(model: str, devices: int, repeats: int, skews: Sequence[str | float]
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from launch.trainer import make_mesh
     from models.capacity import choose_capacity_factors

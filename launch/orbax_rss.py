@@ -178,7 +178,8 @@ def _blocking(manager, inmem, state, args, repeats: int = 3) -> dict:
         inmem.wait_until_finished(600)
     return {"phase": "timing", "d2h_s": statistics.median(d2h),
             "memory_s": statistics.median(memory), "persistent_s": statistics.median(persistent),
-            "save_blocked_s": statistics.median(m + p for m, p in zip(memory, persistent)),
+            "save_blocked_s": statistics.median(
+                m + p for m, p in zip(memory, persistent, strict=True)),
             "repeats": repeats}
 
 

@@ -3,13 +3,13 @@
 Every strategy is called the same way after each training step:
 ``save(step, state, host_state) -> list[dict]`` (the ``checkpoint`` events
 of the versions it committed: ``version``, ``bytes``, ...), ``finish`` after
-the last step (what ``save`` left unsaved) and ``close()`` at the end. ``none`` does nothing; ``blocking`` is a
-TorchSnapshot-like synchronous checkpoint; ``orbax_async`` is plain Orbax
-CheckpointManager async saves to a RAM disk, what a JAX user does today;
-``inmem`` is capricorn_jax's in-memory tier (every step to host RAM and m-1
-peers). ``gemini`` and ``capricorn`` (scheduled chunks) build on ``inmem``;
-``pec`` is ``inmem`` with partial expert checkpointing (K of N experts per
-version).
+the last step (what ``save`` left unsaved) and ``close()`` at the end.
+``none`` does nothing; ``blocking`` is a TorchSnapshot-like synchronous
+checkpoint; ``orbax_async`` is plain Orbax CheckpointManager async saves to a
+RAM disk, what a JAX user does today; ``inmem`` is capricorn_jax's in-memory
+tier (every step to host RAM and m-1 peers). ``gemini`` and ``capricorn``
+(scheduled chunks) build on ``inmem``; ``pec`` is ``inmem`` with partial
+expert checkpointing (K of N experts per version).
 """
 
 from __future__ import annotations

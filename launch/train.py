@@ -138,7 +138,8 @@ flags.DEFINE_integer("eval_sequences", 8, "Validation sequences per domain at th
 flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
                   "cpu: simulated hosts; gpu: this process on the local GPU(s).")
 flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole job; hosts are stopped past it.")
-flags.DEFINE_integer("process_id", -1, "Internal: this worker's host index (set by the supervisor).")
+flags.DEFINE_integer("process_id", -1,
+                     "Internal: this worker's host index (set by the supervisor).")
 flags.DEFINE_string("coordinator", "", "Internal: jax.distributed coordinator address.")
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from capricorn_jax import BoundaryHook, boundary_hooks
 from models.config import ModelConfig

@@ -353,7 +353,7 @@ class _Worker:
         base2, _ = self._window(compute, idle)
         self.interference.append({
             "size_mb": size, "counts": counts, "alone_calls": base1 + base2,
-            "loaded": {t: {"calls": c, "transfers": l} for t, (c, l) in loaded.items()}})
+            "loaded": {t: {"calls": c, "transfers": n} for t, (c, n) in loaded.items()}})
 
     # --- all of it ----------------------------------------------------------------------------
 

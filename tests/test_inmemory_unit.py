@@ -12,7 +12,11 @@ import numpy as np
 import pytest
 
 from capricorn_jax._src.packing import (
-    check_compatible, decode_trailer, encode_trailer, make_plan, unpack,
+    check_compatible,
+    decode_trailer,
+    encode_trailer,
+    make_plan,
+    unpack,
 )
 from capricorn_jax._src.placement import send_rounds
 from capricorn_jax._src.recovery import choose_version, serve_rounds

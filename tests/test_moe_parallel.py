@@ -3,7 +3,8 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from launch.trainer import make_mesh
 from models import GPTMoE, get_config, param_count, param_partition_specs

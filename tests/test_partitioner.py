@@ -6,7 +6,8 @@ import math
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capricorn_jax import LayerProfile, Segment
 from capricorn_jax._src.packing import LeafSlot

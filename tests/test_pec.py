@@ -7,7 +7,8 @@ import math
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capricorn_jax._src.pec import (
     DynamicK,

@@ -136,7 +136,8 @@ def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path
     # Lost after steps 5, 10, 15: each resume is from the version that step made,
     # or the one before if the lost host was still writing it.
     assert len(recoveries) >= 2
-    assert all(r["step"] in (kill, kill + 1) for r, kill in zip(recoveries, (5, 10, 15)))
+    kills = (5, 10, 15)[: len(recoveries)]
+    assert all(r["step"] in (k, k + 1) for r, k in zip(recoveries, kills, strict=True))
     checkpoints = _events(records, "checkpoint")
     full = checkpoints[0]["bytes"]
     assert checkpoints[0]["pec_k"] == 8  # the first version has no older copies to lean on

@@ -62,10 +62,15 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src import pec as pec_lib, placement
+from capricorn_jax._src import pec as pec_lib
+from capricorn_jax._src import placement
 from capricorn_jax._src.options import InMemoryOptions
 from capricorn_jax._src.packing import (
-    PackPlan, decode_trailer, encode_trailer, make_pec_plan, make_plan,
+    PackPlan,
+    decode_trailer,
+    encode_trailer,
+    make_pec_plan,
+    make_plan,
 )
 from capricorn_jax._src.pec import DynamicK, MoEShape, PecOptions, PltTracker
 from capricorn_jax._src.store import HostStore

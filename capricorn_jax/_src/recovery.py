@@ -43,7 +43,11 @@ import numpy as np
 
 from capricorn_jax._src import pec as pec_lib
 from capricorn_jax._src.packing import (
-    PackPlan, check_compatible, decode_trailer, unpack, unpack_pec,
+    PackPlan,
+    check_compatible,
+    decode_trailer,
+    unpack,
+    unpack_pec,
 )
 from capricorn_jax._src.store import ChecksumError
 from capricorn_jax._src.transport import Transport, assemble, local_rows

@@ -28,7 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.executor import InStepSender, scheduled_step
 from capricorn_jax._src.partitioner import (
-    LinkModel, Schedule, Window, fit_link_model, partition, scale_windows,
+    LinkModel,
+    Schedule,
+    Window,
+    fit_link_model,
+    partition,
+    scale_windows,
 )
 
 
