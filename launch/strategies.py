@@ -180,7 +180,7 @@ class Scheduled(InMemory):
         self.detector = (capricorn_jax.DynamicityDetector(
             capricorn_jax.DetectorOptions(threshold=drift_threshold))
             if name == "capricorn" else None)
-        self._profiles: list = []
+        self._profiles: list = []  # gemini: its first warm profiles, until it schedules
         self._profiles_seen = 0
         self._profiled_variants: set[tuple[float, ...]] = set()
         self._profile_next = True
@@ -189,7 +189,6 @@ class Scheduled(InMemory):
         self._last_saved = -1
         self._planned_on = None  # the profile the schedule in force was planned on
         self.repartitions: list[int] = []
-        self.gated = 0  # speculative activations vetoed: the schedule still fit
 
     def compiled(self, step: int, factors) -> bool:
         """Whether step ``step`` would run an already-compiled variant (bench)."""
@@ -229,13 +228,16 @@ class Scheduled(InMemory):
         from capricorn_jax._src.scheduling import average_windows
 
         self._profiles_seen += 1
-        if not cold:
-            self._profiles.append(profile)
         if self.name == "gemini":
-            if self.transfers.schedule is not None or self._profiles_seen < self.first_n:
+            if self.transfers.schedule is not None:
+                return None
+            if not cold:
+                self._profiles.append(profile)
+            if self._profiles_seen < self.first_n:
                 return None
             # Gemini: the iteration timeline of the first n steps, kept for good.
             windows = average_windows(self._profiles or [profile], windows_from_profile)
+            self._profiles.clear()
         else:
             if cold:
                 return None
@@ -258,14 +260,12 @@ class Scheduled(InMemory):
         # own durations, and a profiled step (other collectives) must run on
         # every host or on none. Called on every host at once: the detector's
         # activation depends only on the (replicated) expert load.
-        risk = agree([float(risk)])[0] > 0.5
-        self.gated += not risk
-        return risk
+        return agree([float(risk)])[0] > 0.5
 
     def step(self, step: int, factors, state, batch):
         """Runs training step ``step`` (0-based), deciding profiling itself (bench)."""
         import capricorn_jax
-        from capricorn_jax._src.scheduling import moe_segments
+        from capricorn_jax._src.scheduling import moe_durations
 
         profile, cold = None, False
         if self._wants_profile():
@@ -281,10 +281,8 @@ class Scheduled(InMemory):
         if self.detector is not None:
             tpe = np.asarray(out["tokens_per_expert"])
             if profile is not None:
-                layer_of = moe_segments(profile, self.trainer.cfg.moe_layers)
-                self.detector.record_profile(step, tpe, {} if cold else {
-                    (layer_of[(s.name, s.direction)], s.direction): s.duration_s
-                    for s in profile.segments if (s.name, s.direction) in layer_of})
+                self.detector.record_profile(step, tpe, {} if cold else moe_durations(
+                    profile, self.trainer.cfg.moe_layers))
             decision = self.detector.observe(step, tpe)
             # A cold profile is no measurement: profile again; else only when
             # the load drifted and the schedule may no longer fit.
@@ -332,6 +330,3 @@ class Scheduled(InMemory):
             return []
         self._last_saved = step
         return super().save(step, state, host_state)
-
-    def close(self) -> None:
-        self.ckpt.close()

@@ -36,7 +36,7 @@ from capricorn_jax import (
     should_profile,
 )
 from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.scheduling import moe_segments
+from capricorn_jax._src.scheduling import moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
@@ -421,12 +421,8 @@ class _Persistent:
             return None, 0, None
         info = self.manager.last_restore
         tiers = info.memory_tiers or ["persistent"] * jax.process_count()
-        tier = max(tiers, key=_TIER_ORDER.index)
-        self.metrics.write({"event": "recovery", "step": info.step, "tier": tier,
-                            "seconds": info.seconds, "tiers": tiers,
-                            "bytes_moved": info.bytes_moved})
-        logging.info("host %d: recovered version %d from tier %s in %.2fs", jax.process_index(),
-                     info.step, tier, info.seconds)
+        _log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,
+                      info.bytes_moved)
         return restored.state, info.step, info.host_state
 
     def maybe_persist(self, version: int, state) -> None:
@@ -447,6 +443,16 @@ class _Persistent:
         self.manager.wait_until_finished()
         self._report_errors()
         self.manager.close()
+
+
+def _log_recovery(metrics: MetricsWriter, host: int, step: int, tiers: list[str],
+                  seconds: float, bytes_moved: int | None, **extra) -> None:
+    """The ``recovery`` event (its ``tier``: the farthest any host reached for)."""
+    metrics.write({"event": "recovery", "step": step,
+                   "tier": max(tiers, key=_TIER_ORDER.index), "seconds": seconds,
+                   "tiers": tiers, "bytes_moved": bytes_moved, **extra})
+    logging.info("host %d: recovered version %d from tier %s in %.2fs", host, step, tiers[host],
+                 seconds)
 
 
 def _quiet_orbax_info() -> None:
@@ -630,9 +636,7 @@ class StepProfiling:
         if self.detector is None:
             return
         if profile is not None:
-            durations = {} if first else {
-                (layer, s.direction): s.duration_s for s in profile.segments
-                if (layer := moe.get((s.name, s.direction))) is not None}
+            durations = {} if first else moe_durations(profile, self.trainer.cfg.moe_layers)
             self.detector.record_profile(step, tpe, durations)
         self.decision = self.detector.observe(step, tpe)
         gated = False
@@ -733,12 +737,8 @@ def train_worker(process_id: int) -> None:
             state, start = recovered.state, recovered.step
             data.restore(recovered.host_state["data"])
             max_routed = recovered.host_state["max_routed"]
-            tier = max(recovered.tiers, key=_TIER_ORDER.index)
-            metrics.write({"event": "recovery", "step": start, "tier": tier,
-                           "seconds": recovered.seconds, "tiers": recovered.tiers,
-                           "bytes_moved": recovered.bytes_moved, **_pec_fields(recovered)})
-            logging.info("host %d: recovered version %d from tier %s in %.2fs", host, start,
-                         recovered.tier, recovered.seconds)
+            _log_recovery(metrics, host, start, recovered.tiers, recovered.seconds,
+                          recovered.bytes_moved, **_pec_fields(recovered))
     if state is None:
         state = trainer.init_state(FLAGS.seed)
     strategy = _make_strategy(ckpt, trainer)

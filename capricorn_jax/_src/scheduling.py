@@ -164,6 +164,14 @@ def moe_segments(profile: Any, moe_layers: Sequence[int]) -> dict[tuple[str, str
     return out
 
 
+def moe_durations(profile: Any, moe_layers: Sequence[int]) -> dict[tuple[int, str], float]:
+    """{(MoE layer index, direction): seconds} of a profile's MoE segments: what
+    the detector's cost models (``DynamicityDetector.record_profile``) take."""
+    layer_of = moe_segments(profile, moe_layers)
+    return {(layer_of[(s.name, s.direction)], s.direction): s.duration_s
+            for s in profile.segments if (s.name, s.direction) in layer_of}
+
+
 def schedule_at_risk(schedule: Schedule | None, detector: Any, tokens_per_expert: Any,
                      profile: Any, moe_layers: Sequence[int]) -> bool:
     """Whether ``schedule`` may overflow a window at this expert load.
