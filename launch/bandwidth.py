@@ -5,7 +5,8 @@
 Measures, on the default JAX backend of this process (CPU here; a GPU when
 one is present): host memcpy (numpy), host -> device (``jax.device_put``),
 device -> host (``np.asarray`` of a device array, after
-``copy_to_host_async``), and a write + read of the same bytes on the RAM disk
+``copy_to_host_async``), device -> ``pinned_host`` memory (accelerators
+that have it: the copy Orbax and the persistent tier use), and a write + read of the same bytes on the RAM disk
 the in-memory tier uses (tmpfs). The link between simulated hosts is measured
 by ``launch.transfer_alt`` (and by each scheduled strategy at start,
 ``scheduling.measure_link``). Median and best of ``--repeats``, GB/s (1e9).
@@ -67,6 +68,14 @@ def measure(nbytes: int, repeats: int, tmpfs: str) -> dict[str, dict[str, float]
         "device -> host": d2h,
         "tmpfs write + read": store,
     }
+    device = jax.devices()[0]
+    if device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}:
+        pinned = dev.sharding.with_memory_kind("pinned_host")
+
+        def d2pinned() -> None:  # what Orbax's and the persistent tier's host copies use
+            jax.block_until_ready(jax.device_put(dev + 0, pinned))
+
+        kinds["device -> pinned_host"] = d2pinned
     out = {}
     try:
         for name, fn in kinds.items():
