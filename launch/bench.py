@@ -47,6 +47,7 @@ flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
 flags.DEFINE_integer("expert_parallel", 0, "Expert axis size; 0 = all devices.")
 flags.DEFINE_enum("dispatch", "bucketed", ["", "fixed", "bucketed"],
                   "MoE dispatch; bucketed (load-dependent) by default; '' = the model's.")
+flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = the model's.")
 flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
 flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
@@ -171,6 +172,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
     overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
+    if FLAGS.global_batch:
+        overrides["global_batch"] = FLAGS.global_batch
     total_steps = (FLAGS.warmup + FLAGS.steps * FLAGS.reps) * len(FLAGS.strategies)
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
                             FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
@@ -311,7 +314,8 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     print(markdown(results))
     config = {k: getattr(FLAGS, k) for k in ("model", "workload", "steps", "reps", "hosts",
-                                             "devices_per_host", "dispatch", "replicas")}
+                                             "devices_per_host", "dispatch", "replicas", "global_batch",
+                                             "platform")}
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
                                                 "date": time.strftime("%Y-%m-%d")}, indent=1))

@@ -125,3 +125,41 @@ def test_donated_state_is_not_read_after_donation(trainer, tmp_path):
                         trainer.state_shardings, trainer.mesh)
     assert_trees_equal(restored, expected)
     ckpt.close()
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host", "device"])
+def test_payload_leaves_through_each_host_memory_kind_in_parallel_chunks(trainer, tmp_path,
+                                                                         kind):
+    """The payload put in pinned or unpinned host memory (the accelerator path,
+    forced on CPU) or copied from device memory, written as many chunk files by
+    3 threads: every chunk's CRC matches and recover() returns the state bitwise."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
+                                         chunk_bytes=64 << 10, host_memory_kind=kind,
+                                         write_threads=3)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    assert ckpt._memory_kind == (None if kind == "device" else kind)
+    state = trainer.init_state(3)
+    expected = jax.tree.map(np.array, state)
+    ckpt.save(5, state, {"data": {"step": 5}})
+    ckpt.wait_until_finished(60)
+    assert ckpt.plan.num_chunks > 8
+    assert ckpt.store.verify(0, 5)
+    ckpt.close()
+    again = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    got = capricorn_jax.recover(again)
+    again.close()
+    assert got.step == 5 and got.host_state == {"data": {"step": 5}}
+    assert_trees_equal(got.state, expected)
+
+
+def test_host_memory_options_name_the_bad_value(tmp_path):
+    import capricorn_jax
+
+    with pytest.raises(ValueError, match="host_memory_kind.*'gpu'"):
+        capricorn_jax.InMemoryOptions(str(tmp_path), "j", host_memory_kind="gpu")
+    with pytest.raises(ValueError, match="write_threads must be >= 1, got 0"):
+        capricorn_jax.InMemoryOptions(str(tmp_path), "j", write_threads=0)

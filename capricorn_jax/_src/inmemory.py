@@ -52,6 +52,7 @@ without decoding its payload.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -60,6 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from capricorn_jax._src import pec as pec_lib
@@ -263,6 +265,9 @@ class InMemoryCheckpointer:
         self._own_q: queue.Queue = queue.Queue(maxsize=1)
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
+        self._memory_kind = _host_memory_kind(options.host_memory_kind, mesh)
+        self._write_pool = concurrent.futures.ThreadPoolExecutor(
+            options.write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [
             threading.Thread(target=self._run, args=(self._own_q, self._write_own), daemon=True,
                              name="ckpt-own-writer"),
@@ -290,11 +295,19 @@ class InMemoryCheckpointer:
                        pec_meta: dict | None, pause_halfway: bool = False) -> None:
         writer = self.store.begin(owner, step)
         names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
-        for n, (j, k) in enumerate(names):
-            if pause_halfway and n == len(names) // 2 and self.on_pause is not None:
-                self.on_pause(step)
+
+        def write(name: tuple[int, int]) -> None:
+            j, k = name
             lo, hi = plan.chunk_range(k)
             writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]))
+
+        halves = [names]
+        if pause_halfway and self.on_pause is not None:
+            halves = [names[:len(names) // 2], names[len(names) // 2:]]
+        for n, part in enumerate(halves):
+            if n == 1:
+                self.on_pause(step)
+            list(self._write_pool.map(write, part))  # raises the first failed write
         meta = {
             "fingerprint": plan.fingerprint(), "leaves": plan.leaf_table(),
             "payload_bytes": plan.payload_bytes, "chunk_bytes": plan.chunk_bytes,
@@ -436,8 +449,8 @@ class InMemoryCheckpointer:
         meta = None if version is None else version.meta
         report = self._read_statuses()
         self._last_statuses = statuses
-        for array in (own, *received):
-            array.copy_to_host_async()  # start the device-to-host copy now; writers read it
+        # Start the device-to-host copies now; the writers read them.
+        own, *received = [self._to_host(a) for a in (own, *received)]
         skipped = False
         try:
             self._own_q.put((step, own, plan, meta), timeout=self.options.writer_timeout_s)
@@ -498,12 +511,31 @@ class InMemoryCheckpointer:
         if self._errors:
             raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
 
+    def _to_host(self, array: jax.Array) -> jax.Array:
+        if self._memory_kind is None:
+            array.copy_to_host_async()
+            return array
+        return jax.device_put(array, array.sharding.with_memory_kind(self._memory_kind))
+
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_until_finished(timeout_s)
         for q in (self._own_q, self._rep_q):
             q.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
+        self._write_pool.shutdown(wait=False)
+
+
+def _host_memory_kind(kind: str, mesh) -> str | None:
+    """The memory kind a payload is put in to leave the device; None: the
+    device's own memory is host memory (CPU), start ``copy_to_host_async``."""
+    device = mesh.devices.flat[0]
+    if kind != "auto":
+        return None if kind == "device" else kind
+    if device.platform == "cpu":
+        return None
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
 
 
 def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:

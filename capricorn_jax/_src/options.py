@@ -38,6 +38,12 @@ class InMemoryOptions:
       pec_window: under PEC, how many versions before the newest stay
         candidates for the safe version while replication lags
         (``pec.versions_to_keep``).
+      host_memory_kind: where a version's payload goes when it leaves the
+        device: "auto" (``pinned_host`` memory on accelerators that have it,
+        a DMA at device-to-host bandwidth; on CPU the payload is already host
+        memory, ``copy_to_host_async``), or an explicit memory kind.
+      write_threads: chunk files of one version written in parallel (file
+        writes and their CRC32 release the GIL).
     """
 
     store_root: str
@@ -50,8 +56,15 @@ class InMemoryOptions:
     pause_mid_replication_at: int | None = None
     pec: PecOptions | None = None
     pec_window: int = 2
+    host_memory_kind: str = "auto"
+    write_threads: int = 4
 
     def __post_init__(self) -> None:
+        if self.host_memory_kind not in ("auto", "pinned_host", "unpinned_host", "device"):
+            raise ValueError(f"host_memory_kind must be auto, pinned_host, unpinned_host or "
+                             f"device, got {self.host_memory_kind!r}")
+        if self.write_threads < 1:
+            raise ValueError(f"write_threads must be >= 1, got {self.write_threads}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.chunk_bytes < 1024:
