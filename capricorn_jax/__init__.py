@@ -4,7 +4,13 @@ The public API. Everything else lives under ``capricorn_jax._src`` and may
 change without notice.
 """
 
-from capricorn_jax._src.boundary import BoundaryHook, active_hooks, boundary_hooks, layer_boundary
+from capricorn_jax._src.boundary import (
+    BoundaryHook,
+    active_hooks,
+    boundary_hooks,
+    collective_boundary,
+    layer_boundary,
+)
 from capricorn_jax._src.detector import (
     CostModel,
     Decision,
@@ -28,6 +34,7 @@ from capricorn_jax._src.orbax_handler import (
 from capricorn_jax._src.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
 from capricorn_jax._src.placement import holders as replica_holders
 from capricorn_jax._src.profiler import (
+    CollectiveProbe,
     LayerProfile,
     ProfiledStep,
     Segment,
@@ -66,11 +73,13 @@ __all__ = [
     "FirstNProfiler",
     "IterationProfile",
     "LayerProfile",
+    "CollectiveProbe",
     "ProfilePolicy",
     "ProfiledStep",
     "Segment",
     "active_hooks",
     "boundary_hooks",
+    "collective_boundary",
     "drift_score",
     "gpt_moe_all_to_alls",
     "layer_boundary",

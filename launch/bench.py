@@ -10,8 +10,16 @@ compilation; a step that compiles a new variant (a new capacity bucket) and
 the first step of each block (which absorbs the previous strategy's tail) are
 left out. A sample is the mean step time of a block; per strategy the report
 gives the median and spread of the samples and the ratio of the median to
-``none``'s. With ``inmem`` it then measures recovery: from the local RAM store,
-and from a peer after host 1's store is wiped.
+``none``'s. After the timed steps, each block runs ``--a2a_steps`` steps
+(not timed) of the variant with ``capricorn_jax.CollectiveProbe`` attached:
+ordered per-device callbacks at the edges of every MoE all-to-all (dispatch
+and combine, forward and backward), under the strategy's own checkpoint
+traffic (for gemini and capricorn, the scheduled step with its chunks); the
+all-to-all time of a step is the sum of its phases, each the slowest
+device's, and includes the wait for the slowest peer and the probe's own
+callbacks: compare it across strategies, not to a step time. With ``inmem``
+and ``pec`` it then measures recovery: from the local RAM store, and from a
+peer after host 1's store is wiped.
 
 Output: a markdown table on stdout, ``--json`` (contract in DESIGN.md), and a
 PNG bar chart with ``--png``. Exits non-zero, and reports no number, when any
@@ -41,6 +49,10 @@ flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"], "Dat
 flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
 flags.DEFINE_integer("steps", 10, "Steps per block (one strategy, one repetition).")
 flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.")
+flags.DEFINE_integer("a2a_steps", 2,
+                     "Steps per block (after the timed ones, not timed) that run with the "
+                     "all-to-all probe: per-device stamps around each MoE all-to-all, under "
+                     "the strategy's own checkpoint traffic; 0 = no all-to-all column.")
 flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.")
 flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
 flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
@@ -97,27 +109,43 @@ class _Runner:
     """Steps the job under a given strategy, timing each step."""
 
     def __init__(self, job):
+        import capricorn_jax
         from models.capacity import choose_capacity_factors
 
         self.job, self.choose = job, choose_capacity_factors
         self.state = job.trainer.init_state(FLAGS.seed)
         self.max_routed, self.step = None, 0
+        self.probe = capricorn_jax.CollectiveProbe()
 
-    def block(self, strategy, n: int) -> tuple[list[float], list[float]]:
+    def block(self, strategy, n: int, probed: int = 0) -> tuple[list[float], list[float]]:
+        """Runs ``n`` steps under ``strategy``; the last ``probed`` of them run
+        the variant with the all-to-all probe (CollectiveProbe) attached.
+
+        Returns:
+          (seconds of each timed step: warm, unprobed, not the first;
+           all-to-all seconds of each warm probed step: the sum of its phases).
+        """
+        import jax
         import numpy as np
 
         trainer, times, a2a = self.job.trainer, [], []
         for i in range(n):
+            hooks = (self.probe,) if i >= n - probed else ()
             factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
-            cached = trainer.has_step(factors)
+            cached = trainer.has_step(factors, hooks)
             t0 = time.perf_counter()
             batch = trainer.global_batch(self.job.data.next_batch())
             if hasattr(strategy, "step"):
-                cached = strategy.compiled(self.step, factors)
-                self.state, out = strategy.step(self.step, factors, self.state, batch)
+                cached = strategy.compiled(self.step, factors, hooks)
+                self.state, out = strategy.step(self.step, factors, self.state, batch, hooks)
             else:
-                self.state, out = trainer.step_fn(factors)(self.state, batch)
+                self.state, out = trainer.step_fn(factors, hooks)(self.state, batch)
             float(out["loss"])
+            if hooks:
+                jax.block_until_ready(self.state)  # the backward pass's stamps are in
+                phases = self.probe.phase_seconds()
+                if cached and phases:  # empty: the strategy profiled this step instead
+                    a2a.append(sum(phases.values()))
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
             pec = getattr(getattr(strategy, "ckpt", None), "pec", None)
             if pec is not None and pec.tracker.step != self.step:
@@ -132,7 +160,7 @@ class _Runner:
                           {"data": self.job.data.state(), "max_routed": self.max_routed},
                           **({} if pec is None else
                              {"tokens_per_expert": np.asarray(out["tokens_per_expert"])}))
-            if cached and i > 0:
+            if cached and i > 0 and not hooks:
                 times.append(time.perf_counter() - t0)
             self.step += 1
         return times, a2a
@@ -174,23 +202,27 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
     if FLAGS.global_batch:
         overrides["global_batch"] = FLAGS.global_batch
-    total_steps = (FLAGS.warmup + FLAGS.steps * FLAGS.reps) * len(FLAGS.strategies)
+    total_steps = ((FLAGS.warmup + FLAGS.steps * FLAGS.reps + FLAGS.a2a_steps * (FLAGS.reps + 1))
+                   * len(FLAGS.strategies))
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
                             FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
     strategies = {name: _make_strategy(name, job, workdir) for name in FLAGS.strategies}
     runner = _Runner(job)
+    probed = FLAGS.a2a_steps
     for name, strategy in strategies.items():
-        runner.block(strategy, FLAGS.warmup)
+        runner.block(strategy, FLAGS.warmup + probed, probed)  # compiles the probed variant too
         if job.host == 0:
             print(f"warm-up of {name} done", flush=True)
     samples = {name: [] for name in strategies}
+    a2a = {name: [] for name in strategies}
     names = list(strategies)
     for rep in range(FLAGS.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            times, _ = runner.block(strategies[name], FLAGS.steps)
+            times, phases = runner.block(strategies[name], FLAGS.steps + probed, probed)
             if times:
                 samples[name].append(statistics.fmean(times))
+            a2a[name] += phases
         if job.host == 0:
             print(f"repetition {rep + 1}/{FLAGS.reps}: " + ", ".join(
                 f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in order if samples[n]), flush=True)
@@ -206,7 +238,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
-        result = {"samples": samples, "ram": ram, "recovery": recovery, "schedules": schedules,
+        result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery,
+                  "schedules": schedules,
                   "state_bytes": sum(x.size * x.dtype.itemsize
                                      for x in jax.tree.leaves(job.trainer.abstract_state))}
         (workdir / "worker_result.json").write_text(json.dumps(result))
@@ -228,6 +261,11 @@ def summarize(raw: dict) -> dict:
             "ckpt_bytes_per_step": int(sum(h[1] for h in per_host)),
             "store_bytes_per_host": [int(h[0]) for h in per_host],
         }
+        a2a = raw.get("a2a", {}).get(name) or []
+        if a2a:
+            q = statistics.quantiles(a2a, n=4) if len(a2a) > 1 else [a2a[0]] * 3
+            out[name].update(a2a_median_s=statistics.median(a2a), a2a_spread_s=q[2] - q[0],
+                             a2a_samples=len(a2a))
     base = out.get("none", {}).get("median_step_s")
     for row in out.values():
         row["ratio"] = row["median_step_s"] / base if base else None
@@ -239,13 +277,16 @@ def summarize(raw: dict) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| strategy | median step (ms) | spread IQR (ms) | ratio to none | ckpt bytes/step "
-             "(all hosts) | store RAM per host (MB) |", "|---|---|---|---|---|---|"]
+    lines = ["| strategy | median step (ms) | spread IQR (ms) | ratio to none | all-to-all "
+             "(ms, IQR) | ckpt bytes/step (all hosts) | store RAM per host (MB) |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
         ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
+        a2a = (f"{r['a2a_median_s'] * 1e3:.1f} ({r['a2a_spread_s'] * 1e3:.1f})"
+               if "a2a_median_s" in r else "-")
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
-                     f"{ratio} | {r['ckpt_bytes_per_step']:,} | {ram} |")
+                     f"{ratio} | {a2a} | {r['ckpt_bytes_per_step']:,} | {ram} |")
     for name, r in results.items():
         for tier, rec in r.get("recovery", {}).items():
             lines.append(f"\n{name}: recovery from {tier}: {rec['seconds']:.3f} s, "
@@ -313,9 +354,9 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: {e}; no results reported", file=sys.stderr)
         sys.exit(1)
     print(markdown(results))
-    config = {k: getattr(FLAGS, k) for k in ("model", "workload", "steps", "reps", "hosts",
-                                             "devices_per_host", "dispatch", "replicas", "global_batch",
-                                             "platform")}
+    config = {k: getattr(FLAGS, k) for k in (
+        "model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch", "replicas",
+        "global_batch", "platform", "a2a_steps")}
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
                                                 "date": time.strftime("%Y-%m-%d")}, indent=1))

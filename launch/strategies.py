@@ -190,27 +190,28 @@ class Scheduled(InMemory):
         self._planned_on = None  # the profile the schedule in force was planned on
         self.repartitions: list[int] = []
 
-    def compiled(self, step: int, factors) -> bool:
+    def compiled(self, step: int, factors, hooks: tuple = ()) -> bool:
         """Whether step ``step`` would run an already-compiled variant (bench)."""
         if self._wants_profile():
             return False
         if self.transfers.schedule is not None and step in self._host_states:
-            return self.transfers.has_step(factors)
-        return self.trainer.has_step(factors)
+            return self.transfers.has_step(factors, hooks)
+        return self.trainer.has_step(factors, hooks)
 
     def _wants_profile(self) -> bool:
         if self.name == "gemini":
             return self.transfers.schedule is None
         return self._profile_next
 
-    def unprofiled_step(self, step: int, factors, state, batch):
-        """Step ``step``, moving version ``step`` in it when a schedule exists."""
+    def unprofiled_step(self, step: int, factors, state, batch, hooks: tuple = ()):
+        """Step ``step``, moving version ``step`` in it when a schedule exists;
+        ``hooks``: extra boundary hooks (the bench's CollectiveProbe)."""
         if self.transfers.schedule is not None and step in self._host_states:
             trailer = self.ckpt.trailer_rows(self._host_states[step])
-            state, out, moved = self.transfers.step_fn(factors)(state, batch, trailer)
+            state, out, moved = self.transfers.step_fn(factors, hooks)(state, batch, trailer)
             self._moved = (step, moved)
             return state, out
-        return self.trainer.step_fn(factors)(state, batch)
+        return self.trainer.step_fn(factors, hooks)(state, batch)
 
     def on_profile(self, step: int, profile, cold: bool) -> dict | None:
         """Feeds the profile of step ``step``; re-partitions when the strategy does.
@@ -262,8 +263,9 @@ class Scheduled(InMemory):
         # activation depends only on the (replicated) expert load.
         return agree([float(risk)])[0] > 0.5
 
-    def step(self, step: int, factors, state, batch):
-        """Runs training step ``step`` (0-based), deciding profiling itself (bench)."""
+    def step(self, step: int, factors, state, batch, hooks: tuple = ()):
+        """Runs training step ``step`` (0-based), deciding profiling itself (bench);
+        ``hooks`` go to an unprofiled step only (a profiled one has its own marks)."""
         import capricorn_jax
         from capricorn_jax._src.scheduling import moe_durations
 
@@ -277,7 +279,7 @@ class Scheduled(InMemory):
             state, out, profile = profiled(state, batch)
             self.on_profile(step, profile, cold)
         else:
-            state, out = self.unprofiled_step(step, factors, state, batch)
+            state, out = self.unprofiled_step(step, factors, state, batch, hooks)
         if self.detector is not None:
             tpe = np.asarray(out["tokens_per_expert"])
             if profile is not None:

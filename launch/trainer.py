@@ -207,9 +207,10 @@ class Trainer:
             )
         return self._steps[key]
 
-    def has_step(self, factors: tuple[float, ...]) -> bool:
-        """Whether the plain step for these capacity factors is compiled already."""
-        return (tuple(float(f) for f in factors), (), None) in self._steps
+    def has_step(self, factors: tuple[float, ...], hooks: tuple[BoundaryHook, ...] = ()) -> bool:
+        """Whether the step for these capacity factors (plain, or with ``hooks``
+        and no wrap) is compiled already."""
+        return (tuple(float(f) for f in factors), tuple(hooks), None) in self._steps
 
     def global_batch(self, local_batch: np.ndarray) -> jax.Array:
         """This process's rows -> the global batch array over the mesh."""

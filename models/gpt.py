@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax import layer_boundary
+from capricorn_jax import collective_boundary, layer_boundary
 from models.config import ModelConfig, capacity
 from models.routing import combine, dispatch, route
 
@@ -87,7 +87,14 @@ def _moe_local(x, router, w_in, w_out, *, top_k, cap, num_groups):
     return y, stats
 
 
-def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards):
+def _all_to_all(x, name: str, phase: str, axes: tuple[str, ...]):
+    """The tiled all-to-all over ``expert``, its edges marked for probes."""
+    x = collective_boundary(x, name, f"{phase}.begin", axes)
+    x = jax.lax.all_to_all(x, EXPERT, 0, 0, tiled=True)
+    return collective_boundary(x, name, f"{phase}.end", axes)
+
+
+def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards, name, axes):
     """shard_map body: one device's tokens, its E/expert_shards experts."""
     b, s, d = x.shape
     xt = x.reshape(b * s, d)
@@ -95,9 +102,9 @@ def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards
     buf = dispatch(xt, r, num_experts, cap).reshape(
         expert_shards, num_experts // expert_shards, cap, d
     )
-    buf = jax.lax.all_to_all(buf, EXPERT, 0, 0, tiled=True)  # [source, E_local, C, d]
+    buf = _all_to_all(buf, name, "dispatch", axes)  # [source, E_local, C, d]
     y = _experts(buf, w_in, w_out)
-    y = jax.lax.all_to_all(y, EXPERT, 0, 0, tiled=True)  # [expert shard, E_local, C, d]
+    y = _all_to_all(y, name, "combine", axes)  # [expert shard, E_local, C, d]
     out = combine(y.reshape(num_experts, cap, d), r).reshape(b, s, d)
     stats = (
         jax.lax.psum(r.tokens_per_expert, BATCH_AXES),
@@ -134,6 +141,9 @@ class MoEFeedForward(nn.Module):
         body = functools.partial(
             _moe_shard, top_k=cfg.top_k, cap=cap, num_experts=e,
             expert_shards=self.mesh.shape[EXPERT],
+            # The enclosing block's name (the profiler's boundary name), e.g. "block1".
+            name=self.scope.path[-2] if len(self.scope.path) > 1 else self.name,
+            axes=tuple(self.mesh.axis_names),
         )
         tokens = P(BATCH_AXES)
         experts = P(EXPERT)

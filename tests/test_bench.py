@@ -27,6 +27,8 @@ def test_bench_reports_every_strategy(tmp_path):
         assert row["median_step_s"] > 0 and row["samples"] == 2
         assert {"spread_s", "ratio", "ckpt_bytes_per_step"} <= set(row)
     assert result["none"]["ratio"] == 1.0 and result["none"]["ckpt_bytes_per_step"] == 0
+    # The all-to-all probe: --a2a_steps (2) warm probed steps per block, 2 blocks.
+    assert all(row["a2a_samples"] == 4 and row["a2a_median_s"] > 0 for row in result.values())
     assert result["inmem"]["ckpt_bytes_per_step"] > 0
     assert result["blocking"]["ckpt_bytes_per_step"] > 0
     recovery = result["inmem"]["recovery"]
@@ -67,6 +69,8 @@ def test_bench_scheduled_strategies(tmp_path):
         assert schedule["scheduled"], name
         assert sum(schedule["window_bytes"]) + schedule["tail_bytes"] > 0
         assert result[name]["ckpt_bytes_per_step"] > 0
+    # The all-to-all time under the chunks' traffic (probed scheduled steps).
+    assert result["gemini"]["a2a_samples"] >= 1 and result["gemini"]["a2a_median_s"] > 0
     # Gemini partitions once, from its first profiled steps, and never again.
     assert result["gemini"]["schedule"]["partitions"] == 1
     assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1

@@ -117,3 +117,26 @@ def test_status_gather_alone(setup):
     _, transport, *_ = setup
     got = np.asarray(transport.gather_status(np.array([4, 5, 6])))
     np.testing.assert_array_equal(got, [[4, 5, 6]] * 4)
+
+
+def test_probed_scheduled_step_times_every_all_to_all_and_changes_nothing(setup):
+    """The interference probe inside the scheduled step: the chunks still arrive,
+    the state is bitwise the plain step's, and every MoE all-to-all (dispatch
+    and combine, forward and backward) of every MoE layer is timed."""
+    import capricorn_jax
+
+    trainer, transport, sender, _, batch, trailer, rows = setup
+    probe = capricorn_jax.CollectiveProbe()
+    probed = scheduled_step(trainer, sender, (2.0, 2.0), hooks=(probe,))
+    want_state, _ = trainer.step_fn((2.0, 2.0))(trainer.init_state(0), batch)
+    own, received, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))
+    state, _, out = probed(trainer.init_state(0), batch, rows)
+    jax.block_until_ready(state)
+    assert_trees_equal(state, want_state)
+    np.testing.assert_array_equal(np.asarray(out["received"]), np.asarray(received[0]))
+    phases = probe.phase_seconds()
+    moe = [f"block{i}" for i in trainer.cfg.moe_layers]
+    assert set(phases) == {(b, d, c) for b in moe for d in ("fwd", "bwd")
+                           for c in ("dispatch", "combine")}
+    assert all(s > 0 for s in phases.values())
+    assert probe.phase_seconds() == {}  # drained

@@ -129,3 +129,31 @@ def test_all_to_all_estimate_for_the_moe_layers(setup):
     assert [b.shape for b in bufs["block0"]] == [(cfg.num_experts, cap, cfg.d_model)] * 2
     seconds = profiler.time_all_to_all(trainer.mesh, "expert", bufs["block0"][0], repeats=3)
     assert 0.0 <= seconds < 1.0
+
+
+def test_collective_probe_stamps_each_all_to_all_edge_on_every_device(setup):
+    """The all-to-all probe in the plain step: bitwise the same results, one
+    callback per edge (begin, end of dispatch and combine, forward and backward)
+    per MoE layer, each stamped once on every device, the end after the begin."""
+    from capricorn_jax import CollectiveProbe
+
+    trainer, batch = setup
+    probe = CollectiveProbe()
+    want = trainer.step_fn(FACTORS)(trainer.init_state(0), batch)
+    probed = trainer.step_fn(FACTORS, hooks=(probe,))
+    got = jax.block_until_ready(probed(trainer.init_state(0), batch))
+    for g, w in zip(_leaves(got), _leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    moe = [f"block{i}" for i in trainer.cfg.moe_layers]
+    stamps = probe.recorder.drain()
+    edges = {(b, f"{d}:{c}.{e}") for b in moe for d in ("fwd", "bwd")
+             for c in ("dispatch", "combine") for e in ("begin", "end")}
+    assert set(stamps) == {(b, k, dev) for b, k in edges for dev in range(4)}
+    for b in moe:
+        for dev in range(4):
+            for c in ("dispatch", "combine"):
+                assert stamps[(b, f"fwd:{c}.end", dev)] > stamps[(b, f"fwd:{c}.begin", dev)]
+                # The backward runs the transposed all-to-all from the end edge to the begin.
+                assert stamps[(b, f"bwd:{c}.begin", dev)] > stamps[(b, f"bwd:{c}.end", dev)]
+    hlo = probed.lower(trainer.abstract_state, batch).compile().as_text()
+    assert hlo.count("python_cpu_callback") == len(edges)

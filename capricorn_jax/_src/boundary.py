@@ -62,6 +62,28 @@ def boundary_hooks(*hooks: BoundaryHook) -> Iterator[None]:
         del stack[depth:]
 
 
+def collective_boundary(x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
+    """Marks an edge of a collective phase inside a ``shard_map`` body.
+
+    A model calls it on the buffer entering a collective (``phase`` e.g.
+    "dispatch.begin") and on the one leaving it ("dispatch.end"). Hooks that
+    have a ``collective(x, name, phase, axes)`` method see it (the
+    interference probe: per-device timestamps around the MoE all-to-alls);
+    plain boundary hooks do not. With no such hook it returns ``x`` unchanged.
+
+    Args:
+      x: the per-device buffer (an array or pytree of arrays).
+      name: the layer's stable name.
+      phase: "<collective>.begin" or "<collective>.end".
+      axes: the ``shard_map``'s mesh axes (for the device index).
+    """
+    for hook in tuple(_stack()):
+        collective = getattr(hook, "collective", None)
+        if collective is not None:
+            x = collective(x, name, phase, axes)
+    return x
+
+
 def active_hooks() -> tuple[BoundaryHook, ...]:
     """The hooks attached in this thread, outermost first."""
     return tuple(_stack())

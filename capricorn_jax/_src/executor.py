@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.boundary import boundary_hooks
 from capricorn_jax._src.partitioner import Schedule, Window
 from capricorn_jax._src.transport import Transport
 
@@ -181,8 +182,13 @@ class InStepSender:
         return {"own": ctx.payload, "received": jnp.concatenate([p for _, p in pieces], axis=1)}
 
 
-def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...]):
+def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...],
+                   hooks: tuple = ()):
     """The jitted train step that also moves the schedule's chunks.
+
+    ``hooks``: boundary hooks attached around the whole step besides the
+    sender's (e.g. a CollectiveProbe timing the all-to-alls under the chunks'
+    traffic); they come first at every boundary.
 
     Returns:
       (state, batch, trailer) -> (new state, metrics, {"own", "received"}),
@@ -190,8 +196,12 @@ def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...]):
       the peer's payload of the same version, both [devices, payload_bytes].
     """
     rows = trainer.batch_sharding.__class__(trainer.mesh, P(sender.axes))
+    def body(s, b, t):
+        with boundary_hooks(*hooks):
+            return trainer._step_with(s, b, tuple(factors), sender, t)
+
     return jax.jit(
-        lambda s, b, t: trainer._step_with(s, b, tuple(factors), sender, t),
+        body,
         in_shardings=(trainer.state_shardings, trainer.batch_sharding, rows),
         out_shardings=(trainer.state_shardings, trainer.replicated,
                        {"own": rows, "received": rows}),

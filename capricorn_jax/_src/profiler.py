@@ -287,6 +287,72 @@ class ProfileHook:
         return ident(x)
 
 
+class CollectiveProbe:
+    """A hook that times the collective phases a model marks with
+    ``collective_boundary`` (the MoE all-to-alls), in the forward and the
+    backward pass, on every device: the interference probe.
+
+    It adds no layer-boundary marks (``__call__`` is the identity). At each
+    phase edge an ordered per-device callback stamps the time, tied to the
+    buffer by data dependency (as the profiler's marks are); in the backward
+    pass the same edges are stamped on the cotangents, where the transposed
+    collective runs from the ``end`` edge to the ``begin`` edge.
+    ``phase_seconds`` turns one step's stamps into the time of each phase.
+    """
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        self.recorder = recorder or Recorder()
+
+    def __call__(self, x: Any, name: str) -> Any:
+        del name
+        return x
+
+    def collective(self, x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
+        callback_fwd = functools.partial(self.recorder.record, name, f"{FWD}:{phase}")
+        callback_bwd = functools.partial(self.recorder.record, name, f"{BWD}:{phase}")
+
+        def stamp(tree: Any, callback: Callable) -> Any:
+            leaves, treedef = jax.tree.flatten(tree)
+            device = jax.lax.axis_index(axes).astype(jnp.float32)
+            tag = jnp.stack([device, _probe(leaves)])
+            result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag,
+                                 ordered=True)
+            leaves, _ = jax.lax.optimization_barrier((leaves, result))
+            return jax.tree.unflatten(treedef, leaves)
+
+        @jax.custom_vjp
+        def ident(y):
+            return stamp(y, callback_fwd)
+
+        def fwd(y):
+            return stamp(y, callback_fwd), None
+
+        def bwd(_, g):
+            return (stamp(g, callback_bwd),)
+
+        ident.defvjp(fwd, bwd)
+        return ident(x)
+
+    def phase_seconds(self) -> dict[tuple[str, str, str], float]:
+        """{(layer, direction, collective): seconds} of the one step stamped
+        since the last call (forgets its stamps): per device the time from the
+        phase's first edge to its second in that direction, the slowest
+        device's. A phase missing an edge on some device is left out."""
+        times = self.recorder.drain()
+        out: dict[tuple[str, str, str], float] = {}
+        for (name, key, device), t in times.items():
+            direction, phase = key.split(":", 1)
+            collective, edge = phase.rsplit(".", 1)
+            other = times.get((name, f"{direction}:{collective}."
+                               f"{'end' if edge == 'begin' else 'begin'}", device))
+            if edge != "begin" or other is None:
+                continue
+            seconds = abs(other - t)
+            k = (name, direction, collective)
+            out[k] = max(out.get(k, 0.0), seconds)
+        return out
+
+
 def event_order(names: Sequence[str]) -> list[EventKey]:
     """The marks of one step in the order they must fire."""
     return (

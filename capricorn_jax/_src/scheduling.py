@@ -122,16 +122,18 @@ class ScheduledTransfers:
         self.partitions += 1
         return self.schedule
 
-    def has_step(self, factors: tuple[float, ...]) -> bool:
+    def has_step(self, factors: tuple[float, ...], hooks: tuple = ()) -> bool:
         """Whether the scheduled step for the current schedule is compiled."""
-        return (self._key, tuple(factors)) in self._steps
+        return (self._key, tuple(factors), tuple(hooks)) in self._steps
 
-    def step_fn(self, factors: tuple[float, ...]):
-        key = (self._key, tuple(factors))
+    def step_fn(self, factors: tuple[float, ...], hooks: tuple = ()):
+        """The scheduled step of the schedule in force (compiled once per
+        factors and ``hooks``: extra boundary hooks, e.g. a CollectiveProbe)."""
+        key = (self._key, tuple(factors), tuple(hooks))
         if key not in self._steps:
             sender = InStepSender(self.ckpt.transport, self.trainer.state_shardings,
                                   self.schedule, self.boundaries)
-            self._steps[key] = scheduled_step(self.trainer, sender, factors)
+            self._steps[key] = scheduled_step(self.trainer, sender, factors, hooks)
         return self._steps[key]
 
     def summary(self) -> dict[str, Any]:
