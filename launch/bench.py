@@ -6,8 +6,9 @@
 Every host process builds the model once and then runs the strategies in
 interleaved blocks (A B C, B C A, C A B, ...) of ``--steps`` steps each,
 ``--reps`` times, after a warm-up block per strategy that excludes
-compilation; a step that compiles a new variant (a new capacity bucket) and
-the first step of each block (which absorbs the previous strategy's tail) are
+compilation; a step during which anything compiled (a new variant for a
+new capacity bucket, or a program a strategy's save needs) and the first
+step of each block (which absorbs the previous strategy's tail) are
 left out. A sample is the mean step time of a block; per strategy the report
 gives the median and spread of the samples and the ratio of the median to
 ``none``'s. After the timed steps, each block runs ``--a2a_steps`` steps
@@ -86,7 +87,7 @@ def _make_strategy(name: str, job, workdir: Path):
         return strategies.BlockingCheckpoint(workdir / "blocking", job.host)
     if name == "orbax_async":
         return strategies.OrbaxAsync(Path(FLAGS.store_root) / "orbax")
-    if name in ("inmem", "gemini", "capricorn", "pec"):
+    if name in ("inmem", "gemini", "capricorn", "pec", "capricorn_pec"):
         cfg = job.trainer.cfg
         options = capricorn_jax.InMemoryOptions(
             store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
@@ -95,13 +96,14 @@ def _make_strategy(name: str, job, workdir: Path):
             # the other strategies must not read as replicas that stopped answering.
             replication_timeout_s=FLAGS.timeout_s,
             pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
-            if name == "pec" else None)
+            if name in ("pec", "capricorn_pec") else None)
         ckpt = capricorn_jax.InMemoryCheckpointer(
             options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
             job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
         if name in ("inmem", "pec"):
             return strategies.InMemory(ckpt)
-        return strategies.Scheduled(name, ckpt, job.trainer, chunk_cap=FLAGS.chunk_bytes)
+        return strategies.Scheduled(name.removesuffix("_pec"), ckpt, job.trainer,
+                                    chunk_cap=FLAGS.chunk_bytes)
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -109,6 +111,8 @@ class _Runner:
     """Steps the job under a given strategy, timing each step."""
 
     def __init__(self, job):
+        import jax
+
         import capricorn_jax
         from models.capacity import choose_capacity_factors
 
@@ -116,6 +120,16 @@ class _Runner:
         self.state = job.trainer.init_state(FLAGS.seed)
         self.max_routed, self.step = None, 0
         self.probe = capricorn_jax.CollectiveProbe()
+        # Every XLA compile in this process (a step variant, or a program a
+        # strategy's save compiles, e.g. PEC's packing for a new K): a step
+        # during which one ran is not timed.
+        self.compiles = 0
+
+        def on_event(event: str, seconds: float, **_) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.compiles += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_event)
 
     def block(self, strategy, n: int, probed: int = 0) -> tuple[list[float], list[float]]:
         """Runs ``n`` steps under ``strategy``; the last ``probed`` of them run
@@ -133,6 +147,7 @@ class _Runner:
             hooks = (self.probe,) if i >= n - probed else ()
             factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
             cached = trainer.has_step(factors, hooks)
+            compiles = self.compiles
             t0 = time.perf_counter()
             batch = trainer.global_batch(self.job.data.next_batch())
             if hasattr(strategy, "step"):
@@ -141,6 +156,7 @@ class _Runner:
             else:
                 self.state, out = trainer.step_fn(factors, hooks)(self.state, batch)
             float(out["loss"])
+            cached = cached and self.compiles == compiles
             if hooks:
                 jax.block_until_ready(self.state)  # the backward pass's stamps are in
                 phases = self.probe.phase_seconds()
@@ -160,7 +176,7 @@ class _Runner:
                           {"data": self.job.data.state(), "max_routed": self.max_routed},
                           **({} if pec is None else
                              {"tokens_per_expert": np.asarray(out["tokens_per_expert"])}))
-            if cached and i > 0 and not hooks:
+            if cached and i > 0 and not hooks and self.compiles == compiles:
                 times.append(time.perf_counter() - t0)
             self.step += 1
         return times, a2a

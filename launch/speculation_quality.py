@@ -42,6 +42,22 @@ step), and scores it against the ground truth:
   overhead x profiled steps (activations and re-measurements after a first
   run) / steps, plus the detector's own host time per step, as a fraction of
   the plain step time.
+
+The ``+ cache`` rows replay the same detector with the profile cache keyed by
+capacity tuple in front (``detector.ProfileCache``, max age
+``--cache_max_age``; launch.train ``--profile_cache_max_age``): step t is
+profiled only when the detector asked after t-1 or t's capacity tuple differs
+from t-1's (or was never measured), and the cache holds no warm profile of
+t's tuple younger than the max age. For these rows a change at step c also
+counts as caught when the cache holds a profile of c's tuple (measured before
+c, younger than the max age: the durations that stand for c) whose durations
+are each within ``--change`` (relative) of the truth at c; the recall columns
+then count both kinds of catch (the JSON splits them: ``caught_by_cache``).
+A profile taken at c or c + 1 counts whatever its own error, so the last
+column ("vs fresh") also counts a cached profile that is no further from the
+truth at c (largest relative error over the segments) than the worse of the
+profiles at c and c + 1 (every step is measured in the ``every`` run) would
+have been: the cache on an equal footing with a fresh profile.
 """
 
 from __future__ import annotations
@@ -60,7 +76,13 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from capricorn_jax._src.detector import METRICS, DetectorOptions, DynamicityDetector
+from capricorn_jax._src.detector import (
+    METRICS,
+    CacheOptions,
+    DetectorOptions,
+    DynamicityDetector,
+    ProfileCache,
+)
 from launch.metrics import read_metrics
 
 FLAGS = flags.FLAGS
@@ -80,6 +102,12 @@ flags.DEFINE_list("thresholds", ["0.05", "0.1", "0.2", "0.3"], "Detector thresho
 flags.DEFINE_list("metrics", list(METRICS), "Drift metrics replayed.")
 flags.DEFINE_float("spec_threshold", -1.0, "Threshold of the real speculative run; < 0: train's.")
 flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': train's.")
+flags.DEFINE_integer("spec_cache_max_age", 0,
+                     "--profile_cache_max_age of the real speculative run (0: no profile "
+                     "cache).")
+flags.DEFINE_list("cache_max_age", [str(CacheOptions().max_age)],
+                  "Max ages of the profile cache replayed in the '+ cache' rows (each with "
+                  "every metric and threshold); empty: no such rows.")
 flags.DEFINE_float("change", 0.10, "A duration change above this (relative) is a real change.")
 flags.DEFINE_integer("smooth", 5, "Window (steps) of the 'measured' truth's running median.")
 flags.DEFINE_string("json", None, "Also write the results here as JSON.")
@@ -199,27 +227,38 @@ class Replay:
     activations: list[int]  # profiled because the detector asked
     valid: set[int]  # profiled steps that measured (not a first run of the variant)
     seconds_per_observe: float
+    # With the profile cache: step -> the (earlier, warm) profiled step whose
+    # durations the cache holds for that step's capacity tuple.
+    cached_from: dict[int, int] = dataclasses.field(default_factory=dict)
+    cache_hits: int = 0  # asked for a profile, answered by the cache
 
 
 CAPACITY = "capacity"  # what-if trigger: the capacity factors differ from the last profile's
 
 
-def replay(run: Run, metric: str, threshold: float) -> Replay:
+def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0) -> Replay:
     """The profiled steps train's speculative policy takes on this run's loads.
 
     ``metric=CAPACITY`` replays a trigger train does not have (a what-if):
     profile a step whose capacity factors, known before it runs, differ from
-    those of the last profiled step.
+    those of the last profiled step. ``cache_max_age`` > 0: with train's
+    profile cache (``--profile_cache_max_age``) in front of the detector.
     """
     options = DetectorOptions() if metric == CAPACITY else DetectorOptions(threshold, metric)
     det = DynamicityDetector(options)
+    cache = ProfileCache(CacheOptions(cache_max_age)) if cache_max_age else None
     profiled, acts, valid, seen = [], [], set(), set()
-    decision, reprofile, spent = None, False, 0.0
+    ask_next, reprofile, spent, cached_from, hits = False, False, 0.0, {}, 0
+    n = len(run.steps)
     for t, line in enumerate(run.steps):
         if metric == CAPACITY:
             asked = t > 0 and run.factors(t) != run.factors(profiled[-1])
         else:
-            asked = decision is not None and decision.profile_next
+            asked = t > 0 and ask_next
+        if cache is not None and run.factors(t) in cache.entries:
+            age = cache.age(run.factors(t), t)
+            if age < cache.options.max_age:
+                cached_from[t] = t - age
         if t == 0 or asked or reprofile:
             profiled.append(t)
             if asked:
@@ -229,17 +268,29 @@ def replay(run: Run, metric: str, threshold: float) -> Replay:
             if not first:
                 valid.add(t)
             det.record_profile(t, line["tokens_per_expert"], {})
+            if cache is not None and not first:
+                cache.record(run.factors(t), t, {})
             reprofile = first
         else:
             reprofile = False
         t0 = time.perf_counter()
         decision = det.observe(t, line["tokens_per_expert"])
+        ask_next = decision.profile_next
+        if cache is not None and t + 1 < n:
+            step = cache.decide(t + 1, run.factors(t + 1), run.factors(t), ask_next)
+            ask_next = step.profile
+            hits += step.hit
         spent += time.perf_counter() - t0
-    return Replay(profiled, acts, valid, spent / len(run.steps))
+    return Replay(profiled, acts, valid, spent / n, cached_from, hits)
 
 
-def score(rep: Replay, truth: np.ndarray, x: float) -> dict:
-    """Precision and recall of one replay against one ground truth."""
+def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = None) -> dict:
+    """Precision and recall of one replay against one ground truth.
+
+    ``raw``: every step's measured durations (the profiles the cache holds);
+    with ``rep.cached_from``, a change is also caught when the cached profile
+    standing for its step predicts every segment within ``x`` of the truth.
+    """
     hits = 0
     judged = 0
     for t in rep.activations:
@@ -250,9 +301,38 @@ def score(rep: Replay, truth: np.ndarray, x: float) -> dict:
             hits += c
     changes = [c for c in range(1, len(truth)) if changed(truth[c], truth[c - 1], x)]
     caught = [c for c in changes if c in rep.valid or c + 1 in rep.valid]
-    return {"precision": hits / judged if judged else math.nan,
-            "recall": len(caught) / len(changes) if changes else math.nan,
-            "changes": len(changes), "caught": len(caught), "judged_activations": judged}
+    by_cache, by_cache_fair = [], []
+    if raw is not None:
+        for c in changes:
+            if c in caught or c not in rep.cached_from:
+                continue
+            true = truth[c]
+            if np.isnan(true).any():
+                continue
+            error = _max_error(raw[rep.cached_from[c]], true)
+            if error <= x:
+                by_cache.append(c)
+            # What a profile at c or c + 1, counted as caught whatever its
+            # error, would have measured.
+            fresh = [_max_error(raw[u], true) for u in (c, c + 1)
+                     if u < len(raw) and not np.isnan(raw[u]).any()]
+            if error <= max([x, *fresh]):
+                by_cache_fair.append(c)
+    n = len(changes)
+    out = {"precision": hits / judged if judged else math.nan,
+           "recall": (len(caught) + len(by_cache)) / n if n else math.nan,
+           "changes": n, "caught": len(caught) + len(by_cache),
+           "caught_by_cache": len(by_cache), "judged_activations": judged}
+    if raw is not None:
+        fair = len(caught) + len(by_cache_fair)
+        out.update(recall_vs_fresh=fair / n if n else math.nan, caught_vs_fresh=fair,
+                   caught_by_cache_vs_fresh=len(by_cache_fair))
+    return out
+
+
+def _max_error(predicted: np.ndarray, true: np.ndarray) -> float:
+    """The largest relative error over the segments."""
+    return float(np.max(np.abs(predicted / true - 1.0)))
 
 
 # ----- overhead of an instrumented step, from the speculative run -----
@@ -330,7 +410,7 @@ def run_ab(factors: tuple[float, ...]) -> dict:
 
 
 def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
-            spec_threshold: float) -> dict:
+            spec_threshold: float, spec_cache: int = 0) -> dict:
     keys, raw = durations(every)
     truths = {"measured": measured_truth(raw, FLAGS.smooth)}
     truths["bucket"], levels = bucket_truth(every, keys, raw)
@@ -339,19 +419,21 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
     common = max(set(tuples), key=tuples.count)
     ab = run_ab(common) if FLAGS.ab_rounds > 0 else {}
     real = sorted(t for t, r in enumerate(spec.steps) if r.get("profiled"))
-    check = replay(every, spec_metric, spec_threshold)
+    check = replay(every, spec_metric, spec_threshold, spec_cache)
     rows = []
-    grid = [(m, float(x)) for m in FLAGS.metrics for x in FLAGS.thresholds]
-    for metric, threshold in grid + [(CAPACITY, math.nan)]:
-        rep = replay(every, metric, threshold)
+    grid = [(m, float(x), 0) for m in FLAGS.metrics for x in FLAGS.thresholds]
+    cached = [(m, x, int(age)) for age in FLAGS.cache_max_age for m, x, _ in grid]
+    for metric, threshold, max_age in grid + [(CAPACITY, math.nan, 0)] + cached:
+        rep = replay(every, metric, threshold, max_age)
         n = len(every.steps)
         profiled_rate = (len(rep.profiled) - 1) / n  # step 0 is profiled by any policy
         row = {"workload": workload, "metric": metric, "threshold": threshold,
+               "cache_max_age": max_age, "cache_hits": rep.cache_hits,
                "activation_rate": len(rep.activations) / n, "profiled_rate": profiled_rate,
                "amortized_overhead": over["overhead"] * profiled_rate
                + rep.seconds_per_observe / over["plain_step_s"]}
         for name, truth in truths.items():
-            row[name] = score(rep, truth, FLAGS.change)
+            row[name] = score(rep, truth, FLAGS.change, raw if max_age else None)
         rows.append(row)
     return {
         "workload": workload, "rows": rows, "overhead": over, "ab": ab, "ab_factors": common,
@@ -359,7 +441,7 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
         "levels": {f"{k[0]}/{k[1]}@{f}": v for (k, f), v in sorted(levels.items())},
         "replay_matches_real_run": check.profiled == real,
         "real_run": {"metric": spec_metric, "threshold": spec_threshold,
-                     "profiled_steps": len(real)},
+                     "cache_max_age": spec_cache, "profiled_steps": len(real)},
     }
 
 
@@ -374,18 +456,25 @@ def _f(x: float) -> str:
 def table(results: list[dict]) -> str:
     lines = [
         "| workload | metric | threshold | activation rate | precision (measured / bucket) "
-        "| recall (measured / bucket) | amortized overhead |",
-        "|---|---|---|---|---|---|---|",
+        "| recall (measured / bucket) | amortized overhead | recall, cache vs fresh "
+        "(measured / bucket) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for r in res["rows"]:
             m, b = r["measured"], r["bucket"]
+            label = r["metric"] + (" (what-if)" if r["metric"] == CAPACITY else "")
+            if r.get("cache_max_age"):
+                label += f" + cache ({r['cache_max_age']})"
             lines.append(
-                f"| {r['workload']} | {r['metric'] + (' (what-if)' if r['metric'] == CAPACITY else '')} "
+                f"| {r['workload']} | {label} "
                 f"| {'-' if math.isnan(r['threshold']) else format(r['threshold'], 'g')} "
                 f"| {_pct(r['activation_rate'])} | {_f(m['precision'])} / {_f(b['precision'])} "
                 f"| {_f(m['recall'])} ({m['caught']}/{m['changes']}) / {_f(b['recall'])} "
-                f"({b['caught']}/{b['changes']}) | {_pct(r['amortized_overhead'])} |")
+                f"({b['caught']}/{b['changes']}) | {_pct(r['amortized_overhead'])} | "
+                + (f"{_f(m['recall_vs_fresh'])} ({m['caught_vs_fresh']}/{m['changes']}) / "
+                   f"{_f(b['recall_vs_fresh'])} ({b['caught_vs_fresh']}/{b['changes']}) |"
+                   if "recall_vs_fresh" in b else "- |"))
     return "\n".join(lines)
 
 
@@ -413,7 +502,8 @@ def main(argv: list[str]) -> None:
     spec_threshold = FLAGS.spec_threshold if FLAGS.spec_threshold >= 0 else \
         DetectorOptions().threshold
     spec_metric = FLAGS.spec_metric or DetectorOptions().metric
-    spec_flags = (f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}")
+    spec_flags = (f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
+                  f"--profile_cache_max_age={FLAGS.spec_cache_max_age}")
     results = []
     for workload in FLAGS.workloads:
         paths = {}
@@ -426,7 +516,8 @@ def main(argv: list[str]) -> None:
         if not same:
             print(f"warning: {workload}: the two runs' losses differ; the loads are not paired",
                   file=sys.stderr)
-        results.append(analyse(workload, every, spec, spec_metric, spec_threshold))
+        results.append(analyse(workload, every, spec, spec_metric, spec_threshold,
+                               FLAGS.spec_cache_max_age))
     print()
     print(table(results))
     print()
@@ -437,7 +528,8 @@ def main(argv: list[str]) -> None:
               f"(90% CI of the median {_pct(lo)} .. {_pct(hi)}, {o['pairs']} "
               f"profiled steps paired with plain neighbours) on a plain step of "
               f"{1e3 * o['plain_step_s']:.0f} ms; {res['variants']} capacity-factor tuples; "
-              f"real run ({res['real_run']['metric']}, {res['real_run']['threshold']:g}) profiled "
+              f"real run ({res['real_run']['metric']}, {res['real_run']['threshold']:g}, cache "
+              f"{res['real_run']['cache_max_age']}) profiled "
               f"{res['real_run']['profiled_steps']} steps, replay matches it: "
               f"{res['replay_matches_real_run']}")
         if res["ab"]:
@@ -449,8 +541,9 @@ def main(argv: list[str]) -> None:
         Path(FLAGS.json).write_text(json.dumps(
             {"flags": {k: FLAGS[k].value for k in (
                 "model", "steps", "shift_every", "hosts", "devices_per_host", "dispatch", "seed",
-                "global_batch", "spec_threshold", "spec_metric",
-                "change", "smooth")}, "results": results}, indent=1, default=float))
+                "global_batch", "spec_threshold", "spec_metric", "spec_cache_max_age",
+                "cache_max_age", "change", "smooth")}, "results": results}, indent=1,
+            default=float))
         print(f"wrote {FLAGS.json}")
 
 

@@ -22,7 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
-STRATEGIES = ("none", "blocking", "orbax_async", "inmem", "gemini", "capricorn", "pec")
+# "pec": inmem with partial expert checkpoints; "capricorn_pec": capricorn with them.
+STRATEGIES = ("none", "blocking", "orbax_async", "inmem", "gemini", "capricorn", "pec",
+              "capricorn_pec")
 
 
 class NoCheckpoint:
@@ -188,14 +190,19 @@ class Scheduled(InMemory):
         self._host_states: dict[int, dict] = {}
         self._last_saved = -1
         self._planned_on = None  # the profile the schedule in force was planned on
+        self._pec_transport = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
 
     def compiled(self, step: int, factors, hooks: tuple = ()) -> bool:
-        """Whether step ``step`` would run an already-compiled variant (bench)."""
+        """Whether step ``step`` would run an already-compiled variant (bench).
+        Under PEC it assumes the payload of the last version moved (K is fixed
+        in the bench; a new K compiles a variant)."""
         if self._wants_profile():
             return False
         if self.transfers.schedule is not None and step in self._host_states:
-            return self.transfers.has_step(factors, hooks)
+            if self.ckpt.pec is not None and self._pec_transport is None:
+                return False
+            return self.transfers.has_step(factors, hooks, self._pec_transport)
         return self.trainer.has_step(factors, hooks)
 
     def _wants_profile(self) -> bool:
@@ -207,9 +214,19 @@ class Scheduled(InMemory):
         """Step ``step``, moving version ``step`` in it when a schedule exists;
         ``hooks``: extra boundary hooks (the bench's CollectiveProbe)."""
         if self.transfers.schedule is not None and step in self._host_states:
-            trailer = self.ckpt.trailer_rows(self._host_states[step])
-            state, out, moved = self.transfers.step_fn(factors, hooks)(state, batch, trailer)
-            self._moved = (step, moved)
+            host_state, tokens_per_expert = self._host_states[step]
+            trailer = self.ckpt.trailer_rows(host_state)
+            version, transport, gather = None, None, ()
+            if self.ckpt.pec is not None:
+                # PEC: decide version ``step`` now (K experts per layer), pack
+                # and move only it; its payload has its own schedule.
+                version = self.ckpt.plan_pec_version(step, tokens_per_expert)
+                transport = self._pec_transport = version.transport
+                if version.gather is not None:
+                    gather = (jax.device_put(version.gather, self.trainer.replicated),)
+            state, out, moved = self.transfers.step_fn(factors, hooks, transport)(
+                state, batch, trailer, *gather)
+            self._moved = (step, moved, version)
             return state, out
         return self.trainer.step_fn(factors, hooks)(state, batch)
 
@@ -293,7 +310,7 @@ class Scheduled(InMemory):
         return state, out
 
     def save(self, step: int, state: Any, host_state: dict,
-             next_profiled: bool | None = None) -> list[dict]:
+             next_profiled: bool | None = None, tokens_per_expert: Any = None) -> list[dict]:
         """After step ``step - 1``: commits the version moved inside it.
 
         Version ``step`` (``state``) is then either deferred, when step ``step``
@@ -304,6 +321,8 @@ class Scheduled(InMemory):
           step, state, host_state: version ``step``.
           next_profiled: whether step ``step`` will be profiled; None: as this
             strategy decides (``step`` driver).
+          tokens_per_expert: PEC: [L, N] of the step that made version
+            ``step``; the version's experts are chosen when it is packed.
 
         Returns:
           The ``checkpoint`` events of the versions committed now: the one
@@ -312,18 +331,18 @@ class Scheduled(InMemory):
         if next_profiled is None:
             next_profiled = self._wants_profile()
         will_move = self.transfers.schedule is not None and not next_profiled
-        self._host_states = {step: host_state} if will_move else {}
+        self._host_states = {step: (host_state, tokens_per_expert)} if will_move else {}
         moved, self._moved = self._moved, None
         events = []
         if moved is not None:
-            version, payloads = moved
+            version, payloads, pec_version = moved
             report = self.ckpt.save_transferred(version, payloads["own"],
-                                                [payloads["received"]])
+                                                [payloads["received"]], version=pec_version)
             self._last_saved = version
             events.append({**self._event(version, report), "moved_in_step": version})
         if not will_move:
             self._last_saved = step
-            events += super().save(step, state, host_state)
+            events += super().save(step, state, host_state, tokens_per_expert)
         return events
 
     def finish(self, step: int, state: Any, host_state: dict) -> list[dict]:
@@ -331,4 +350,5 @@ class Scheduled(InMemory):
         if self._last_saved == step:
             return []
         self._last_saved = step
-        return super().save(step, state, host_state)
+        _, tokens_per_expert = self._host_states.get(step, (None, None))
+        return super().save(step, state, host_state, tokens_per_expert)

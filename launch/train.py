@@ -36,6 +36,7 @@ from capricorn_jax import (
     should_profile,
 )
 from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
+from capricorn_jax._src.detector import CacheOptions, ProfileCache
 from capricorn_jax._src.scheduling import moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
@@ -86,6 +87,12 @@ flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
                    "last profile) above which the next step is profiled.")
 flags.DEFINE_enum("drift_metric", DetectorOptions().metric, list(DRIFT_METRICS),
                   "--profile=speculative: the drift score (see capricorn_jax.drift_score).")
+flags.DEFINE_integer("profile_cache_max_age", 0,
+                     "--profile=speculative with --dispatch=bucketed: profile each capacity "
+                     "tuple once and reuse its profile, for up to this many steps, when the load "
+                     "flips back to it (a profile only when the detector drifts or the tuple "
+                     "changes, and the tuple has no cached profile that young); 0 = no cache "
+                     "(every drift profiles). Fixed dispatch: ignored.")
 flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
 flags.DEFINE_string("store_root", _default_store_root(),
@@ -108,13 +115,17 @@ flags.DEFINE_integer("kill_every", 0,
                      "Fault injection: kill --kill_host again every this many steps after "
                      "--kill_at_step (0: once); each time all hosts restart and recover.")
 flags.DEFINE_integer("pec_k", 0,
-                     "Partial expert checkpointing (--ckpt=inmem): experts per MoE layer in "
-                     "each version (0: all, no PEC).")
+                     "Partial expert checkpointing (in-memory strategies): experts per MoE "
+                     "layer in each version (0: all, no PEC).")
 flags.DEFINE_enum("pec_policy", "sequential", ["sequential", "load_aware"],
                   "PEC: which experts a version carries.")
 flags.DEFINE_float("pec_plt_threshold", 0.0375,
                    "PEC: dynamic K doubles K when the portion of lost tokens would pass this.")
 flags.DEFINE_boolean("pec_dynamic", True, "PEC: adapt K to the portion of lost tokens.")
+flags.DEFINE_integer("pec_k_persist", 0,
+                     "PEC with --persist_every: experts per MoE layer in each persistent step "
+                     "(<= --pec_k, a multiple of the expert-parallel size; each step carries the "
+                     "least recently persisted experts); 0: all experts (full steps).")
 flags.DEFINE_boolean("corrupt_store", False,
                      "Fault injection: after the kill, flip bytes in a chunk of the killed host's "
                      "own newest version (RAM bit rot); it must then recover from a peer.")
@@ -203,9 +214,7 @@ def check_flags() -> None:
     if FLAGS.persist_every and FLAGS.ckpt not in IN_MEMORY:
         raise FlagError(f"--persist_every writes the in-memory versions to disk: it needs "
                         f"--ckpt in {', '.join(IN_MEMORY)}, got --ckpt={FLAGS.ckpt}")
-    if FLAGS.persist_every and FLAGS.pec_k:
-        raise FlagError("--persist_every: the persistent tier writes whole versions; it does "
-                        "not take partial expert versions (--pec_k)")
+    _check_pec_persist_flags(cfg)
     if FLAGS.kill_every < 0 or (FLAGS.kill_every and FLAGS.kill_host < 0):
         raise FlagError(f"--kill_every={FLAGS.kill_every} needs --kill_host and must be >= 0")
     if FLAGS.kill_host >= 0:
@@ -235,14 +244,35 @@ def _check_pec_flags(cfg) -> None:
             if FLAGS[flag].present:
                 raise FlagError(f"--{flag} is only used with --pec_k > 0")
         return
-    if FLAGS.ckpt != "inmem":
-        raise FlagError(f"--pec_k needs --ckpt=inmem (the scheduled strategies move full "
-                        f"versions inside the step), got --ckpt={FLAGS.ckpt}")
+    if FLAGS.ckpt not in IN_MEMORY:
+        raise FlagError(f"--pec_k needs an in-memory strategy ({', '.join(IN_MEMORY)}), "
+                        f"got --ckpt={FLAGS.ckpt}")
     if not 1 <= FLAGS.pec_k <= cfg.num_experts:
         raise FlagError(f"--pec_k={FLAGS.pec_k} must be in [1, {cfg.num_experts}] "
                         f"(experts of {cfg.name})")
     if not 0.0 < FLAGS.pec_plt_threshold < 1.0:
         raise FlagError(f"--pec_plt_threshold must be in (0, 1), got {FLAGS.pec_plt_threshold}")
+
+
+def _check_pec_persist_flags(cfg) -> None:
+    kp = FLAGS.pec_k_persist
+    if not FLAGS["pec_k_persist"].present:
+        return
+    if kp < 0:
+        raise FlagError(f"--pec_k_persist={kp} must be >= 0 (0: all experts)")
+    if not FLAGS.pec_k:
+        raise FlagError(f"--pec_k_persist={kp} is only used with --pec_k > 0")
+    if not FLAGS.persist_every:
+        raise FlagError(f"--pec_k_persist={kp} is only used with --persist_every > 0")
+    if kp > FLAGS.pec_k:
+        raise FlagError(f"--pec_k_persist={kp} exceeds --pec_k={FLAGS.pec_k} (K_persist <= K)")
+    if 0 < kp < cfg.num_experts and FLAGS.platform == "cpu":
+        devices = FLAGS.hosts * FLAGS.devices_per_host
+        ep = runtime.expert_parallel(FLAGS.expert_parallel, cfg.num_experts, devices)
+        if kp % ep:
+            raise FlagError(f"--pec_k_persist={kp} is not a multiple of the expert-parallel "
+                            f"size {ep}: every rank persists the same number of experts of "
+                            f"each MoE layer (use --expert_parallel or another value)")
 
 
 def profile_policy() -> ProfilePolicy:
@@ -265,10 +295,14 @@ def _check_profile_flags() -> None:
         raise FlagError(f"--profile_first_n must be >= 1, got {FLAGS.profile_first_n}")
     if not 0.0 <= FLAGS.drift_threshold <= 1.0:
         raise FlagError(f"--drift_threshold must be in [0, 1], got {FLAGS.drift_threshold}")
+    if FLAGS.profile_cache_max_age < 0:
+        raise FlagError(f"--profile_cache_max_age must be >= 0, got "
+                        f"{FLAGS.profile_cache_max_age}")
     # Set explicitly for a policy that does not read them, they would mislead.
     for flag, user in (("profile_first_n", ProfilePolicy.FIRST_N),
                        ("drift_threshold", ProfilePolicy.SPECULATIVE),
-                       ("drift_metric", ProfilePolicy.SPECULATIVE)):
+                       ("drift_metric", ProfilePolicy.SPECULATIVE),
+                       ("profile_cache_max_age", ProfilePolicy.SPECULATIVE)):
         if FLAGS[flag].present and policy is not user:
             raise FlagError(f"--{flag} is only used with --profile={user.value} "
                             f"(profiling policy here: {policy.value})")
@@ -422,14 +456,18 @@ class _Persistent:
         info = self.manager.last_restore
         tiers = info.memory_tiers or ["persistent"] * jax.process_count()
         _log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,
-                      info.bytes_moved)
+                      info.bytes_moved, **_pec_fields(info))
         return restored.state, info.step, info.host_state
 
     def maybe_persist(self, version: int, state) -> None:
         args = self.ocp.args.Composite(state=self.cj.CapricornSave(state))
         if self.manager.persist(version, args):
+            pec = self.manager.last_persist if FLAGS.pec_k else None
+            extra = {} if pec is None or pec["step"] != version else {
+                "pec_k_persist": pec["k_persist"], "plt": pec["plt"],
+                "accumulated_plt": pec["accumulated_plt"], "experts": pec["experts"]}
             self.metrics.write({"event": "persist", "step": version,
-                                "directory": str(self.manager.directory)})
+                                "directory": str(self.manager.directory), **extra})
         self._report_errors()
 
     def _report_errors(self) -> None:
@@ -471,8 +509,11 @@ def _pec_fields(recovered) -> dict:
     pec = getattr(recovered, "pec", None)
     if pec is None:
         return {}
-    return {"plt": pec.plt, "accumulated_plt": pec.accumulated_plt, "pec_k": pec.k,
-            "versions": pec.versions, "expert_source_steps": pec.source}
+    fields = {"plt": pec.plt, "accumulated_plt": pec.accumulated_plt, "pec_k": pec.k,
+              "versions": pec.versions, "expert_source_steps": pec.source}
+    if pec.data_steps is not None:  # persistent tier: the training step of each expert's values
+        fields["expert_data_steps"] = pec.data_steps
+    return fields
 
 
 def _make_checkpointer(trainer, mesh, host: int, hosts: int):
@@ -486,7 +527,7 @@ def _make_checkpointer(trainer, mesh, host: int, hosts: int):
         store_root=FLAGS.store_root, job=job_name(FLAGS.workdir), replicas=FLAGS.replicas,
         chunk_bytes=FLAGS.chunk_bytes, replication_timeout_s=FLAGS.replication_timeout_s,
         stall_replica_writer_at=stall, pause_mid_replication_at=pause,
-        pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k,
+        pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k_persist or None,
                                      policy=FLAGS.pec_policy,
                                      plt_threshold=FLAGS.pec_plt_threshold,
                                      dynamic=FLAGS.pec_dynamic) if FLAGS.pec_k else None,
@@ -566,11 +607,19 @@ class StepProfiling:
     process profiles again. ``gate(tokens_per_expert)``, when given, may
     veto a speculative activation (capricorn: only when the schedule in force
     is at risk at this load, ``scheduling.schedule_at_risk``).
+
+    ``cache_options`` (speculative, load-dependent dispatch): a
+    ``ProfileCache`` keyed by the capacity tuple stands in front of the
+    detector: the next step is profiled only when the detector drifted or its
+    tuple differs from this step's (or was never measured), and its tuple has
+    no cached warm profile younger than ``max_age``; on a hit the cached
+    durations stand for the step (``cached``). ``log`` then needs this step's
+    and the next step's capacity factors.
     """
 
     def __init__(self, policy: ProfilePolicy, trainer, metrics: MetricsWriter, first_n: int,
                  detector_options: DetectorOptions, plain_step=None, start: int = 0,
-                 gate=None):
+                 gate=None, cache_options: CacheOptions | None = None):
         self.policy, self.trainer, self.metrics, self.first_n = policy, trainer, metrics, first_n
         self.plain_step = plain_step or (
             lambda step, factors, state, batch: trainer.step_fn(factors)(state, batch))
@@ -578,6 +627,9 @@ class StepProfiling:
         self.gate = gate
         speculative = policy is ProfilePolicy.SPECULATIVE
         self.detector = DynamicityDetector(detector_options) if speculative else None
+        self.cache = (ProfileCache(cache_options)
+                      if speculative and cache_options is not None else None)
+        self.cached = None  # durations standing for the next step, on a cache hit
         self.iterations = FirstNProfiler(first_n) if policy is ProfilePolicy.FIRST_N else None
         self.decision = None  # the detector's, about the previous step
         self._reprofile = False
@@ -611,8 +663,13 @@ class StepProfiling:
         """{(segment name, direction): MoE layer index} of the MoE layers' segments."""
         return moe_segments(profile, self.trainer.cfg.moe_layers)
 
-    def log(self, step: int, tpe, profile, first: bool) -> None:
-        """The step's profiling events; feeds the detector / first-n profiler."""
+    def log(self, step: int, tpe, profile, first: bool, factors=None,
+            next_factors=None) -> None:
+        """The step's profiling events; feeds the detector / first-n profiler.
+
+        ``factors`` / ``next_factors``: the capacity tuples of this step and
+        of the next (needed with the profile cache only).
+        """
         if profile is not None:
             moe = self.moe_layer_of(profile)
             self.metrics.write({
@@ -638,7 +695,15 @@ class StepProfiling:
         if profile is not None:
             durations = {} if first else moe_durations(profile, self.trainer.cfg.moe_layers)
             self.detector.record_profile(step, tpe, durations)
+            if self.cache is not None and not first:
+                self.cache.record(tuple(factors), step, durations)
         self.decision = self.detector.observe(step, tpe)
+        cache = None
+        if self.cache is not None:
+            key = tuple(next_factors)
+            cache = self.cache.decide(step + 1, key, tuple(factors), self.decision.profile_next)
+            self.decision = dataclasses.replace(self.decision, profile_next=cache.profile)
+            self.cached = self.cache.lookup(key, step + 1) if cache.cached else None
         gated = False
         if self.decision.profile_next and self.gate is not None and not self.gate(tpe):
             # The load drifted but the schedule in force still fits its windows.
@@ -650,6 +715,12 @@ class StepProfiling:
             "scores": [None if s == float("inf") else round(s, 5) for s in self.decision.scores],
             "profile_next": self.decision.profile_next, "repartition": self.decision.repartition,
             "gated": gated,
+            # Profile cache (None without it): a profile was asked for and the
+            # next step's capacity tuple has a young enough cached profile;
+            # cache_step: the step that profile was measured at.
+            "cache_hit": None if cache is None else cache.hit,
+            "cache_step": (None if cache is None or not cache.cached
+                           else step + 1 - self.cache.age(cache.key, step + 1)),
         })
 
 
@@ -746,7 +817,9 @@ def train_worker(process_id: int) -> None:
     profiling = StepProfiling(
         profile_policy(), trainer, metrics, FLAGS.profile_first_n,
         DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric),
-        plain_step=strategy.unprofiled_step if scheduled else None, start=start)
+        plain_step=strategy.unprofiled_step if scheduled else None, start=start,
+        cache_options=(CacheOptions(FLAGS.profile_cache_max_age)
+                       if FLAGS.profile_cache_max_age and cfg.dispatch == "bucketed" else None))
     if FLAGS.ckpt == "capricorn":
         profiling.gate = lambda tpe: strategy.at_risk(profiling.detector, tpe)
     tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -761,7 +834,8 @@ def train_worker(process_id: int) -> None:
         loss = float(out["loss"])
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]
-        profiling.log(step, tpe, profile, first_run)
+        next_factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
+        profiling.log(step, tpe, profile, first_run, factors, next_factors)
         if profile is not None and not first_run:
             in_force = strategy.transfers.schedule if scheduled else None
             timeline = (profile, in_force)
@@ -775,7 +849,8 @@ def train_worker(process_id: int) -> None:
                 persistent.handler.await_reader()  # no prune under the disk writer's read
             host_state = {"data": data.state(), "max_routed": max_routed}
             saved = (strategy.save(step + 1, state, host_state,
-                                   next_profiled=profiling.will_profile(step + 1))
+                                   next_profiled=profiling.will_profile(step + 1),
+                                   tokens_per_expert=tpe)
                      if scheduled else strategy.save(step + 1, state, host_state,
                                                      tokens_per_expert=tpe))
         step_time = time.perf_counter() - t0

@@ -58,7 +58,8 @@ def test_bench_failure_reports_no_numbers(tmp_path):
 
 def test_bench_scheduled_strategies(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=none,gemini,capricorn", "--model=tiny", "--dispatch=fixed",
+    proc = _bench("--strategies=none,gemini,capricorn,capricorn_pec", "--model=tiny",
+                  "--dispatch=fixed",
                   "--workload=steady", "--steps=8", "--reps=1",
                   "--warmup=4", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}")
@@ -71,6 +72,10 @@ def test_bench_scheduled_strategies(tmp_path):
         assert result[name]["ckpt_bytes_per_step"] > 0
     # The all-to-all time under the chunks' traffic (probed scheduled steps).
     assert result["gemini"]["a2a_samples"] >= 1 and result["gemini"]["a2a_median_s"] > 0
+    # capricorn with PEC (K=2 of 8) moves fewer bytes per step, on its own schedule.
+    assert result["capricorn_pec"]["schedule"]["scheduled"]
+    assert (0 < result["capricorn_pec"]["ckpt_bytes_per_step"]
+            < 0.5 * result["capricorn"]["ckpt_bytes_per_step"])
     # Gemini partitions once, from its first profiled steps, and never again.
     assert result["gemini"]["schedule"]["partitions"] == 1
     assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1

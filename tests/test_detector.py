@@ -17,6 +17,7 @@ from capricorn_jax import (
     drift_score,
     should_profile,
 )
+from capricorn_jax._src.detector import CacheOptions, ProfileCache
 
 METRICS = ("jsd", "l1", "max_load")
 
@@ -164,3 +165,85 @@ def test_should_profile_for_each_policy():
         should_profile("speculative", 7, yes)  # a stale decision
     with pytest.raises(ValueError):
         should_profile("sometimes", 5, yes)
+
+
+# ----- the profile cache keyed by capacity tuple -----
+
+
+def _drive(cache, keys, drifts):
+    """Runs the cache rule over a tuple sequence (step t has tuple keys[t]) as
+    launch.train does: step 0 profiled; a profiled step's durations recorded.
+    Returns the profiled steps and the decisions."""
+    profiled, decisions = [0], []
+    cache.record(keys[0], 0, {(0, "fwd"): float(hash(keys[0]) % 97)})
+    for t in range(1, len(keys)):
+        d = cache.decide(t, keys[t], keys[t - 1], drifts[t - 1])
+        decisions.append(d)
+        if d.profile:
+            profiled.append(t)
+            cache.record(keys[t], t, {(0, "fwd"): float(hash(keys[t]) % 97)})
+    return profiled, decisions
+
+
+_tuples = st.tuples(st.sampled_from((2.0, 3.0, 4.0)), st.sampled_from((2.0, 3.0, 4.0)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_tuples, min_size=1, max_size=60), st.data())
+def test_cache_profiles_each_tuple_at_most_once_within_max_age(keys, data):
+    drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    cache = ProfileCache(CacheOptions(max_age=len(keys)))  # nothing expires
+    profiled, decisions = _drive(cache, keys, drifts)
+    assert len(profiled) <= len(set(keys))
+    assert len({keys[t] for t in profiled}) == len(profiled)  # never a tuple twice
+    assert set(cache.entries) == set(keys)  # every tuple measured once
+    for d in decisions:
+        assert d.profile == (d.asked and not d.cached)
+        assert d.hit == (d.asked and d.cached)
+        assert not (d.profile and d.hit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_tuples, min_size=2, max_size=60), st.integers(1, 20), st.data())
+def test_a_new_tuple_always_profiles_and_an_expired_one_again(keys, max_age, data):
+    drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    cache = ProfileCache(CacheOptions(max_age=max_age))
+    profiled, decisions = _drive(cache, keys, drifts)
+    last = {keys[0]: 0}  # tuple -> step of its last profile
+    for t, d in enumerate(decisions, start=1):
+        asked = drifts[t - 1] or keys[t] != keys[t - 1] or keys[t] not in last
+        age = None if keys[t] not in last else t - last[keys[t]]
+        fresh = age is not None and age < max_age
+        assert d.asked == asked and d.cached == fresh
+        if keys[t] not in last:
+            assert d.profile  # never measured: always profiled
+        elif asked and not fresh:
+            assert d.profile  # expired: profiled again when asked
+        elif fresh:
+            assert not d.profile  # a young profile stands for the step
+        if d.profile:
+            last[keys[t]] = t
+    assert profiled == [0] + [d.step for d in decisions if d.profile]
+
+
+def test_cache_with_a_constant_tuple_and_no_drift_profiles_once():
+    key = (1.25, 1.25)
+    profiled, decisions = _drive(ProfileCache(CacheOptions(max_age=5)), [key] * 30, [False] * 30)
+    assert profiled == [0] and not any(d.asked for d in decisions)
+    # A drift asks; answered by the cache until the entry expires.
+    cache = ProfileCache(CacheOptions(max_age=5))
+    profiled, decisions = _drive(cache, [key] * 12, [True] * 12)
+    assert profiled == [0, 5, 10]
+    assert [d.hit for d in decisions] == [True] * 4 + [False] + [True] * 4 + [False, True]
+
+
+def test_cache_lookup_age_and_options():
+    cache = ProfileCache(CacheOptions(max_age=3))
+    assert cache.lookup((4.0,), 0) is None and cache.age((4.0,), 0) is None
+    cache.record((4.0,), 10, {(0, "fwd"): 0.5})
+    assert cache.age((4.0,), 12) == 2 and cache.lookup((4.0,), 12) == {(0, "fwd"): 0.5}
+    assert cache.lookup((4.0,), 13) is None  # age 3: not younger than max_age
+    assert cache.lookup((4.0,), 9) is None  # a step before the profile
+    assert ProfileCache().options.max_age == 200
+    with pytest.raises(ValueError):
+        CacheOptions(max_age=0)

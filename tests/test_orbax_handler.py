@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -327,6 +328,141 @@ def test_readme_snippet_runs_verbatim(tmp_path):
     # The snippet run here is the one README.md shows, character for character.
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert "```python\n" + README_SNIPPET + "```" in readme
+
+
+# --------------------------------------------------------------------------- PEC, one process
+
+PEC_TOKENS = 16 * 64  # tiny: global batch x sequence length
+PEC_TPE = np.full((2, 8), PEC_TOKENS * 2 // 8)  # top-2, spread evenly
+
+
+@pytest.fixture(scope="module")
+def pec_trainer():
+    from launch.trainer import OptimizerOptions, Trainer, make_mesh
+    from models import get_config
+
+    return Trainer(get_config("tiny"), make_mesh(2), OptimizerOptions())  # 2 expert ranks
+
+
+def _pec_manager(trainer, root, store: str, k_persist):
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(root / store), job="j", replicas=1,
+                                      pec=capricorn_jax.PecOptions(k=2, k_persist=k_persist,
+                                                                   dynamic=False)),
+        trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1,
+        model=trainer.cfg, tokens_per_step=PEC_TOKENS)
+    handler = capricorn_jax.CapricornHandler(ckpt)
+    manager = capricorn_jax.CheckpointManager(
+        root / "ckpt", options=ocp.CheckpointManagerOptions(save_interval_steps=3, max_to_keep=1),
+        handler_registry=handler.registry("state"))
+    return ckpt, manager
+
+
+def _pec_target(trainer):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        trainer.abstract_state, trainer.state_shardings)
+
+
+def _assert_state_from(trainer, base, got, point, data_steps):
+    """Each non-expert leaf is base + point; each expert's slices of every expert
+    leaf (parameters and Adam moments) are base + the one step its values are from."""
+    from capricorn_jax._src import pec
+
+    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    flat = jax.tree_util.tree_flatten_with_path(got)[0]
+    for (path, leaf), b in zip(flat, jax.tree.leaves(base), strict=True):
+        name, b = jax.tree_util.keystr(path), np.asarray(b)
+        info = leaves[name]
+        step = (np.asarray(point) if info is None else np.asarray(data_steps)[
+            info.moe_layer].reshape((-1,) + (1,) * (b.ndim - 1)))
+        np.testing.assert_array_equal(np.asarray(leaf), b + step.astype(b.dtype), err_msg=name)
+
+
+@pytest.mark.parametrize("k_persist", [None, 2])
+def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path, k_persist):
+    """PEC memory tier (K=2 of 8, 2 expert ranks), persistent steps every 3
+    steps with K_persist = N or 2, max_to_keep=1; each version's values are
+    base + its step, so every restored expert names the step it comes from."""
+    from capricorn_jax._src import pec
+
+    trainer = pec_trainer
+    bump = jax.jit(lambda s, v: jax.tree.map(lambda x: x + v.astype(x.dtype), s),
+                   out_shardings=trainer.state_shardings)
+    base = trainer.init_state(0)
+    ckpt, manager = _pec_manager(trainer, tmp_path, "shm", k_persist)
+    persisted = {}
+    for step in range(1, 10):
+        state = bump(base, jnp.int32(step))
+        if k_persist is None:  # both tiers through save()
+            started = manager.save(step, args=ocp.args.Composite(state=capricorn_jax.CapricornSave(
+                state, {"pos": step}, tokens_per_expert=PEC_TPE)))
+        else:  # the memory tier saved by the caller (as launch.train does), then persist()
+            manager.handler.await_reader()
+            ckpt.save(step, state, {"pos": step}, tokens_per_expert=PEC_TPE)
+            started = manager.persist(step, ocp.args.Composite(
+                state=capricorn_jax.CapricornSave(state)))
+        if started:
+            persisted[step] = manager.last_persist
+    manager.wait_until_finished()
+    assert manager.persistent_errors == [] and sorted(persisted) == [1, 3, 6, 9]
+    assert persisted[1]["k_persist"] == 8  # no expert has a persisted copy yet
+    records = {s: manager.metadata(s).custom_metadata["capricorn_pec"]
+               for s in manager.all_steps()}
+    carried = {s: np.array([[e in row for e in range(8)] for row in persisted[s]["experts"]])
+               for s in persisted}
+    newest = pec.newest_copies(carried, (2, 8))
+    # max_to_keep=1, plus every step that holds some expert's newest copy.
+    assert list(manager.all_steps()) == sorted(pec.covering_steps(carried, (2, 8)))
+    assert sorted(int(p.name) for p in manager.directory.iterdir() if p.name.isdigit()) == \
+        list(manager.all_steps())
+    if k_persist is None:
+        assert list(manager.all_steps()) == [9]
+    else:
+        assert list(manager.all_steps()) == [1, 3, 6, 9]  # 4 steps of 2 experts cover 8
+        for s in (3, 6, 9):  # k_persist/R = 1 expert of each rank and layer
+            assert persisted[s]["k_persist"] == 2
+            assert [sorted(e // 4 for e in row) for row in persisted[s]["experts"]] == [[0, 1]] * 2
+    memory = capricorn_jax.recover(_pec_manager(trainer, tmp_path, "shm", k_persist)[0])
+    assert memory.step == 9
+    manager.close()
+
+    shutil.rmtree(tmp_path / "shm")  # the RAM store is lost
+    fresh, manager = _pec_manager(trainer, tmp_path, "shm2", k_persist)
+    target = _pec_target(trainer)
+    restored = manager.restore(args=ocp.args.Composite(
+        state=capricorn_jax.CapricornRestore(target))).state
+    info = manager.last_restore
+    assert (info.step, info.tier, info.host_state) == (9, "persistent", {"pos": 9})
+    assert info.pec.source == newest.tolist() and info.pec.plt == persisted[9]["plt"]
+    assert info.pec.plt == records[9]["plt"] > 0
+    # Each expert's values are those of the memory tier's newest copy when its
+    # persisted step was written.
+    data = np.array([[records[newest[layer, e]]["data_step"][layer][e] for e in range(8)]
+                     for layer in range(2)])
+    assert info.pec.data_steps == data.tolist()
+    _assert_state_from(trainer, base, restored, 9, data)
+    assert all(a.sharding == t.sharding for a, t in zip(jax.tree.leaves(restored),
+                                                        jax.tree.leaves(target), strict=True))
+    if k_persist is None:
+        # K_persist = N: the step is what a memory-tier restore at step 9 gives,
+        # and plain Orbax restores it.
+        assert_trees_equal(restored, memory.state, check_sharding=True)
+        assert info.pec.plt == memory.pec.plt and data.tolist() == memory.pec.source
+        plain = ocp.CheckpointManager(tmp_path / "ckpt").restore(9, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target))).state
+        assert_trees_equal(plain, memory.state)
+    else:
+        assert info.pec.versions == [1, 3, 6, 9]  # experts from four steps
+    # The memory tier goes on from step 9 with no expert in memory yet and the
+    # restore's losses: its next version carries every expert.
+    tracker = fresh.pec.tracker
+    lost = np.asarray(records[9]["cumulative"]) - np.array(
+        [[records[newest[layer, e]]["at_copy"][layer][e] for e in range(8)] for layer in range(2)])
+    assert tracker.step == 9 and tracker.restored_lost.tolist() == lost.sum(axis=1).tolist()
+    assert fresh.pec.cumulative.tolist() == records[9]["cumulative"]
+    assert fresh.save(10, bump(base, jnp.int32(10)), {"pos": 10},
+                      tokens_per_expert=PEC_TPE).pec_k == 8
+    manager.close()
 
 
 # --------------------------------------------------------------------------- real processes

@@ -14,10 +14,14 @@ from capricorn_jax._src.pec import (
     DynamicK,
     PecOptions,
     PltTracker,
+    covering_steps,
     expert_leaf_axes,
     leaf_steps,
     load_aware_mask,
     local_gather_indices,
+    newest_copies,
+    persist_mask,
+    persisted_plan,
     predict_plt,
     rank_counts,
     restore_plan,
@@ -361,3 +365,61 @@ def test_next_k_stays_on_the_chain_and_within_threshold(since, k_now, tokens, po
         assert plt(k) <= dyn.options.plt_threshold or k == 4
     else:
         assert k in (k_now, k_now // 2)
+
+
+# ------------------------------------------------------------------ persistent tier
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts(), st.data())
+def test_persist_mask_covers_every_expert_from_any_state(layout, data):
+    """Least recently persisted first: from any persisted copies, ceil(N/K)
+    consecutive steps carry every expert, K/R of each rank and layer each."""
+    ranks, n, k, layers = layout
+    k = ranks * max(1, k // ranks)  # a multiple of the ranks
+    newest = np.array(data.draw(st.lists(st.lists(st.integers(0, 20), min_size=n, max_size=n),
+                                         min_size=layers, max_size=layers)))
+    fresh = np.array(data.draw(st.lists(st.lists(st.integers(0, 20), min_size=n, max_size=n),
+                                        min_size=layers, max_size=layers)))
+    seen = np.zeros((layers, n), bool)
+    for step in range(21, 21 + math.ceil(n / k)):
+        mask = persist_mask(k, newest, ranks, fresh)
+        assert (mask.sum(axis=1) == k).all()
+        assert (mask.reshape(layers, ranks, -1).sum(axis=2) == k // ranks).all()
+        seen |= mask
+        newest = np.where(mask, step, newest)
+    assert seen.all()
+
+
+def test_persist_mask_example_and_errors():
+    # 8 experts on 2 ranks (0-3, 4-7); K=2: one of each rank, the oldest copy
+    # first, then the freshest values, then the lower index.
+    newest = np.array([[3, 1, 1, 2, 5, 5, 4, 4]])
+    fresh = np.array([[0, 2, 7, 0, 0, 0, 1, 6]])
+    assert np.flatnonzero(persist_mask(2, newest, 2, fresh)[0]).tolist() == [2, 7]
+    assert np.flatnonzero(persist_mask(2, newest, 2)[0]).tolist() == [1, 6]
+    assert persist_mask(2, np.array([[3, -1, 1, 2, 5, 5, 4, 4]]), 2).all()  # no copy of 1
+    assert persist_mask(8, newest, 2).all()
+    with pytest.raises(ValueError, match="multiple of the 4"):
+        persist_mask(2, newest, 4)
+
+
+def test_persisted_plan_hand_example():
+    """2 experts, 1 layer, top-1. Step 4 carries expert 0 (its values from step
+    3), step 6 expert 1 (values from 6). Restore at 6: expert 0 loses the
+    assignments after its values (cumulative 60 at 6, 30 at 3)."""
+    copies = {
+        2: (np.array([[True, True]]), np.array([[20, 10]]), np.array([[2, 2]])),
+        4: (np.array([[True, False]]), np.array([[30, -1]]), np.array([[3, -1]])),
+        6: (np.array([[False, True]]), np.array([[-1, 40]]), np.array([[-1, 6]])),
+    }
+    plan = persisted_plan(copies, 6, [[60, 40]], [5], tokens_total=100, top_k=1)
+    assert plan.source.tolist() == [[4, 6]] and plan.data_step.tolist() == [[3, 6]]
+    assert plan.lost.tolist() == [30] and plan.plt == 0.3 and plan.accumulated_plt == 0.35
+    assert persisted_plan(copies, 4, [[50, 20]], [0], 80, 1).source.tolist() == [[4, 2]]
+    assert newest_copies({s: c[0] for s, c in copies.items()}, (1, 2)).tolist() == [[4, 6]]
+    assert covering_steps({s: c[0] for s, c in copies.items()}, (1, 2)) == {4, 6}
+    with pytest.raises(ValueError, match="expert 1 of MoE layer 0"):
+        persisted_plan({4: copies[4]}, 4, [[50, 20]], [0], 80, 1)
+    with pytest.raises(ValueError, match="one training"):
+        persisted_plan(copies, 6, [[10, 40]], [0], 100, 1)

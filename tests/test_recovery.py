@@ -1,12 +1,18 @@
 """Kill-and-recover with real processes: the job resumes from host RAM and
 continues bitwise identically to a run that never failed (float32, CPU)."""
 
+import functools
 import json
 import os
+import shutil
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from tests.helpers import assert_no_orphans, run_train
+from tests.tree_utils import assert_trees_equal
 
 COMMON = ("--model=tiny", "--eval_sequences=0", "--log_every=5")
 STEPS = 14
@@ -43,12 +49,20 @@ def _losses(records):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The uninterrupted run: its losses, and every step's full state as an
+    Orbax step in WORKDIR/checkpoints (the PEC tests assemble from them)."""
     root = tmp_path_factory.mktemp("ref")
-    _, records = _train(root / "w", root / "s", hosts=2, devices=2)
+    _, records = _train(root / "w", root / "s", "--persist_every=1", f"--max_to_keep={STEPS}",
+                        hosts=2, devices=2)
     losses = _losses(records)
     assert sorted(losses) == list(range(STEPS))
-    return losses
+    return losses, root / "w" / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
 
 
 def _events(records, name):
@@ -117,6 +131,26 @@ def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, referen
         assert doc["metadata"]["scheduled"] and (tmp_path / "w" / "timeline.png").exists()
 
 
+def test_capricorn_moves_partial_expert_versions_inside_the_step(tmp_path):
+    """capricorn with PEC (K = 2 of 8): the versions moved inside steps carry
+    K experts per layer (fewer bytes, own schedule), every version commits,
+    and a host loss restores each expert from its newest copy."""
+    _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=7",
+                        "--kill_mode=host", "--pec_k=2", "--nopec_dynamic", audit=True,
+                        ckpt="capricorn")
+    checkpoints = _events(records, "checkpoint")
+    assert {c["step"] for c in checkpoints} == set(range(1, STEPS + 1))
+    full = checkpoints[0]["bytes"]
+    assert checkpoints[0]["pec_k"] == 8
+    moved = [c for c in checkpoints if "moved_in_step" in c]
+    assert moved and all(c["pec_k"] == 2 and c["bytes"] < full for c in moved)
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and 7 <= recovery["step"] <= STEPS
+    sources = {s for layer in recovery["expert_source_steps"] for s in layer}
+    assert max(sources) == recovery["step"] and sorted(sources) == recovery["versions"]
+    assert [r["step"] for r in records if "event" not in r][-1] == STEPS - 1
+
+
 def test_pec_full_k_recovers_bitwise(tmp_path, reference):
     """PEC with K = N is the full checkpoint: same bytes, bitwise the same run."""
     _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
@@ -170,6 +204,151 @@ def test_persistent_tier_takes_over_when_every_ram_store_is_lost(tmp_path, refer
     (restore,) = [r for r in _events(records, "recovery") if r not in first]
     assert restore["tier"] == "persistent" and restore["step"] == 8
     assert _losses(records) == reference  # the same run, bitwise, from the Orbax step
+
+
+# ----------------------------------------------------------------- PEC + persistent tier
+
+
+@functools.cache
+def _tiny():
+    """The 2x2 runs' train state layout in this process (4 devices, expert axis 4)."""
+    from launch.trainer import OptimizerOptions, Trainer, make_mesh
+    from models import get_config
+
+    return Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
+
+
+def _reference_state(directory, step: int) -> dict:
+    """Persistent step ``step`` of a 2x2 run, as numpy (plain Orbax, onto this
+    process's 4 devices)."""
+    trainer = _tiny()
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          trainer.abstract_state, trainer.state_shardings)
+    with ocp.CheckpointManager(directory) as manager:
+        state = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target))).state
+    return jax.tree.map(np.asarray, state)
+
+
+def _assembled(reference_dir, point: int, data_steps: np.ndarray):
+    """The reference's state at ``point`` with each expert (all of its leaves:
+    parameters and Adam moments) replaced by its values at ``data_steps``."""
+    from capricorn_jax._src import pec
+
+    trainer = _tiny()
+    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    states = {s: jax.tree.leaves(_reference_state(reference_dir, s))
+              for s in {point, *np.unique(data_steps).tolist()}}
+    out = []
+    for n, info in enumerate(leaves.values()):
+        leaf = np.array(states[point][n])
+        if info is not None:
+            for e, s in enumerate(data_steps[info.moe_layer]):
+                leaf[e] = states[int(s)][n][e]
+        out.append(leaf)
+    return jax.tree.unflatten(jax.tree.structure(trainer.abstract_state), out)
+
+
+def _memory_copies(k: int, point: int) -> np.ndarray:
+    """[L, N] each expert's newest in-memory copy at or before ``point`` for
+    sequential PEC with K=k on 4 expert ranks (version 1 carries every expert)."""
+    from capricorn_jax._src import pec
+
+    masks = {1: np.ones((2, 8), bool)}
+    masks.update({v: pec.sequential_mask(k, v, 2, 8, 4) for v in range(2, point + 1)})
+    return pec.newest_copies(masks, (2, 8), point)
+
+
+def _disk_steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_pec_full_persistent_step_is_the_memory_restore(tmp_path, reference_run):
+    """PEC K=2 of 8 with --persist_every: a persisted step holds every expert,
+    each from its newest in-memory copy (what a memory-tier restore gives), as
+    a plain Orbax step. (--resume from such a step is the standard restore
+    that test_persistent_tier_takes_over_when_every_ram_store_is_lost runs;
+    the PEC bookkeeping after it is checked by the next test and, for K_persist
+    = N, by test_orbax_handler's one-process test against ``recover``.)"""
+    _, ref = reference_run
+    flags = ("--pec_k=2", "--nopec_dynamic", "--persist_every=4", "--max_to_keep=2")
+    _, first = _train(tmp_path / "w", tmp_path / "s", *flags, steps=8)
+    persists = _events(first, "persist")
+    assert [p["step"] for p in persists] == [1, 4, 8]
+    assert all(p["pec_k_persist"] == 8 and p["experts"] == [list(range(8))] * 2
+               for p in persists)
+    assert persists[0]["plt"] == 0.0 and persists[-1]["plt"] > 0
+    assert _disk_steps(tmp_path / "w") == [4, 8]
+    data = _memory_copies(2, 8)
+    assert sorted(np.unique(data).tolist()) == [5, 6, 7, 8]  # ceil(8 / 2) versions
+    # Plain Orbax (no capricorn_jax) reads the step: the reference's step 8 with
+    # each expert as of its newest copy in memory, bitwise.
+    assert_trees_equal(_reference_state(tmp_path / "w" / "checkpoints", 8),
+                       _assembled(ref, 8, data))
+    record = ocp.CheckpointManager(tmp_path / "w" / "checkpoints").metadata(
+        8).custom_metadata["capricorn_pec"]
+    assert record["plt"] == persists[-1]["plt"] and record["data_step"] == data.tolist()
+    assert _losses(first) == {s: loss for s, loss in reference_run[0].items() if s < 8}
+
+
+def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, reference_run):
+    """K=4 and K_persist=4 of 8 (one expert per rank and layer): every persisted
+    step carries the least recently persisted experts; retention keeps the steps
+    with an expert's newest copy; with every RAM store lost, --resume assembles
+    each expert from its newest persisted copy (parameters and moments alike)."""
+    import capricorn_jax
+    from capricorn_jax._src import pec
+
+    _, ref = reference_run
+    flags = ("--pec_k=4", "--pec_k_persist=4", "--nopec_dynamic", "--persist_every=2",
+             "--max_to_keep=1")
+    _, first = _train(tmp_path / "w", tmp_path / "s", *flags, steps=6)
+    persists = _events(first, "persist")
+    assert [p["step"] for p in persists] == [1, 2, 4, 6]
+    assert _losses(first) == {s: loss for s, loss in reference_run[0].items() if s < 6}
+    assert [p["pec_k_persist"] for p in persists] == [8, 4, 4, 4]
+    carried = {p["step"]: np.array([[e in row for e in range(8)] for row in p["experts"]])
+               for p in persists}
+    for s in (2, 4, 6):  # one expert of each rank (2 local experts) and layer
+        assert (carried[s].reshape(2, 4, 2).sum(axis=2) == 1).all()
+    assert (carried[2] | carried[4]).all() and (carried[4] | carried[6]).all()
+    newest = pec.newest_copies(carried, (2, 8))
+    assert sorted(np.unique(newest).tolist()) == [4, 6]
+    assert _disk_steps(tmp_path / "w") == [4, 6]  # max_to_keep=1, plus step 4's experts
+    # Each persisted expert holds its newest in-memory copy when its step was written.
+    data = np.array([[_memory_copies(4, newest[layer, e])[layer, e] for e in range(8)]
+                     for layer in range(2)])
+    assert (data < newest).any()
+
+    # What --resume will do, in this process (a CheckpointManager without a memory tier).
+    trainer = _tiny()
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          trainer.abstract_state, trainer.state_shardings)
+    handler = capricorn_jax.CapricornHandler()
+    with capricorn_jax.CheckpointManager(tmp_path / "w" / "checkpoints",
+                                         handler_registry=handler.registry("state")) as manager:
+        restored = manager.restore(args=ocp.args.Composite(
+            state=capricorn_jax.CapricornRestore(target))).state
+        info = manager.last_restore
+    assert (info.step, info.tier) == (6, "persistent") and info.pec.versions == [4, 6]
+    assert info.pec.source == newest.tolist() and info.pec.data_steps == data.tolist()
+    assert_trees_equal(jax.tree.map(np.asarray, restored), _assembled(ref, 6, data))
+
+    shutil.rmtree(tmp_path / "s")  # every host's RAM is lost
+    _, records = _train(tmp_path / "w", tmp_path / "s", *flags, "--resume", steps=9)
+    (restore,) = [r for r in _events(records, "recovery") if r not in first]
+    assert restore["tier"] == "persistent" and restore["step"] == 6
+    assert restore["expert_source_steps"] == newest.tolist()
+    assert restore["expert_data_steps"] == data.tolist() and restore["versions"] == [4, 6]
+    assert restore["plt"] == persists[-1]["plt"] > 0
+    resumed = [c for c in _events(records, "checkpoint") if c not in _events(first, "checkpoint")]
+    assert [c["step"] for c in resumed] == [7, 8, 9] and resumed[0]["pec_k"] == 8
+    (later,) = [p for p in _events(records, "persist") if p not in persists]
+    assert later["step"] == 8 and later["pec_k_persist"] == 4
+    assert later["accumulated_plt"] > later["plt"]  # the restore's losses count
+    assert (np.array([[e in row for e in range(8)] for row in later["experts"]])
+            == carried[4]).all()  # the least recently persisted ones
+    assert _disk_steps(tmp_path / "w") == [6, 8]
 
 
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):

@@ -40,9 +40,11 @@ def test_two_hosts_two_devices_train(tmp_path):
         (["--model=nonesuch"], "--model"),
         (["--hosts=0"], "--hosts"),
         (["--hosts=abc"], "--hosts"),
-        (["--ckpt=gemini", "--pec_k=2"], "--pec_k"),
+        (["--ckpt=none", "--pec_k=2"], "--pec_k"),
         (["--ckpt=inmem", "--pec_k=9"], "--pec_k"),
         (["--ckpt=inmem", "--pec_policy=load_aware"], "--pec_policy"),
+        (["--ckpt=inmem", "--pec_k=2", "--persist_every=2", "--pec_k_persist=4"],
+         "--pec_k_persist"),
         (["--ckpt=capricorn", "--replicas=1"], "--replicas"),
         (["--ckpt=gemini", "--profile=every"], "--profile"),
         (["--ckpt=inmem", "--timeline"], "--timeline"),
@@ -57,6 +59,48 @@ def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):
     assert any(flag_name in line for line in err), proc.stderr
     assert len([line for line in err if flag_name in line]) == 1
     assert_no_orphans(str(tmp_path))
+
+
+_CHECK_FLAGS = """
+import json, sys
+from absl import flags
+from launch import train
+out = []
+for argv in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["train", *argv])
+    try:
+        train.check_flags()
+        out.append(None)
+    except train.FlagError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def test_pec_k_persist_flags(tmp_path):
+    """--pec_k_persist (2 hosts x 2 devices: 4 expert-parallel ranks by default)."""
+    base = [f"--workdir={tmp_path}", "--hosts=2", "--devices_per_host=2", "--ckpt=inmem"]
+    cases = {
+        ("--pec_k=2", "--persist_every=2", "--pec_k_persist=4"):
+            "--pec_k_persist=4 exceeds --pec_k=2",
+        ("--pec_k=2", "--persist_every=2", "--pec_k_persist=-1"): "--pec_k_persist=-1 must be",
+        ("--persist_every=2", "--pec_k_persist=2"):
+            "--pec_k_persist=2 is only used with --pec_k",
+        ("--pec_k=4", "--pec_k_persist=4"): "--pec_k_persist=4 is only used with --persist_every",
+        ("--pec_k=4", "--persist_every=2", "--pec_k_persist=2"):
+            "--pec_k_persist=2 is not a multiple of the expert-parallel size 4",
+        ("--pec_k=4", "--persist_every=2", "--pec_k_persist=4"): None,
+        ("--pec_k=4", "--persist_every=2", "--pec_k_persist=2", "--expert_parallel=2"): None,
+        ("--pec_k=2", "--persist_every=2"): None,  # full persistent steps
+        ("--pec_k=8", "--persist_every=2", "--pec_k_persist=8"): None,
+    }
+    proc = subprocess.run([sys.executable, "-c", _CHECK_FLAGS,
+                           json.dumps([base + list(c) for c in cases])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (flags, want), got in zip(cases.items(), json.loads(proc.stdout), strict=True):
+        assert (got is None) if want is None else (got or "").startswith(want), (flags, got)
 
 
 def test_unwritable_workdir_is_named(tmp_path):

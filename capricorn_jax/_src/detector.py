@@ -16,6 +16,12 @@ load, which is what a layer's time follows. Alternative not taken: a fixed
 profiling period, which either profiles steady phases for nothing or misses a
 shift for up to a period.
 
+With load-dependent (bucketed) dispatch a layer's time follows the capacity
+bucket the step runs at, and the load flips between buckets often; a
+``ProfileCache`` keyed by the step's capacity tuple lets a tuple be profiled
+once and its profile reused when the load flips back (``max_age`` bounds
+how long).
+
 ``ProfilePolicy`` and ``should_profile`` turn these decisions into "is step t
 profiled?", for the strategies compared: never, every step, the first N steps
 only (Gemini profiles the first iterations once, at iteration granularity,
@@ -252,6 +258,104 @@ class DynamicityDetector:
             if value is not None:
                 out[key] = value
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """The profile cache keyed by capacity tuple (``ProfileCache``).
+
+    Attributes:
+      max_age: a cached profile stands for a step at most this many steps
+        after it was measured; older, the tuple is profiled again when asked.
+    """
+
+    max_age: int = 200
+
+    def __post_init__(self) -> None:
+        if self.max_age < 1:
+            raise ValueError(f"max_age must be >= 1, got {self.max_age}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheDecision:
+    """Whether the step about to run is profiled, with the cache in front.
+
+    Attributes:
+      step: the step decided about.
+      key: its capacity tuple.
+      asked: the detector drifted, the tuple differs from the previous step's,
+        or the tuple was never measured.
+      cached: the cache holds a profile of ``key`` younger than ``max_age``:
+        its durations stand for the step's.
+      profile: ``asked and not cached``.
+    """
+
+    step: int
+    key: Hashable
+    asked: bool
+    cached: bool
+    profile: bool
+
+    @property
+    def hit(self) -> bool:
+        """A profile was asked for and the cache answered it (no instrumented step)."""
+        return self.asked and self.cached
+
+
+class ProfileCache:
+    """Per-layer durations of the last warm profile of each capacity tuple.
+
+    With load-dependent (bucketed) dispatch a step runs the variant compiled
+    for its capacity tuple (per MoE layer, the capacity factor chosen from the
+    previous step's load, known before the step runs), and on CPU a layer's
+    time follows only that tuple. A tuple is then profiled once and its
+    profile reused whenever the load flips back to it, instead of profiling
+    every flip. With a constant tuple (fixed dispatch) the tuple says nothing
+    about the load: the cache would hold one entry and mute the drift for
+    ``max_age`` steps, so callers put it in front of the detector only with
+    load-dependent dispatch (launch.train does) and otherwise keep the drift
+    and cost-model logic alone.
+
+    ``decide`` is the rule: profile step t (tuple k) only when (a) the
+    detector drifted, k differs from step t-1's tuple or k was never
+    measured, and (b) no profile of k younger than ``max_age`` steps is
+    cached. ``record`` stores a warm profile; ``lookup`` gives the durations
+    that stand for a step.
+    """
+
+    def __init__(self, options: CacheOptions | None = None) -> None:
+        self.options = options or CacheOptions()
+        self.entries: dict[Hashable, tuple[int, dict[LayerKey, float]]] = {}
+
+    def record(self, key: Hashable, step: int, durations: Mapping[LayerKey, float]) -> None:
+        """Stores the durations measured at step ``step`` for tuple ``key``."""
+        self.entries[key] = (step, dict(durations))
+
+    def age(self, key: Hashable, step: int) -> int | None:
+        """Steps from ``key``'s profile to ``step`` (None: never measured)."""
+        entry = self.entries.get(key)
+        return None if entry is None else step - entry[0]
+
+    def lookup(self, key: Hashable, step: int) -> dict[LayerKey, float] | None:
+        """The cached durations of ``key`` if younger than max_age at ``step``."""
+        age = self.age(key, step)
+        if age is None or not 0 <= age < self.options.max_age:
+            return None
+        return self.entries[key][1]
+
+    def decide(self, step: int, key: Hashable, previous_key: Hashable | None,
+               drifted: bool) -> CacheDecision:
+        """Whether step ``step``, of tuple ``key``, is profiled.
+
+        Args:
+          step: the step about to run.
+          key: its capacity tuple.
+          previous_key: step - 1's tuple (None before any step).
+          drifted: the detector asked for a profile after step - 1.
+        """
+        asked = drifted or key != previous_key or key not in self.entries
+        cached = self.lookup(key, step) is not None
+        return CacheDecision(step, key, asked, cached, asked and not cached)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,12 +117,24 @@ class InStepSender:
                              out_specs=spec)(chunk, tie)
 
     # --- the protocol Trainer._step_with calls ---
-    def begin(self, state: Any, trailer: jax.Array) -> _Ctx:
+    @property
+    def pec(self) -> bool:
+        """Whether the payload is a PEC version's (packing takes gather indices)."""
+        return self.transport.plan.experts is not None
+
+    def begin(self, state: Any, trailer: jax.Array, *gather: jax.Array) -> _Ctx:
+        """Packs the version (``gather``: a PEC plan's int32 [R, C] indices,
+        replicated) and sends the chunks of the step's start."""
         transport = self.transport
+        if len(gather) != int(self.pec):
+            raise ValueError(f"{len(gather)} gather arrays for a "
+                             f"{'PEC' if self.pec else 'full'} payload")
         payload = jax.shard_map(
-            lambda leaves, t: transport.pack_local(leaves, t[0])[None], mesh=transport.mesh,
-            in_specs=(self.state_specs, P(self.axes)), out_specs=P(self.axes),
-        )(jax.tree.leaves(state), trailer)
+            lambda leaves, t, *g: transport.pack_local(leaves, t[0], *g)[None],
+            mesh=transport.mesh,
+            in_specs=(self.state_specs, P(self.axes), *(P() for _ in gather)),
+            out_specs=P(self.axes),
+        )(jax.tree.leaves(state), trailer, *gather)
         start = [((lo, hi), self._permute(payload[:, lo:hi], None))
                  for lo, hi in self.sites.get(START, [])]
         carriers = [jnp.zeros((payload.shape[0], -(-(hi - lo) // 4)), jnp.float32)
@@ -191,18 +203,22 @@ def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...],
     traffic); they come first at every boundary.
 
     Returns:
-      (state, batch, trailer) -> (new state, metrics, {"own", "received"}),
-      the state donated; "own" is this step's input version packed, "received"
-      the peer's payload of the same version, both [devices, payload_bytes].
+      (state, batch, trailer[, gather]) -> (new state, metrics, {"own",
+      "received"}), the state donated; "own" is this step's input version
+      packed, "received" the peer's payload of the same version, both
+      [devices, payload_bytes]; ``gather`` (PEC payloads only): the version's
+      int32 [R, C] gather indices, a traced input (one compile per plan).
     """
     rows = trainer.batch_sharding.__class__(trainer.mesh, P(sender.axes))
-    def body(s, b, t):
+    gather = (trainer.replicated,) if sender.pec else ()
+
+    def body(s, b, t, *g):
         with boundary_hooks(*hooks):
-            return trainer._step_with(s, b, tuple(factors), sender, t)
+            return trainer._step_with(s, b, tuple(factors), sender, t, *g)
 
     return jax.jit(
         body,
-        in_shardings=(trainer.state_shardings, trainer.batch_sharding, rows),
+        in_shardings=(trainer.state_shardings, trainer.batch_sharding, rows, *gather),
         out_shardings=(trainer.state_shardings, trainer.replicated,
                        {"own": rows, "received": rows}),
         donate_argnums=(0,),

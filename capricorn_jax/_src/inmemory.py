@@ -148,6 +148,10 @@ class PecTier:
         self.dyn = DynamicK(options, model.num_experts, self.ranks)
         self.tracker = PltTracker(*self.shape, model.top_k)
         self.k = options.k
+        # Assignments each expert processed since step 0 of this training's
+        # timeline (a restore rewinds it to the restore point's count); the
+        # persistent tier's PLT is a difference of these counts.
+        self.cumulative = np.zeros(self.shape, np.int64)
 
     def transport(self, count: int | None) -> Transport:
         """The program of versions with ``count`` records per device (None: full)."""
@@ -158,10 +162,17 @@ class PecTier:
                                                 ckpt.rounds, ckpt.hosts + 1)
         return self._transports[count]
 
-    def resume(self, tracker: PltTracker, k: int) -> None:
-        """Continues from ``tracker`` (restored, or fresh at a step) with K ``k``."""
+    def resume(self, tracker: PltTracker, k: int, cumulative: Any = None) -> None:
+        """Continues from ``tracker`` (restored, or fresh at a step) with K ``k``
+        and, when given, the cumulative assignments [L, N] at the restore point."""
         if tracker.shape != self.shape:
             raise ValueError(f"tracker of shape {tracker.shape}, the model has {self.shape}")
+        if cumulative is not None:
+            cumulative = np.asarray(cumulative, np.int64)
+            if cumulative.shape != self.shape:
+                raise ValueError(f"cumulative of shape {cumulative.shape}, the model has "
+                                 f"{self.shape}")
+            self.cumulative = cumulative.copy()
         self.tracker, self.k = tracker, k
 
     def plt(self) -> float:
@@ -186,6 +197,7 @@ class PecTier:
                              f"save once per step, or call resume_pec first")
         tracker = self.tracker.copy()
         tracker.observe(tokens_per_expert)
+        cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
         k, mask = self._choose(tracker, tokens_per_expert, expert_mask, full)
         tracker.on_saved(step, mask)
         gather, _ = pec_lib.padded_gather_indices(mask, self.ranks)
@@ -194,8 +206,9 @@ class PecTier:
         needed, complete = pec_lib.version_needs(tracker.saved_step)
         meta = {"k": k, "shape": list(self.shape), "mask": pec_lib.mask_to_hex(mask),
                 "count": count, "needed": list(needed), "complete": complete,
-                "tokens": step * self.tokens_per_step, "tracker": tracker.to_dict()}
-        self.tracker, self.k = tracker, k
+                "tokens": step * self.tokens_per_step, "tracker": tracker.to_dict(),
+                "cumulative": cumulative.tolist()}
+        self.tracker, self.k, self.cumulative = tracker, k, cumulative
         return PecVersion(step, k, mask, None if count is None else gather,
                           transport.plan, transport, meta)
 
@@ -434,12 +447,15 @@ class InMemoryCheckpointer:
             raise ValueError("plan_pec_version needs PEC (InMemoryOptions.pec)")
         return self.pec.version(step, tokens_per_expert, expert_mask)
 
-    def resume_pec(self, tracker: PltTracker, k: int | None = None) -> None:
+    def resume_pec(self, tracker: PltTracker, k: int | None = None,
+                   cumulative: Any = None) -> None:
         """PEC: continue from ``tracker`` (e.g. ``PltTracker(L, N, top_k, step)``
-        after a restore from another tier at ``step``); ``recover`` calls it."""
+        after a restore from another tier at ``step``), with ``cumulative``
+        ([L, N] assignments of each expert up to that step; None keeps the
+        current counts); ``recover`` and ``CheckpointManager.restore`` call it."""
         if self.pec is None:
             raise ValueError("resume_pec needs PEC (InMemoryOptions.pec)")
-        self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k)
+        self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k, cumulative)
 
     def _enqueue(self, step: int, own, received: list, statuses,
                  version: PecVersion | None = None) -> SaveReport:

@@ -73,8 +73,51 @@ rename) a disk step directory every step. ``CapricornHandler.async_save``
 called without a preceding in-memory save of the same state (which is what a
 plain manager does) raises an error that names this fix.
 
-Not supported: an ``InMemoryCheckpointer`` with partial expert checkpointing
-(its versions hold K experts, the disk tier needs whole ones).
+Partial expert checkpointing (an ``InMemoryCheckpointer`` with
+``InMemoryOptions.pec``; MoC-System's two-level PEC, K_persist <= K):
+
+* **what a persisted step holds.** The background reader assembles, from this
+  host's own store, the state a memory-tier restore to version ``step`` gives
+  (``read_pec_blocks``: non-expert state from ``step``, every expert with its
+  Adam moments from its newest in-memory copy). With ``PecOptions.k_persist``
+  None (= N) the step is that whole state, a standard step plain Orbax
+  restores. With K_persist < N it keeps, of every MoE layer, the K_persist
+  experts of ``pec.persist_mask``: per expert-parallel rank the K_persist/R
+  whose newest *persisted* copy is oldest (a round robin with no counter:
+  ceil(N/K_persist) consecutive persisted steps carry every expert, so the
+  experts of a failed step are carried within the next ceil(N/K_persist)),
+  ties to the freshest values in memory. An expert leaf [N, ...] is written
+  as [K_persist, ...], the carried experts in ascending order, sharded like
+  the full leaf (so K_persist must be a multiple of R); non-expert leaves are
+  written whole. The first persisted
+  step (no expert has a copy yet) carries every expert.
+* **the record.** ``_pec_record`` decides the step in the training thread
+  (collective: every host takes the primary host's experts) and the manager
+  stores it in the step's custom metadata under ``capricorn_pec``: the
+  experts carried, the training step of each one's values (``data_step``,
+  possibly older than the step), the cumulative assignments of the memory
+  tier's ``PecTier`` (the PLT of a restore is a difference of those counts),
+  the memory tracker, and the PLT a restore of this step would have when
+  written (also in ``last_persist`` and launch.train's ``persist`` event).
+* **restore.** A PEC step is restored (``_restore_persistent``) by
+  ``pec.persisted_plan``: non-expert state from the step, each expert from its
+  newest persisted copy at or before it (parameters and moments from that one
+  step): every needed step is read with Orbax placeholders for the leaves it
+  does not give, and the expert leaves are gathered in one jitted program into
+  the target's sharding. ``last_restore.pec`` reports the sources, the data
+  steps and the PLT; a PEC memory tier goes on from the restored step with no
+  expert in memory yet (its next version is full) and the restore's losses.
+* **retention.** Orbax's policy (``max_to_keep``, ``keep_period``...) is
+  extended: a step that holds some expert's newest persisted copy is never
+  deleted (``_KeepNewestCopies``, an ``AnyPreservationPolicy`` member), so the
+  newest step always restores. With a constant K_persist that is at most
+  ceil(N/K_persist) steps beyond ``max_to_keep``.
+
+Alternative not taken: persisting K_persist of the experts the version itself
+carries (a subset of its K), as in MoC-System's buffer rotation. The memory
+tier already holds a copy of every expert, and the experts a version carries
+follow the memory tier's own round robin, so with ``persist_every`` a multiple
+of N/K the same experts would be persisted every time and others never.
 
 Pinning: the memory tier keeps only its newest versions (the writer prunes an
 older own version once a newer one is committed). The persistent reader holds
@@ -97,17 +140,29 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from capricorn_jax._src import pec as pec_lib
 from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
-from capricorn_jax._src.recovery import _allgather_json, choose_version, recover
+from capricorn_jax._src.packing import make_pec_plan
+from capricorn_jax._src.recovery import (
+    PecRestore,
+    _allgather_json,
+    _PecBlocks,
+    _read_rows,
+    choose_version,
+    recover,
+)
 
 log = logging.getLogger("capricorn_jax")
 
 HOST_STATE_FILE = "capricorn_host_state.{host}.json"
+PEC_METADATA = "capricorn_pec"  # key of a PEC step's record in the step's custom metadata
+_PEC_FORMAT = 1
 _ALIGN = 64  # the CPU client wraps host buffers aligned to 64 bytes without a copy
 
 
@@ -138,15 +193,21 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
     def __init__(self, checkpointer: InMemoryCheckpointer | None = None, *,
                  use_ocdbt: bool = True, host_memory_kind: str = "auto",
                  read_timeout_s: float = 300.0):
-        if checkpointer is not None and getattr(checkpointer, "pec", None) is not None:
-            raise ValueError("CapricornHandler writes the persistent tier from whole in-memory "
-                             "versions; a checkpointer with partial expert checkpointing "
-                             "(InMemoryOptions.pec) is not supported")
+        tier = None if checkpointer is None else getattr(checkpointer, "pec", None)
+        if tier is not None:
+            kp = tier.dyn.options.k_persist
+            if kp is not None and kp < tier.shape[1] and kp % tier.ranks:
+                raise ValueError(f"k_persist={kp}: a persisted step carries k_persist/R experts "
+                                 f"of every MoE layer from each of the R={tier.ranks} "
+                                 f"expert-parallel ranks, so k_persist must be a multiple of "
+                                 f"{tier.ranks} (or None: all {tier.shape[1]} experts)")
         self.checkpointer = checkpointer
         self.host_memory_kind = host_memory_kind
         self.read_timeout_s = read_timeout_s
         self.on_persist: Callable[[int, str], None] | None = None
         self._inner = ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt)
+        self._use_ocdbt = use_ocdbt
+        self._partial: ocp.PyTreeCheckpointHandler | None = None  # restores of some leaves
         # What Orbax records as this item's handler in the step metadata: the
         # files are the standard handler's, so plain Orbax can restore them.
         # (Instance attribute: the class keeps its own typestr for the global
@@ -156,6 +217,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         self._memory: _MemorySave | None = None
         self._reader: tuple[int, threading.Event] | None = None
         self._writer: _PersistFuture | None = None
+        self._next_pec: dict[str, Any] | None = None
         self._closed = False
         self.last_host_state: dict[str, Any] = {}
 
@@ -167,9 +229,10 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         return registry
 
     # ----- memory tier (training thread, collective) -----
-    def save_to_memory(self, step: int, state: Any, host_state: dict[str, Any] | None = None
-                       ) -> SaveReport:
-        """Checkpoints ``state`` as in-memory version ``step`` (all hosts, every step)."""
+    def save_to_memory(self, step: int, state: Any, host_state: dict[str, Any] | None = None,
+                       tokens_per_expert: Any = None) -> SaveReport:
+        """Checkpoints ``state`` as in-memory version ``step`` (all hosts, every
+        step); ``tokens_per_expert``: PEC only, the step's [moe_layers, experts]."""
         ckpt = self._require_checkpointer("save")
         self.await_reader()
         own = ckpt.store.versions(ckpt.host)
@@ -177,7 +240,8 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             # A version with this number left by an earlier run: drop it so the
             # persistent reader can only see the version written now.
             ckpt.store.prune(ckpt.host, [v for v in own if v != step])
-        report = ckpt.save(step, state, host_state or {})
+        extra = {} if tokens_per_expert is None else {"tokens_per_expert": tokens_per_expert}
+        report = ckpt.save(step, state, host_state or {}, **extra)
         with self._lock:
             self._memory = _MemorySave(step, id(state), report.skipped)
         return report
@@ -188,6 +252,12 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         self._require_checkpointer("persist")
         with self._lock:
             self._memory = _MemorySave(step, id(state), False)
+
+    def set_pec_record(self, record: dict[str, Any] | None) -> None:
+        """The PEC record of the next persistent save (the manager decides it:
+        which experts the step carries, ...); its ``async_save`` takes it."""
+        with self._lock:
+            self._next_pec = record
 
     def await_reader(self) -> None:
         """Waits (bounded) until the persistent save in flight has read its
@@ -238,7 +308,12 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
                 "capricorn_jax.CheckpointManager (its save() runs the in-memory tier every step "
                 "and the persistent tier when Orbax's policy says so), or call "
                 "handler.save_to_memory(step, state, host_state) first.")
-        future = _PersistFuture(self, epath.Path(directory), memory)
+        with self._lock:
+            pec_step, self._next_pec = self._next_pec, None
+        if pec_step is not None and pec_step["step"] != memory.step:
+            raise RuntimeError(f"the persistent PEC record is for step {pec_step['step']}, "
+                               f"the in-memory version for step {memory.step}")
+        future = _PersistFuture(self, epath.Path(directory), memory, pec_step)
         with self._lock:
             self._reader = (memory.step, future.read)
             self._writer = future
@@ -259,7 +334,12 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             if future.memory.skipped:
                 raise RuntimeError(f"in-memory version {step} was skipped (its writer was busy); "
                                    f"no host-RAM copy to write persistent step {step} from")
-            blocks, host_state = read_own_blocks(ckpt, step, self.read_timeout_s)
+            if ckpt.pec is None:
+                blocks, host_state = read_own_blocks(ckpt, step, self.read_timeout_s)
+                shapes = None
+            else:
+                blocks, host_state, plan = read_pec_blocks(ckpt, step, self.read_timeout_s)
+                blocks, shapes = _carried(ckpt, blocks, plan, future.pec)
         finally:
             future.read.set()
         self._hook(step, "read")
@@ -272,7 +352,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{directory} not created after {self.read_timeout_s:.0f}s")
             time.sleep(0.01)
-        tree = host_arrays(ckpt, blocks, self._memory_kind())
+        tree = host_arrays(ckpt, blocks, self._memory_kind(), shapes)
         del blocks
         futures = asyncio.run(self._inner.async_save(directory,
                                                      args=ocp.args.StandardSave(tree)))
@@ -310,11 +390,34 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         abstract = self.target(args.abstract_state)
         if abstract is not None:
             check_tree(abstract, self._inner.metadata(directory).tree, "the persistent checkpoint")
-        state = self._inner.restore(directory, args=ocp.args.StandardRestore(abstract))
+        if abstract is not None and any(leaf is ocp.PLACEHOLDER
+                                        for leaf in jax.tree.leaves(abstract)):
+            state = self._restore_some(directory, abstract)
+        else:
+            state = self._inner.restore(directory, args=ocp.args.StandardRestore(abstract))
         host = jax.process_index()
         path = directory / HOST_STATE_FILE.format(host=host)
         self.last_host_state = json.loads(path.read_text()) if path.exists() else {}
         return state
+
+    def _restore_some(self, directory: epath.Path, abstract: Any) -> Any:
+        """Restores the leaves of ``abstract`` that are not ``ocp.PLACEHOLDER``
+        (those stay placeholders). The standard handler takes no placeholders;
+        the PyTree handler beneath it reads the same files."""
+        if self._partial is None:
+            self._partial = ocp.PyTreeCheckpointHandler(use_ocdbt=self._use_ocdbt)
+
+        def restore_args(leaf: Any) -> Any:
+            if leaf is ocp.PLACEHOLDER:
+                return ocp.PLACEHOLDER
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+            return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape),
+                                        dtype=leaf.dtype)
+
+        return self._partial.restore(directory, args=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=jax.tree.map(restore_args, abstract)))
 
     def target(self, abstract_state: Any) -> Any:
         """The restore target: ``abstract_state``, or the in-memory tier's own state layout."""
@@ -335,6 +438,8 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             return
         self._closed = True
         self._inner.close()
+        if self._partial is not None:
+            self._partial.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
 
@@ -348,10 +453,13 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
 @ocp.args.register_with_handler(CapricornHandler, for_save=True)
 @dataclasses.dataclass
 class CapricornSave(ocp.args.CheckpointArgs):
-    """Save args: the train state and this host's JSON state (at most 8 KiB)."""
+    """Save args: the train state, this host's JSON state (at most 8 KiB) and,
+    under partial expert checkpointing, the step's kept assignments per expert
+    ([moe_layers, experts], the PLT's input)."""
 
     state: Any
     host_state: dict[str, Any] | None = None
+    tokens_per_expert: Any = None
 
 
 @ocp.args.register_with_handler(CapricornHandler, for_restore=True)
@@ -377,8 +485,10 @@ class _PersistFuture:
     buffers longer than ``cancel()`` or the timeout.
     """
 
-    def __init__(self, handler: CapricornHandler, directory: epath.Path, memory: _MemorySave):
+    def __init__(self, handler: CapricornHandler, directory: epath.Path, memory: _MemorySave,
+                 pec: dict[str, Any] | None = None):
         self.handler, self.directory, self.memory = handler, directory, memory
+        self.pec = pec  # the PEC record of the step (experts carried, ...), None: full
         self.read = threading.Event()  # the version's bytes are in RAM (or the read failed)
         self.cancelled = threading.Event()
         self._error: BaseException | None = None
@@ -430,6 +540,10 @@ class RestoreInfo:
       memory_tiers: for the memory tier, how each host got its shards
         ("local" or "peer", see ``recover``); None otherwise.
       bytes_moved: for the memory tier, bytes that came from peers (all hosts).
+      pec: under partial expert checkpointing, where the experts came from
+        and the restore's PLT (memory tier: ``recover``'s; persistent tier:
+        ``source`` holds the persisted step of each expert and ``data_steps``
+        the training step of its values); None otherwise.
     """
 
     step: int
@@ -438,6 +552,7 @@ class RestoreInfo:
     host_state: dict[str, Any]
     memory_tiers: list[str] | None = None
     bytes_moved: int | None = None
+    pec: PecRestore | None = None
 
 
 # --------------------------------------------------------------------------- bytes
@@ -462,12 +577,7 @@ def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
       ``packing.unpack`` returns for these payloads.
     """
     host, plan, store = ckpt.host, ckpt.plan, ckpt.store
-    deadline = time.monotonic() + timeout_s
-    while step not in store.versions(host):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"host {host}: in-memory version {step} not committed after "
-                               f"{timeout_s:.0f}s")
-        time.sleep(0.005)
+    _await_version(ckpt, step, timeout_s)
     manifest = store.manifest(host, step)
     if manifest["fingerprint"] != plan.fingerprint():
         raise ValueError(f"in-memory version {step} has another layout than the checkpointer")
@@ -499,20 +609,112 @@ def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
     return blocks, manifest.get("host_state", {})
 
 
+def _await_version(ckpt: InMemoryCheckpointer, step: int, timeout_s: float) -> None:
+    """Waits (at most ``timeout_s``) until this host's own version ``step`` is committed."""
+    deadline = time.monotonic() + timeout_s
+    while step not in ckpt.store.versions(ckpt.host):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"host {ckpt.host}: in-memory version {step} not committed after "
+                               f"{timeout_s:.0f}s")
+        time.sleep(0.005)
+
+
+def read_pec_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
+                    ) -> tuple[dict[int, list[np.ndarray]], dict[str, Any], pec_lib.RestorePlan]:
+    """This host's shard blocks of the state a memory-tier restore to PEC
+    version ``step`` gives: non-expert state from ``step``, every expert
+    (parameters and optimizer state) from its newest copy at or before it.
+
+    Reads from this host's own store only: the version and each version its
+    manifest says a restore to it reads (the writer keeps them while ``step``
+    is the newest, and the next in-memory save waits for this read). Each
+    version is read whole (checksummed) and folded in before the next one.
+
+    Returns:
+      ({mesh position: [block of each leaf]}, host_state, the restore plan:
+      each expert's source step).
+    """
+    host, store, tier = ckpt.host, ckpt.store, ckpt.pec
+    _await_version(ckpt, step, timeout_s)
+    manifest = store.manifest(host, step)
+    shape = tier.shape
+    top = manifest.get("pec")
+    if top is None:  # a version saved whole (without PEC): it is its own source
+        tracker = pec_lib.PltTracker(*shape, tier.tracker.top_k, step)
+        tracker.on_saved(step, np.ones(shape, bool))
+        needed, tokens = [step], step * tier.tokens_per_step
+    else:
+        tracker = pec_lib.PltTracker.from_dict(top["tracker"])
+        needed, tokens = sorted({*top["needed"], step}), top["tokens"]
+    metas = {v: (manifest if v == step else store.manifest(host, v)).get("pec") or {}
+             for v in needed}
+    masks = {v: (pec_lib.mask_from_hex(m["mask"], shape) if "mask" in m
+                 else np.ones(shape, bool)) for v, m in metas.items()}
+    saved = {key: [v for v in needed if masks[v][key]] for key in np.ndindex(*shape)}
+    plan = pec_lib.restore_plan(saved, step, tracker, tokens)
+    blocks = _PecBlocks(ckpt, plan.source)
+    for v in needed:
+        count = metas[v].get("count")
+        layout = ckpt.plan if count is None else make_pec_plan(ckpt.plan, tier.layers, count)
+        rows = _read_rows(ckpt, host, v, layout)
+        blocks.fold(v, rows, layout, masks[v], v == step)
+        del rows
+    return blocks.result(), manifest.get("host_state", {}), plan
+
+
+def _carried(ckpt: InMemoryCheckpointer, blocks: dict[int, list[np.ndarray]],
+             plan: pec_lib.RestorePlan, record: dict[str, Any] | None
+             ) -> tuple[dict[int, list[np.ndarray]], list[tuple[int, ...]] | None]:
+    """The blocks of a persisted step carrying ``record``'s experts, and the
+    global shape of each leaf (None: every expert, the state's own shapes).
+
+    An expert leaf keeps only the carried experts of its layer, in ascending
+    order: each device's block holds those of its expert-parallel rank (the
+    same number on every rank), so the leaf stays sharded like the full one.
+    """
+    if record is None:
+        return blocks, None
+    tier = ckpt.pec
+    data_step = np.asarray(record["data_step"], np.int64)
+    mask = pec_lib.mask_from_hex(record["mask"], tier.shape)
+    if not np.array_equal(data_step[mask], plan.source[mask]):
+        raise RuntimeError(f"step {record['step']}: the memory tier's copies changed between the "
+                           f"persistent record and the read")
+    if mask.all():
+        return blocks, None
+    ep = tier.experts
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(ckpt.abstract_state)]
+    out = {p: list(row) for p, row in blocks.items()}
+    for i, layer in zip(ep.leaves, ep.layers, strict=True):
+        shapes[i] = (int(mask[layer].sum()), *shapes[i][1:])
+        done: dict[int, np.ndarray] = {}
+        for p in out:
+            rank = ep.expert_rank[p]
+            if rank not in done:
+                local = mask[layer, rank * ep.local_experts:(rank + 1) * ep.local_experts]
+                part = blocks[p][i][np.flatnonzero(local)]
+                done[rank] = _aligned(part.nbytes).view(part.dtype).reshape(part.shape)
+                done[rank][...] = part
+            out[p][i] = done[rank]
+    return out, shapes
+
+
 def host_arrays(ckpt: InMemoryCheckpointer, blocks: dict[int, list[np.ndarray]],
-                memory_kind: str | None) -> Any:
-    """Global arrays (this host's shards) wrapping host ``blocks`` (no copy on CPU)."""
+                memory_kind: str | None, shapes: list[tuple[int, ...]] | None = None) -> Any:
+    """Global arrays (this host's shards) wrapping host ``blocks`` (no copy on
+    CPU); ``shapes``: the global shape of each leaf, when not the state's."""
     devices = list(ckpt.mesh.devices.flat)
     leaves, treedef = jax.tree.flatten(ckpt.abstract_state)
     out = []
     for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(ckpt.state_shardings),
                                              strict=True)):
+        shape = leaf.shape if shapes is None else shapes[i]
         if memory_kind is not None:
             sharding = sharding.with_memory_kind(memory_kind)
         arrays = [jax.device_put(blocks[p][i], SingleDeviceSharding(devices[p],
                                                                     memory_kind=memory_kind))
                   for p in sorted(blocks)]
-        out.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
+        out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -544,6 +746,8 @@ def check_tree(abstract: Any, saved: Any, where: str) -> None:
         raise ValueError(f"restore target does not match {where}: " + "; ".join(parts) +
                          f" ({len(missing)} missing, {len(extra)} extra leaves)")
     for key, target in want.items():
+        if target is ocp.PLACEHOLDER:  # a leaf not restored
+            continue
         got = have[key]
         shape, dtype = tuple(getattr(got, "shape", ())), getattr(got, "dtype", None)
         if tuple(target.shape) != shape:
@@ -579,7 +783,15 @@ class CheckpointManager(ocp.CheckpointManager):
         self.last_restore: RestoreInfo | None = None
         self._failed_cleanup = False
         self._persist_step: int | None = None
+        self._pec_records: dict[int, dict[str, Any] | None] = {}
+        self.last_persist: dict[str, Any] | None = None
         super().__init__(directory, *args, handler_registry=handler_registry, **kwargs)
+        tier = self._pec_tier()
+        if tier is not None:
+            # Retention under PEC: Orbax's own policy (max_to_keep, ...), and
+            # every step that holds some expert's newest persisted copy.
+            self._preservation_policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+                [self._preservation_policy, _KeepNewestCopies(self, tier.shape)])
 
     # ----- save -----
     def save(self, step: int, items=None, save_kwargs=None, metrics=None, force: bool = False,
@@ -598,7 +810,8 @@ class CheckpointManager(ocp.CheckpointManager):
             raise TypeError("capricorn_jax.CheckpointManager.save takes args=ocp.args.Composite"
                             "(...), not the deprecated items/save_kwargs")
         cap = self._item_args(args, CapricornSave, "save")
-        self.last_memory_report = self.handler.save_to_memory(step, cap.state, cap.host_state)
+        self.last_memory_report = self.handler.save_to_memory(step, cap.state, cap.host_state,
+                                                              cap.tokens_per_expert)
         return self._persist(step, args, metrics, force, custom_metadata)
 
     def persist(self, step: int, args, force: bool = False) -> bool:
@@ -629,12 +842,29 @@ class CheckpointManager(ocp.CheckpointManager):
         if unwritable is not None:
             self._record(step, PermissionError(unwritable))
             return False
+        if self._pec_tier() is not None:
+            try:
+                record = self._pec_record(step)  # collective
+            except ValueError as e:
+                self._record(step, e)
+                return False
+            self._pec_records[step] = record
+            self.handler.set_pec_record(record)
+            custom_metadata = {**(custom_metadata or {}), PEC_METADATA: record}
         try:
-            return super().save(step, args=args, metrics=metrics, force=force,
-                                custom_metadata=custom_metadata)
+            started = super().save(step, args=args, metrics=metrics, force=force,
+                                   custom_metadata=custom_metadata)
         except Exception as e:  # noqa: BLE001 - the memory tier goes on
             self._record(step, e)
             return False
+        if not started:
+            self._pec_records.pop(step, None)
+            self.handler.set_pec_record(None)
+        elif step in self._pec_records:
+            record = self._pec_records[step]
+            self.last_persist = {key: record[key] for key in
+                                 ("step", "k_persist", "plt", "accumulated_plt", "experts")}
+        return started
 
     def _unwritable(self) -> str | None:
         """Why some host cannot create directories in the persistent root (collective), or None.
@@ -669,6 +899,7 @@ class CheckpointManager(ocp.CheckpointManager):
                   "in-memory tier", step, type(error).__name__, error)
         self.persistent_errors.append({"step": step, "error": f"{type(error).__name__}: {error}"})
         self._failed_cleanup = True
+        self._pec_records.pop(step, None)
         self.handler.abort()
 
     def _cleanup_failed(self) -> None:
@@ -755,11 +986,223 @@ class CheckpointManager(ocp.CheckpointManager):
                                         f"({persistent}) nor the memory tier's newest version "
                                         f"({memory})")
             return ocp.args.Composite(**{self.item: state})
+        state, host_state, pec = self._restore_persistent(step, abstract, directory)
+        self.last_restore = RestoreInfo(step, "persistent", time.perf_counter() - start,
+                                        host_state, pec=pec)
+        return ocp.args.Composite(**{self.item: state})
+
+    def _restore_persistent(self, step: int, abstract: Any, directory
+                            ) -> tuple[Any, dict[str, Any], PecRestore | None]:
+        """Persistent step ``step``: (state, host state, PEC restore info or None).
+
+        A step with a PEC record that does not carry every expert is assembled
+        (``_assemble``): non-expert state from ``step``, each expert from its
+        newest persisted copy at or before it. A PEC memory tier then goes on
+        from the restored step (``_resume_memory_tier``).
+        """
+        record = None
+        if directory is None:
+            record = self._pec_record_of(step)
+            # Every host takes the primary host's view: whether the step is a
+            # PEC step, and which steps it may read.
+            primary = _allgather_json({"pec": record is not None, "steps": [
+                s for s in self.all_steps() if s <= step]}, jax.process_count())[0]
+            if primary["pec"] != (record is not None):
+                raise ValueError(f"persistent step {step}: host {jax.process_index()} reads its "
+                                 f"PEC record differently from the primary host")
+        if record is None:
+            state = self._restore_step(step, abstract, directory)
+            self._resume_memory_tier(step, None, None)
+            return state, self.handler.last_host_state, None
+        copies = self._copies(primary["steps"])
+        tracker = pec_lib.PltTracker.from_dict(record["tracker"])
+        plan = pec_lib.persisted_plan(copies, step, record["cumulative"], tracker.restored_lost,
+                                      record["tokens"], tracker.top_k)
+        needed = sorted({*(int(s) for s in np.unique(plan.source)), step})
+        if needed == [step]:  # the step carries every expert: a standard full step
+            state = self._restore_step(step, abstract, None)
+            host_state = self.handler.last_host_state
+        else:
+            if abstract is None:
+                raise ValueError(f"persistent step {step} carries some experts only; restoring "
+                                 f"it needs CapricornRestore(abstract_state) (or a handler with "
+                                 f"an InMemoryCheckpointer)")
+            state, host_state = self._assemble(step, needed, plan, record, copies, abstract)
+        self._resume_memory_tier(step, record, plan)
+        info = PecRestore(plan.plt, plan.accumulated_plt, plan.source.tolist(), needed,
+                          int(record["k_persist"]), plan.data_step.tolist())
+        return state, host_state, info
+
+    def _restore_step(self, step: int, abstract: Any, directory) -> Any:
         restored = super().restore(step, directory=directory, args=ocp.args.Composite(
             **{self.item: CapricornRestore(abstract)}))
-        self.last_restore = RestoreInfo(step, "persistent", time.perf_counter() - start,
-                                        self.handler.last_host_state)
-        return restored
+        return restored[self.item]
+
+    def _assemble(self, point: int, needed: list[int], plan: pec_lib.PersistedPlan,
+                  record: dict[str, Any], copies: dict[int, tuple], abstract: Any
+                  ) -> tuple[Any, dict[str, Any]]:
+        """The state of a restore to ``point`` from several persisted steps.
+
+        Step ``point`` gives every non-expert leaf; each needed step gives the
+        carried experts that are the newest copies (its other leaves are not
+        read: Orbax placeholders). Each expert leaf is then gathered, in one
+        jitted program, from the rows of those steps into the target's sharding:
+        an expert's parameters and moments come from one step, its source.
+        """
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        paths = [jax.tree_util.keystr(path) for path, _ in flat]
+        targets = [leaf for _, leaf in flat]
+        layer_of = {path: int(layer) for path, layer in record["expert_leaves"].items()}
+        unknown = sorted(set(layer_of) - set(paths))
+        if unknown:
+            raise ValueError(f"restore target has no leaf {unknown[0]}, an expert leaf of "
+                             f"persistent step {point}")
+        base: list[Any] = []
+        host_state: dict[str, Any] = {}
+        pieces: dict[str, list[tuple[Any, np.ndarray, int]]] = {path: [] for path in layer_of}
+        for v in [point, *(s for s in needed if s != point)]:
+            mask = copies[v][0]
+
+            def target(path: str, leaf: Any, v: int = v, mask: np.ndarray = mask) -> Any:
+                if path not in layer_of:
+                    return leaf if v == point else ocp.PLACEHOLDER
+                layer = layer_of[path]
+                if not np.any(plan.source[layer] == v):
+                    return ocp.PLACEHOLDER
+                shape = (int(mask[layer].sum()), *leaf.shape[1:])
+                return jax.ShapeDtypeStruct(shape, leaf.dtype,
+                                            sharding=_fitting(getattr(leaf, "sharding", None),
+                                                              shape))
+
+            tree = jax.tree.unflatten(treedef, [target(p, leaf)
+                                                for p, leaf in zip(paths, targets, strict=True)])
+            leaves = treedef.flatten_up_to(self._restore_step(v, tree, None))
+            if v == point:
+                base, host_state = leaves, self.handler.last_host_state
+            for n, path in enumerate(paths):
+                if path in layer_of and leaves[n] is not ocp.PLACEHOLDER:
+                    pieces[path].append((leaves[n], np.flatnonzero(mask[layer_of[path]]), v))
+        index: dict[str, np.ndarray] = {}
+        for path, parts in pieces.items():
+            row = plan.source[layer_of[path]]
+            index[path], offset = np.full(row.shape, -1, np.int64), 0
+            for _, experts, v in parts:
+                take = row[experts] == v
+                index[path][experts[take]] = offset + np.flatnonzero(take)
+                offset += experts.size
+            assert np.all(index[path] >= 0), path
+        shardings = {p: getattr(t, "sharding", None) for p, t in zip(paths, targets, strict=True)
+                     if p in layer_of}
+        if all(sh is not None for sh in shardings.values()):
+            gather = jax.jit(lambda arrays: {p: jnp.concatenate(arrays[p])[index[p]]
+                                             for p in arrays}, out_shardings=shardings)
+            experts = gather({p: [a for a, _, _ in parts] for p, parts in pieces.items()})
+        else:  # a target without shardings restores numpy arrays
+            experts = {p: np.concatenate([np.asarray(a) for a, _, _ in parts])[index[p]]
+                       for p, parts in pieces.items()}
+        leaves = [experts[p] if p in layer_of else base[n] for n, p in enumerate(paths)]
+        return jax.tree.unflatten(treedef, leaves), host_state
+
+    def _resume_memory_tier(self, step: int, record: dict[str, Any] | None,
+                            plan: pec_lib.PersistedPlan | None) -> None:
+        """A PEC memory tier goes on from persistent step ``step``: no copy of any
+        expert in memory yet (its next version carries all), the losses of the
+        restores so far, and the cumulative assignments at ``step``."""
+        tier = self._pec_tier()
+        if tier is None:
+            return
+        tracker = pec_lib.PltTracker(*tier.shape, tier.tracker.top_k, step)
+        k = cumulative = None
+        if record is not None:
+            before = pec_lib.PltTracker.from_dict(record["tracker"])
+            tracker.restored_lost[:] = before.restored_lost + plan.lost
+            k, cumulative = int(record["memory_k"]), record["cumulative"]
+        self.handler.checkpointer.resume_pec(tracker, k, cumulative)
+
+    # ----- PEC records -----
+    def _pec_tier(self):
+        ckpt = self.handler.checkpointer
+        return None if ckpt is None else ckpt.pec
+
+    def _pec_record_of(self, step: int) -> dict[str, Any] | None:
+        """The PEC record of persistent step ``step`` (its custom metadata), None
+        for a step without one (written without PEC) or unreadable."""
+        if step in self._pec_records:
+            return self._pec_records[step]
+        try:
+            custom = self.metadata(step).custom_metadata or {}
+        except Exception as e:  # noqa: BLE001 - a step being deleted, or damaged
+            log.warning("persistent step %d: no readable metadata (%s: %s); taken as a step "
+                        "without PEC", step, type(e).__name__, e)
+            return None
+        record = custom.get(PEC_METADATA)
+        if record is not None and record.get("format") != _PEC_FORMAT:
+            raise ValueError(f"persistent step {step}: unknown PEC record format "
+                             f"{record.get('format')!r}")
+        self._pec_records[step] = record
+        return record
+
+    def _copies(self, steps: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """{step with a PEC record: (experts carried, assignments at their values,
+        the training step of their values)} (``pec.persisted_plan``'s copies)."""
+        out = {}
+        for step in steps:
+            record = self._pec_record_of(step)
+            if record is not None:
+                shape = tuple(record["shape"])
+                out[step] = (pec_lib.mask_from_hex(record["mask"], shape),
+                             np.asarray(record["at_copy"], np.int64),
+                             np.asarray(record["data_step"], np.int64))
+        return out
+
+    def _pec_record(self, step: int) -> dict[str, Any]:
+        """Decides the PEC record of persistent step ``step`` (collective).
+
+        The experts it carries (``pec.persist_mask`` over the committed steps'
+        newest copies, as the primary host sees them: every host takes its
+        decision), the training step and the cumulative assignments of each
+        carried expert's values (the memory tier's tracker at ``step``), and
+        the PLT a restore from the persistent tier would have once it is written.
+
+        Raises:
+          ValueError: version ``step`` is not the memory tier's newest on some host.
+        """
+        ckpt = self.handler.checkpointer
+        tier = ckpt.pec
+        tracker, shape = tier.tracker, tier.shape
+        k = tier.dyn.options.k_persist or shape[1]
+        copies = self._copies([s for s in self.all_steps() if s < step])
+        newest = pec_lib.newest_copies({s: c[0] for s, c in copies.items()}, shape)
+        mask = pec_lib.persist_mask(k, newest, tier.ranks, fresh=tracker.saved_step)
+        problem = ""
+        if tracker.step != step:
+            problem = (f"host {ckpt.host}: persistent step {step} under PEC is written from the "
+                       f"memory tier's newest version, which is {tracker.step}")
+        everyone = _allgather_json({"problem": problem, "mask": pec_lib.mask_to_hex(mask)},
+                                   jax.process_count())
+        problems = [e["problem"] for e in everyone if e["problem"]]
+        if problems:
+            raise ValueError("; ".join(problems))
+        mask = pec_lib.mask_from_hex(everyone[0]["mask"], shape)
+        cumulative = tier.cumulative
+        data_step = np.where(mask, tracker.saved_step, -1)
+        at_copy = np.where(mask, cumulative - tracker.since_save, -1)
+        tokens = step * tier.tokens_per_step
+        plan = pec_lib.persisted_plan({**copies, step: (mask, at_copy, data_step)}, step,
+                                      cumulative, tracker.restored_lost, tokens, tracker.top_k)
+        paths = jax.tree_util.tree_flatten_with_path(ckpt.abstract_state)[0]
+        return {
+            "format": _PEC_FORMAT, "step": step, "k_persist": int(mask.sum(axis=1).max()),
+            "experts": [np.flatnonzero(row).tolist() for row in mask],
+            "shape": list(shape), "mask": pec_lib.mask_to_hex(mask), "ranks": tier.ranks,
+            "data_step": data_step.tolist(), "at_copy": at_copy.tolist(),
+            "cumulative": cumulative.tolist(), "tracker": tracker.to_dict(),
+            "memory_k": tier.k, "tokens": tokens, "plt": plan.plt,
+            "accumulated_plt": plan.accumulated_plt, "source": plan.source.tolist(),
+            "expert_leaves": {jax.tree_util.keystr(path): layer
+                              for (path, _), layer in zip(paths, tier.layers, strict=True)
+                              if layer is not None},
+        }
 
     def _restore_memory(self, abstract: Any, at_least: int | None, start: float) -> Any:
         """The memory tier's newest version, if it is at least ``at_least`` (collective)."""
@@ -780,7 +1223,7 @@ class CheckpointManager(ocp.CheckpointManager):
         state = jax.tree.map(place, recovered.state, abstract)
         self.last_restore = RestoreInfo(recovered.step, "memory", time.perf_counter() - start,
                                         recovered.host_state, recovered.tiers,
-                                        recovered.bytes_moved)
+                                        recovered.bytes_moved, recovered.pec)
         return state
 
     # ----- helpers -----
@@ -796,6 +1239,35 @@ class CheckpointManager(ocp.CheckpointManager):
             raise TypeError(f"{what}: item {self.item!r} takes {kind.__name__}, got "
                             f"{type(value).__name__}")
         return value
+
+
+class _KeepNewestCopies:
+    """An Orbax preservation policy: keeps every persistent step that holds some
+    expert's newest persisted copy (a restore of the newest step reads them)."""
+
+    def __init__(self, manager: CheckpointManager, shape: tuple[int, int]):
+        self.manager, self.shape = manager, shape
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        del context
+        steps = [info.step for info in checkpoints]
+        masks = {s: c[0] for s, c in self.manager._copies(steps).items()}
+        keep = pec_lib.covering_steps(masks, self.shape)
+        return [s in keep for s in steps]
+
+
+def _fitting(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """``sharding`` if it can hold an array of ``shape``, else the same devices, replicated."""
+    if sharding is None:
+        return None
+    try:
+        sharding.shard_shape(shape)
+        return sharding
+    except ValueError:
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+        devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+        return NamedSharding(Mesh(devices, ("devices",)), PartitionSpec())
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:

@@ -92,6 +92,9 @@ class PecRestore:
         state alike) was restored from.
       versions: the versions read: the restore point and every expert source.
       k: experts per layer of the restore point's version.
+      data_steps: [L][N] the training step of each restored expert's values
+        when it differs from ``source`` (a persisted step holds the memory
+        tier's newest copies, which may be older than the step); None: ``source``.
     """
 
     plt: float
@@ -99,6 +102,7 @@ class PecRestore:
     source: list[list[int]]
     versions: list[int]
     k: int
+    data_steps: list[list[int]] | None = None
 
 
 def _servers_at(inventories: list[dict[int, list[int]]], step: int, hosts: int
@@ -315,18 +319,21 @@ def _pec_inventories(ckpt) -> tuple[list[dict[int, list[int]]], dict[int, dict[s
 
 
 def _tracker_at(ckpt, inventories: list[dict[int, list[int]]], step: int
-                ) -> pec_lib.PltTracker:
-    """The tracker saved with version ``step`` (any host's copy; all are alike)."""
+                ) -> tuple[pec_lib.PltTracker, list[list[int]] | None]:
+    """The tracker and the cumulative assignments saved with version ``step``
+    (any host's copy; all are alike); None for counts it does not record."""
     mine = None
     owner = next((o for o, steps in inventories[ckpt.host].items() if step in steps), None)
     if owner is not None:
-        mine = (ckpt.store.manifest(owner, step).get("pec") or {}).get("tracker")
+        meta = ckpt.store.manifest(owner, step).get("pec") or {}
+        if "tracker" in meta:
+            mine = {"tracker": meta["tracker"], "cumulative": meta.get("cumulative")}
     docs = [d for d in _allgather_large(mine, ckpt.hosts) if d is not None]
     if docs:
-        return pec_lib.PltTracker.from_dict(docs[0])
+        return pec_lib.PltTracker.from_dict(docs[0]["tracker"]), docs[0]["cumulative"]
     tracker = pec_lib.PltTracker(*ckpt.pec.shape, ckpt.pec.tracker.top_k, step)
     tracker.on_saved(step, np.ones(ckpt.pec.shape, bool))  # a version saved without PEC
-    return tracker
+    return tracker, None
 
 
 def _recover_pec(ckpt) -> Recovered | None:
@@ -340,7 +347,7 @@ def _recover_pec(ckpt) -> Recovered | None:
                         "copy is missing); starting fresh", ckpt.host)
         return None
     step, servers = decision
-    tracker = _tracker_at(ckpt, inventories, step)
+    tracker, cumulative = _tracker_at(ckpt, inventories, step)
     shape = ckpt.pec.shape
     masks = {v: pec_lib.mask_from_hex(metas[v]["mask"], shape) for v in servers}
     saved = {key: [v for v in sorted(masks) if masks[v][key]] for key in np.ndindex(*shape)}
@@ -357,7 +364,7 @@ def _recover_pec(ckpt) -> Recovered | None:
     state = jax.block_until_ready(
         assemble(blocks.result(), ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
     tracker.on_restored(plan)
-    ckpt.resume_pec(tracker, int(metas[step]["k"]))
+    ckpt.resume_pec(tracker, int(metas[step]["k"]), cumulative)
     tiers = ["local" if all(s[h] == h for s in servers.values()) else "peer"
              for h in range(ckpt.hosts)]
     everyone = _allgather_json({"seconds": time.perf_counter() - start, "bytes": moved},

@@ -102,37 +102,54 @@ class ScheduledTransfers:
                  chunk_cap: int, margin: float = 0.8):
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
         self.link, self.chunk_cap, self.margin = link, chunk_cap, margin
-        self.schedule: Schedule | None = None
+        self.schedule: Schedule | None = None  # of the full payload (ckpt.plan)
         self.partitions = 0
         self._steps: dict[tuple, Any] = {}
-        self._key = None
+        self._windows: list[Window] | None = None
+        self._schedules: dict[int, Schedule] = {}  # payload bytes -> schedule in force
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
         durations = agree([w.duration_s for w in windows])
         windows = [Window(w.name, w.direction, d) for w, d in zip(windows, durations, strict=True)]
-        self.schedule = partition(self.ckpt.plan.payload_bytes,
-                                  scale_windows(windows, self.margin), self.link, self.chunk_cap)
-        # Compiled variants are keyed by where the bytes go, not by the window
-        # durations, so a re-partition that moves nothing reuses its variant.
-        self._key = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
-                           for w, cs in zip(self.schedule.windows, self.schedule.chunks,
-                                            strict=True)),
-                     tuple((c.start, c.stop) for c in self.schedule.tail))
+        self._windows = scale_windows(windows, self.margin)
+        self._schedules = {}
+        self.schedule = self.schedule_for(self.ckpt.transport)
         self.partitions += 1
         return self.schedule
 
-    def has_step(self, factors: tuple[float, ...], hooks: tuple = ()) -> bool:
-        """Whether the scheduled step for the current schedule is compiled."""
-        return (self._key, tuple(factors), tuple(hooks)) in self._steps
+    def schedule_for(self, transport) -> Schedule:
+        """The schedule in force for a payload of ``transport``'s plan (a PEC
+        version's payload is smaller: the same windows, partitioned again)."""
+        if self._windows is None:
+            raise RuntimeError("no schedule yet: repartition first")
+        size = transport.plan.payload_bytes
+        if size not in self._schedules:
+            self._schedules[size] = partition(size, self._windows, self.link, self.chunk_cap)
+        return self._schedules[size]
 
-    def step_fn(self, factors: tuple[float, ...], hooks: tuple = ()):
+    def _key(self, factors, hooks, transport) -> tuple:
+        # Compiled variants are keyed by where the bytes go, not by the window
+        # durations, so a re-partition that moves nothing reuses its variant.
+        s = self.schedule_for(transport)
+        where = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
+                       for w, cs in zip(s.windows, s.chunks, strict=True)),
+                 tuple((c.start, c.stop) for c in s.tail))
+        return where, id(transport), tuple(factors), tuple(hooks)
+
+    def has_step(self, factors: tuple[float, ...], hooks: tuple = (), transport=None) -> bool:
+        """Whether the scheduled step for the current schedule is compiled."""
+        return self._key(factors, hooks, transport or self.ckpt.transport) in self._steps
+
+    def step_fn(self, factors: tuple[float, ...], hooks: tuple = (), transport=None):
         """The scheduled step of the schedule in force (compiled once per
-        factors and ``hooks``: extra boundary hooks, e.g. a CollectiveProbe)."""
-        key = (self._key, tuple(factors), tuple(hooks))
+        factors, ``hooks`` (extra boundary hooks, e.g. a CollectiveProbe) and
+        payload: ``transport`` of a PEC version, default the full one)."""
+        transport = transport or self.ckpt.transport
+        key = self._key(factors, hooks, transport)
         if key not in self._steps:
-            sender = InStepSender(self.ckpt.transport, self.trainer.state_shardings,
-                                  self.schedule, self.boundaries)
+            sender = InStepSender(transport, self.trainer.state_shardings,
+                                  self.schedule_for(transport), self.boundaries)
             self._steps[key] = scheduled_step(self.trainer, sender, factors, hooks)
         return self._steps[key]
 
