@@ -270,21 +270,21 @@ class Scheduled(InMemory):
     def at_risk(self, detector, tokens_per_expert) -> bool:
         """Whether the schedule in force may overflow at this load (capricorn's
         gate on the detector's activations; ``scheduling.schedule_at_risk``)."""
-        from capricorn_jax._src.scheduling import agree, schedule_at_risk
+        from capricorn_jax._src.scheduling import schedule_at_risk
 
-        risk = schedule_at_risk(self.transfers.schedule, detector, tokens_per_expert,
+        # The same answer on every host with no collective: a profiled step
+        # (other collectives) must run on every host or on none, and every
+        # input is the same everywhere: the expert load is replicated, and the
+        # schedule, the profile it was planned on and the cost models' points
+        # are host 0's (only agreed profiles reach them, ``agree_profile``).
+        return schedule_at_risk(self.transfers.schedule, detector, tokens_per_expert,
                                 self._planned_on, self.trainer.cfg.moe_layers)
-        # Host 0's answer everywhere: the cost models are fitted on each host's
-        # own durations, and a profiled step (other collectives) must run on
-        # every host or on none. Called on every host at once: the detector's
-        # activation depends only on the (replicated) expert load.
-        return agree([float(risk)])[0] > 0.5
 
     def step(self, step: int, factors, state, batch, hooks: tuple = ()):
         """Runs training step ``step`` (0-based), deciding profiling itself (bench);
         ``hooks`` go to an unprofiled step only (a profiled one has its own marks)."""
         import capricorn_jax
-        from capricorn_jax._src.scheduling import moe_durations
+        from capricorn_jax._src.scheduling import agree_profile, moe_durations
 
         profile, cold = None, False
         if self._wants_profile():
@@ -294,6 +294,8 @@ class Scheduled(InMemory):
             profiled = capricorn_jax.make_profiled_step(
                 self.trainer, factors, capricorn_jax.gpt_moe_all_to_alls(self.trainer, factors))
             state, out, profile = profiled(state, batch)
+            if not cold:
+                profile = agree_profile(profile)
             self.on_profile(step, profile, cold)
         else:
             state, out = self.unprofiled_step(step, factors, state, batch, hooks)

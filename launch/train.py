@@ -37,7 +37,7 @@ from capricorn_jax import (
 )
 from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.detector import CacheOptions, ProfileCache
-from capricorn_jax._src.scheduling import moe_durations, moe_segments
+from capricorn_jax._src.scheduling import agree_profile, moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
@@ -831,6 +831,8 @@ def train_worker(process_id: int) -> None:
         t0 = time.perf_counter()
         batch = trainer.global_batch(data.next_batch())
         state, out, profile, first_run = profiling.run(step, factors, state, batch)
+        if scheduled and profile is not None and not first_run:
+            profile = agree_profile(profile)  # host 0's durations drive every host
         loss = float(out["loss"])
         tpe = np.asarray(out["tokens_per_expert"])
         max_routed = [int(v) for v in np.asarray(out["max_routed"])]

@@ -5,6 +5,7 @@ import json
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -386,3 +387,20 @@ def test_windows_from_profile_and_scaling():
     half = scale_windows(windows, 0.5)
     assert [w.duration_s for w in half] == pytest.approx([d / 2 for d in expected])
     assert [(w.name, w.direction) for w in half] == [(w.name, w.direction) for w in windows]
+
+
+def test_agree_profile_keeps_the_profile_in_one_process():
+    """One process: host 0 is this one; the values go through float32 (as on
+    every host of a multi-host job) and a missing estimate stays missing."""
+    from capricorn_jax._src.scheduling import agree_profile
+
+    profile = LayerProfile(7, 0.5, (Segment("block0", "fwd", 0.0, 0.1, 0.01),
+                                    Segment("head", "fwd", 0.1, 0.3, None)), 4)
+    got = agree_profile(profile)
+    assert (got.step, got.total_s, got.devices) == (7, 0.5, 4)
+    assert [(s.name, s.direction, s.start_s) for s in got.segments] == [
+        ("block0", "fwd", 0.0), ("head", "fwd", 0.1)]
+    assert [s.duration_s for s in got.segments] == [float(np.float32(0.1)),
+                                                     float(np.float32(0.3))]
+    assert got.segments[0].collective_s == float(np.float32(0.01))
+    assert got.segments[1].collective_s is None

@@ -101,3 +101,20 @@ def test_bytes_held_while_a_writer_prunes(tmp_path):
         stop.set()
         writer.join()
     assert max(sizes) >= 2048
+
+
+def test_read_chunk_into_fills_the_buffer_and_checks_it(tmp_path):
+    store = HostStore(tmp_path / "h0")
+    _write(store, 0, 3).commit({})
+    out = bytearray(b"xx" + b"\0" * 4 + b"yy")
+    store.read_chunk_into(0, 3, "d0.c1", memoryview(out)[2:6])
+    assert bytes(out) == b"xxdefgyy"
+    with pytest.raises(ChecksumError, match="d0.c1"):  # a buffer of the wrong size
+        store.read_chunk_into(0, 3, "d0.c1", memoryview(bytearray(3)))
+    chunk = tmp_path / "h0" / "owner0" / "v000000000003" / "d0.c1"
+    chunk.write_bytes(b"defgh")  # grown on disk
+    with pytest.raises(ChecksumError, match="d0.c1"):
+        store.read_chunk_into(0, 3, "d0.c1", memoryview(bytearray(4)))
+    chunk.write_bytes(b"dxfg")  # same size, other bytes
+    with pytest.raises(ChecksumError, match="d0.c1"):
+        store.read_chunk_into(0, 3, "d0.c1", memoryview(bytearray(4)))

@@ -18,6 +18,7 @@ cases. The final state of a run goes unscheduled at ``finish``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,6 +47,22 @@ def agree(values: Sequence[float]) -> list[float]:
 
         arr = np.asarray(multihost_utils.broadcast_one_to_all(arr))
     return [float(v) for v in arr]
+
+
+def agree_profile(profile: Any) -> Any:
+    """``profile`` with host 0's segment durations and all-to-all estimates, on
+    every host (one broadcast per profile). A scheduled strategy feeds only
+    agreed profiles to its schedule and to the detector's cost models, so
+    every host takes the same decisions from them (capricorn's gate,
+    ``schedule_at_risk``) with no collective per step."""
+    segments = profile.segments
+    n = len(segments)
+    got = agree([s.duration_s for s in segments]
+                + [-1.0 if s.collective_s is None else s.collective_s for s in segments])
+    return dataclasses.replace(profile, segments=tuple(
+        dataclasses.replace(s, duration_s=got[i],
+                            collective_s=None if got[n + i] < 0 else got[n + i])
+        for i, s in enumerate(segments)))
 
 
 def measure_link(transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),

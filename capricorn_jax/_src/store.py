@@ -155,6 +155,22 @@ class HostStore:
             raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: checksum mismatch")
         return data
 
+    def read_chunk_into(self, owner: int, step: int, name: str, out: memoryview,
+                        manifest: dict | None = None) -> None:
+        """Reads a chunk into ``out`` (exactly its size), checked like ``read_chunk``.
+
+        Raises:
+          ChecksumError: naming the chunk, when its size or bytes do not match.
+        """
+        manifest = manifest or self.manifest(owner, step)
+        expected = manifest["chunks"][name]
+        path = self._path(f"owner{owner}", f"v{step:012d}", name)
+        with open(path, "rb") as f:
+            n = f.readinto(out) if len(out) == expected["nbytes"] else -1
+            extra = f.read(1)
+        if n != expected["nbytes"] or extra or crc32(out) != expected["crc32"]:
+            raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: checksum mismatch")
+
     def verify(self, owner: int, step: int) -> bool:
         """Whether every chunk of the version matches its checksum."""
         try:
