@@ -247,7 +247,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         store = getattr(getattr(strategy, "ckpt", None), "store", None)
         held = float(store.bytes_held()) if store is not None else 0.0
         ram[name] = _allgather([held, float(strategy.bytes_per_step)], job.hosts)
-    schedules = {name: {**s.transfers.summary(), "repartition_steps": s.repartitions}
+    schedules = {name: {**s.transfers.summary(), "repartition_steps": s.repartitions,
+                        "profiled_steps": s.profiled_steps}
                  for name, s in strategies.items() if hasattr(s, "transfers")}
     recovery = {name: _recovery_times(strategies[name], job)
                 for name in ("inmem", "pec") if name in strategies}

@@ -192,6 +192,7 @@ class Scheduled(InMemory):
         self._planned_on = None  # the profile the schedule in force was planned on
         self._pec_transport = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
+        self.profiled_steps: list[int] = []  # every profiled step, cold ones too
 
     def compiled(self, step: int, factors, hooks: tuple = ()) -> bool:
         """Whether step ``step`` would run an already-compiled variant (bench).
@@ -246,6 +247,7 @@ class Scheduled(InMemory):
         from capricorn_jax._src.scheduling import average_windows
 
         self._profiles_seen += 1
+        self.profiled_steps.append(step)
         if self.name == "gemini":
             if self.transfers.schedule is not None:
                 return None

@@ -79,6 +79,9 @@ def test_bench_scheduled_strategies(tmp_path):
     # Gemini partitions once, from its first profiled steps, and never again.
     assert result["gemini"]["schedule"]["partitions"] == 1
     assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1
+    for name in ("gemini", "capricorn"):  # a re-partition follows a profiled step
+        schedule = result[name]["schedule"]
+        assert set(schedule["repartition_steps"]) <= set(schedule["profiled_steps"])
 
 
 def test_bench_single_process_path(tmp_path):
