@@ -82,9 +82,14 @@ def test_wipe_forgets_everything(tmp_path):
 
 
 def test_bytes_held_while_a_writer_prunes(tmp_path):
-    """The training thread walks the store while a writer commits and prunes."""
+    """The training thread walks the store while a writer commits and prunes:
+    never an error, never more than the versions that can coexist (the kept
+    one, the one being committed, its partial directory)."""
+    import time
+
     store = HostStore(tmp_path / "h0")
     stop = threading.Event()
+    cycles = [0]
 
     def churn():
         step = 0
@@ -92,15 +97,23 @@ def test_bytes_held_while_a_writer_prunes(tmp_path):
             step += 1
             _write(store, 0, step, (b"x" * 512,) * 4).commit({})
             store.prune(0, {step})
+            cycles[0] += 1
 
     writer = threading.Thread(target=churn)
     writer.start()
+    sizes = []
+    deadline = time.monotonic() + 120
     try:
-        sizes = [store.bytes_held() for _ in range(300)]
+        # Sample for as long as it takes the writer to commit and prune 30 versions.
+        while cycles[0] < 30 and time.monotonic() < deadline:
+            sizes.append(store.bytes_held())
     finally:
         stop.set()
         writer.join()
-    assert max(sizes) >= 2048
+    assert cycles[0] >= 30 and sizes
+    one_version = store.bytes_held()  # the writer stopped: exactly the kept version
+    assert store.versions(0) == [cycles[0]] and one_version > 2048
+    assert all(0 <= size <= 3 * one_version for size in sizes)
 
 
 def test_read_chunk_into_fills_the_buffer_and_checks_it(tmp_path):
