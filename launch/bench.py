@@ -176,6 +176,7 @@ class _Runner:
                           {"data": self.job.data.state(), "max_routed": self.max_routed},
                           **({} if pec is None else
                              {"tokens_per_expert": np.asarray(out["tokens_per_expert"])}))
+            # Checked again after the save: it may compile too (e.g. PEC packing).
             if cached and i > 0 and not hooks and self.compiles == compiles:
                 times.append(time.perf_counter() - t0)
             self.step += 1

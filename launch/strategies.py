@@ -183,7 +183,6 @@ class Scheduled(InMemory):
             capricorn_jax.DetectorOptions(threshold=drift_threshold))
             if name == "capricorn" else None)
         self._profiles: list = []  # gemini: its first warm profiles, until it schedules
-        self._profiles_seen = 0
         self._profiled_variants: set[tuple[float, ...]] = set()
         self._profile_next = True
         self._moved = None
@@ -246,14 +245,13 @@ class Scheduled(InMemory):
         from capricorn_jax._src.partitioner import windows_from_profile
         from capricorn_jax._src.scheduling import average_windows
 
-        self._profiles_seen += 1
         self.profiled_steps.append(step)
         if self.name == "gemini":
             if self.transfers.schedule is not None:
                 return None
             if not cold:
                 self._profiles.append(profile)
-            if self._profiles_seen < self.first_n:
+            if len(self.profiled_steps) < self.first_n:
                 return None
             # Gemini: the iteration timeline of the first n steps, kept for good.
             windows = average_windows(self._profiles or [profile], windows_from_profile)

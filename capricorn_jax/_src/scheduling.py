@@ -123,7 +123,8 @@ class ScheduledTransfers:
         self.partitions = 0
         self._steps: dict[tuple, Any] = {}
         self._windows: list[Window] | None = None
-        self._schedules: dict[int, Schedule] = {}  # payload bytes -> schedule in force
+        # payload bytes -> (schedule in force, where its bytes go: the variants' key)
+        self._schedules: dict[int, tuple[Schedule, tuple]] = {}
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
@@ -138,21 +139,25 @@ class ScheduledTransfers:
     def schedule_for(self, transport) -> Schedule:
         """The schedule in force for a payload of ``transport``'s plan (a PEC
         version's payload is smaller: the same windows, partitioned again)."""
+        return self._planned(transport)[0]
+
+    def _planned(self, transport) -> tuple[Schedule, tuple]:
+        """(schedule, where its bytes go) for ``transport``'s payload size."""
         if self._windows is None:
             raise RuntimeError("no schedule yet: repartition first")
         size = transport.plan.payload_bytes
         if size not in self._schedules:
-            self._schedules[size] = partition(size, self._windows, self.link, self.chunk_cap)
+            s = partition(size, self._windows, self.link, self.chunk_cap)
+            where = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
+                           for w, cs in zip(s.windows, s.chunks, strict=True)),
+                     tuple((c.start, c.stop) for c in s.tail))
+            self._schedules[size] = (s, where)
         return self._schedules[size]
 
     def _key(self, factors, hooks, transport) -> tuple:
         # Compiled variants are keyed by where the bytes go, not by the window
         # durations, so a re-partition that moves nothing reuses its variant.
-        s = self.schedule_for(transport)
-        where = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
-                       for w, cs in zip(s.windows, s.chunks, strict=True)),
-                 tuple((c.start, c.stop) for c in s.tail))
-        return where, id(transport), tuple(factors), tuple(hooks)
+        return self._planned(transport)[1], id(transport), tuple(factors), tuple(hooks)
 
     def has_step(self, factors: tuple[float, ...], hooks: tuple = (), transport=None) -> bool:
         """Whether the scheduled step for the current schedule is compiled."""
