@@ -23,9 +23,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 _PR_SET_PDEATHSIG = 1
+
+
+def cpu_sets_per_host(hosts: int) -> list[frozenset[int]]:
+    """This process's CPUs split into ``hosts`` disjoint sets (round robin).
+
+    With fewer CPUs than hosts, host i gets CPU i % n: hosts share CPUs but
+    each one is still held to a single core.
+    """
+    if hosts < 1:
+        raise ValueError(f"hosts must be >= 1, got {hosts}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < hosts:
+        return [frozenset({cpus[i % len(cpus)]}) for i in range(hosts)]
+    return [frozenset(cpus[i::hosts]) for i in range(hosts)]
 
 
 def free_port() -> int:
@@ -53,6 +67,10 @@ class LocalCluster:
       devices_per_host: CPU devices each process gets (XLA_FLAGS).
       on_line: called with (host, line) for each line a host prints; the
         default writes ``[host i] line`` to stdout.
+      cpu_sets: if given, host i's process (and its XLA thread pools, which
+        size themselves from the affinity) runs on ``cpu_sets[i % len]`` only:
+        a quieter simulation, each host on its own cores instead of every
+        host's threads competing for all of them.
     """
 
     def __init__(
@@ -61,7 +79,11 @@ class LocalCluster:
         hosts: int,
         devices_per_host: int,
         on_line: Callable[[int, str], None] | None = None,
+        cpu_sets: Sequence[Collection[int]] | None = None,
     ):
+        if cpu_sets is not None and (not cpu_sets or not all(cpu_sets)):
+            raise ValueError(f"cpu_sets must be non-empty sets of CPUs, got {cpu_sets!r}")
+        self.cpu_sets = [frozenset(c) for c in cpu_sets] if cpu_sets is not None else None
         self.argv_for_host = argv_for_host
         self.hosts = hosts
         self.devices_per_host = devices_per_host
@@ -89,10 +111,17 @@ class LocalCluster:
 
     def start_host(self, host: int) -> None:
         """Starts (or restarts) the process of ``host``."""
+        cpus = None if self.cpu_sets is None else self.cpu_sets[host % len(self.cpu_sets)]
+
+        def preexec() -> None:  # between fork and exec, in the child
+            _die_with_parent()
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
         proc = subprocess.Popen(
             [sys.executable, *self.argv_for_host(host)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self._env(), preexec_fn=_die_with_parent, text=True, bufsize=1,
+            env=self._env(), preexec_fn=preexec, text=True, bufsize=1,
         )
         self.procs[host] = proc
         thread = threading.Thread(target=self._forward, args=(host, proc), daemon=True)

@@ -45,13 +45,15 @@ step), and scores it against the ground truth:
 
 The ``+ cache`` rows replay the same detector with the profile cache keyed by
 capacity tuple in front (``detector.ProfileCache``, max age
-``--cache_max_age``; launch.train ``--profile_cache_max_age``): step t is
-profiled only when the detector asked after t-1 or t's capacity tuple differs
-from t-1's (or was never measured), and the cache holds no warm profile of
-t's tuple younger than the max age. For these rows a change at step c also
-counts as caught when the cache holds a profile of c's tuple (measured before
-c, younger than the max age: the durations that stand for c) whose durations
-are each within ``--change`` (relative) of the truth at c; the recall columns
+``--cache_max_age``, ``--cache_samples``; launch.train
+``--profile_cache_max_age``, ``--profile_cache_samples``): step t is profiled
+only when the detector asked after t-1 or t's capacity tuple differs from
+t-1's (or has fewer than ``samples`` profiles), and the cache does not answer
+for t's tuple (``samples`` warm profiles younger than the max age). For these
+rows a change at step c also counts as caught when the cache answers for c's
+tuple (profiles measured before c, younger than the max age: their
+per-segment median stands for c) with durations each within ``--change``
+(relative) of the truth at c; the recall columns
 then count both kinds of catch (the JSON splits them: ``caught_by_cache``).
 A profile taken at c or c + 1 counts whatever its own error, so the last
 column ("vs fresh") also counts a cached profile that is no further from the
@@ -92,6 +94,7 @@ flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic wo
 flags.DEFINE_list("workloads", ["dynamic", "steady"], "Workloads to run: dynamic, steady.")
 flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
 flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+flags.DEFINE_boolean("pin_hosts", False, "launch.train --pin_hosts: each host on its own CPUs.")
 flags.DEFINE_string("dispatch", "bucketed",
                     "MoE dispatch; bucketed makes a layer's time follow its load.")
 flags.DEFINE_integer("seed", 0, "Seed of both runs.")
@@ -105,9 +108,13 @@ flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': 
 flags.DEFINE_integer("spec_cache_max_age", 0,
                      "--profile_cache_max_age of the real speculative run (0: no profile "
                      "cache).")
+flags.DEFINE_integer("spec_cache_samples", 1,
+                     "--profile_cache_samples of the real speculative run.")
 flags.DEFINE_list("cache_max_age", [str(CacheOptions().max_age)],
                   "Max ages of the profile cache replayed in the '+ cache' rows (each with "
-                  "every metric and threshold); empty: no such rows.")
+                  "every metric, threshold and --cache_samples); empty: no such rows.")
+flags.DEFINE_list("cache_samples", [str(CacheOptions().samples)],
+                  "Samples per tuple (CacheOptions.samples) replayed in the '+ cache' rows.")
 flags.DEFINE_float("change", 0.10, "A duration change above this (relative) is a real change.")
 flags.DEFINE_integer("smooth", 5, "Window (steps) of the 'measured' truth's running median.")
 flags.DEFINE_string("json", None, "Also write the results here as JSON.")
@@ -148,7 +155,7 @@ def train(workdir: Path, workload: str, profile: str, extra: tuple[str, ...] = (
            f"--devices_per_host={FLAGS.devices_per_host}", f"--model={FLAGS.model}",
            f"--steps={FLAGS.steps}", f"--workload={workload}", f"--shift_every={FLAGS.shift_every}",
            f"--dispatch={FLAGS.dispatch}", f"--seed={FLAGS.seed}", f"--profile={profile}",
-           f"--global_batch={FLAGS.global_batch}",
+           f"--global_batch={FLAGS.global_batch}", f"--pin_hosts={FLAGS.pin_hosts}",
            "--eval_sequences=0", f"--log_every={max(1, FLAGS.steps // 10)}",
            f"--workdir={workdir}", f"--timeout_s={FLAGS.timeout_s}", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -227,26 +234,29 @@ class Replay:
     activations: list[int]  # profiled because the detector asked
     valid: set[int]  # profiled steps that measured (not a first run of the variant)
     seconds_per_observe: float
-    # With the profile cache: step -> the (earlier, warm) profiled step whose
-    # durations the cache holds for that step's capacity tuple.
-    cached_from: dict[int, int] = dataclasses.field(default_factory=dict)
+    # With the profile cache: step -> the (earlier, warm) profiled steps whose
+    # durations' median the cache answers with for that step's capacity tuple.
+    cached_from: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     cache_hits: int = 0  # asked for a profile, answered by the cache
 
 
 CAPACITY = "capacity"  # what-if trigger: the capacity factors differ from the last profile's
 
 
-def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0) -> Replay:
+def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
+           cache_samples: int = 1) -> Replay:
     """The profiled steps train's speculative policy takes on this run's loads.
 
     ``metric=CAPACITY`` replays a trigger train does not have (a what-if):
     profile a step whose capacity factors, known before it runs, differ from
     those of the last profiled step. ``cache_max_age`` > 0: with train's
-    profile cache (``--profile_cache_max_age``) in front of the detector.
+    profile cache (``--profile_cache_max_age``, ``--profile_cache_samples``) in
+    front of the detector.
     """
     options = DetectorOptions() if metric == CAPACITY else DetectorOptions(threshold, metric)
     det = DynamicityDetector(options)
-    cache = ProfileCache(CacheOptions(cache_max_age)) if cache_max_age else None
+    cache = (ProfileCache(CacheOptions(cache_max_age, cache_samples)) if cache_max_age
+             else None)
     profiled, acts, valid, seen = [], [], set(), set()
     ask_next, reprofile, spent, cached_from, hits = False, False, 0.0, {}, 0
     n = len(run.steps)
@@ -255,10 +265,9 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0) -> R
             asked = t > 0 and run.factors(t) != run.factors(profiled[-1])
         else:
             asked = t > 0 and ask_next
-        if cache is not None and run.factors(t) in cache.entries:
-            age = cache.age(run.factors(t), t)
-            if age < cache.options.max_age:
-                cached_from[t] = t - age
+        sources = None if cache is None else cache.sources(run.factors(t), t)
+        if sources is not None:
+            cached_from[t] = sources
         if t == 0 or asked or reprofile:
             profiled.append(t)
             if asked:
@@ -288,8 +297,9 @@ def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = Non
     """Precision and recall of one replay against one ground truth.
 
     ``raw``: every step's measured durations (the profiles the cache holds);
-    with ``rep.cached_from``, a change is also caught when the cached profile
-    standing for its step predicts every segment within ``x`` of the truth.
+    with ``rep.cached_from``, a change is also caught when the cached profiles
+    standing for its step (their per-segment median) predict every segment
+    within ``x`` of the truth.
     """
     hits = 0
     judged = 0
@@ -309,7 +319,7 @@ def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = Non
             true = truth[c]
             if np.isnan(true).any():
                 continue
-            error = _max_error(raw[rep.cached_from[c]], true)
+            error = _max_error(np.median(raw[list(rep.cached_from[c])], axis=0), true)
             if error <= x:
                 by_cache.append(c)
             # What a profile at c or c + 1, counted as caught whatever its
@@ -410,7 +420,7 @@ def run_ab(factors: tuple[float, ...]) -> dict:
 
 
 def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
-            spec_threshold: float, spec_cache: int = 0) -> dict:
+            spec_threshold: float, spec_cache: int = 0, spec_samples: int = 1) -> dict:
     keys, raw = durations(every)
     truths = {"measured": measured_truth(raw, FLAGS.smooth)}
     truths["bucket"], levels = bucket_truth(every, keys, raw)
@@ -419,16 +429,18 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
     common = max(set(tuples), key=tuples.count)
     ab = run_ab(common) if FLAGS.ab_rounds > 0 else {}
     real = sorted(t for t, r in enumerate(spec.steps) if r.get("profiled"))
-    check = replay(every, spec_metric, spec_threshold, spec_cache)
+    check = replay(every, spec_metric, spec_threshold, spec_cache, spec_samples)
     rows = []
-    grid = [(m, float(x), 0) for m in FLAGS.metrics for x in FLAGS.thresholds]
-    cached = [(m, x, int(age)) for age in FLAGS.cache_max_age for m, x, _ in grid]
-    for metric, threshold, max_age in grid + [(CAPACITY, math.nan, 0)] + cached:
-        rep = replay(every, metric, threshold, max_age)
+    grid = [(m, float(x), 0, 1) for m in FLAGS.metrics for x in FLAGS.thresholds]
+    cached = [(m, x, int(age), int(k)) for age in FLAGS.cache_max_age
+              for k in FLAGS.cache_samples for m, x, _, _ in grid]
+    for metric, threshold, max_age, samples in grid + [(CAPACITY, math.nan, 0, 1)] + cached:
+        rep = replay(every, metric, threshold, max_age, samples)
         n = len(every.steps)
         profiled_rate = (len(rep.profiled) - 1) / n  # step 0 is profiled by any policy
         row = {"workload": workload, "metric": metric, "threshold": threshold,
-               "cache_max_age": max_age, "cache_hits": rep.cache_hits,
+               "cache_max_age": max_age, "cache_samples": samples,
+               "cache_hits": rep.cache_hits,
                "activation_rate": len(rep.activations) / n, "profiled_rate": profiled_rate,
                "amortized_overhead": over["overhead"] * profiled_rate
                + rep.seconds_per_observe / over["plain_step_s"]}
@@ -441,7 +453,8 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
         "levels": {f"{k[0]}/{k[1]}@{f}": v for (k, f), v in sorted(levels.items())},
         "replay_matches_real_run": check.profiled == real,
         "real_run": {"metric": spec_metric, "threshold": spec_threshold,
-                     "cache_max_age": spec_cache, "profiled_steps": len(real)},
+                     "cache_max_age": spec_cache, "cache_samples": spec_samples,
+                     "profiled_steps": len(real)},
     }
 
 
@@ -465,7 +478,9 @@ def table(results: list[dict]) -> str:
             m, b = r["measured"], r["bucket"]
             label = r["metric"] + (" (what-if)" if r["metric"] == CAPACITY else "")
             if r.get("cache_max_age"):
-                label += f" + cache ({r['cache_max_age']})"
+                samples = r.get("cache_samples", 1)
+                label += (f" + cache ({r['cache_max_age']})" if samples == 1 else
+                          f" + cache ({r['cache_max_age']}, median of {samples})")
             lines.append(
                 f"| {r['workload']} | {label} "
                 f"| {'-' if math.isnan(r['threshold']) else format(r['threshold'], 'g')} "
@@ -503,7 +518,9 @@ def main(argv: list[str]) -> None:
         DetectorOptions().threshold
     spec_metric = FLAGS.spec_metric or DetectorOptions().metric
     spec_flags = (f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
-                  f"--profile_cache_max_age={FLAGS.spec_cache_max_age}")
+                  f"--profile_cache_max_age={FLAGS.spec_cache_max_age}",
+                  *((f"--profile_cache_samples={FLAGS.spec_cache_samples}",)
+                    if FLAGS.spec_cache_max_age else ()))
     results = []
     for workload in FLAGS.workloads:
         paths = {}
@@ -517,7 +534,7 @@ def main(argv: list[str]) -> None:
             print(f"warning: {workload}: the two runs' losses differ; the loads are not paired",
                   file=sys.stderr)
         results.append(analyse(workload, every, spec, spec_metric, spec_threshold,
-                               FLAGS.spec_cache_max_age))
+                               FLAGS.spec_cache_max_age, FLAGS.spec_cache_samples))
     print()
     print(table(results))
     print()
@@ -541,8 +558,9 @@ def main(argv: list[str]) -> None:
         Path(FLAGS.json).write_text(json.dumps(
             {"flags": {k: FLAGS[k].value for k in (
                 "model", "steps", "shift_every", "hosts", "devices_per_host", "dispatch", "seed",
-                "global_batch", "spec_threshold", "spec_metric", "spec_cache_max_age",
-                "cache_max_age", "change", "smooth")}, "results": results}, indent=1,
+                "global_batch", "pin_hosts", "spec_threshold", "spec_metric",
+                "spec_cache_max_age", "spec_cache_samples", "cache_max_age", "cache_samples",
+                "change", "smooth")}, "results": results}, indent=1,
             default=float))
         print(f"wrote {FLAGS.json}")
 

@@ -59,6 +59,9 @@ def _default_store_root() -> str:
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("hosts", 2, "Simulated hosts (processes).")
 flags.DEFINE_integer("devices_per_host", 2, "CPU devices per simulated host.")
+flags.DEFINE_boolean("pin_hosts", False,
+                     "Run each simulated host's process on its own CPUs (this process's CPUs "
+                     "split round robin): steadier timings, e.g. for profiling measurements.")
 flags.DEFINE_string("model", "tiny", f"Model config: {', '.join(CONFIGS)}.")
 flags.DEFINE_integer("steps", 20, "Training steps.")
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl and checkpoints.")
@@ -93,6 +96,10 @@ flags.DEFINE_integer("profile_cache_max_age", 0,
                      "flips back to it (a profile only when the detector drifts or the tuple "
                      "changes, and the tuple has no cached profile that young); 0 = no cache "
                      "(every drift profiles). Fixed dispatch: ignored.")
+flags.DEFINE_integer("profile_cache_samples", 1,
+                     "--profile_cache_max_age > 0: warm profiles of a capacity tuple (each "
+                     "younger than the max age) the cache needs before it answers for the tuple; "
+                     "it answers with their per-segment median (steadier than one profile).")
 flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
 flags.DEFINE_string("store_root", _default_store_root(),
@@ -298,11 +305,17 @@ def _check_profile_flags() -> None:
     if FLAGS.profile_cache_max_age < 0:
         raise FlagError(f"--profile_cache_max_age must be >= 0, got "
                         f"{FLAGS.profile_cache_max_age}")
+    if FLAGS.profile_cache_samples < 1:
+        raise FlagError(f"--profile_cache_samples must be >= 1, got "
+                        f"{FLAGS.profile_cache_samples}")
+    if FLAGS["profile_cache_samples"].present and not FLAGS.profile_cache_max_age:
+        raise FlagError("--profile_cache_samples is only used with --profile_cache_max_age > 0")
     # Set explicitly for a policy that does not read them, they would mislead.
     for flag, user in (("profile_first_n", ProfilePolicy.FIRST_N),
                        ("drift_threshold", ProfilePolicy.SPECULATIVE),
                        ("drift_metric", ProfilePolicy.SPECULATIVE),
-                       ("profile_cache_max_age", ProfilePolicy.SPECULATIVE)):
+                       ("profile_cache_max_age", ProfilePolicy.SPECULATIVE),
+                       ("profile_cache_samples", ProfilePolicy.SPECULATIVE)):
         if FLAGS[flag].present and policy is not user:
             raise FlagError(f"--{flag} is only used with --profile={user.value} "
                             f"(profiling policy here: {policy.value})")
@@ -398,7 +411,8 @@ def supervise() -> int:
         cluster = cluster_lib.LocalCluster(
             lambda h, c=coordinator, a=armed: _worker_argv(
                 h, c, injector.extra_args(h) if a else ()),
-            FLAGS.hosts, FLAGS.devices_per_host)
+            FLAGS.hosts, FLAGS.devices_per_host,
+            cpu_sets=cluster_lib.cpu_sets_per_host(FLAGS.hosts) if FLAGS.pin_hosts else None)
         if armed:
             injector.arm(cluster)
         code = cluster_lib.run(cluster, max(1.0, deadline - time.monotonic()),
@@ -704,6 +718,8 @@ class StepProfiling:
             cache = self.cache.decide(step + 1, key, tuple(factors), self.decision.profile_next)
             self.decision = dataclasses.replace(self.decision, profile_next=cache.profile)
             self.cached = self.cache.lookup(key, step + 1) if cache.cached else None
+        sources = (self.cache.sources(cache.key, step + 1)
+                   if cache is not None and cache.cached else None)
         gated = False
         if self.decision.profile_next and self.gate is not None and not self.gate(tpe):
             # The load drifted but the schedule in force still fits its windows.
@@ -716,11 +732,12 @@ class StepProfiling:
             "profile_next": self.decision.profile_next, "repartition": self.decision.repartition,
             "gated": gated,
             # Profile cache (None without it): a profile was asked for and the
-            # next step's capacity tuple has a young enough cached profile;
-            # cache_step: the step that profile was measured at.
+            # next step's capacity tuple has enough young cached profiles;
+            # cache_steps: the steps those profiles were measured at (their
+            # median stands for the next step), cache_step: the newest.
             "cache_hit": None if cache is None else cache.hit,
-            "cache_step": (None if cache is None or not cache.cached
-                           else step + 1 - self.cache.age(cache.key, step + 1)),
+            "cache_step": sources[-1] if sources else None,
+            "cache_steps": list(sources) if sources else None,
         })
 
 
@@ -818,7 +835,7 @@ def train_worker(process_id: int) -> None:
         profile_policy(), trainer, metrics, FLAGS.profile_first_n,
         DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric),
         plain_step=strategy.unprofiled_step if scheduled else None, start=start,
-        cache_options=(CacheOptions(FLAGS.profile_cache_max_age)
+        cache_options=(CacheOptions(FLAGS.profile_cache_max_age, FLAGS.profile_cache_samples)
                        if FLAGS.profile_cache_max_age and cfg.dispatch == "bucketed" else None))
     if FLAGS.ckpt == "capricorn":
         profiling.gate = lambda tpe: strategy.at_risk(profiling.detector, tpe)

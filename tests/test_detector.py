@@ -247,3 +247,57 @@ def test_cache_lookup_age_and_options():
     assert ProfileCache().options.max_age == 200
     with pytest.raises(ValueError):
         CacheOptions(max_age=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_tuples, min_size=2, max_size=60), st.integers(1, 20), st.integers(1, 4),
+       st.data())
+def test_cache_with_samples_answers_with_the_median_of_k_young_profiles(keys, max_age, k, data):
+    """A reference model of the rule with k samples: the cache answers for a
+    tuple only once k of its profiles are younger than max_age, with their
+    per-segment median; a tuple with fewer than k profiles ever is asked for."""
+    drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    cache = ProfileCache(CacheOptions(max_age=max_age, samples=k))
+    history: dict = {}  # tuple -> steps of its profiles, in order
+
+    def measure(t):  # a different duration per profile, so the median is checkable
+        cache.record(keys[t], t, {(0, "fwd"): float(t % 7), (1, "bwd"): float(-t)})
+        history.setdefault(keys[t], []).append(t)
+
+    measure(0)
+    for t in range(1, len(keys)):
+        d = cache.decide(t, keys[t], keys[t - 1], drifts[t - 1])
+        kept = history.get(keys[t], [])[-k:]
+        young = [s for s in kept if t - s < max_age]
+        asked = drifts[t - 1] or keys[t] != keys[t - 1] or len(history.get(keys[t], [])) < k
+        assert d.asked == asked
+        assert d.cached == (len(young) >= k)
+        assert d.profile == (asked and len(young) < k)
+        if d.cached:
+            assert cache.sources(keys[t], t) == tuple(young)
+            assert cache.lookup(keys[t], t) == {
+                (0, "fwd"): float(np.median([s % 7 for s in young])),
+                (1, "bwd"): float(np.median([-s for s in young]))}
+        else:
+            assert cache.sources(keys[t], t) is None and cache.lookup(keys[t], t) is None
+        if d.profile:
+            measure(t)
+    assert all(len(entry) <= k for entry in cache.entries.values())
+
+
+def test_cache_with_samples_profiles_a_constant_tuple_k_times_then_answers():
+    key = (2.0, 3.0)
+    cache = ProfileCache(CacheOptions(max_age=100, samples=3))
+    profiled, decisions = _drive(cache, [key] * 10, [False] * 10)
+    assert profiled == [0, 1, 2]  # asked until 3 samples are in, even without drift
+    assert [d.hit for d in decisions] == [False] * 9
+    cache = ProfileCache(CacheOptions(max_age=4, samples=2))
+    profiled, _ = _drive(cache, [key] * 12, [True] * 12)
+    # Both samples must be young: at step 4 step 0's is 4 steps old (expired),
+    # so 4 is profiled; at 5 step 1's expires and 5 is profiled; 6 and 7 are
+    # answered by steps 4 and 5.
+    assert profiled == [0, 1, 4, 5, 8, 9]
+    with pytest.raises(ValueError, match="samples"):
+        CacheOptions(samples=0)
+    with pytest.raises(ValueError, match="recorded after"):
+        cache.record(key, 3, {})

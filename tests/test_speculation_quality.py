@@ -55,18 +55,21 @@ def result(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "launch.speculation_quality", "--reuse", f"--workdir={root}",
          "--workloads=dynamic", f"--steps={len(FACTORS)}", "--ab_rounds=0", "--metrics=jsd",
-         "--thresholds=0.05", "--cache_max_age=200,3", "--spec_cache_max_age=200",
+         "--thresholds=0.05", "--cache_max_age=200,3", "--cache_samples=1,2",
+         "--spec_cache_max_age=200",
          f"--json={out}"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jsd + cache (200)" in proc.stdout
+    assert "jsd + cache (200, median of 2)" in proc.stdout
     (res,) = json.loads(out.read_text())["results"]
     return res
 
 
-def _row(res, metric, max_age):
-    (row,) = [r for r in res["rows"] if r["metric"] == metric and r["cache_max_age"] == max_age]
+def _row(res, metric, max_age, samples=1):
+    (row,) = [r for r in res["rows"] if r["metric"] == metric and r["cache_max_age"] == max_age
+              and r["cache_samples"] == samples]
     return row
 
 
@@ -104,3 +107,14 @@ def test_an_expired_entry_is_profiled_again(result):
     assert row["profiled_rate"] == pytest.approx(8 / 12)  # steps 1, 2, 3, 4, 6, 7, 9, 11
     assert row["cache_hits"] == 0
     assert row["bucket"]["recall"] == 1.0
+
+
+def test_with_two_samples_a_tuple_is_profiled_twice_before_the_cache_answers(result):
+    row = _row(result, "jsd", 200, samples=2)
+    # A: 0 (compiled), 1; B: 2 (compiled), 3; the flips at 4 (A) and 6 (B)
+    # find one sample and are profiled; from then on the cache answers
+    # (7, 9, 11) with the median of two exact profiles.
+    assert row["profiled_rate"] == pytest.approx(5 / 12)  # steps 1, 2, 3, 4, 6
+    assert row["cache_hits"] == 3
+    assert row["bucket"]["caught"] == len(CHANGES)
+    assert row["bucket"]["caught_by_cache"] == 3

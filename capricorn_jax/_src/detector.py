@@ -267,13 +267,22 @@ class CacheOptions:
     Attributes:
       max_age: a cached profile stands for a step at most this many steps
         after it was measured; older, the tuple is profiled again when asked.
+      samples: warm profiles of a tuple that must be cached (each younger
+        than ``max_age``) before the cache answers for it; it answers with
+        their per-segment median. One profile is one noisy sample of a
+        tuple's durations (on a shared CPU a segment swings by 5-40% from
+        step to step); the median of a few is a steadier estimate, at the
+        price of ``samples`` profiles per tuple instead of one.
     """
 
     max_age: int = 200
+    samples: int = 1
 
     def __post_init__(self) -> None:
         if self.max_age < 1:
             raise ValueError(f"max_age must be >= 1, got {self.max_age}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +293,9 @@ class CacheDecision:
       step: the step decided about.
       key: its capacity tuple.
       asked: the detector drifted, the tuple differs from the previous step's,
-        or the tuple was never measured.
-      cached: the cache holds a profile of ``key`` younger than ``max_age``:
-        its durations stand for the step's.
+        or the tuple has fewer than ``samples`` profiles.
+      cached: the cache holds ``samples`` profiles of ``key`` younger than
+        ``max_age``: their median stands for the step's durations.
       profile: ``asked and not cached``.
     """
 
@@ -303,45 +312,59 @@ class CacheDecision:
 
 
 class ProfileCache:
-    """Per-layer durations of the last warm profile of each capacity tuple.
+    """Per-layer durations of the last warm profiles of each capacity tuple.
 
     With load-dependent (bucketed) dispatch a step runs the variant compiled
     for its capacity tuple (per MoE layer, the capacity factor chosen from the
     previous step's load, known before the step runs), and on CPU a layer's
-    time follows only that tuple. A tuple is then profiled once and its
-    profile reused whenever the load flips back to it, instead of profiling
-    every flip. With a constant tuple (fixed dispatch) the tuple says nothing
-    about the load: the cache would hold one entry and mute the drift for
-    ``max_age`` steps, so callers put it in front of the detector only with
-    load-dependent dispatch (launch.train does) and otherwise keep the drift
-    and cost-model logic alone.
+    time follows only that tuple. A tuple is then profiled ``samples`` times
+    and its profiles reused whenever the load flips back to it, instead of
+    profiling every flip. With a constant tuple (fixed dispatch) the tuple
+    says nothing about the load: the cache would hold one entry and mute the
+    drift for ``max_age`` steps, so callers put it in front of the detector
+    only with load-dependent dispatch (launch.train does) and otherwise keep
+    the drift and cost-model logic alone.
 
     ``decide`` is the rule: profile step t (tuple k) only when (a) the
-    detector drifted, k differs from step t-1's tuple or k was never
-    measured, and (b) no profile of k younger than ``max_age`` steps is
-    cached. ``record`` stores a warm profile; ``lookup`` gives the durations
-    that stand for a step.
+    detector drifted, k differs from step t-1's tuple or k has fewer than
+    ``samples`` profiles, and (b) the cache does not answer for k (fewer
+    than ``samples`` profiles of k younger than ``max_age`` steps).
+    ``record`` stores a warm profile (the newest ``samples`` are kept);
+    ``lookup`` gives the durations that stand for a step.
     """
 
     def __init__(self, options: CacheOptions | None = None) -> None:
         self.options = options or CacheOptions()
-        self.entries: dict[Hashable, tuple[int, dict[LayerKey, float]]] = {}
+        # tuple -> its newest warm profiles, oldest first: (step, durations).
+        self.entries: dict[Hashable, list[tuple[int, dict[LayerKey, float]]]] = {}
 
     def record(self, key: Hashable, step: int, durations: Mapping[LayerKey, float]) -> None:
         """Stores the durations measured at step ``step`` for tuple ``key``."""
-        self.entries[key] = (step, dict(durations))
+        entry = self.entries.setdefault(key, [])
+        if entry and step <= entry[-1][0]:
+            raise ValueError(f"profile of step {step} recorded after one of step "
+                             f"{entry[-1][0]} for {key!r}")
+        entry.append((step, dict(durations)))
+        del entry[:-self.options.samples]
 
     def age(self, key: Hashable, step: int) -> int | None:
-        """Steps from ``key``'s profile to ``step`` (None: never measured)."""
+        """Steps from ``key``'s newest profile to ``step`` (None: never measured)."""
         entry = self.entries.get(key)
-        return None if entry is None else step - entry[0]
+        return None if not entry else step - entry[-1][0]
+
+    def sources(self, key: Hashable, step: int) -> tuple[int, ...] | None:
+        """The steps whose profiles stand for ``step`` (None: the cache does not answer)."""
+        young = tuple(s for s, _ in self.entries.get(key, ())
+                      if 0 <= step - s < self.options.max_age)
+        return young if len(young) >= self.options.samples else None
 
     def lookup(self, key: Hashable, step: int) -> dict[LayerKey, float] | None:
-        """The cached durations of ``key`` if younger than max_age at ``step``."""
-        age = self.age(key, step)
-        if age is None or not 0 <= age < self.options.max_age:
+        """The per-segment median of ``key``'s cached profiles, if the cache answers at ``step``."""
+        steps = self.sources(key, step)
+        if steps is None:
             return None
-        return self.entries[key][1]
+        profiles = [d for s, d in self.entries[key] if s in steps]
+        return {k: statistics.median(d[k] for d in profiles) for k in profiles[-1]}
 
     def decide(self, step: int, key: Hashable, previous_key: Hashable | None,
                drifted: bool) -> CacheDecision:
@@ -353,8 +376,9 @@ class ProfileCache:
           previous_key: step - 1's tuple (None before any step).
           drifted: the detector asked for a profile after step - 1.
         """
-        asked = drifted or key != previous_key or key not in self.entries
-        cached = self.lookup(key, step) is not None
+        sampled = len(self.entries.get(key, ())) >= self.options.samples
+        asked = drifted or key != previous_key or not sampled
+        cached = self.sources(key, step) is not None
         return CacheDecision(step, key, asked, cached, asked and not cached)
 
 

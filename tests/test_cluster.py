@@ -1,0 +1,42 @@
+"""launch.cluster: the simulated cluster's processes (CPU pinning)."""
+
+import os
+import sys
+
+import pytest
+
+from launch import cluster as cluster_lib
+
+
+def test_cpu_sets_split_this_process_cpus_round_robin():
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = cluster_lib.cpu_sets_per_host(len(cpus))
+    assert sets == [frozenset({c}) for c in cpus]  # one CPU each, disjoint
+    one = cluster_lib.cpu_sets_per_host(1)
+    assert one == [frozenset(cpus)]
+    more = cluster_lib.cpu_sets_per_host(len(cpus) + 1)  # more hosts than CPUs
+    assert all(len(s) == 1 for s in more) and set().union(*more) == set(cpus)
+    with pytest.raises(ValueError, match="hosts"):
+        cluster_lib.cpu_sets_per_host(0)
+
+
+def test_pinned_hosts_run_on_their_cpu_sets():
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = cluster_lib.cpu_sets_per_host(2)
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    cluster = cluster_lib.LocalCluster(
+        lambda h: ["-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        hosts=2, devices_per_host=1, on_line=lambda h, line: lines[h].append(line.strip()),
+        cpu_sets=sets)
+    assert cluster_lib.run(cluster, timeout_s=60) == 0
+    for host in (0, 1):
+        assert lines[host] == [str(sorted(sets[host]))]
+    # Without cpu_sets a host keeps the supervisor's CPUs.
+    lines = {0: []}
+    cluster = cluster_lib.LocalCluster(
+        lambda h: ["-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        hosts=1, devices_per_host=1, on_line=lambda h, line: lines[h].append(line.strip()))
+    assert cluster_lib.run(cluster, timeout_s=60) == 0
+    assert lines[0] == [str(cpus)]
+    with pytest.raises(ValueError, match="cpu_sets"):
+        cluster_lib.LocalCluster(lambda h: [sys.executable], 1, 1, cpu_sets=[set()])
