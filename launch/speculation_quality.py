@@ -52,7 +52,9 @@ t-1's (or has fewer than ``samples`` profiles), and the cache does not answer
 for t's tuple (``samples`` warm profiles younger than the max age). For these
 rows a change at step c also counts as caught when the cache answers for c's
 tuple (profiles measured before c, younger than the max age: their
-per-segment median stands for c) with durations each within ``--change``
+per-segment median stands for c; ``--cache_granularity=layer``: per MoE layer,
+the profiles in which that layer ran at its factor at c) with durations each
+within ``--change``
 (relative) of the truth at c; the recall columns
 then count both kinds of catch (the JSON splits them: ``caught_by_cache``).
 A profile taken at c or c + 1 counts whatever its own error, so the last
@@ -79,6 +81,7 @@ import numpy as np
 from absl import app, flags
 
 from capricorn_jax._src.detector import (
+    CACHE_GRANULARITIES,
     METRICS,
     CacheOptions,
     DetectorOptions,
@@ -108,13 +111,21 @@ flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': 
 flags.DEFINE_integer("spec_cache_max_age", 0,
                      "--profile_cache_max_age of the real speculative run (0: no profile "
                      "cache).")
-flags.DEFINE_integer("spec_cache_samples", 1,
+flags.DEFINE_integer("spec_cache_samples", CacheOptions().samples,
                      "--profile_cache_samples of the real speculative run.")
 flags.DEFINE_list("cache_max_age", [str(CacheOptions().max_age)],
                   "Max ages of the profile cache replayed in the '+ cache' rows (each with "
                   "every metric, threshold and --cache_samples); empty: no such rows.")
 flags.DEFINE_list("cache_samples", [str(CacheOptions().samples)],
-                  "Samples per tuple (CacheOptions.samples) replayed in the '+ cache' rows.")
+                  "Samples per cell (CacheOptions.samples) replayed in the '+ cache' rows.")
+flags.DEFINE_list("cache_granularity", [CacheOptions().granularity],
+                  "Cache granularities (tuple, layer) replayed in the '+ cache' rows.")
+flags.DEFINE_string("spec_cache_granularity", CacheOptions().granularity,
+                    "--profile_cache_granularity of the real speculative run.")
+flags.DEFINE_float("instrumented_overhead", -1.0,
+                   "Overhead of an instrumented step (fraction of a plain step) used for the "
+                   "amortized overhead; < 0: estimated from the real speculative run (few "
+                   "profiled steps, e.g. with the cache, make that estimate loose).")
 flags.DEFINE_float("change", 0.10, "A duration change above this (relative) is a real change.")
 flags.DEFINE_integer("smooth", 5, "Window (steps) of the 'measured' truth's running median.")
 flags.DEFINE_string("json", None, "Also write the results here as JSON.")
@@ -234,9 +245,10 @@ class Replay:
     activations: list[int]  # profiled because the detector asked
     valid: set[int]  # profiled steps that measured (not a first run of the variant)
     seconds_per_observe: float
-    # With the profile cache: step -> the (earlier, warm) profiled steps whose
-    # durations' median the cache answers with for that step's capacity tuple.
-    cached_from: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # With the profile cache: step -> MoE layer -> the (earlier, warm)
+    # profiled steps whose durations' median the cache answers with for that
+    # layer's segments at that step.
+    cached_from: dict[int, dict[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     cache_hits: int = 0  # asked for a profile, answered by the cache
 
 
@@ -244,7 +256,7 @@ CAPACITY = "capacity"  # what-if trigger: the capacity factors differ from the l
 
 
 def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
-           cache_samples: int = 1) -> Replay:
+           cache_samples: int = 1, cache_granularity: str = "tuple") -> Replay:
     """The profiled steps train's speculative policy takes on this run's loads.
 
     ``metric=CAPACITY`` replays a trigger train does not have (a what-if):
@@ -255,8 +267,8 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
     """
     options = DetectorOptions() if metric == CAPACITY else DetectorOptions(threshold, metric)
     det = DynamicityDetector(options)
-    cache = (ProfileCache(CacheOptions(cache_max_age, cache_samples)) if cache_max_age
-             else None)
+    cache = (ProfileCache(CacheOptions(cache_max_age, cache_samples, cache_granularity))
+             if cache_max_age else None)
     profiled, acts, valid, seen = [], [], set(), set()
     ask_next, reprofile, spent, cached_from, hits = False, False, 0.0, {}, 0
     n = len(run.steps)
@@ -267,7 +279,11 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
             asked = t > 0 and ask_next
         sources = None if cache is None else cache.sources(run.factors(t), t)
         if sources is not None:
-            cached_from[t] = sources
+            if cache_granularity == "tuple":
+                (steps,) = sources.values()
+                cached_from[t] = dict.fromkeys(range(len(run.factors(t))), steps)
+            else:
+                cached_from[t] = {layer: steps for (layer, _), steps in sources.items()}
         if t == 0 or asked or reprofile:
             profiled.append(t)
             if asked:
@@ -293,13 +309,16 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
     return Replay(profiled, acts, valid, spent / n, cached_from, hits)
 
 
-def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = None) -> dict:
+def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = None,
+          layers: list[int] | None = None) -> dict:
     """Precision and recall of one replay against one ground truth.
 
-    ``raw``: every step's measured durations (the profiles the cache holds);
-    with ``rep.cached_from``, a change is also caught when the cached profiles
-    standing for its step (their per-segment median) predict every segment
-    within ``x`` of the truth.
+    ``raw``: every step's measured durations (the profiles the cache holds),
+    ``layers``: the MoE layer of each of its columns; with
+    ``rep.cached_from``, a change is also caught when the cached profiles
+    standing for its step (per segment, the median over the profiles the
+    cache holds for the segment's layer) predict every segment within ``x``
+    of the truth.
     """
     hits = 0
     judged = 0
@@ -319,7 +338,9 @@ def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = Non
             true = truth[c]
             if np.isnan(true).any():
                 continue
-            error = _max_error(np.median(raw[list(rep.cached_from[c])], axis=0), true)
+            predicted = np.array([np.median(raw[list(rep.cached_from[c][layer]), j])
+                                  for j, layer in enumerate(layers)])
+            error = _max_error(predicted, true)
             if error <= x:
                 by_cache.append(c)
             # What a profile at c or c + 1, counted as caught whatever its
@@ -420,32 +441,40 @@ def run_ab(factors: tuple[float, ...]) -> dict:
 
 
 def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
-            spec_threshold: float, spec_cache: int = 0, spec_samples: int = 1) -> dict:
+            spec_threshold: float, spec_cache: int = 0, spec_samples: int = 1,
+            spec_granularity: str = "tuple") -> dict:
     keys, raw = durations(every)
     truths = {"measured": measured_truth(raw, FLAGS.smooth)}
     truths["bucket"], levels = bucket_truth(every, keys, raw)
     over = instrumented_overhead(spec)
+    if FLAGS.instrumented_overhead >= 0:
+        over = {**over, "estimated": over["overhead"], "overhead": FLAGS.instrumented_overhead}
     tuples = [every.factors(t) for t in range(len(every.steps))]
     common = max(set(tuples), key=tuples.count)
     ab = run_ab(common) if FLAGS.ab_rounds > 0 else {}
     real = sorted(t for t, r in enumerate(spec.steps) if r.get("profiled"))
-    check = replay(every, spec_metric, spec_threshold, spec_cache, spec_samples)
+    check = replay(every, spec_metric, spec_threshold, spec_cache, spec_samples,
+                   spec_granularity)
     rows = []
-    grid = [(m, float(x), 0, 1) for m in FLAGS.metrics for x in FLAGS.thresholds]
-    cached = [(m, x, int(age), int(k)) for age in FLAGS.cache_max_age
-              for k in FLAGS.cache_samples for m, x, _, _ in grid]
-    for metric, threshold, max_age, samples in grid + [(CAPACITY, math.nan, 0, 1)] + cached:
-        rep = replay(every, metric, threshold, max_age, samples)
+    grid = [(m, float(x), 0, 1, "tuple") for m in FLAGS.metrics for x in FLAGS.thresholds]
+    cached = [(m, x, int(age), int(k), gran) for gran in FLAGS.cache_granularity
+              for age in FLAGS.cache_max_age for k in FLAGS.cache_samples
+              for m, x, _, _, _ in grid]
+    for metric, threshold, max_age, samples, gran in (
+            grid + [(CAPACITY, math.nan, 0, 1, "tuple")] + cached):
+        rep = replay(every, metric, threshold, max_age, samples, gran)
         n = len(every.steps)
         profiled_rate = (len(rep.profiled) - 1) / n  # step 0 is profiled by any policy
         row = {"workload": workload, "metric": metric, "threshold": threshold,
                "cache_max_age": max_age, "cache_samples": samples,
+               "cache_granularity": gran,
                "cache_hits": rep.cache_hits,
                "activation_rate": len(rep.activations) / n, "profiled_rate": profiled_rate,
                "amortized_overhead": over["overhead"] * profiled_rate
                + rep.seconds_per_observe / over["plain_step_s"]}
         for name, truth in truths.items():
-            row[name] = score(rep, truth, FLAGS.change, raw if max_age else None)
+            row[name] = score(rep, truth, FLAGS.change, raw if max_age else None,
+                              [k[0] for k in keys])
         rows.append(row)
     return {
         "workload": workload, "rows": rows, "overhead": over, "ab": ab, "ab_factors": common,
@@ -454,6 +483,7 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
         "replay_matches_real_run": check.profiled == real,
         "real_run": {"metric": spec_metric, "threshold": spec_threshold,
                      "cache_max_age": spec_cache, "cache_samples": spec_samples,
+                     "cache_granularity": spec_granularity,
                      "profiled_steps": len(real)},
     }
 
@@ -478,9 +508,10 @@ def table(results: list[dict]) -> str:
             m, b = r["measured"], r["bucket"]
             label = r["metric"] + (" (what-if)" if r["metric"] == CAPACITY else "")
             if r.get("cache_max_age"):
-                samples = r.get("cache_samples", 1)
-                label += (f" + cache ({r['cache_max_age']})" if samples == 1 else
-                          f" + cache ({r['cache_max_age']}, median of {samples})")
+                extra = ([f"median of {r['cache_samples']}"] if r.get("cache_samples", 1) > 1
+                         else []) + (["per layer"] if r.get("cache_granularity") == "layer"
+                                     else [])
+                label += f" + cache ({', '.join([str(r['cache_max_age']), *extra])})"
             lines.append(
                 f"| {r['workload']} | {label} "
                 f"| {'-' if math.isnan(r['threshold']) else format(r['threshold'], 'g')} "
@@ -505,6 +536,12 @@ def main(argv: list[str]) -> None:
             print(f"speculation_quality: error: --workloads: unknown workload {w!r}",
                   file=sys.stderr)
             sys.exit(2)
+    bad = [g for g in [*FLAGS.cache_granularity, FLAGS.spec_cache_granularity]
+           if g not in CACHE_GRANULARITIES]
+    if bad:
+        print(f"speculation_quality: error: --cache_granularity: unknown {bad}; known: "
+              f"{CACHE_GRANULARITIES}", file=sys.stderr)
+        sys.exit(2)
     bad = [m for m in FLAGS.metrics if m not in METRICS]
     if bad:
         print(f"speculation_quality: error: --metrics: unknown {bad}; known: {METRICS}",
@@ -519,7 +556,8 @@ def main(argv: list[str]) -> None:
     spec_metric = FLAGS.spec_metric or DetectorOptions().metric
     spec_flags = (f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
                   f"--profile_cache_max_age={FLAGS.spec_cache_max_age}",
-                  *((f"--profile_cache_samples={FLAGS.spec_cache_samples}",)
+                  *((f"--profile_cache_samples={FLAGS.spec_cache_samples}",
+                     f"--profile_cache_granularity={FLAGS.spec_cache_granularity}")
                     if FLAGS.spec_cache_max_age else ()))
     results = []
     for workload in FLAGS.workloads:
@@ -534,15 +572,18 @@ def main(argv: list[str]) -> None:
             print(f"warning: {workload}: the two runs' losses differ; the loads are not paired",
                   file=sys.stderr)
         results.append(analyse(workload, every, spec, spec_metric, spec_threshold,
-                               FLAGS.spec_cache_max_age, FLAGS.spec_cache_samples))
+                               FLAGS.spec_cache_max_age, FLAGS.spec_cache_samples,
+                               FLAGS.spec_cache_granularity))
     print()
     print(table(results))
     print()
     for res in results:
         o = res["overhead"]
         lo, hi = o["overhead_ci90"]
-        print(f"{res['workload']}: instrumented step overhead {_pct(o['overhead'])} "
-              f"(90% CI of the median {_pct(lo)} .. {_pct(hi)}, {o['pairs']} "
+        fixed = (f" (fixed by --instrumented_overhead; the run's own estimate "
+                 f"{_pct(o['estimated'])}, " if "estimated" in o else " (")
+        print(f"{res['workload']}: instrumented step overhead {_pct(o['overhead'])}{fixed}"
+              f"90% CI of the median {_pct(lo)} .. {_pct(hi)}, {o['pairs']} "
               f"profiled steps paired with plain neighbours) on a plain step of "
               f"{1e3 * o['plain_step_s']:.0f} ms; {res['variants']} capacity-factor tuples; "
               f"real run ({res['real_run']['metric']}, {res['real_run']['threshold']:g}, cache "
@@ -559,7 +600,8 @@ def main(argv: list[str]) -> None:
             {"flags": {k: FLAGS[k].value for k in (
                 "model", "steps", "shift_every", "hosts", "devices_per_host", "dispatch", "seed",
                 "global_batch", "pin_hosts", "spec_threshold", "spec_metric",
-                "spec_cache_max_age", "spec_cache_samples", "cache_max_age", "cache_samples",
+                "spec_cache_max_age", "spec_cache_samples", "spec_cache_granularity",
+                "cache_max_age", "cache_samples", "cache_granularity", "instrumented_overhead",
                 "change", "smooth")}, "results": results}, indent=1,
             default=float))
         print(f"wrote {FLAGS.json}")

@@ -36,7 +36,7 @@ from capricorn_jax import (
     should_profile,
 )
 from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.detector import CacheOptions, ProfileCache
+from capricorn_jax._src.detector import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.scheduling import agree_profile, moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
@@ -96,10 +96,14 @@ flags.DEFINE_integer("profile_cache_max_age", 0,
                      "flips back to it (a profile only when the detector drifts or the tuple "
                      "changes, and the tuple has no cached profile that young); 0 = no cache "
                      "(every drift profiles). Fixed dispatch: ignored.")
-flags.DEFINE_integer("profile_cache_samples", 1,
+flags.DEFINE_integer("profile_cache_samples", CacheOptions().samples,
                      "--profile_cache_max_age > 0: warm profiles of a capacity tuple (each "
                      "younger than the max age) the cache needs before it answers for the tuple; "
                      "it answers with their per-segment median (steadier than one profile).")
+flags.DEFINE_enum("profile_cache_granularity", "tuple", list(CACHE_GRANULARITIES),
+                  "--profile_cache_max_age > 0: file a profile under its whole capacity tuple, "
+                  "or under each MoE layer's capacity factor (a layer's segments are then "
+                  "answered from any profile in which it ran at that factor).")
 flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
 flags.DEFINE_string("store_root", _default_store_root(),
@@ -308,14 +312,16 @@ def _check_profile_flags() -> None:
     if FLAGS.profile_cache_samples < 1:
         raise FlagError(f"--profile_cache_samples must be >= 1, got "
                         f"{FLAGS.profile_cache_samples}")
-    if FLAGS["profile_cache_samples"].present and not FLAGS.profile_cache_max_age:
-        raise FlagError("--profile_cache_samples is only used with --profile_cache_max_age > 0")
+    for flag in ("profile_cache_samples", "profile_cache_granularity"):
+        if FLAGS[flag].present and not FLAGS.profile_cache_max_age:
+            raise FlagError(f"--{flag} is only used with --profile_cache_max_age > 0")
     # Set explicitly for a policy that does not read them, they would mislead.
     for flag, user in (("profile_first_n", ProfilePolicy.FIRST_N),
                        ("drift_threshold", ProfilePolicy.SPECULATIVE),
                        ("drift_metric", ProfilePolicy.SPECULATIVE),
                        ("profile_cache_max_age", ProfilePolicy.SPECULATIVE),
-                       ("profile_cache_samples", ProfilePolicy.SPECULATIVE)):
+                       ("profile_cache_samples", ProfilePolicy.SPECULATIVE),
+                       ("profile_cache_granularity", ProfilePolicy.SPECULATIVE)):
         if FLAGS[flag].present and policy is not user:
             raise FlagError(f"--{flag} is only used with --profile={user.value} "
                             f"(profiling policy here: {policy.value})")
@@ -718,7 +724,7 @@ class StepProfiling:
             cache = self.cache.decide(step + 1, key, tuple(factors), self.decision.profile_next)
             self.decision = dataclasses.replace(self.decision, profile_next=cache.profile)
             self.cached = self.cache.lookup(key, step + 1) if cache.cached else None
-        sources = (self.cache.sources(cache.key, step + 1)
+        sources = (sorted(set().union(*self.cache.sources(cache.key, step + 1).values()))
                    if cache is not None and cache.cached else None)
         gated = False
         if self.decision.profile_next and self.gate is not None and not self.gate(tpe):
@@ -737,7 +743,7 @@ class StepProfiling:
             # median stands for the next step), cache_step: the newest.
             "cache_hit": None if cache is None else cache.hit,
             "cache_step": sources[-1] if sources else None,
-            "cache_steps": list(sources) if sources else None,
+            "cache_steps": sources or None,
         })
 
 
@@ -835,7 +841,8 @@ def train_worker(process_id: int) -> None:
         profile_policy(), trainer, metrics, FLAGS.profile_first_n,
         DetectorOptions(threshold=FLAGS.drift_threshold, metric=FLAGS.drift_metric),
         plain_step=strategy.unprofiled_step if scheduled else None, start=start,
-        cache_options=(CacheOptions(FLAGS.profile_cache_max_age, FLAGS.profile_cache_samples)
+        cache_options=(CacheOptions(FLAGS.profile_cache_max_age, FLAGS.profile_cache_samples,
+                                    FLAGS.profile_cache_granularity)
                        if FLAGS.profile_cache_max_age and cfg.dispatch == "bucketed" else None))
     if FLAGS.ckpt == "capricorn":
         profiling.gate = lambda tpe: strategy.at_risk(profiling.detector, tpe)

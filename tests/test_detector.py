@@ -192,7 +192,7 @@ _tuples = st.tuples(st.sampled_from((2.0, 3.0, 4.0)), st.sampled_from((2.0, 3.0,
 @given(st.lists(_tuples, min_size=1, max_size=60), st.data())
 def test_cache_profiles_each_tuple_at_most_once_within_max_age(keys, data):
     drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
-    cache = ProfileCache(CacheOptions(max_age=len(keys)))  # nothing expires
+    cache = ProfileCache(CacheOptions(max_age=len(keys), samples=1))  # nothing expires
     profiled, decisions = _drive(cache, keys, drifts)
     assert len(profiled) <= len(set(keys))
     assert len({keys[t] for t in profiled}) == len(profiled)  # never a tuple twice
@@ -207,7 +207,7 @@ def test_cache_profiles_each_tuple_at_most_once_within_max_age(keys, data):
 @given(st.lists(_tuples, min_size=2, max_size=60), st.integers(1, 20), st.data())
 def test_a_new_tuple_always_profiles_and_an_expired_one_again(keys, max_age, data):
     drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
-    cache = ProfileCache(CacheOptions(max_age=max_age))
+    cache = ProfileCache(CacheOptions(max_age=max_age, samples=1))
     profiled, decisions = _drive(cache, keys, drifts)
     last = {keys[0]: 0}  # tuple -> step of its last profile
     for t, d in enumerate(decisions, start=1):
@@ -228,23 +228,23 @@ def test_a_new_tuple_always_profiles_and_an_expired_one_again(keys, max_age, dat
 
 def test_cache_with_a_constant_tuple_and_no_drift_profiles_once():
     key = (1.25, 1.25)
-    profiled, decisions = _drive(ProfileCache(CacheOptions(max_age=5)), [key] * 30, [False] * 30)
+    profiled, decisions = _drive(ProfileCache(CacheOptions(max_age=5, samples=1)), [key] * 30, [False] * 30)
     assert profiled == [0] and not any(d.asked for d in decisions)
     # A drift asks; answered by the cache until the entry expires.
-    cache = ProfileCache(CacheOptions(max_age=5))
+    cache = ProfileCache(CacheOptions(max_age=5, samples=1))
     profiled, decisions = _drive(cache, [key] * 12, [True] * 12)
     assert profiled == [0, 5, 10]
     assert [d.hit for d in decisions] == [True] * 4 + [False] + [True] * 4 + [False, True]
 
 
 def test_cache_lookup_age_and_options():
-    cache = ProfileCache(CacheOptions(max_age=3))
+    cache = ProfileCache(CacheOptions(max_age=3, samples=1))
     assert cache.lookup((4.0,), 0) is None and cache.age((4.0,), 0) is None
     cache.record((4.0,), 10, {(0, "fwd"): 0.5})
     assert cache.age((4.0,), 12) == 2 and cache.lookup((4.0,), 12) == {(0, "fwd"): 0.5}
     assert cache.lookup((4.0,), 13) is None  # age 3: not younger than max_age
     assert cache.lookup((4.0,), 9) is None  # a step before the profile
-    assert ProfileCache().options.max_age == 200
+    assert (ProfileCache().options.max_age, ProfileCache().options.samples) == (50, 5)
     with pytest.raises(ValueError):
         CacheOptions(max_age=0)
 
@@ -274,7 +274,7 @@ def test_cache_with_samples_answers_with_the_median_of_k_young_profiles(keys, ma
         assert d.cached == (len(young) >= k)
         assert d.profile == (asked and len(young) < k)
         if d.cached:
-            assert cache.sources(keys[t], t) == tuple(young)
+            assert cache.sources(keys[t], t) == {keys[t]: tuple(young)}
             assert cache.lookup(keys[t], t) == {
                 (0, "fwd"): float(np.median([s % 7 for s in young])),
                 (1, "bwd"): float(np.median([-s for s in young]))}
@@ -301,3 +301,57 @@ def test_cache_with_samples_profiles_a_constant_tuple_k_times_then_answers():
         CacheOptions(samples=0)
     with pytest.raises(ValueError, match="recorded after"):
         cache.record(key, 3, {})
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_tuples, min_size=2, max_size=60), st.integers(1, 20), st.integers(1, 4),
+       st.data())
+def test_layer_cache_answers_each_layer_from_profiles_at_its_own_factor(keys, max_age, k, data):
+    """Reference model of granularity="layer": layer i's segments at step t
+    come from the newest k profiles (younger than max_age) in which layer i
+    ran at factor keys[t][i], whatever the other layers ran at."""
+    drifts = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    cache = ProfileCache(CacheOptions(max_age=max_age, samples=k, granularity="layer"))
+    profiles: list[int] = []
+
+    def measure(t):
+        cache.record(keys[t], t, {(0, "fwd"): float(t % 5), (0, "bwd"): float(t % 3),
+                                  (1, "fwd"): float(-t)})
+        profiles.append(t)
+
+    measure(0)
+    for t in range(1, len(keys)):
+        d = cache.decide(t, keys[t], keys[t - 1], drifts[t - 1])
+        cells = {}
+        for layer, factor in enumerate(keys[t]):
+            ever = [s for s in profiles if keys[s][layer] == factor]
+            cells[layer] = [s for s in ever[-k:] if t - s < max_age]
+            if len(ever) < k:
+                cells[layer] = None  # never sampled enough: asked for
+        sampled = all(c is not None for c in cells.values())
+        answers = sampled and all(len(c) >= k for c in cells.values())
+        assert d.asked == (drifts[t - 1] or keys[t] != keys[t - 1] or not sampled)
+        assert d.cached == answers and d.profile == (d.asked and not answers)
+        if answers:
+            assert cache.sources(keys[t], t) == {
+                (layer, f): tuple(cells[layer]) for layer, f in enumerate(keys[t])}
+            assert cache.lookup(keys[t], t) == {
+                (0, "fwd"): float(np.median([s % 5 for s in cells[0]])),
+                (0, "bwd"): float(np.median([s % 3 for s in cells[0]])),
+                (1, "fwd"): float(np.median([-s for s in cells[1]]))}
+        if d.profile:
+            measure(t)
+
+
+def test_layer_cache_answers_a_tuple_never_profiled_from_its_layers():
+    cache = ProfileCache(CacheOptions(max_age=100, samples=1, granularity="layer"))
+    cache.record((2.0, 3.0), 1, {(0, "fwd"): 1.0, (1, "fwd"): 2.0})
+    cache.record((3.0, 4.0), 2, {(0, "fwd"): 5.0, (1, "fwd"): 6.0})
+    # (2.0, 4.0) never ran, but layer 0 ran at 2.0 (step 1) and layer 1 at 4.0 (step 2).
+    assert cache.lookup((2.0, 4.0), 3) == {(0, "fwd"): 1.0, (1, "fwd"): 6.0}
+    assert cache.sources((2.0, 4.0), 3) == {(0, 2.0): (1,), (1, 4.0): (2,)}
+    assert cache.age((2.0, 4.0), 3) == 2  # its stalest cell's newest profile
+    assert cache.lookup((4.0, 4.0), 3) is None  # layer 0 never ran at 4.0
+    with pytest.raises(ValueError, match="granularity"):
+        CacheOptions(granularity="expert")

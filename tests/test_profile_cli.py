@@ -126,7 +126,9 @@ def test_plot_profile_writes_a_png(every_run, tmp_path):
      (["--profile=speculative", "--profile_cache_max_age=-1"], "--profile_cache_max_age"),
      (["--profile=speculative", "--profile_cache_samples=3"], "--profile_cache_samples"),
      (["--profile=speculative", "--profile_cache_max_age=50", "--profile_cache_samples=0"],
-      "--profile_cache_samples")],
+      "--profile_cache_samples"),
+     (["--profile=speculative", "--profile_cache_granularity=layer"],
+      "--profile_cache_granularity")],
 )
 def test_bad_profile_flags_give_one_line_error(tmp_path, flags, flag_name):
     proc = run_train(*flags, f"--workdir={tmp_path}", "--steps=2", timeout=60)

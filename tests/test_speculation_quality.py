@@ -56,7 +56,8 @@ def result(tmp_path_factory):
         [sys.executable, "-m", "launch.speculation_quality", "--reuse", f"--workdir={root}",
          "--workloads=dynamic", f"--steps={len(FACTORS)}", "--ab_rounds=0", "--metrics=jsd",
          "--thresholds=0.05", "--cache_max_age=200,3", "--cache_samples=1,2",
-         "--spec_cache_max_age=200",
+         "--cache_granularity=tuple,layer",
+         "--spec_cache_max_age=200", "--spec_cache_samples=1",
          f"--json={out}"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=120)
@@ -67,9 +68,10 @@ def result(tmp_path_factory):
     return res
 
 
-def _row(res, metric, max_age, samples=1):
+def _row(res, metric, max_age, samples=1, granularity="tuple"):
     (row,) = [r for r in res["rows"] if r["metric"] == metric and r["cache_max_age"] == max_age
-              and r["cache_samples"] == samples]
+              and r["cache_samples"] == samples
+              and r.get("cache_granularity", "tuple") == granularity]
     return row
 
 
@@ -118,3 +120,13 @@ def test_with_two_samples_a_tuple_is_profiled_twice_before_the_cache_answers(res
     assert row["cache_hits"] == 3
     assert row["bucket"]["caught"] == len(CHANGES)
     assert row["bucket"]["caught_by_cache"] == 3
+
+
+def test_the_per_layer_cache_predicts_each_layer_from_its_own_profiles(result):
+    row = _row(result, "jsd", 200, granularity="layer")
+    # Layer 1 runs at 4.0 in A and B, so B's layer 1 could come from A's
+    # profile; B's layer 0 (3.0) still needs a profile of B: the same steps
+    # are profiled, and the per-layer medians predict every flip exactly.
+    assert row["profiled_rate"] == pytest.approx(3 / 12)
+    assert row["bucket"]["caught"] == len(CHANGES) and row["bucket"]["caught_by_cache"] == 5
+    assert _row(result, "jsd", 200, samples=2, granularity="layer")["bucket"]["recall"] == 1.0
