@@ -114,17 +114,30 @@ def test_unwritable_workdir_is_named(tmp_path):
 
 def test_interrupt_stops_every_host(tmp_path):
     workdir = tmp_path / "interrupted"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.train", "--hosts=2", "--devices_per_host=2",
-         "--model=tiny", "--steps=100000", f"--workdir={workdir}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    log = tmp_path / "supervisor.log"  # a file, not a pipe nobody reads while waiting
+    with log.open("w") as out:
+        # -X faulthandler: on a hang, SIGABRT dumps every thread's stack into the log.
+        proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "launch.train", "--hosts=2",
+             "--devices_per_host=2", "--model=tiny", "--steps=100000", f"--workdir={workdir}"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )
     deadline = time.monotonic() + 120
     while len(processes_mentioning(f"--workdir={workdir} --process_id")) < 2:
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) != 0
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        pytest.fail("the supervisor did not stop within 60 s of SIGINT:\n"
+                    + log.read_text()[-6000:])
+    assert code != 0
     assert_no_orphans(str(workdir))
 
 
