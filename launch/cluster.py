@@ -191,12 +191,18 @@ class LocalCluster:
 
 
 def run(cluster: LocalCluster, timeout_s: float, on_tick: Callable[[], None] | None = None) -> int:
-    """Starts ``cluster``, waits for it, and stops it on SIGINT/SIGTERM too."""
+    """Starts ``cluster``, waits for it, and stops it on SIGINT/SIGTERM too.
+
+    Both handlers are installed here, whatever this process inherited: a
+    process started in the background by a non-interactive shell inherits
+    SIGINT ignored, and Python then installs no KeyboardInterrupt handler, so
+    an interrupt would otherwise leave the job running.
+    """
 
     def _terminate(signum, frame):  # noqa: ARG001
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         cluster.start()
         return cluster.wait(timeout_s, on_tick=on_tick)
@@ -204,4 +210,5 @@ def run(cluster: LocalCluster, timeout_s: float, on_tick: Callable[[], None] | N
         cluster.stop()
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

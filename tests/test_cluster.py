@@ -40,3 +40,36 @@ def test_pinned_hosts_run_on_their_cpu_sets():
     assert lines[0] == [str(cpus)]
     with pytest.raises(ValueError, match="cpu_sets"):
         cluster_lib.LocalCluster(lambda h: [sys.executable], 1, 1, cpu_sets=[set()])
+
+
+def test_run_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
+    """A job started in the background by a non-interactive shell inherits
+    SIGINT ignored; run() installs its own handler, so SIGINT still stops it."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import ROOT, processes_mentioning
+
+    marker = f"sleeping-host-{tmp_path.name}"
+    script = (
+        "import sys\n"
+        "from launch import cluster as c\n"
+        # The marker is assembled here so that only the host's command line holds it.
+        f"marker = 'sleeping-' + '{marker[len('sleeping-'):]}'\n"
+        "cl = c.LocalCluster(lambda h: ['-c', 'import time; time.sleep(120)', marker], 1, 1)\n"
+        "print('code', c.run(cl, timeout_s=120), flush=True)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not processes_mentioning(marker):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert out.strip().splitlines()[-1] == "code 130"
+    assert processes_mentioning(marker) == []
