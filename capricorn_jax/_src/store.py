@@ -142,22 +142,22 @@ class HostStore:
     def manifest(self, owner: int, step: int) -> dict[str, Any]:
         return json.loads(self._path(f"owner{owner}", f"v{step:012d}", MANIFEST).read_text())
 
-    def read_chunk(self, owner: int, step: int, name: str, manifest: dict | None = None) -> bytes:
-        """A chunk's bytes, checked against the manifest's CRC32.
+    def read_chunk(self, owner: int, step: int, name: str,
+                   manifest: dict | None = None) -> bytearray:
+        """A chunk's bytes, checked against the manifest's CRC32 (``read_chunk_into``).
 
         Raises:
           ChecksumError: naming the chunk, when its bytes do not match.
         """
         manifest = manifest or self.manifest(owner, step)
-        data = self._path(f"owner{owner}", f"v{step:012d}", name).read_bytes()
-        expected = manifest["chunks"][name]
-        if len(data) != expected["nbytes"] or crc32(data) != expected["crc32"]:
-            raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: checksum mismatch")
+        data = bytearray(manifest["chunks"][name]["nbytes"])
+        self.read_chunk_into(owner, step, name, memoryview(data), manifest)
         return data
 
     def read_chunk_into(self, owner: int, step: int, name: str, out: memoryview,
                         manifest: dict | None = None) -> None:
-        """Reads a chunk into ``out`` (exactly its size), checked like ``read_chunk``.
+        """Reads a chunk into ``out`` (exactly its size), checked against the
+        manifest's size and CRC32.
 
         Raises:
           ChecksumError: naming the chunk, when its size or bytes do not match.
