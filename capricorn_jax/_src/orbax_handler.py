@@ -640,8 +640,7 @@ def read_pec_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
     shape = tier.shape
     top = manifest.get("pec")
     if top is None:  # a version saved whole (without PEC): it is its own source
-        tracker = pec_lib.PltTracker(*shape, tier.tracker.top_k, step)
-        tracker.on_saved(step, np.ones(shape, bool))
+        tracker = pec_lib.whole_version_tracker(shape, tier.tracker.top_k, step)
         needed, tokens = [step], step * tier.tokens_per_step
     else:
         tracker = pec_lib.PltTracker.from_dict(top["tracker"])
@@ -650,8 +649,7 @@ def read_pec_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
              for v in needed}
     masks = {v: (pec_lib.mask_from_hex(m["mask"], shape) if "mask" in m
                  else np.ones(shape, bool)) for v, m in metas.items()}
-    saved = {key: [v for v in needed if masks[v][key]] for key in np.ndindex(*shape)}
-    plan = pec_lib.restore_plan(saved, step, tracker, tokens)
+    plan = pec_lib.restore_plan(pec_lib.saved_from_masks(masks, shape), step, tracker, tokens)
     blocks = _PecBlocks(ckpt, plan.source)
     for v in needed:
         count = metas[v].get("count")

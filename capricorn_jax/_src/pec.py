@@ -516,6 +516,22 @@ def _plan_sources(saved: Mapping[tuple[int, int], Sequence[int]], non_expert_ste
     return source
 
 
+def saved_from_masks(masks: Mapping[int, ArrayLike], shape: tuple[int, int]
+                     ) -> dict[tuple[int, int], list[int]]:
+    """``restore_plan``'s ``saved`` from versions' masks: {(layer, expert): the
+    steps (ascending) whose mask {step: bool [L, N]} carries that expert}."""
+    steps = sorted(masks)
+    return {key: [v for v in steps if masks[v][key]] for key in np.ndindex(*shape)}
+
+
+def whole_version_tracker(shape: tuple[int, int], top_k: int, step: int) -> PltTracker:
+    """The tracker of a version saved whole (without PEC) at ``step``: every
+    expert's newest copy is that version, nothing lost."""
+    tracker = PltTracker(*shape, top_k, step)
+    tracker.on_saved(step, np.ones(shape, bool))
+    return tracker
+
+
 def restore_plan(saved: Mapping[tuple[int, int], Sequence[int]], non_expert_step: int,
                  tracker: PltTracker, tokens_total: int) -> RestorePlan:
     """The per-expert sources of a restore to ``non_expert_step`` and its PLT.

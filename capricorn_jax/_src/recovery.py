@@ -340,9 +340,8 @@ def _tracker_at(ckpt, inventories: list[dict[int, list[int]]], step: int
     docs = [d for d in _allgather_large(mine, ckpt.hosts) if d is not None]
     if docs:
         return pec_lib.PltTracker.from_dict(docs[0]["tracker"]), docs[0]["cumulative"]
-    tracker = pec_lib.PltTracker(*ckpt.pec.shape, ckpt.pec.tracker.top_k, step)
-    tracker.on_saved(step, np.ones(ckpt.pec.shape, bool))  # a version saved without PEC
-    return tracker, None
+    # A version saved without PEC.
+    return pec_lib.whole_version_tracker(ckpt.pec.shape, ckpt.pec.tracker.top_k, step), None
 
 
 def _recover_pec(ckpt) -> Recovered | None:
@@ -359,8 +358,8 @@ def _recover_pec(ckpt) -> Recovered | None:
     tracker, cumulative = _tracker_at(ckpt, inventories, step)
     shape = ckpt.pec.shape
     masks = {v: pec_lib.mask_from_hex(metas[v]["mask"], shape) for v in servers}
-    saved = {key: [v for v in sorted(masks) if masks[v][key]] for key in np.ndindex(*shape)}
-    plan = pec_lib.restore_plan(saved, step, tracker, metas[step]["tokens"])
+    plan = pec_lib.restore_plan(pec_lib.saved_from_masks(masks, shape), step, tracker,
+                                metas[step]["tokens"])
     blocks = _PecBlocks(ckpt, plan.source)
     moved, host_state = 0, {}
     for version in sorted(servers):
