@@ -54,9 +54,8 @@ rows a change at step c also counts as caught when the cache answers for c's
 tuple (profiles measured before c, younger than the max age: their
 per-segment median stands for c; ``--cache_granularity=layer``: per MoE layer,
 the profiles in which that layer ran at its factor at c) with durations each
-within ``--change``
-(relative) of the truth at c; the recall columns
-then count both kinds of catch (the JSON splits them: ``caught_by_cache``).
+within ``--change`` (relative) of the truth at c; the recall columns then
+count both kinds of catch (the JSON splits them: ``caught_by_cache``).
 A profile taken at c or c + 1 counts whatever its own error, so the last
 column ("vs fresh") also counts a cached profile that is no further from the
 truth at c (largest relative error over the segments) than the worse of the
@@ -277,13 +276,9 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
             asked = t > 0 and run.factors(t) != run.factors(profiled[-1])
         else:
             asked = t > 0 and ask_next
-        sources = None if cache is None else cache.sources(run.factors(t), t)
+        sources = None if cache is None else cache.layer_sources(run.factors(t), t)
         if sources is not None:
-            if cache_granularity == "tuple":
-                (steps,) = sources.values()
-                cached_from[t] = dict.fromkeys(range(len(run.factors(t))), steps)
-            else:
-                cached_from[t] = {layer: steps for (layer, _), steps in sources.items()}
+            cached_from[t] = sources
         if t == 0 or asked or reprofile:
             profiled.append(t)
             if asked:

@@ -355,3 +355,13 @@ def test_layer_cache_answers_a_tuple_never_profiled_from_its_layers():
     assert cache.lookup((4.0, 4.0), 3) is None  # layer 0 never ran at 4.0
     with pytest.raises(ValueError, match="granularity"):
         CacheOptions(granularity="expert")
+
+
+def test_layer_sources_name_each_layers_steps_at_both_granularities():
+    for granularity, expected in (("tuple", {0: (1,), 1: (1,)}),
+                                  ("layer", {0: (1,), 1: (2,)})):
+        cache = ProfileCache(CacheOptions(max_age=100, samples=1, granularity=granularity))
+        cache.record((2.0, 4.0), 1, {})
+        cache.record((3.0, 4.0), 2, {})
+        assert cache.layer_sources((2.0, 4.0), 3) == expected
+        assert cache.layer_sources((4.0, 4.0), 3) is None

@@ -394,6 +394,18 @@ class ProfileCache:
             out[cell] = young
         return out
 
+    def layer_sources(self, key: Hashable, step: int) -> dict[int, tuple[int, ...]] | None:
+        """MoE layer -> the steps whose profiles stand for its segments at
+        ``step`` (``sources`` per layer; None: the cache does not answer)."""
+        sources = self.sources(key, step)
+        if sources is None:
+            return None
+        out = {}
+        for cell, layer in self._cells(key).items():
+            out.update(dict.fromkeys(range(len(key)) if layer is None else [layer],
+                                     sources[cell]))
+        return out
+
     def lookup(self, key: Hashable, step: int) -> dict[LayerKey, float] | None:
         """The per-segment medians of ``key``'s cached profiles, if the cache answers at ``step``."""
         sources = self.sources(key, step)
