@@ -35,8 +35,8 @@ from capricorn_jax import (
     make_profiled_step,
     should_profile,
 )
-from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.detector import CACHE_GRANULARITIES, CacheOptions, ProfileCache
+from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.scheduling import agree_profile, moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
@@ -630,11 +630,13 @@ class StepProfiling:
 
     ``cache_options`` (speculative, load-dependent dispatch): a
     ``ProfileCache`` keyed by the capacity tuple stands in front of the
-    detector: the next step is profiled only when the detector drifted or its
-    tuple differs from this step's (or was never measured), and its tuple has
-    no cached warm profile younger than ``max_age``; on a hit the cached
-    durations stand for the step (``cached``). ``log`` then needs this step's
-    and the next step's capacity factors.
+    detector: the next step is profiled only when the detector drifted, its
+    tuple differs from this step's or it lacks ``samples`` profiles, and the
+    cache cannot answer for it (``ProfileCache.decide``); a hit runs no
+    instrumented step, and the detector event names the cached profiles that
+    stand for the step (``cache_steps``). Their durations feed nothing else
+    yet (capricorn's schedule is planned only on real profiles). ``log``
+    then needs this step's and the next step's capacity factors.
     """
 
     def __init__(self, policy: ProfilePolicy, trainer, metrics: MetricsWriter, first_n: int,
@@ -649,7 +651,6 @@ class StepProfiling:
         self.detector = DynamicityDetector(detector_options) if speculative else None
         self.cache = (ProfileCache(cache_options)
                       if speculative and cache_options is not None else None)
-        self.cached = None  # durations standing for the next step, on a cache hit
         self.iterations = FirstNProfiler(first_n) if policy is ProfilePolicy.FIRST_N else None
         self.decision = None  # the detector's, about the previous step
         self._reprofile = False
@@ -718,14 +719,13 @@ class StepProfiling:
             if self.cache is not None and not first:
                 self.cache.record(tuple(factors), step, durations)
         self.decision = self.detector.observe(step, tpe)
-        cache = None
+        cache, sources = None, None
         if self.cache is not None:
             key = tuple(next_factors)
             cache = self.cache.decide(step + 1, key, tuple(factors), self.decision.profile_next)
             self.decision = dataclasses.replace(self.decision, profile_next=cache.profile)
-            self.cached = self.cache.lookup(key, step + 1) if cache.cached else None
-        sources = (sorted(set().union(*self.cache.sources(cache.key, step + 1).values()))
-                   if cache is not None and cache.cached else None)
+            if cache.cached:
+                sources = sorted(set().union(*self.cache.sources(key, step + 1).values()))
         gated = False
         if self.decision.profile_next and self.gate is not None and not self.gate(tpe):
             # The load drifted but the schedule in force still fits its windows.
