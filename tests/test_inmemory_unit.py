@@ -163,3 +163,36 @@ def test_host_memory_options_name_the_bad_value(tmp_path):
         capricorn_jax.InMemoryOptions(str(tmp_path), "j", host_memory_kind="gpu")
     with pytest.raises(ValueError, match="write_threads must be >= 1, got 0"):
         capricorn_jax.InMemoryOptions(str(tmp_path), "j", write_threads=0)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_safe_version_and_the_versions_kept_follow_the_saves(trainer, tmp_path, window):
+    """One host, writers drained after each save: save k adopts the versions
+    held at save k-1, so the safe version is k-2 and the store keeps k-2, k-1
+    and k (the window only matters while writers lag). A recovery abandons
+    the versions after the one it restores (here the newest fails its
+    checksum)."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
+                                         window=window)
+
+    def checkpointer():
+        return capricorn_jax.InMemoryCheckpointer(
+            opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+
+    ckpt, state = checkpointer(), trainer.init_state(0)
+    for k in range(1, 8):
+        report = ckpt.save(k, state, {"data": {"step": k}})
+        ckpt.wait_until_finished(60)
+        assert report.replicated == (k - 2 if k >= 3 else -1)
+        assert ckpt.store.versions(0) == [v for v in (k - 2, k - 1, k) if v >= 1]
+    ckpt.close()
+    newest = tmp_path / "j" / "host0" / "owner0" / "v000000000007" / "d0.c0"
+    data = bytearray(newest.read_bytes())
+    data[0] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    fresh = checkpointer()
+    recovered = capricorn_jax.recover(fresh)
+    assert recovered.step == 6 and fresh.store.versions(0) == [5, 6]
+    fresh.close()

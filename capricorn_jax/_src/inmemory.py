@@ -17,11 +17,17 @@ that runs the training steps, because each call runs collectives):
   writer is still busy is dropped (and shows up as under-replicated).
 * ``close()`` drains the writers.
 
-When a version is safe: version v of owner o is *replicated* when every holder
-of o (placement) reports, through the status vector all-gathered by each
-replicate call, that it committed v or newer. The store keeps, per owner, the
-newest committed version and the newest one replicated everywhere, so a
-consistent version survives any single host loss at any moment.
+When a version is safe: each save all-gathers every host's *held* versions of
+every owner (committed and not marked for removal) in the status vector; the
+safe version is the newest one every holder of every owner holds
+(``retention.safe_version``). Removals are decided on the training thread
+only, right after adopting the safe version of the previous save's statuses
+and before reporting this save's (``retention``, which proves that the safe
+version then sits on all its holders at every moment); the writer of an
+owner carries them out before its next write. A host keeps, per owner, the
+safe version and the newest ``InMemoryOptions.window`` + 1 after it
+(``retention.versions_to_keep``), so one version of every owner survives the
+loss of any m-1 hosts at any moment.
 
 Alternative not taken: a blocking save that returns when every replica is
 written. It is simpler but puts the peer's disk-less write and the slowest
@@ -39,9 +45,10 @@ or K = N) uses the full plan: bitwise the payload of a run without PEC. Every
 host takes the same decision, so a replica's manifest is written from the
 receiver's own record of the version (K, mask, the tracker, the versions a
 restore to it reads). Pruning keeps, per owner, the newest version, the safe
-one and the candidates of the last ``pec_window`` versions, with every
+one and the candidates of the last ``window`` versions, with every
 version holding the newest copy of an expert for them
-(``pec.versions_to_keep``). The caller may pass its own ``expert_mask``
+(``pec.versions_to_keep``); the safe version is also complete and reads only
+versions every holder holds. The caller may pass its own ``expert_mask``
 (tests, external policies); the tracker still records it.
 
 Alternative not taken: the caller selecting experts and carrying the tracker
@@ -65,7 +72,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src import pec as pec_lib
-from capricorn_jax._src import placement
+from capricorn_jax._src import placement, retention
 from capricorn_jax._src.options import InMemoryOptions
 from capricorn_jax._src.packing import (
     PackPlan,
@@ -159,7 +166,7 @@ class PecTier:
             ckpt = self._ckpt
             plan = make_pec_plan(ckpt.plan, self.layers, count)
             self._transports[count] = Transport(plan, ckpt.mesh, ckpt.state_shardings,
-                                                ckpt.rounds, ckpt.hosts + 1)
+                                                ckpt.rounds, ckpt.status_len)
         return self._transports[count]
 
     def resume(self, tracker: PltTracker, k: int, cumulative: Any = None) -> None:
@@ -263,14 +270,27 @@ class InMemoryCheckpointer:
         self.holders = placement.holders(hosts, options.replicas)
         self.sources = placement.replica_sources(hosts, options.replicas, host)
         self.rounds = placement.send_rounds(hosts, options.replicas)
-        # Status vector: newest version held of each owner, then the store's KiB.
-        self.transport = Transport(self.plan, mesh, state_shardings, self.rounds, hosts + 1)
+        # Status vector: per owner the newest held version, then the mask of
+        # the held ones before it (retention.encode_held), then the store's KiB.
+        self.status_len = 2 * hosts + 1
+        self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
+                                   self.status_len)
         self.pec: PecTier | None = None
         if options.pec is not None:
             self.pec = PecTier(options.pec, model, tokens_per_step, self)
-        self._pec_needs: dict[int, dict[int, tuple[tuple[int, ...], bool]]] = {}
-        self._newest = {o: int((self.store.versions(o) or [-1])[-1]) for o in range(hosts)}
-        self._replicated_everywhere = -1
+        # Guards _held, _newest and _doomed (the writers commit, the training
+        # thread decides removals and reports).
+        self._lock = threading.Lock()
+        self._held = {o: set(self.store.versions(o)) for o in self.store.owners()}
+        self._newest = {o: max(self._held.get(o, ()), default=-1) for o in range(hosts)}
+        self._doomed: dict[int, list[int]] = {}  # owner -> versions its writer removes
+        # PEC: version -> (versions a restore to it reads, complete).
+        self._needs: dict[int, tuple[tuple[int, ...], bool]] = {}
+        if self.pec is not None:
+            for o, steps in self._held.items():
+                for v in steps:
+                    self._needs.setdefault(v, version_needs_of(self.store.manifest(o, v), v))
+        self._safe = -1
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
         self._last_statuses = None
         self._store_bytes = 0
@@ -306,6 +326,7 @@ class InMemoryCheckpointer:
 
     def _write_version(self, owner: int, step: int, rows: list[np.ndarray], plan: PackPlan,
                        pec_meta: dict | None, pause_halfway: bool = False) -> None:
+        self._remove_doomed(owner)
         writer = self.store.begin(owner, step)
         names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
 
@@ -329,38 +350,50 @@ class InMemoryCheckpointer:
         if pec_meta is not None:
             meta["pec"] = pec_meta
         writer.commit(meta)
-        self._newest[owner] = step
-        self._prune(owner, step, pec_meta)
+        with self._lock:
+            self._held.setdefault(owner, set()).add(step)
+            self._newest[owner] = max(self._newest.get(owner, -1), step)
 
-    def _prune(self, owner: int, step: int, pec_meta: dict | None) -> None:
-        if self.pec is None:
-            # Keep the newest version and the newest one every holder confirmed.
-            safe = [v for v in self.store.versions(owner) if v <= self._replicated_everywhere]
-            self.store.prune(owner, {step, *safe[-1:]})
-            return
-        needs = self._stored_needs(owner, step, pec_meta)
-        keep = pec_lib.versions_to_keep(needs, step, self._replicated_everywhere,
-                                        self.options.pec_window)
-        self.store.prune(owner, keep)
-        cache = self._pec_needs[owner]
-        for v in set(cache) - keep:
-            del cache[v]
+    def _remove_doomed(self, owner: int) -> None:
+        """Removes the versions of ``owner`` decided away (by that owner's writer,
+        so a removal never races a write of the same owner)."""
+        with self._lock:
+            doomed = self._doomed.pop(owner, [])
+        for v in doomed:
+            self.store.remove(owner, v)
 
-    def _stored_needs(self, owner: int, step: int, pec_meta: dict | None
-                      ) -> dict[int, tuple[tuple[int, ...], bool]]:
-        """{stored version of owner: (versions its restore reads, complete)}."""
-        cache = self._pec_needs.setdefault(owner, {})
-        if pec_meta is not None:
-            cache[step] = (tuple(pec_meta["needed"]), bool(pec_meta["complete"]))
-        out = {}
-        for v in self.store.versions(owner):
-            if v not in cache:
-                try:
-                    cache[v] = version_needs_of(self.store.manifest(owner, v), v)
-                except (OSError, ValueError):  # removed meanwhile, or unreadable: not kept
+    def _decide_removals(self) -> None:
+        """Marks what each owner's store no longer keeps (training thread, after
+        adopting the safe version, before reporting the held versions)."""
+        with self._lock:
+            for owner, held in self._held.items():
+                if not held:
                     continue
-            out[v] = cache[v]
-        return out
+                if self.pec is None:
+                    keep = retention.versions_to_keep(held, self._safe, self.options.window)
+                else:
+                    needs = {v: self._needs.get(v, ((v,), False)) for v in held}
+                    keep = pec_lib.versions_to_keep(needs, max(held), self._safe,
+                                                    self.options.window)
+                gone = held - keep
+                if gone:
+                    held -= gone
+                    self._doomed.setdefault(owner, []).extend(sorted(gone))
+        if self.pec is not None:
+            live = set().union(*self._held.values()) if self._held else set()
+            for v in [v for v in self._needs if v not in live and v < self._safe]:
+                del self._needs[v]
+
+    def drop_newer_than(self, step: int) -> None:
+        """Removes every stored version newer than ``step`` (a recovery to
+        ``step``, -1 for a fresh start, abandons them: the steps after it are
+        trained again and must not mix with the old ones). Call before saving."""
+        with self._lock:
+            for owner, held in self._held.items():
+                for v in sorted(v for v in held if v > step):
+                    held.discard(v)
+                    self.store.remove(owner, v)
+                self._newest[owner] = max(held, default=-1)
 
     def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
         self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
@@ -379,9 +412,19 @@ class InMemoryCheckpointer:
 
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
-        newest = [self._newest[o] for o in range(self.hosts)]
+        """This host's held versions per owner (newest, mask), then its store's KiB."""
+        with self._lock:
+            pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
-        return np.array([*newest, self._store_bytes // 1024], np.int64)
+        return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
+                         self._store_bytes // 1024], np.int64)
+
+    def _begin_save(self) -> SaveReport:
+        """Adopts the previous save's statuses and decides removals; the status
+        vector taken after this is what this save reports."""
+        report = self._read_statuses()
+        self._decide_removals()
+        return report
 
     def save(self, step: int, state: Any, host_state: dict[str, Any], *,
              tokens_per_expert: Any = None, expert_mask: Any = None) -> SaveReport:
@@ -399,13 +442,15 @@ class InMemoryCheckpointer:
         trailer = encode_trailer(host_state)
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, expert_mask)
+            report = self._begin_save()
             own, received, statuses = self.transport.replicate(state, trailer,
                                                                self.status_vector())
-            return self._enqueue(step, own, received, statuses)
+            return self._enqueue(report, step, own, received, statuses)
         version = self.pec.version(step, tokens_per_expert, expert_mask)
+        report = self._begin_save()
         own, received, statuses = version.transport.replicate(
             state, trailer, self.status_vector(), version.gather)
-        return self._enqueue(step, own, received, statuses, version)
+        return self._enqueue(report, step, own, received, statuses, version)
 
     def trailer_rows(self, host_state: dict[str, Any]):
         """The [devices, trailer] input of a scheduled step (InStepSender)."""
@@ -435,8 +480,9 @@ class InMemoryCheckpointer:
         elif version.step != step or tokens_per_expert is not None:
             raise ValueError(f"version is PEC version {version.step} (already recorded, no "
                              f"tokens_per_expert), saving {step}")
+        report = self._begin_save()
         statuses = self.transport.gather_status(self.status_vector())
-        return self._enqueue(step, own, received, statuses, version)
+        return self._enqueue(report, step, own, received, statuses, version)
 
     def plan_pec_version(self, step: int, tokens_per_expert: Any,
                          expert_mask: Any = None) -> PecVersion:
@@ -457,13 +503,15 @@ class InMemoryCheckpointer:
             raise ValueError("resume_pec needs PEC (InMemoryOptions.pec)")
         self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k, cumulative)
 
-    def _enqueue(self, step: int, own, received: list, statuses,
+    def _enqueue(self, report: SaveReport, step: int, own, received: list, statuses,
                  version: PecVersion | None = None) -> SaveReport:
         if self._errors:
             raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
         plan = self.plan if version is None else version.plan
         meta = None if version is None else version.meta
-        report = self._read_statuses()
+        if meta is not None:
+            self._needs[step] = (tuple(meta["needed"]), bool(meta["complete"]))
+        report.store_bytes = self._store_bytes  # walked by this save's status_vector
         self._last_statuses = statuses
         # Start the device-to-host copies now; the writers read them.
         own, *received = [self._to_host(a) for a in (own, *received)]
@@ -490,18 +538,21 @@ class InMemoryCheckpointer:
     def _read_statuses(self) -> SaveReport:
         """Folds in the statuses gathered by the previous save (already computed)."""
         report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
-                            committed=self._newest[self.host],
-                            replicated=self._replicated_everywhere,
+                            committed=self._newest[self.host], replicated=self._safe,
                             under_replicated=[], skipped=False)
         if self._last_statuses is None:
             return report
         rows = np.asarray(self._last_statuses)
         per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
-        report.store_kib_per_host = [int(x) for x in per_host[:, self.hosts]]
+        h = self.hosts
+        report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]
+        held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
+                 for o in range(h)} for x in range(h)]
+        self._safe = retention.safe_version(held, self.holders, self._safe,
+                                            None if self.pec is None else self._needs)
+        report.replicated = self._safe
         # per_host[x][o]: newest version of owner o held by host x.
-        confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(self.hosts)]
-        self._replicated_everywhere = max(self._replicated_everywhere, min(confirmed))
-        report.replicated = self._replicated_everywhere
+        confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
         now = time.monotonic()
         for step, saved in sorted(self._pending.items()):
             if confirmed[self.host] >= step:
@@ -535,6 +586,8 @@ class InMemoryCheckpointer:
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_until_finished(timeout_s)
+        for owner in list(self._doomed):
+            self._remove_doomed(owner)
         for q in (self._own_q, self._rep_q):
             q.put(None)
         for t in self._threads:

@@ -35,9 +35,11 @@ class InMemoryOptions:
       pec: partial expert checkpointing (None: every version is the whole
         state, as without PEC); with it each version carries the non-expert
         state and K experts of every MoE layer (``InMemoryCheckpointer``).
-      pec_window: under PEC, how many versions before the newest stay
-        candidates for the safe version while replication lags
-        (``pec.versions_to_keep``).
+      window: how many versions before the newest a host keeps, per owner,
+        as candidates for the safe version while the writers of its holders
+        lag (``retention.versions_to_keep``, under PEC
+        ``pec.versions_to_keep``); at least 1, or a one-version lag between
+        two holders would stall the safe version.
       host_memory_kind: where a version's payload goes when it leaves the
         device: "auto" (``pinned_host`` memory on accelerators that have it,
         a DMA at device-to-host bandwidth; on CPU the payload is already host
@@ -55,7 +57,7 @@ class InMemoryOptions:
     stall_replica_writer_at: tuple[int, float] | None = None
     pause_mid_replication_at: int | None = None
     pec: PecOptions | None = None
-    pec_window: int = 2
+    window: int = 1
     host_memory_kind: str = "auto"
     write_threads: int = 4
 
@@ -73,5 +75,5 @@ class InMemoryOptions:
             raise ValueError(f"job must be a non-empty name without '/', got {self.job!r}")
         if self.pec is not None and not isinstance(self.pec, PecOptions):
             raise ValueError(f"pec must be a PecOptions or None, got {self.pec!r}")
-        if self.pec_window < 0:
-            raise ValueError(f"pec_window must be >= 0, got {self.pec_window}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")

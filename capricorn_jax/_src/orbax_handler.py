@@ -235,11 +235,11 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         step); ``tokens_per_expert``: PEC only, the step's [moe_layers, experts]."""
         ckpt = self._require_checkpointer("save")
         self.await_reader()
-        own = ckpt.store.versions(ckpt.host)
-        if step in own:
-            # A version with this number left by an earlier run: drop it so the
-            # persistent reader can only see the version written now.
-            ckpt.store.prune(ckpt.host, [v for v in own if v != step])
+        if step in ckpt.store.versions(ckpt.host):
+            # A version with this number left by an earlier run: drop it (and
+            # the newer ones) so the persistent reader can only see the
+            # version written now.
+            ckpt.drop_newer_than(step - 1)
         extra = {} if tokens_per_expert is None else {"tokens_per_expert": tokens_per_expert}
         report = ckpt.save(step, state, host_state or {}, **extra)
         with self._lock:

@@ -6,7 +6,10 @@
    processes, ``multihost_utils.process_allgather``), so every host takes the
    same decision (``choose_version``, pure): the newest step at which every
    owner's shards are held by some host, preferring the owner's own store.
-3. A host whose own store has the version reads it (tier ``local``); the
+3. Every host removes its stored versions newer than the one chosen (the
+   steps after it are trained again; a later recovery must not mix them with
+   the new ones), or all of them when there is none.
+4. A host whose own store has the version reads it (tier ``local``); the
    others receive their payloads from a peer's replica through
    ``Transport.serve`` collective-permutes (tier ``peer``), in rounds in which
    each server sends one owner's payload.
@@ -282,8 +285,10 @@ def recover(ckpt) -> Recovered | None:
         if any(any(inv.values()) for inv in inventories):
             log.warning("host %d: stored versions do not cover every host; starting fresh",
                         ckpt.host)
+        ckpt.drop_newer_than(-1)
         return None
     step, sources = decision
+    ckpt.drop_newer_than(step)
     rows, moved = _fetch_rows(ckpt, step, sources, ckpt.transport)
     blocks = unpack(ckpt.plan, ckpt.host, rows)
     state = jax.block_until_ready(
@@ -353,8 +358,10 @@ def _recover_pec(ckpt) -> Recovered | None:
         if metas:
             log.warning("host %d: no PEC version can be assembled for every host (some expert "
                         "copy is missing); starting fresh", ckpt.host)
+        ckpt.drop_newer_than(-1)
         return None
     step, servers = decision
+    ckpt.drop_newer_than(step)
     tracker, cumulative = _tracker_at(ckpt, inventories, step)
     shape = ckpt.pec.shape
     masks = {v: pec_lib.mask_from_hex(metas[v]["mask"], shape) for v in servers}

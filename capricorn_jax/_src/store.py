@@ -186,7 +186,11 @@ class HostStore:
         keep = set(keep)
         for step in self.versions(owner):
             if step not in keep:
-                shutil.rmtree(self._path(f"owner{owner}", f"v{step:012d}"), ignore_errors=True)
+                self.remove(owner, step)
+
+    def remove(self, owner: int, step: int) -> None:
+        """Removes one committed version of ``owner`` (nothing if absent)."""
+        shutil.rmtree(self._path(f"owner{owner}", f"v{step:012d}"), ignore_errors=True)
 
     def wipe(self) -> None:
         """Removes everything (a lost machine's RAM)."""
