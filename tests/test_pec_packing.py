@@ -211,6 +211,24 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
 # ------------------------------------------------------------------ restore + prune
 
 
+def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_path, caplog):
+    """A PEC store reopened with a corrupt manifest: the checkpointer opens,
+    says which version it ignores, and recovery takes the newest good one."""
+    base = trainer.init_state(0)
+    ckpt = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))
+    for step in (1, 2, 3):
+        ckpt.save(step, base, {"data": step}, tokens_per_expert=TPE)
+        ckpt.wait_until_finished(60)
+    ckpt.close()
+    (tmp_path / "j" / "host0" / "owner0" / "v000000000003" / "MANIFEST.json").write_text("{")
+    with caplog.at_level("WARNING", logger="capricorn_jax"):
+        fresh = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))
+    assert "version 3 of owner 0 has an unreadable manifest; ignored" in caplog.text
+    recovered = capricorn_jax.recover(fresh)
+    assert recovered.step == 2 and recovered.host_state == {"data": 2}
+    fresh.close()
+
+
 def test_restored_experts_come_from_one_step_and_prune_keeps_what_restore_needs(
         trainer, tmp_path):
     """Versions 1 (full), 2..9 (K=2, sequential), 10..11 (K=1, given masks), each

@@ -288,8 +288,13 @@ class InMemoryCheckpointer:
         self._needs: dict[int, tuple[tuple[int, ...], bool]] = {}
         if self.pec is not None:
             for o, steps in self._held.items():
-                for v in steps:
-                    self._needs.setdefault(v, version_needs_of(self.store.manifest(o, v), v))
+                for v in sorted(steps):
+                    try:
+                        self._needs.setdefault(v, version_needs_of(self.store.manifest(o, v), v))
+                    except (OSError, ValueError, KeyError):  # unreadable: not held
+                        log.warning("host %d: version %d of owner %d has an unreadable "
+                                    "manifest; ignored", host, v, o)
+                        steps.discard(v)
         self._safe = -1
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
         self._last_statuses = None
