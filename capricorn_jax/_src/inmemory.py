@@ -384,10 +384,10 @@ class InMemoryCheckpointer:
                 if gone:
                     held -= gone
                     self._doomed.setdefault(owner, []).extend(sorted(gone))
-        if self.pec is not None:
-            live = set().union(*self._held.values()) if self._held else set()
-            for v in [v for v in self._needs if v not in live and v < self._safe]:
-                del self._needs[v]
+            if self.pec is not None:
+                live = set().union(*self._held.values())
+                for v in [v for v in self._needs if v not in live and v < self._safe]:
+                    del self._needs[v]
 
     def drop_newer_than(self, step: int) -> None:
         """Removes every stored version newer than ``step`` (a recovery to
@@ -424,12 +424,14 @@ class InMemoryCheckpointer:
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
                          self._store_bytes // 1024], np.int64)
 
-    def _begin_save(self) -> SaveReport:
-        """Adopts the previous save's statuses and decides removals; the status
-        vector taken after this is what this save reports."""
+    def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
+        """Adopts the previous save's statuses, decides removals, then takes the
+        status vector this save reports (in that order: ``retention``)."""
         report = self._read_statuses()
         self._decide_removals()
-        return report
+        status = self.status_vector()
+        report.store_bytes = self._store_bytes  # walked by this save's status_vector
+        return report, status
 
     def save(self, step: int, state: Any, host_state: dict[str, Any], *,
              tokens_per_expert: Any = None, expert_mask: Any = None) -> SaveReport:
@@ -447,14 +449,13 @@ class InMemoryCheckpointer:
         trailer = encode_trailer(host_state)
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, expert_mask)
-            report = self._begin_save()
-            own, received, statuses = self.transport.replicate(state, trailer,
-                                                               self.status_vector())
+            report, status = self._begin_save()
+            own, received, statuses = self.transport.replicate(state, trailer, status)
             return self._enqueue(report, step, own, received, statuses)
         version = self.pec.version(step, tokens_per_expert, expert_mask)
-        report = self._begin_save()
-        own, received, statuses = version.transport.replicate(
-            state, trailer, self.status_vector(), version.gather)
+        report, status = self._begin_save()
+        own, received, statuses = version.transport.replicate(state, trailer, status,
+                                                              version.gather)
         return self._enqueue(report, step, own, received, statuses, version)
 
     def trailer_rows(self, host_state: dict[str, Any]):
@@ -485,8 +486,8 @@ class InMemoryCheckpointer:
         elif version.step != step or tokens_per_expert is not None:
             raise ValueError(f"version is PEC version {version.step} (already recorded, no "
                              f"tokens_per_expert), saving {step}")
-        report = self._begin_save()
-        statuses = self.transport.gather_status(self.status_vector())
+        report, status = self._begin_save()
+        statuses = self.transport.gather_status(status)
         return self._enqueue(report, step, own, received, statuses, version)
 
     def plan_pec_version(self, step: int, tokens_per_expert: Any,
@@ -516,7 +517,6 @@ class InMemoryCheckpointer:
         meta = None if version is None else version.meta
         if meta is not None:
             self._needs[step] = (tuple(meta["needed"]), bool(meta["complete"]))
-        report.store_bytes = self._store_bytes  # walked by this save's status_vector
         self._last_statuses = statuses
         # Start the device-to-host copies now; the writers read them.
         own, *received = [self._to_host(a) for a in (own, *received)]
