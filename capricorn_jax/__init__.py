@@ -4,14 +4,14 @@ The public API. Everything else lives under ``capricorn_jax._src`` and may
 change without notice.
 """
 
-from capricorn_jax._src.boundary import (
+from capricorn_jax._src.profiling.boundary import (
     BoundaryHook,
     active_hooks,
     boundary_hooks,
     collective_boundary,
     layer_boundary,
 )
-from capricorn_jax._src.detector import (
+from capricorn_jax._src.profiling.detector import (
     CostModel,
     Decision,
     DetectorOptions,
@@ -22,18 +22,18 @@ from capricorn_jax._src.detector import (
     drift_score,
     should_profile,
 )
-from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
-from capricorn_jax._src.options import InMemoryOptions
-from capricorn_jax._src.orbax_handler import (
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
+from capricorn_jax._src.memory.options import InMemoryOptions
+from capricorn_jax._src.persistent.orbax_handler import (
     CapricornHandler,
     CapricornRestore,
     CapricornSave,
     CheckpointManager,
     RestoreInfo,
 )
-from capricorn_jax._src.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
-from capricorn_jax._src.placement import holders as replica_holders
-from capricorn_jax._src.profiler import (
+from capricorn_jax._src.partial.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
+from capricorn_jax._src.memory.placement import holders as replica_holders
+from capricorn_jax._src.profiling.profiler import (
     CollectiveProbe,
     LayerProfile,
     ProfiledStep,
@@ -42,8 +42,8 @@ from capricorn_jax._src.profiler import (
     make_profiled_step,
     measure_overhead,
 )
-from capricorn_jax._src.recovery import PecRestore, Recovered, recover
-from capricorn_jax._src.store import ChecksumError, HostStore
+from capricorn_jax._src.memory.recovery import PecRestore, Recovered, recover
+from capricorn_jax._src.memory.store import ChecksumError, HostStore
 
 __all__ = [
     "BoundaryHook",

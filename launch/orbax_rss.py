@@ -107,9 +107,9 @@ def _state(mib: int, leaves: int):
 def _run_capricorn(workdir: str) -> list[dict]:
     import orbax.checkpoint as ocp
 
-    from capricorn_jax._src.inmemory import InMemoryCheckpointer
-    from capricorn_jax._src.options import InMemoryOptions
-    from capricorn_jax._src.orbax_handler import CapricornHandler, CapricornSave, CheckpointManager
+    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+    from capricorn_jax._src.memory.options import InMemoryOptions
+    from capricorn_jax._src.persistent.orbax_handler import CapricornHandler, CapricornSave, CheckpointManager
 
     mesh, shardings, abstract, state, state_bytes = _state(FLAGS.mib, FLAGS.leaves)
     store = tempfile.mkdtemp(prefix="capricorn_rss_", dir=FLAGS.store_root)

@@ -79,7 +79,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from capricorn_jax._src.detector import (
+from capricorn_jax._src.profiling.detector import (
     CACHE_GRANULARITIES,
     METRICS,
     CacheOptions,

@@ -166,7 +166,7 @@ class Scheduled(InMemory):
     def __init__(self, name: str, checkpointer, trainer, first_n: int = 3,
                  drift_threshold: float = 0.1, chunk_cap: int = 1 << 20):
         import capricorn_jax
-        from capricorn_jax._src.scheduling import ScheduledTransfers, measure_link
+        from capricorn_jax._src.scheduling.transfers import ScheduledTransfers, measure_link
 
         super().__init__(checkpointer)
         if name not in ("gemini", "capricorn"):
@@ -242,8 +242,8 @@ class Scheduled(InMemory):
         Returns:
           The ``repartition`` event's fields, or None when it kept the schedule.
         """
-        from capricorn_jax._src.partitioner import windows_from_profile
-        from capricorn_jax._src.scheduling import average_windows
+        from capricorn_jax._src.scheduling.partitioner import windows_from_profile
+        from capricorn_jax._src.scheduling.transfers import average_windows
 
         self.profiled_steps.append(step)
         if self.name == "gemini":
@@ -270,7 +270,7 @@ class Scheduled(InMemory):
     def at_risk(self, detector, tokens_per_expert) -> bool:
         """Whether the schedule in force may overflow at this load (capricorn's
         gate on the detector's activations; ``scheduling.schedule_at_risk``)."""
-        from capricorn_jax._src.scheduling import schedule_at_risk
+        from capricorn_jax._src.scheduling.transfers import schedule_at_risk
 
         # The same answer on every host with no collective: a profiled step
         # (other collectives) must run on every host or on none, and every
@@ -284,7 +284,7 @@ class Scheduled(InMemory):
         """Runs training step ``step`` (0-based), deciding profiling itself (bench);
         ``hooks`` go to an unprofiled step only (a profiled one has its own marks)."""
         import capricorn_jax
-        from capricorn_jax._src.scheduling import agree_profile, moe_durations
+        from capricorn_jax._src.scheduling.transfers import agree_profile, moe_durations
 
         profile, cold = None, False
         if self._wants_profile():

@@ -35,9 +35,9 @@ from capricorn_jax import (
     make_profiled_step,
     should_profile,
 )
-from capricorn_jax._src.detector import CACHE_GRANULARITIES, CacheOptions, ProfileCache
-from capricorn_jax._src.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.scheduling import agree_profile, moe_durations, moe_segments
+from capricorn_jax._src.profiling.detector import CACHE_GRANULARITIES, CacheOptions, ProfileCache
+from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
+from capricorn_jax._src.scheduling.transfers import agree_profile, moe_durations, moe_segments
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import MetricsWriter, read_metrics, summarize
@@ -771,7 +771,7 @@ def _repartition(metrics: MetricsWriter, host: int, step: int, event: dict | Non
 
 def _write_timeline(timeline) -> None:
     """WORKDIR/timeline.json and .png from host 0's last warm profile."""
-    from capricorn_jax._src import timeline as timeline_lib
+    from capricorn_jax._src.scheduling import timeline as timeline_lib
     from launch.plot_timeline import render
 
     if timeline is None:

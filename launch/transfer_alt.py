@@ -3,7 +3,7 @@
     python -m launch.transfer_alt --sizes_mb=1,4,16 --repeats=5 --json=/tmp/transfer_alt.json
 
 The in-memory checkpointer moves payload chunks between hosts as collective-permutes
-(``jax.lax.ppermute`` in a ``shard_map`` over the whole mesh, ``capricorn_jax/_src/transport.py``).
+(``jax.lax.ppermute`` in a ``shard_map`` over the whole mesh, ``capricorn_jax/_src/memory/transport.py``).
 The alternative not taken is a host-side sender: every process runs a
 ``jax.experimental.transfer`` server, the sender schedules its arrays with
 ``server.await_pull(uuid, arrays)`` and the receiver fetches them with

@@ -17,7 +17,7 @@ from capricorn_jax import (
     drift_score,
     should_profile,
 )
-from capricorn_jax._src.detector import CacheOptions, ProfileCache
+from capricorn_jax._src.profiling.detector import CacheOptions, ProfileCache
 
 METRICS = ("jsd", "l1", "max_load")
 

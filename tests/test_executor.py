@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax._src.executor import AFTER, START, InStepSender, scheduled_step, site_of
-from capricorn_jax._src.packing import encode_trailer, make_plan
-from capricorn_jax._src.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.placement import send_rounds
-from capricorn_jax._src.transport import Transport
+from capricorn_jax._src.scheduling.executor import AFTER, START, InStepSender, scheduled_step, site_of
+from capricorn_jax._src.memory.packing import encode_trailer, make_plan
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.memory.placement import send_rounds
+from capricorn_jax._src.memory.transport import Transport
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal

@@ -11,16 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax._src.packing import (
+from capricorn_jax._src.memory.packing import (
     check_compatible,
     decode_trailer,
     encode_trailer,
     make_plan,
     unpack,
 )
-from capricorn_jax._src.placement import send_rounds
-from capricorn_jax._src.recovery import choose_version, serve_rounds
-from capricorn_jax._src.transport import Transport, assemble, local_rows
+from capricorn_jax._src.memory.placement import send_rounds
+from capricorn_jax._src.memory.recovery import choose_version, serve_rounds
+from capricorn_jax._src.memory.transport import Transport, assemble, local_rows
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import capricorn_jax
-from capricorn_jax._src.orbax_handler import read_own_blocks
-from capricorn_jax._src.packing import unpack
+from capricorn_jax._src.persistent.orbax_handler import read_own_blocks
+from capricorn_jax._src.memory.packing import unpack
 from tests.helpers import ROOT
 from tests.orbax_worker import INTERVAL, README_SNIPPET, SHAPES, expected_state
 from tests.tree_utils import assert_trees_equal
@@ -366,7 +366,7 @@ def _pec_target(trainer):
 def _assert_state_from(trainer, base, got, point, data_steps):
     """Each non-expert leaf is base + point; each expert's slices of every expert
     leaf (parameters and Adam moments) are base + the one step its values are from."""
-    from capricorn_jax._src import pec
+    from capricorn_jax._src.partial import pec
 
     leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     flat = jax.tree_util.tree_flatten_with_path(got)[0]
@@ -383,7 +383,7 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     """PEC memory tier (K=2 of 8, 2 expert ranks), persistent steps every 3
     steps with K_persist = N or 2, max_to_keep=1; each version's values are
     base + its step, so every restored expert names the step it comes from."""
-    from capricorn_jax._src import pec
+    from capricorn_jax._src.partial import pec
 
     trainer = pec_trainer
     bump = jax.jit(lambda s, v: jax.tree.map(lambda x: x + v.astype(x.dtype), s),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.pec import (
+from capricorn_jax._src.partial.pec import (
     DynamicK,
     PecOptions,
     PltTracker,

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src import pec
-from capricorn_jax._src.packing import TRAILER_BYTES, make_pec_plan, make_plan, unpack, unpack_pec
-from capricorn_jax._src.pec import PecOptions, PltTracker
-from capricorn_jax._src.transport import Transport, local_rows
+from capricorn_jax._src.partial import pec
+from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_pec_plan, make_plan, unpack, unpack_pec
+from capricorn_jax._src.partial.pec import PecOptions, PltTracker
+from capricorn_jax._src.memory.transport import Transport, local_rows
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal

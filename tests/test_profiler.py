@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from capricorn_jax import LayerProfile, Segment, make_profiled_step
-from capricorn_jax._src import profiler
+from capricorn_jax._src.profiling import profiler
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 

@@ -233,7 +233,7 @@ def _reference_state(directory, step: int) -> dict:
 def _assembled(reference_dir, point: int, data_steps: np.ndarray):
     """The reference's state at ``point`` with each expert (all of its leaves:
     parameters and Adam moments) replaced by its values at ``data_steps``."""
-    from capricorn_jax._src import pec
+    from capricorn_jax._src.partial import pec
 
     trainer = _tiny()
     leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
@@ -252,7 +252,7 @@ def _assembled(reference_dir, point: int, data_steps: np.ndarray):
 def _memory_copies(k: int, point: int) -> np.ndarray:
     """[L, N] each expert's newest in-memory copy at or before ``point`` for
     sequential PEC with K=k on 4 expert ranks (version 1 carries every expert)."""
-    from capricorn_jax._src import pec
+    from capricorn_jax._src.partial import pec
 
     masks = {1: np.ones((2, 8), bool)}
     masks.update({v: pec.sequential_mask(k, v, 2, 8, 4) for v in range(2, point + 1)})
@@ -297,7 +297,7 @@ def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, refe
     with an expert's newest copy; with every RAM store lost, --resume assembles
     each expert from its newest persisted copy (parameters and moments alike)."""
     import capricorn_jax
-    from capricorn_jax._src import pec
+    from capricorn_jax._src.partial import pec
 
     _, ref = reference_run
     flags = ("--pec_k=4", "--pec_k_persist=4", "--nopec_dynamic", "--persist_every=2",

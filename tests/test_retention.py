@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src import pec as pec_lib
-from capricorn_jax._src import placement, retention
-from capricorn_jax._src.options import InMemoryOptions
-from capricorn_jax._src.recovery import choose_pec_version, choose_version
+from capricorn_jax._src.partial import pec as pec_lib
+from capricorn_jax._src.memory import placement
+from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory.options import InMemoryOptions
+from capricorn_jax._src.memory.recovery import choose_pec_version, choose_version
 
 
 @given(st.sets(st.integers(0, 200), max_size=40))

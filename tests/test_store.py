@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from capricorn_jax import ChecksumError, HostStore
-from capricorn_jax._src.store import MANIFEST, StoreIsolationError
+from capricorn_jax._src.memory.store import MANIFEST, StoreIsolationError
 
 
 def _write(store, owner, step, chunks=(b"abc", b"defg")):

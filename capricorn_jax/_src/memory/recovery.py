@@ -45,16 +45,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src import pec as pec_lib
-from capricorn_jax._src.packing import (
+from capricorn_jax._src.partial import pec as pec_lib
+from capricorn_jax._src.memory.packing import (
     PackPlan,
     check_compatible,
     decode_trailer,
     unpack,
     unpack_pec,
 )
-from capricorn_jax._src.store import ChecksumError
-from capricorn_jax._src.transport import Transport, assemble, local_rows
+from capricorn_jax._src.memory.store import ChecksumError
+from capricorn_jax._src.memory.transport import Transport, assemble, local_rows
 
 log = logging.getLogger("capricorn_jax")
 _INVENTORY_BYTES = 1 << 16

@@ -146,10 +146,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from capricorn_jax._src import pec as pec_lib
-from capricorn_jax._src.inmemory import InMemoryCheckpointer, SaveReport
-from capricorn_jax._src.packing import make_pec_plan
-from capricorn_jax._src.recovery import (
+from capricorn_jax._src.partial import pec as pec_lib
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
+from capricorn_jax._src.memory.packing import make_pec_plan
+from capricorn_jax._src.memory.recovery import (
     PecRestore,
     _allgather_json,
     _PecBlocks,

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.boundary import boundary_hooks
-from capricorn_jax._src.partitioner import Schedule, Window
-from capricorn_jax._src.transport import Transport
+from capricorn_jax._src.profiling.boundary import boundary_hooks
+from capricorn_jax._src.scheduling.partitioner import Schedule, Window
+from capricorn_jax._src.memory.transport import Transport
 
 START = ("<start>", "fwd")
 AFTER = ("<after>", "bwd")

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.executor import InStepSender, scheduled_step
-from capricorn_jax._src.partitioner import (
+from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
+from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,
     Window,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from capricorn_jax._src.pec import PecOptions
+from capricorn_jax._src.partial.pec import PecOptions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,19 +71,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src import pec as pec_lib
-from capricorn_jax._src import placement, retention
-from capricorn_jax._src.options import InMemoryOptions
-from capricorn_jax._src.packing import (
+from capricorn_jax._src.partial import pec as pec_lib
+from capricorn_jax._src.memory import placement
+from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory.options import InMemoryOptions
+from capricorn_jax._src.memory.packing import (
     PackPlan,
     decode_trailer,
     encode_trailer,
     make_pec_plan,
     make_plan,
 )
-from capricorn_jax._src.pec import DynamicK, MoEShape, PecOptions, PltTracker
-from capricorn_jax._src.store import HostStore
-from capricorn_jax._src.transport import Transport, local_rows
+from capricorn_jax._src.partial.pec import DynamicK, MoEShape, PecOptions, PltTracker
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.transport import Transport, local_rows
 
 log = logging.getLogger("capricorn_jax")
 
