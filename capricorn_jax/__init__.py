@@ -1,89 +1,83 @@
 """capricorn_jax: in-memory, load-aware checkpointing for MoE training in JAX.
 
-The public API. Everything else lives under ``capricorn_jax._src`` and may
-change without notice.
+The public API, in five groups. Everything else lives under
+``capricorn_jax._src`` (one subpackage per concept; README "Architecture")
+and may change without notice; names that the project's own measurement tools
+need are in ``capricorn_jax.experimental``, with no stability promise.
 """
 
+# The model's one change: mark layer boundaries (profiling and the in-step
+# transfers attach there); all-to-alls may be marked for the collective probe.
 from capricorn_jax._src.profiling.boundary import (
     BoundaryHook,
-    active_hooks,
     boundary_hooks,
     collective_boundary,
     layer_boundary,
 )
-from capricorn_jax._src.profiling.detector import (
-    CostModel,
-    Decision,
-    DetectorOptions,
-    DynamicityDetector,
-    FirstNProfiler,
-    IterationProfile,
-    ProfilePolicy,
-    drift_score,
-    should_profile,
-)
+
+# The memory tier: a version every step in host RAM and on m-1 peers.
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
 from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.persistent.orbax_handler import (
-    CapricornHandler,
-    CapricornRestore,
-    CapricornSave,
-    CheckpointManager,
-    RestoreInfo,
+from capricorn_jax._src.memory.recovery import Recovered, recover
+from capricorn_jax._src.memory.store import ChecksumError
+from capricorn_jax._src.partial.selection import PecOptions
+
+# The persistent tier through Orbax: a handler, its args, a manager over both tiers.
+from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
+from capricorn_jax._src.persistent.manager import CheckpointManager, RestoreInfo
+
+# Strategies: what a training loop drives (save / finish / close / restore),
+# and what the library asks of the caller's trainer.
+from capricorn_jax._src.strategies.base import Strategy, TrainStep
+from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
+from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
+
+# Profiling: the layer profile, the dynamicity detector and the one driver
+# that decides which steps run instrumented.
+from capricorn_jax._src.profiling.detector import DetectorOptions, DynamicityDetector
+from capricorn_jax._src.profiling.layer_profile import LayerProfile
+from capricorn_jax._src.profiling.policy import (
+    ProfilePolicy,
+    ProfilingDriver,
+    ProfilingOptions,
+    StepOutcome,
 )
-from capricorn_jax._src.partial.pec import DynamicK, PecOptions, PltTracker, pec_bytes, state_bytes
-from capricorn_jax._src.memory.placement import holders as replica_holders
-from capricorn_jax._src.profiling.profiler import (
-    CollectiveProbe,
-    LayerProfile,
-    ProfiledStep,
-    Segment,
-    gpt_moe_all_to_alls,
-    make_profiled_step,
-    measure_overhead,
-)
-from capricorn_jax._src.memory.recovery import PecRestore, Recovered, recover
-from capricorn_jax._src.memory.store import ChecksumError, HostStore
+from capricorn_jax._src.profiling.probe import CollectiveProbe
+from capricorn_jax._src.profiling.profiler import make_profiled_step
 
 __all__ = [
+    # model hook
     "BoundaryHook",
+    "boundary_hooks",
+    "collective_boundary",
+    "layer_boundary",
+    # memory tier
     "ChecksumError",
-    "HostStore",
     "InMemoryCheckpointer",
     "InMemoryOptions",
+    "PecOptions",
+    "Recovered",
+    "SaveReport",
+    "recover",
+    # persistent tier (Orbax)
     "CapricornHandler",
     "CapricornRestore",
     "CapricornSave",
     "CheckpointManager",
     "RestoreInfo",
-    "DynamicK",
-    "PecOptions",
-    "PecRestore",
-    "PltTracker",
-    "pec_bytes",
-    "state_bytes",
-    "Recovered",
-    "SaveReport",
-    "recover",
-    "replica_holders",
-    "CostModel",
-    "Decision",
+    # strategies
+    "InMemoryStrategy",
+    "ScheduledStrategy",
+    "Strategy",
+    "TrainStep",
+    # profiling
+    "CollectiveProbe",
     "DetectorOptions",
     "DynamicityDetector",
-    "FirstNProfiler",
-    "IterationProfile",
     "LayerProfile",
-    "CollectiveProbe",
     "ProfilePolicy",
-    "ProfiledStep",
-    "Segment",
-    "active_hooks",
-    "boundary_hooks",
-    "collective_boundary",
-    "drift_score",
-    "gpt_moe_all_to_alls",
-    "layer_boundary",
+    "ProfilingDriver",
+    "ProfilingOptions",
+    "StepOutcome",
     "make_profiled_step",
-    "measure_overhead",
-    "should_profile",
 ]

@@ -22,6 +22,13 @@ callbacks: compare it across strategies, not to a step time. With ``inmem``
 and ``pec`` it then measures recovery: from the local RAM store, and from a
 peer after host 1's store is wiped.
 
+Every strategy is built by ``launch.strategies.make_strategy`` and every step
+runs through ``capricorn_jax.ProfilingDriver``, as in launch.train: a
+strategy profiles the same steps here as in training (gemini its first
+``--profile_first_n``, capricorn when the detector's drift passes
+``--drift_threshold`` and its schedule is at risk; the defaults are the
+library's). A profiled step is not timed.
+
 Output: a markdown table on stdout, ``--json`` (contract in DESIGN.md), and a
 PNG bar chart with ``--png``. Exits non-zero, and reports no number, when any
 host or strategy fails.
@@ -33,15 +40,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from absl import app, flags, logging
 
+from capricorn_jax import DetectorOptions, ProfilingOptions
 from launch import cluster as cluster_lib
 from launch import runtime
-from launch.strategies import STRATEGIES
+from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("strategies", ["none", "inmem"], f"Strategies, from {', '.join(STRATEGIES)}.")
@@ -64,6 +71,11 @@ flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = 
 flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
 flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
+flags.DEFINE_integer("profile_first_n", ProfilingOptions().first_n,
+                     "gemini: the profiled steps its fixed schedule is built from.")
+flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
+                   "capricorn: the drift score of the expert load above which the next step is "
+                   "profiled (when the schedule in force is at risk).")
 flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
 flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
 flags.DEFINE_string("json", None, "Write the results here as JSON.")
@@ -77,34 +89,44 @@ flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
 flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
 
 
-def _make_strategy(name: str, job, workdir: Path):
+def _checkpointer(name: str, job):
+    """An in-memory strategy's InMemoryCheckpointer (its own job in the store root)."""
     import capricorn_jax
-    from launch import strategies
 
-    if name == "none":
-        return strategies.NoCheckpoint()
-    if name == "blocking":
-        return strategies.BlockingCheckpoint(workdir / "blocking", job.host)
-    if name == "orbax_async":
-        return strategies.OrbaxAsync(Path(FLAGS.store_root) / "orbax")
-    if name in ("inmem", "gemini", "capricorn", "pec", "capricorn_pec"):
-        cfg = job.trainer.cfg
-        options = capricorn_jax.InMemoryOptions(
-            store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
-            chunk_bytes=FLAGS.chunk_bytes,
-            # A strategy's statuses refresh only when it saves; interleaved blocks of
-            # the other strategies must not read as replicas that stopped answering.
-            replication_timeout_s=FLAGS.timeout_s,
-            pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
-            if name in ("pec", "capricorn_pec") else None)
-        ckpt = capricorn_jax.InMemoryCheckpointer(
-            options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
-            job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
-        if name in ("inmem", "pec"):
-            return strategies.InMemory(ckpt)
-        return strategies.Scheduled(name.removesuffix("_pec"), ckpt, job.trainer,
-                                    chunk_cap=FLAGS.chunk_bytes)
-    raise ValueError(f"unknown strategy {name!r}")
+    cfg = job.trainer.cfg
+    options = capricorn_jax.InMemoryOptions(
+        store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
+        chunk_bytes=FLAGS.chunk_bytes,
+        # A strategy's statuses refresh only when it saves; interleaved blocks of
+        # the other strategies must not read as replicas that stopped answering.
+        replication_timeout_s=FLAGS.timeout_s,
+        pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
+        if name in PEC else None)
+    return capricorn_jax.InMemoryCheckpointer(
+        options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
+        job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+
+
+def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
+    """({name: strategy}, {name: its ProfilingDriver}, {name: its checkpointer})."""
+    import capricorn_jax
+    from launch.strategies import make_strategy
+
+    strategies, drivers, ckpts = {}, {}, {}
+    directories = {"blocking": workdir / "blocking" / f"host{job.host}",
+                   "orbax_async": Path(FLAGS.store_root) / "orbax"}
+    for name in FLAGS.strategies:
+        if name in IN_MEMORY:
+            ckpts[name] = _checkpointer(name, job)
+        strategies[name] = make_strategy(
+            name, job.trainer, checkpointer=ckpts.get(name), directory=directories.get(name),
+            first_n=FLAGS.profile_first_n, chunk_cap=FLAGS.chunk_bytes, tier="local")
+        options = capricorn_jax.ProfilingOptions(
+            STRATEGY_PROFILE.get(name, "off"), FLAGS.profile_first_n,
+            DetectorOptions(threshold=FLAGS.drift_threshold))
+        drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
+                                                      collectives=job.trainer.all_to_alls)
+    return strategies, drivers, ckpts
 
 
 class _Runner:
@@ -131,12 +153,13 @@ class _Runner:
 
         jax.monitoring.register_event_duration_secs_listener(on_event)
 
-    def block(self, strategy, n: int, probed: int = 0) -> tuple[list[float], list[float]]:
-        """Runs ``n`` steps under ``strategy``; the last ``probed`` of them run
-        the variant with the all-to-all probe (CollectiveProbe) attached.
+    def block(self, strategy, driver, n: int, probed: int = 0) -> tuple[list[float], list[float]]:
+        """Runs ``n`` steps under ``strategy`` through its ``driver``; the last
+        ``probed`` of them run the variant with the all-to-all probe
+        (CollectiveProbe) attached.
 
         Returns:
-          (seconds of each timed step: warm, unprobed, not the first;
+          (seconds of each timed step: warm, unprobed, unprofiled, not the first;
            all-to-all seconds of each warm probed step: the sum of its phases).
         """
         import jax
@@ -146,36 +169,24 @@ class _Runner:
         for i in range(n):
             hooks = (self.probe,) if i >= n - probed else ()
             factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
-            cached = trainer.has_step(factors, hooks)
             compiles = self.compiles
             t0 = time.perf_counter()
             batch = trainer.global_batch(self.job.data.next_batch())
-            if hasattr(strategy, "step"):
-                cached = strategy.compiled(self.step, factors, hooks)
-                self.state, out = strategy.step(self.step, factors, self.state, batch, hooks)
-            else:
-                self.state, out = trainer.step_fn(factors, hooks)(self.state, batch)
+            run = driver.step(self.step, factors, self.state, batch, hooks)
+            self.state, out = run.state, run.metrics
             float(out["loss"])
-            cached = cached and self.compiles == compiles
+            cached = not run.compiled and run.profile is None and self.compiles == compiles
             if hooks:
                 jax.block_until_ready(self.state)  # the backward pass's stamps are in
                 phases = self.probe.phase_seconds()
-                if cached and phases:  # empty: the strategy profiled this step instead
+                if cached and phases:
                     a2a.append(sum(phases.values()))
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
-            pec = getattr(getattr(strategy, "ckpt", None), "pec", None)
-            if pec is not None and pec.tracker.step != self.step:
-                # Interleaved: the other strategies ran the steps in between, which
-                # this tracker never saw; its PLT starts over (timing only).
-                import capricorn_jax
-
-                cfg = self.job.cfg
-                strategy.ckpt.resume_pec(capricorn_jax.PltTracker(
-                    len(cfg.moe_layers), cfg.num_experts, cfg.top_k, self.step))
+            strategy.resume_at(self.step)  # the other strategies ran the steps in between
             strategy.save(self.step + 1, self.state,
                           {"data": self.job.data.state(), "max_routed": self.max_routed},
-                          **({} if pec is None else
-                             {"tokens_per_expert": np.asarray(out["tokens_per_expert"])}))
+                          tokens_per_expert=np.asarray(out["tokens_per_expert"]),
+                          next_step_profiled=driver.profile_next)
             # Checked again after the save: it may compile too (e.g. PEC packing).
             if cached and i > 0 and not hooks and self.compiles == compiles:
                 times.append(time.perf_counter() - t0)
@@ -183,29 +194,20 @@ class _Runner:
         return times, a2a
 
 
-def _allgather(values: list[float], hosts: int) -> list[list[float]]:
-    import numpy as np
-
-    if hosts == 1:
-        return [values]
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.float64))).tolist()
-
-
-def _recovery_times(inmem, job) -> dict:
+def _recovery_times(ckpt, job) -> dict:
     import capricorn_jax
+    from capricorn_jax.experimental import allgather_floats
 
-    inmem.ckpt.wait_until_finished(120)
+    ckpt.wait_until_finished(120)
     out = {}
-    local = capricorn_jax.recover(inmem.ckpt)
+    local = capricorn_jax.recover(ckpt)
     out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved,
                     "tiers": local.tiers}
     if job.hosts > 1 and FLAGS.replicas > 1:
         if job.host == 1:
-            inmem.ckpt.store.wipe()
-        _allgather([0.0], job.hosts)  # barrier: the wipe is done before anyone scans
-        peer = capricorn_jax.recover(inmem.ckpt)
+            ckpt.store.wipe()
+        allgather_floats([0.0], job.hosts)  # barrier: the wipe is done before anyone scans
+        peer = capricorn_jax.recover(ckpt)
         out["peer"] = {"seconds": peer.seconds, "bytes_moved": peer.bytes_moved,
                        "tiers": peer.tiers}
     return out
@@ -213,6 +215,8 @@ def _recovery_times(inmem, job) -> dict:
 
 def bench_worker(process_id: int, workdir: Path) -> None:
     import jax
+
+    from capricorn_jax.experimental import allgather_floats
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
@@ -223,11 +227,12 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                    * len(FLAGS.strategies))
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
                             FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
-    strategies = {name: _make_strategy(name, job, workdir) for name in FLAGS.strategies}
+    strategies, drivers, ckpts = _strategies(job, workdir)
     runner = _Runner(job)
     probed = FLAGS.a2a_steps
     for name, strategy in strategies.items():
-        runner.block(strategy, FLAGS.warmup + probed, probed)  # compiles the probed variant too
+        # Compiles the probed variant too.
+        runner.block(strategy, drivers[name], FLAGS.warmup + probed, probed)
         if job.host == 0:
             print(f"warm-up of {name} done", flush=True)
     samples = {name: [] for name in strategies}
@@ -236,7 +241,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for rep in range(FLAGS.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            times, phases = runner.block(strategies[name], FLAGS.steps + probed, probed)
+            times, phases = runner.block(strategies[name], drivers[name], FLAGS.steps + probed,
+                                         probed)
             if times:
                 samples[name].append(statistics.fmean(times))
             a2a[name] += phases
@@ -245,13 +251,12 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                 f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in order if samples[n]), flush=True)
     ram = {}
     for name, strategy in strategies.items():
-        store = getattr(getattr(strategy, "ckpt", None), "store", None)
-        held = float(store.bytes_held()) if store is not None else 0.0
-        ram[name] = _allgather([held, float(strategy.bytes_per_step)], job.hosts)
-    schedules = {name: {**s.transfers.summary(), "repartition_steps": s.repartitions,
-                        "profiled_steps": s.profiled_steps}
-                 for name, s in strategies.items() if hasattr(s, "transfers")}
-    recovery = {name: _recovery_times(strategies[name], job)
+        held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
+        ram[name] = allgather_floats([held, float(strategy.bytes_per_step)], job.hosts)
+    schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps}
+                 for name, strategy in strategies.items()
+                 if (summary := strategy.schedule_summary()) is not None}
+    recovery = {name: _recovery_times(ckpts[name], job)
                 for name in ("inmem", "pec") if name in strategies}
     for strategy in strategies.values():
         strategy.close()
@@ -337,8 +342,7 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}",
               file=sys.stderr)
         sys.exit(2)
-    workdir = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn_bench_"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_bench_")
     if FLAGS.process_id >= 0:
         runtime.exit_now_on_failure(bench_worker, FLAGS.process_id, workdir)
         return
@@ -353,13 +357,8 @@ def main(argv: list[str]) -> None:
         code = 0
         bench_worker(0, workdir)
     else:
-        coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
-        passed = [a for a in sys.argv[1:] if not a.startswith(("--workdir", "--process_id"))]
-        cluster = cluster_lib.LocalCluster(
-            lambda h: ["-m", "launch.bench", *passed, f"--workdir={workdir}",
-                       f"--process_id={h}", f"--coordinator={coordinator}"],
-            FLAGS.hosts, FLAGS.devices_per_host)
-        code = cluster_lib.run(cluster, FLAGS.timeout_s)
+        code = cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,
+                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s)
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
     result_file = workdir / "worker_result.json"
     if code != 0 or not result_file.exists():

@@ -11,6 +11,11 @@ supervisor kills all of them on any exit path.
 
 ``kill_host`` / ``start_host`` exist for fault injection: the launcher
 SIGKILLs a host's process and starts its replacement.
+
+A worker runs the launcher's own command line with ``--process_id`` and
+``--coordinator`` added (``worker_argv``: one rule for launch.train,
+launch.bench and the experiments); ``run_workers`` runs such a job whose
+workers leave their results in a scratch folder (``scratch_dir``).
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -47,6 +54,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_argv(module: str, argv: Sequence[str], host: int, coordinator: str,
+                internal: tuple[str, ...] = (), extra: Sequence[str] = ()) -> list[str]:
+    """Interpreter arguments of host ``host``'s worker: ``-m module`` with the
+    launcher's own flags ``argv``, less ``--process_id``, ``--coordinator`` and
+    those starting with ``internal``, then ``extra`` and this host's
+    ``--process_id`` and ``--coordinator``."""
+    drop = ("--process_id", "--coordinator", *internal)
+    passed = [a for a in argv if not a.startswith(drop)]
+    return ["-m", module, *passed, *extra, f"--process_id={host}", f"--coordinator={coordinator}"]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -212,3 +230,26 @@ def run(cluster: LocalCluster, timeout_s: float, on_tick: Callable[[], None] | N
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def scratch_dir(path: str | None, prefix: str) -> Path:
+    """``path`` (created), or a new temporary folder named ``prefix...``: where
+    a tool's workers leave their results for the launcher."""
+    folder = Path(path or tempfile.mkdtemp(prefix=prefix))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def run_workers(module: str, argv: Sequence[str], hosts: int, devices_per_host: int,
+                workdir: str | os.PathLike, timeout_s: float,
+                internal: tuple[str, ...] = ()) -> int:
+    """Runs ``-m module`` once per simulated host with the launcher's flags
+    ``argv`` (less ``internal``) and ``--workdir=workdir`` (a tool's scratch
+    folder, where the workers leave their results), until every host exits
+    or ``timeout_s`` passes; the job's exit code (``run``)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    cluster = LocalCluster(
+        lambda h: worker_argv(module, argv, h, coordinator, ("--workdir", *internal),
+                              (f"--workdir={workdir}",)),
+        hosts, devices_per_host)
+    return run(cluster, timeout_s)

@@ -3,7 +3,7 @@
 #
 #   bash launch/gpu_bench.sh OUTDIR            # PYTHON=... to pick the interpreter
 #
-# 1. the device's copy bandwidths (launch.bandwidth);
+# 1. the device's copy bandwidths (launch.experiments.bandwidth);
 # 2. launch.train on the GPU: per-layer profile every step (host callbacks on the
 #    GPU stream), the in-memory tier + an Orbax step every 4 steps; then a
 #    --resume from the memory tier, and one from the persistent tier (pinned_host
@@ -51,7 +51,7 @@ print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version
       'orbax', ocp.__version__, 'numpy', numpy.__version__)
 print(jax.devices(), [m.kind for m in d.addressable_memories()])"
 echo "store: $STORE"; df -h /dev/shm "$WORK" | tee -a "$LOG"; nvidia-smi -L 2>&1 | tee -a "$LOG"
-part bandwidth 120 "$PY" -m launch.bandwidth --mib=1024 --repeats=5 --json="$OUT/bandwidth.json"
+part bandwidth 120 "$PY" -m launch.experiments.bandwidth --mib=1024 --repeats=5 --json="$OUT/bandwidth.json"
 
 TRAIN=(--platform=gpu --hosts=1 --replicas=1 --model=small --dispatch=fixed --ckpt=inmem
        --persist_every=4 --store_root="$STORE" --workdir="$WORK/train" --eval_sequences=2)

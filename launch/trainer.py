@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax import BoundaryHook, boundary_hooks
 from models.config import ModelConfig
-from models.gpt import BATCH_AXES, DATA, EXPERT, GPTMoE, param_partition_specs
+from models.gpt import BATCH_AXES, DATA, EXPERT, GPTMoE, all_to_all_buffers, param_partition_specs
 
 State = dict[str, Any]
 StepBody = Callable[[State, jax.Array], tuple[State, dict]]
@@ -62,7 +62,13 @@ def make_mesh(expert_parallel: int, devices: list | None = None) -> Mesh:
 
 
 class Trainer:
-    """Builds, shards and steps the train state of a GPT-MoE on a mesh."""
+    """Builds, shards and steps the train state of a GPT-MoE on a mesh.
+
+    It is the ``capricorn_jax.TrainStep`` the library's profiler, in-step
+    executor and scheduled strategies use: ``mesh``, the shardings,
+    ``boundaries``, ``moe_layers``, ``step_fn``, ``has_step`` and
+    ``step_with_sender``.
+    """
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions):
         if cfg.num_experts % mesh.shape[EXPERT]:
@@ -87,6 +93,21 @@ class Trainer:
     def tokens_per_group(self) -> int:
         """Tokens of one device in one step (one capacity group)."""
         return self.cfg.global_batch * self.cfg.seq_len // self.mesh.size
+
+    @property
+    def boundaries(self) -> list[str]:
+        """The model's layer-boundary names, in forward order."""
+        return [f"block{i}" for i in range(self.cfg.n_layers)]
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE blocks (the rows of tokens_per_expert)."""
+        return tuple(self.cfg.moe_layers)
+
+    def all_to_alls(self, factors: tuple[float, ...]) -> dict[str, list[jax.ShapeDtypeStruct]]:
+        """Per MoE block, the per-device all-to-all buffers of a step at these
+        capacity factors (the profiler's collective estimate)."""
+        return all_to_all_buffers(self.cfg, self.tokens_per_group, factors)
 
     def _init(self, seed: jax.Array) -> State:
         key = jax.random.key(seed)
@@ -130,14 +151,15 @@ class Trainer:
         return total, (ce, stats)
 
     def _step(self, state: State, batch: jax.Array, factors: tuple[float, ...]):
-        new_state, metrics, _ = self._step_with(state, batch, factors, None)
+        new_state, metrics, _ = self.step_with_sender(state, batch, factors, None)
         return new_state, metrics
 
-    def _step_with(self, state: State, batch: jax.Array, factors: tuple[float, ...], sender,
-                   *sender_args):
-        """The step; with a ``sender`` (capricorn_jax's in-step transfer executor)
-        its boundary hooks move checkpoint chunks during the forward and backward
-        pass, and the third output is what the sender returns."""
+    def step_with_sender(self, state: State, batch: jax.Array, factors: tuple[float, ...],
+                         sender: Any, *sender_args: jax.Array) -> tuple[State, dict, Any]:
+        """The traced step; with a ``sender`` (capricorn_jax's in-step transfer
+        executor) its boundary hooks move checkpoint chunks during the forward
+        and backward pass, and the third output is what the sender returns
+        (None without a sender)."""
         rng, dropout_rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         extra = None
         if sender is None:

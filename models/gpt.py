@@ -26,6 +26,7 @@ follow its load; each bucket tuple is one compiled variant, cached by jit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -257,3 +258,22 @@ def param_partition_specs(params: Any) -> Any:
         return P(EXPERT) if names & set(EXPERT_PARAMS) else P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def all_to_all_buffers(cfg: ModelConfig, tokens_per_group: int,
+                       factors: Sequence[float]) -> dict[str, list[jax.ShapeDtypeStruct]]:
+    """The per-device all-to-all buffers of each MoE block, for the layer
+    profiler's collective estimate (``capricorn_jax.make_profiled_step``).
+
+    Each MoE layer sends a [num_experts, capacity, d_model] buffer out
+    (dispatch) and one back (combine), in the activation dtype (float32);
+    the capacity follows the layer's capacity factor and the tokens of one
+    device (``tokens_per_group``). The model knows these shapes, the library
+    does not: it takes them as an argument.
+    """
+    out: dict[str, list[jax.ShapeDtypeStruct]] = {}
+    for layer, factor in zip(cfg.moe_layers, factors, strict=True):
+        cap = capacity(cfg, tokens_per_group, factor)
+        buf = jax.ShapeDtypeStruct((cfg.num_experts, cap, cfg.d_model), jnp.float32)
+        out[f"block{layer}"] = [buf, buf]
+    return out

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, assert_no_orphans
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _bench(*flags, timeout=400):
@@ -60,7 +64,7 @@ def test_bench_scheduled_strategies(tmp_path):
     out = tmp_path / "bench.json"
     proc = _bench("--strategies=none,gemini,capricorn,capricorn_pec", "--model=tiny",
                   "--dispatch=fixed",
-                  "--workload=steady", "--steps=8", "--reps=1",
+                  "--workload=steady", "--steps=8", "--reps=1", "--profile_first_n=3",
                   "--warmup=4", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

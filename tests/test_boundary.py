@@ -6,6 +6,7 @@ import numpy as np
 
 import capricorn_jax
 from capricorn_jax import boundary_hooks, layer_boundary
+from capricorn_jax._src.profiling.boundary import active_hooks
 from models import GPTMoE, get_config
 
 
@@ -33,9 +34,9 @@ def test_hooks_apply_in_order_and_detach():
 
     with boundary_hooks(first, second):
         assert float(layer_boundary(jnp.float32(1), "l0")) == 4.0
-        assert capricorn_jax.active_hooks() == (first, second)
+        assert active_hooks() == (first, second)
     assert seen == [("first", "l0"), ("second", "l0")]
-    assert capricorn_jax.active_hooks() == ()
+    assert active_hooks() == ()
     assert float(layer_boundary(jnp.float32(1), "l0")) == 1.0
 
 

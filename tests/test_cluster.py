@@ -20,6 +20,7 @@ def test_cpu_sets_split_this_process_cpus_round_robin():
         cluster_lib.cpu_sets_per_host(0)
 
 
+@pytest.mark.slow
 def test_pinned_hosts_run_on_their_cpu_sets():
     cpus = sorted(os.sched_getaffinity(0))
     sets = cluster_lib.cpu_sets_per_host(2)
@@ -42,6 +43,7 @@ def test_pinned_hosts_run_on_their_cpu_sets():
         cluster_lib.LocalCluster(lambda h: [sys.executable], 1, 1, cpu_sets=[set()])
 
 
+@pytest.mark.slow
 def test_run_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
     """A job started in the background by a non-interactive shell inherits
     SIGINT ignored; run() installs its own handler, so SIGINT still stops it."""

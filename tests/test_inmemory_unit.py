@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from capricorn_jax._src.memory.host_arrays import global_arrays
 from capricorn_jax._src.memory.packing import (
     check_compatible,
     decode_trailer,
@@ -20,7 +21,7 @@ from capricorn_jax._src.memory.packing import (
 )
 from capricorn_jax._src.memory.placement import send_rounds
 from capricorn_jax._src.memory.recovery import choose_version, serve_rounds
-from capricorn_jax._src.memory.transport import Transport, assemble, local_rows
+from capricorn_jax._src.memory.transport import Transport, local_rows
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal
@@ -47,7 +48,7 @@ def test_pack_replicate_unpack_roundtrip(trainer):
     np.testing.assert_array_equal(np.asarray(statuses), [[3, 4]] * 4)
     assert decode_trailer(plan, own_rows[1]) == {"h": 7}
     blocks = {**unpack(plan, 0, own_rows[:2]), **unpack(plan, 1, own_rows[2:])}
-    restored = assemble(blocks, trainer.abstract_state, trainer.state_shardings, trainer.mesh)
+    restored = global_arrays(blocks, trainer.abstract_state, trainer.state_shardings, trainer.mesh)
     assert_trees_equal(restored, state, check_sharding=True)
 
 
@@ -121,7 +122,7 @@ def test_donated_state_is_not_read_after_donation(trainer, tmp_path):
     rows = [np.frombuffer(b"".join(ckpt.store.read_chunk(0, 1, f"d{j}.c{k}")
                                    for k in range(ckpt.plan.num_chunks)), np.uint8)
             for j in range(4)]
-    restored = assemble(unpack(ckpt.plan, 0, rows), trainer.abstract_state,
+    restored = global_arrays(unpack(ckpt.plan, 0, rows), trainer.abstract_state,
                         trainer.state_shardings, trainer.mesh)
     assert_trees_equal(restored, expected)
     ckpt.close()
@@ -185,7 +186,7 @@ def test_safe_version_and_the_versions_kept_follow_the_saves(trainer, tmp_path, 
     for k in range(1, 8):
         report = ckpt.save(k, state, {"data": {"step": k}})
         ckpt.wait_until_finished(60)
-        assert report.replicated == (k - 2 if k >= 3 else -1)
+        assert report.safe_version == report.replicated == (k - 2 if k >= 3 else -1)
         assert ckpt.store.versions(0) == [v for v in (k - 2, k - 1, k) if v >= 1]
     ckpt.close()
     newest = tmp_path / "j" / "host0" / "owner0" / "v000000000007" / "d0.c0"

@@ -1,10 +1,11 @@
-"""launch.moe_load: the load control and the structure of its result (no timing checks)."""
+"""launch.experiments.moe_load: the load control and the structure of its result
+(no timing checks)."""
 
 import jax
 import numpy as np
 import pytest
 
-from launch.moe_load import markdown, measure, routed_inputs
+from launch.experiments.moe_load import markdown, measure, routed_inputs
 
 
 def test_routed_inputs_send_the_chosen_share_of_tokens_to_expert_0():

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import capricorn_jax
-from capricorn_jax._src.persistent.orbax_handler import read_own_blocks
 from capricorn_jax._src.memory.packing import unpack
+from capricorn_jax._src.persistent.memory_read import read_own_blocks
 from tests.helpers import ROOT
 from tests.orbax_worker import INTERVAL, README_SNIPPET, SHAPES, expected_state
 from tests.tree_utils import assert_trees_equal
@@ -300,6 +300,7 @@ def test_wrong_args_and_mismatched_trees_are_named(two_tier):
         manager.restore(1, args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
 
 
+@pytest.mark.slow
 def test_unwritable_directory_is_recorded_and_memory_tier_goes_on(tmp_path):
     args = {"store": str(tmp_path / "shm"), "ckpt": str(tmp_path / "ckpt")}
     (result,) = _results(_run("readonly", args).stdout)
@@ -317,6 +318,7 @@ def test_unwritable_directory_is_recorded_and_memory_tier_goes_on(tmp_path):
     assert result["listing"] == []  # no step, no temporary directory
 
 
+@pytest.mark.slow
 def test_readme_snippet_runs_verbatim(tmp_path):
     first = _run("snippet", cwd=tmp_path).stdout
     assert "persistent steps: [2, 4] errors: []" in first
@@ -366,9 +368,9 @@ def _pec_target(trainer):
 def _assert_state_from(trainer, base, got, point, data_steps):
     """Each non-expert leaf is base + point; each expert's slices of every expert
     leaf (parameters and Adam moments) are base + the one step its values are from."""
-    from capricorn_jax._src.partial import pec
+    from capricorn_jax._src.partial.leaves import expert_leaf_axes
 
-    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     flat = jax.tree_util.tree_flatten_with_path(got)[0]
     for (path, leaf), b in zip(flat, jax.tree.leaves(base), strict=True):
         name, b = jax.tree_util.keystr(path), np.asarray(b)
@@ -383,7 +385,8 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     """PEC memory tier (K=2 of 8, 2 expert ranks), persistent steps every 3
     steps with K_persist = N or 2, max_to_keep=1; each version's values are
     base + its step, so every restored expert names the step it comes from."""
-    from capricorn_jax._src.partial import pec
+    from capricorn_jax._src.memory.retention import versions_to_keep
+    from capricorn_jax._src.partial.plans import newest_copies, persisted_needs
 
     trainer = pec_trainer
     bump = jax.jit(lambda s, v: jax.tree.map(lambda x: x + v.astype(x.dtype), s),
@@ -410,9 +413,11 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
                for s in manager.all_steps()}
     carried = {s: np.array([[e in row for e in range(8)] for row in persisted[s]["experts"]])
                for s in persisted}
-    newest = pec.newest_copies(carried, (2, 8))
+    newest = newest_copies(carried, (2, 8))
     # max_to_keep=1, plus every step that holds some expert's newest copy.
-    assert list(manager.all_steps()) == sorted(pec.covering_steps(carried, (2, 8)))
+    assert list(manager.all_steps()) == sorted(np.unique(newest).tolist())
+    assert list(manager.all_steps()) == sorted(
+        versions_to_keep(persisted_needs(carried, (2, 8)), max(carried), window=0))
     assert sorted(int(p.name) for p in manager.directory.iterdir() if p.name.isdigit()) == \
         list(manager.all_steps())
     if k_persist is None:
@@ -481,6 +486,7 @@ def killed_job(tmp_path_factory):
     return root, saves
 
 
+@pytest.mark.slow
 def test_killed_write_leaves_no_partial_step(killed_job):
     root, saves = killed_job
     for host_saves in saves:
@@ -493,6 +499,7 @@ def test_killed_write_leaves_no_partial_step(killed_job):
     assert ocp.CheckpointManager(root / "ckpt").latest_step() == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 1])
 def test_plain_orbax_restores_on_another_topology(killed_job, devices):
     root, _ = killed_job
@@ -502,6 +509,7 @@ def test_plain_orbax_restores_on_another_topology(killed_job, devices):
                       "capricorn_imported": False}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [4, 1])
 def test_capricorn_manager_restores_persistent_step_on_another_topology(killed_job, tmp_path,
                                                                         devices):
@@ -513,6 +521,7 @@ def test_capricorn_manager_restores_persistent_step_on_another_topology(killed_j
                       "sharded_as_target": True}
 
 
+@pytest.mark.slow
 def test_restart_takes_the_newest_tier(killed_job, tmp_path):
     root, _ = killed_job
     shutil.copytree(root, tmp_path / "job")  # the plain-restore tests read the original

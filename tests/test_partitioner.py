@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax import LayerProfile, Segment
+from capricorn_jax import LayerProfile
+from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.memory.packing import LeafSlot
 from capricorn_jax._src.scheduling.partitioner import (
     PADDING,
@@ -392,7 +393,7 @@ def test_windows_from_profile_and_scaling():
 def test_agree_profile_keeps_the_profile_in_one_process():
     """One process: host 0 is this one; the values go through float32 (as on
     every host of a multi-host job) and a missing estimate stays missing."""
-    from capricorn_jax._src.scheduling.transfers import agree_profile
+    from capricorn_jax._src.profiling.policy import agree_profile
 
     profile = LayerProfile(7, 0.5, (Segment("block0", "fwd", 0.0, 0.1, 0.01),
                                     Segment("head", "fwd", 0.1, 0.3, None)), 4)

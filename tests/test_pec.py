@@ -10,25 +10,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.partial.pec import (
-    DynamicK,
-    PecOptions,
-    PltTracker,
-    covering_steps,
-    expert_leaf_axes,
-    leaf_steps,
-    load_aware_mask,
-    local_gather_indices,
+from capricorn_jax._src.memory.retention import versions_to_keep
+from capricorn_jax._src.partial.leaves import expert_leaf_axes, leaf_steps, state_bytes
+from capricorn_jax._src.partial.plans import (
     newest_copies,
     persist_mask,
+    persisted_needs,
     persisted_plan,
+)
+from capricorn_jax._src.partial.selection import (
+    DynamicK,
+    PecOptions,
+    load_aware_mask,
+    local_gather_indices,
     predict_plt,
     rank_counts,
-    restore_plan,
     select_experts,
     sequential_mask,
-    state_bytes,
 )
+from capricorn_jax._src.partial.tracker import PltTracker, restore_plan
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config, param_count
 
@@ -418,7 +418,10 @@ def test_persisted_plan_hand_example():
     assert plan.lost.tolist() == [30] and plan.plt == 0.3 and plan.accumulated_plt == 0.35
     assert persisted_plan(copies, 4, [[50, 20]], [0], 80, 1).source.tolist() == [[4, 2]]
     assert newest_copies({s: c[0] for s, c in copies.items()}, (1, 2)).tolist() == [[4, 6]]
-    assert covering_steps({s: c[0] for s, c in copies.items()}, (1, 2)) == {4, 6}
+    needs = persisted_needs({s: c[0] for s, c in copies.items()}, (1, 2))
+    assert needs == {2: ((2,), True), 4: ((2, 4), True), 6: ((4, 6), True)}
+    # The persistent tier keeps the steps a restore of the newest one reads.
+    assert versions_to_keep(needs, 6, window=0) == {4, 6}
     with pytest.raises(ValueError, match="expert 1 of MoE layer 0"):
         persisted_plan({4: copies[4]}, 4, [[50, 20]], [0], 80, 1)
     with pytest.raises(ValueError, match="one training"):

@@ -29,10 +29,19 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.partial import pec
-from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_pec_plan, make_plan, unpack, unpack_pec
-from capricorn_jax._src.partial.pec import PecOptions, PltTracker
+from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory.packing import (
+    TRAILER_BYTES,
+    make_pec_plan,
+    make_plan,
+    unpack,
+    unpack_pec,
+)
 from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.partial.leaves import expert_leaf_axes, leaf_steps, pec_bytes
+from capricorn_jax._src.partial.plans import version_needs
+from capricorn_jax._src.partial.selection import PecOptions, padded_gather_indices, sequential_mask
+from capricorn_jax._src.partial.tracker import PltTracker, restore_plan
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal
@@ -92,7 +101,7 @@ def test_bytes_per_version_follow_pec_bytes(trainer, tmp_path):
     state = trainer.init_state(0)
     devices = len(ckpt.plan.host_positions(0))
     slack = 4 * len(ckpt.plan.leaves)  # per-leaf rounding of the split over 4 devices
-    masks = {1: None, 2: pec.sequential_mask(1, 2, 2, 8, 2), 3: pec.sequential_mask(2, 3, 2, 8, 2)}
+    masks = {1: None, 2: sequential_mask(1, 2, 2, 8, 2), 3: sequential_mask(2, 3, 2, 8, 2)}
     sent = {}
     for step, k in zip(masks, (8, 1, 2), strict=True):
         report = ckpt.save(step, state, {"s": step}, tokens_per_expert=TPE,
@@ -100,7 +109,7 @@ def test_bytes_per_version_follow_pec_bytes(trainer, tmp_path):
         assert report.pec_k == k
         sent[step] = report.bytes
         state_bytes = report.bytes - devices * TRAILER_BYTES
-        assert 0 <= state_bytes - pec.pec_bytes(trainer.abstract_state, cfg, k) <= slack, k
+        assert 0 <= state_bytes - pec_bytes(trainer.abstract_state, cfg, k) <= slack, k
     ckpt.wait_until_finished(60)
     for v in ckpt.store.versions(0):  # the store holds exactly the payloads
         chunks = (ckpt.store.root / "owner0" / f"v{v:012d}").glob("d*")
@@ -117,9 +126,9 @@ def test_pec_plan_roundtrip_on_two_simulated_hosts():
     base = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh, 1 << 16,
                      device_host=[0, 0, 1, 1])
     layers = [None if i is None else i.moe_layer
-              for i in pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg).values()]
-    mask = pec.sequential_mask(1, 5, 2, 8, 4)  # 2 experts on 4 ranks: counts 1, 1, 0, 0
-    gather, counts = pec.padded_gather_indices(mask, 4)
+              for i in expert_leaf_axes(trainer.abstract_state, trainer.cfg).values()]
+    mask = sequential_mask(1, 5, 2, 8, 4)  # 2 experts on 4 ranks: counts 1, 1, 0, 0
+    gather, counts = padded_gather_indices(mask, 4)
     assert sorted(counts.tolist()) == [0, 0, 1, 1] and (gather[counts == 0] == -1).all()
     plan = make_pec_plan(base, layers, gather.shape[1])
     assert plan.fingerprint() != base.fingerprint()
@@ -199,11 +208,11 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
     recovered = capricorn_jax.recover(_checkpointer(trainer, tmp_path, PecOptions(k=2)))
     masks = {1: np.ones((2, 8), bool), 2: version.mask}
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
-    plan = pec.restore_plan(saved, 2, _replay(masks), 2 * TOKENS_PER_STEP)
+    plan = restore_plan(saved, 2, _replay(masks), 2 * TOKENS_PER_STEP)
     assert recovered.pec.versions == [1, 2] and recovered.pec.source == plan.source.tolist()
-    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     want = _expected([np.asarray(x) for x in jax.tree.leaves(base)], leaves,
-                     pec.leaf_steps(plan, leaves))
+                     leaf_steps(plan, leaves))
     for (path, _), got in zip(leaves.items(), jax.tree.leaves(recovered.state), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want[path], err_msg=path)
 
@@ -239,11 +248,11 @@ def test_restored_experts_come_from_one_step_and_prune_keeps_what_restore_needs(
     ckpt = _checkpointer(trainer, tmp_path, PecOptions(k=2, dynamic=False))
     masks = {}
     for step in range(1, 12):
-        given = pec.sequential_mask(1, step, 2, 8, 2) if step >= 10 else None
+        given = sequential_mask(1, step, 2, 8, 2) if step >= 10 else None
         ckpt.save(step, bump(base, jnp.int32(step)), {"data": step}, tokens_per_expert=TPE,
                   expert_mask=given)
         masks[step] = (given if given is not None else np.ones((2, 8), bool) if step == 1
-                       else pec.sequential_mask(2, step, 2, 8, 2))
+                       else sequential_mask(2, step, 2, 8, 2))
         ckpt.wait_until_finished(60)
         if 2 <= step <= 9:
             assert len(ckpt.store.versions(0)) <= math.ceil(8 / 2) + 2, ckpt.store.versions(0)
@@ -256,15 +265,15 @@ def test_restored_experts_come_from_one_step_and_prune_keeps_what_restore_needs(
     fresh = _checkpointer(trainer, tmp_path, PecOptions(k=2, dynamic=False))
     recovered = capricorn_jax.recover(fresh)
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
-    plan = pec.restore_plan(saved, 11, tracker, 11 * TOKENS_PER_STEP)
+    plan = restore_plan(saved, 11, tracker, 11 * TOKENS_PER_STEP)
     assert recovered.step == 11 and recovered.host_state == {"data": 11}
     assert recovered.pec.source == plan.source.tolist()
     assert recovered.pec.plt == pytest.approx(plan.plt) and recovered.pec.plt > 0
     assert recovered.pec.versions == sorted({*np.unique(plan.source).tolist(), 11})
     assert len(set(recovered.pec.versions)) > 2  # experts really came from several versions
-    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     want = _expected([np.asarray(x) for x in jax.tree.leaves(base)], leaves,
-                     pec.leaf_steps(plan, leaves))
+                     leaf_steps(plan, leaves))
     for (path, _), got in zip(leaves.items(), jax.tree.leaves(recovered.state), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want[path], err_msg=path)
     tracker.on_restored(plan)
@@ -281,11 +290,11 @@ def test_versions_to_keep_is_bounded_and_always_restorable():
         for step in range(1, 40):
             tracker.observe(TPE)
             mask = (np.ones((2, 8), bool) if step == 1
-                    else pec.sequential_mask(k, step, 2, 8, 2))
+                    else sequential_mask(k, step, 2, 8, 2))
             tracker.on_saved(step, mask)
-            needs[step] = pec.version_needs(tracker.saved_step)
+            needs[step] = version_needs(tracker.saved_step)
             replicated = max(replicated, step - int(rng.integers(0, 3)))  # never goes back
-            keep = pec.versions_to_keep(needs, step, replicated)
+            keep = retention.versions_to_keep(needs, replicated, window=2)
             needs = {v: n for v, n in needs.items() if v in keep}
             assert len(keep) <= math.ceil(8 / k) + 2, (k, step, sorted(keep))
             assert set(np.unique(tracker.saved_step)) <= keep  # the newest restore works
@@ -317,6 +326,7 @@ def test_pec_argument_errors(trainer, tmp_path):
 # ------------------------------------------------------------------ two processes
 
 
+@pytest.mark.slow
 def test_two_processes_restore_pec_versions_from_a_peer(tmp_path):
     """Two real hosts (2 devices each, ep4), replicas=2, K=2: host 1's store is
     wiped, so its expert copies (four versions) come from host 0's replicas."""
@@ -372,7 +382,7 @@ def _worker(host: int, port: int, root: str) -> None:
     for step in range(1, 7):
         ckpt.save(step, bump(base, jnp.int32(step)), {"data": [host, step]},
                   tokens_per_expert=TPE)
-        masks[step] = np.ones((2, 8), bool) if step == 1 else pec.sequential_mask(2, step, 2, 8, 4)
+        masks[step] = np.ones((2, 8), bool) if step == 1 else sequential_mask(2, step, 2, 8, 4)
         ckpt.wait_until_finished(60)
     ckpt.close()
     multihost_utils.sync_global_devices("saved")
@@ -383,9 +393,9 @@ def _worker(host: int, port: int, root: str) -> None:
     assert recovered.host_state == {"data": [host, 6]}, recovered.host_state
     tracker = _replay(masks)
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
-    plan = pec.restore_plan(saved, 6, tracker, 6 * TOKENS_PER_STEP)
+    plan = restore_plan(saved, 6, tracker, 6 * TOKENS_PER_STEP)
     assert recovered.pec.source == plan.source.tolist() and recovered.pec.plt == plan.plt
-    _check_shards(base, recovered.state, pec.leaf_steps(plan, pec.expert_leaf_axes(
+    _check_shards(base, recovered.state, leaf_steps(plan, expert_leaf_axes(
         trainer.abstract_state, cfg)))
     print("RESULT " + json.dumps({
         "tiers": recovered.tiers, "step": recovered.step, "bytes_moved": recovered.bytes_moved,

@@ -53,6 +53,7 @@ def every_run(tmp_path_factory, cache):
     return workdir, _train(workdir, cache, 8, "--profile=every")
 
 
+@pytest.mark.slow
 def test_every_profiles_each_step_in_layer_order(every_run):
     _, records = every_run
     profiles = _events(records, "profile")
@@ -69,6 +70,7 @@ def test_every_profiles_each_step_in_layer_order(every_run):
     assert all(r["profiled"] for r in records if "event" not in r)
 
 
+@pytest.mark.slow
 def test_profiling_leaves_training_bitwise_unchanged(every_run, off_run):
     _, every = every_run
     losses = [r["loss"] for r in every if "event" not in r]
@@ -77,6 +79,7 @@ def test_profiling_leaves_training_bitwise_unchanged(every_run, off_run):
     assert not _events(off_run, "profile")
 
 
+@pytest.mark.slow
 def test_speculative_profiles_when_the_detector_asks(tmp_path, cache):
     # A low threshold so the early, fast-moving router triggers it within 8 steps.
     records = _train(tmp_path / "spec", cache, 8, "--profile=speculative",
@@ -97,6 +100,7 @@ def test_speculative_profiles_when_the_detector_asks(tmp_path, cache):
     assert {s for s, r in step_lines.items() if r["profiled"]} == set(profiles)
 
 
+@pytest.mark.slow
 def test_first_n_profiles_the_first_steps_once(tmp_path, cache):
     records = _train(tmp_path / "first_n", cache, 5, "--profile=first_n", "--profile_first_n=3")
     assert [p["step"] for p in _events(records, "profile")] == [0, 1, 2]
@@ -107,12 +111,14 @@ def test_first_n_profiles_the_first_steps_once(tmp_path, cache):
     assert not _events(records, "detector")
 
 
+@pytest.mark.slow
 def test_plot_profile_writes_a_png(every_run, tmp_path):
     workdir, _ = every_run
     out = tmp_path / "profile.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.plot_profile", f"--metrics={workdir / 'metrics.jsonl'}",
-         f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "launch.experiments.plot_profile",
+         f"--metrics={workdir / 'metrics.jsonl'}", f"--out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 

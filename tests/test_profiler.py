@@ -6,8 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax import LayerProfile, Segment, make_profiled_step
-from capricorn_jax._src.profiling import profiler
+from capricorn_jax import LayerProfile, make_profiled_step
+from capricorn_jax._src.profiling.layer_profile import Segment
+from capricorn_jax._src.profiling import layer_profile
+from capricorn_jax._src.profiling.probe import time_all_to_all
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 
@@ -51,7 +53,7 @@ def test_marks_fire_once_per_device_in_layer_order(setup):
     step.recorder.clear()
     jax.block_until_ready(step.jitted(state, batch))
     times = step.recorder.drain()
-    order = profiler.event_order(step.hook.names)
+    order = layer_profile.event_order(step.hook.names)
     assert step.hook.names == ["block0", "block1"]
     assert order[1:5] == [("block0", "fwd"), ("block1", "fwd"), ("block1", "bwd"),
                           ("block0", "bwd")]
@@ -92,10 +94,10 @@ def test_only_the_profiled_variant_is_instrumented(setup):
 
 def test_profile_json_round_trip_and_collective_split():
     names = ["block0", "block1"]
-    order = profiler.event_order(names)
+    order = layer_profile.event_order(names)
     times = {(n, d, dev): 1.0 + 0.1 * i + 0.01 * dev for i, (n, d) in enumerate(order)
              for dev in range(2)}
-    profile = profiler.build_profile(3, 0.7, names, times, {"block1": 0.02})
+    profile = layer_profile.build_profile(3, 0.7, names, times, {"block1": 0.02})
     assert [(s.name, s.direction) for s in profile.segments] == SEGMENTS
     # START: first device; every later mark: last device.
     np.testing.assert_allclose(profile.segments[0].duration_s, 0.11)
@@ -111,23 +113,24 @@ def test_profile_json_round_trip_and_collective_split():
 
 def test_build_profile_rejects_missing_or_disordered_marks():
     names = ["block0"]
-    order = profiler.event_order(names)
+    order = layer_profile.event_order(names)
     times = {(n, d, 0): float(i) for i, (n, d) in enumerate(order)}
     with pytest.raises(RuntimeError, match="missing"):
-        profiler.build_profile(0, 1.0, names, {k: v for k, v in times.items() if k[1] != "bwd"})
+        layer_profile.build_profile(0, 1.0, names,
+                                    {k: v for k, v in times.items() if k[1] != "bwd"})
     times[("block0", "bwd", 0)] = -1.0
     with pytest.raises(RuntimeError, match="out of order"):
-        profiler.build_profile(0, 1.0, names, times)
+        layer_profile.build_profile(0, 1.0, names, times)
 
 
 def test_all_to_all_estimate_for_the_moe_layers(setup):
     trainer, _ = setup
-    bufs = profiler.gpt_moe_all_to_alls(trainer, FACTORS)
+    bufs = trainer.all_to_alls(FACTORS)
     cfg = trainer.cfg
     assert sorted(bufs) == [f"block{i}" for i in cfg.moe_layers]
     cap = 2 * trainer.tokens_per_group * cfg.top_k // cfg.num_experts
     assert [b.shape for b in bufs["block0"]] == [(cfg.num_experts, cap, cfg.d_model)] * 2
-    seconds = profiler.time_all_to_all(trainer.mesh, "expert", bufs["block0"][0], repeats=3)
+    seconds = time_all_to_all(trainer.mesh, "expert", bufs["block0"][0], repeats=3)
     assert 0.0 <= seconds < 1.0
 
 

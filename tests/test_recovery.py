@@ -14,6 +14,8 @@ import pytest
 from tests.helpers import assert_no_orphans, run_train
 from tests.tree_utils import assert_trees_equal
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 COMMON = ("--model=tiny", "--eval_sequences=0", "--log_every=5")
 STEPS = 14
 
@@ -233,10 +235,10 @@ def _reference_state(directory, step: int) -> dict:
 def _assembled(reference_dir, point: int, data_steps: np.ndarray):
     """The reference's state at ``point`` with each expert (all of its leaves:
     parameters and Adam moments) replaced by its values at ``data_steps``."""
-    from capricorn_jax._src.partial import pec
+    from capricorn_jax._src.partial.leaves import expert_leaf_axes
 
     trainer = _tiny()
-    leaves = pec.expert_leaf_axes(trainer.abstract_state, trainer.cfg)
+    leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     states = {s: jax.tree.leaves(_reference_state(reference_dir, s))
               for s in {point, *np.unique(data_steps).tolist()}}
     out = []
@@ -252,11 +254,12 @@ def _assembled(reference_dir, point: int, data_steps: np.ndarray):
 def _memory_copies(k: int, point: int) -> np.ndarray:
     """[L, N] each expert's newest in-memory copy at or before ``point`` for
     sequential PEC with K=k on 4 expert ranks (version 1 carries every expert)."""
-    from capricorn_jax._src.partial import pec
+    from capricorn_jax._src.partial.plans import newest_copies
+    from capricorn_jax._src.partial.selection import sequential_mask
 
     masks = {1: np.ones((2, 8), bool)}
-    masks.update({v: pec.sequential_mask(k, v, 2, 8, 4) for v in range(2, point + 1)})
-    return pec.newest_copies(masks, (2, 8), point)
+    masks.update({v: sequential_mask(k, v, 2, 8, 4) for v in range(2, point + 1)})
+    return newest_copies(masks, (2, 8), point)
 
 
 def _disk_steps(workdir) -> list[int]:
@@ -297,7 +300,7 @@ def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, refe
     with an expert's newest copy; with every RAM store lost, --resume assembles
     each expert from its newest persisted copy (parameters and moments alike)."""
     import capricorn_jax
-    from capricorn_jax._src.partial import pec
+    from capricorn_jax._src.partial.plans import newest_copies
 
     _, ref = reference_run
     flags = ("--pec_k=4", "--pec_k_persist=4", "--nopec_dynamic", "--persist_every=2",
@@ -312,7 +315,7 @@ def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, refe
     for s in (2, 4, 6):  # one expert of each rank (2 local experts) and layer
         assert (carried[s].reshape(2, 4, 2).sum(axis=2) == 1).all()
     assert (carried[2] | carried[4]).all() and (carried[4] | carried[6]).all()
-    newest = pec.newest_copies(carried, (2, 8))
+    newest = newest_copies(carried, (2, 8))
     assert sorted(np.unique(newest).tolist()) == [4, 6]
     assert _disk_steps(tmp_path / "w") == [4, 6]  # max_to_keep=1, plus step 4's experts
     # Each persisted expert holds its newest in-memory copy when its step was written.
@@ -385,7 +388,6 @@ def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     assert sorted(os.listdir(host1 / "owner0"))[-1] == "v000000000060"
 
 
-@pytest.mark.slow
 def test_four_hosts_host_loss(tmp_path):
     _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=2", "--kill_at_step=4",
                         "--kill_mode=host", hosts=4, devices=1, steps=8, audit=True)
@@ -404,10 +406,12 @@ def test_store_audit_catches_a_read_of_another_hosts_store(tmp_path):
     code = (
         "import os, sys\n"
         "from absl import flags\n"
-        "from launch import train\n"
+        "from launch import config, faults, train\n"
         f"flags.FLAGS(['x', '--workdir={tmp_path}/w', '--store_root={tmp_path}/s'])\n"
-        "train._install_store_audit(0)\n"
-        "own = train.store_dir(0); other = train.store_dir(1)\n"
+        "ckpt = config.from_flags(flags.FLAGS).checkpoint\n"
+        "os.environ['CAPRICORN_AUDIT_STORE'] = '1'\n"
+        "faults.audit_store_if_asked(ckpt, 0)\n"
+        "own = ckpt.store_dir(0); other = ckpt.store_dir(1)\n"
         "os.makedirs(own, exist_ok=True); open(own / 'ok', 'w').close()\n"
         "os.listdir(other.parent)\n"  # the job root itself is not another host's store
         "open(other / 'x', 'w')\n"

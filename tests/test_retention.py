@@ -14,9 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.partial import pec as pec_lib
-from capricorn_jax._src.memory import placement
-from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory import placement, retention
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.recovery import choose_pec_version, choose_version
 
@@ -54,7 +52,7 @@ def test_safe_version_under_pec_reads_only_versions_held_everywhere():
 
 @given(st.sets(st.integers(0, 60), max_size=20), st.integers(-1, 60), st.integers(1, 4))
 def test_versions_to_keep(stored, safe, window):
-    keep = retention.versions_to_keep(stored, safe, window)
+    keep = retention.versions_to_keep(retention.whole_versions(stored), safe, window)
     assert keep <= stored
     at_or_before = [v for v in stored if v <= safe]
     if at_or_before:
@@ -103,11 +101,11 @@ class _Cluster:
             if not held:
                 continue
             if self.needs is None:
-                keep = retention.versions_to_keep(held, self.safe[x], self.window)
-                assert len(keep) <= self.window + 2
+                needs = retention.whole_versions(held)
             else:
-                keep = pec_lib.versions_to_keep({v: self.needs[v] for v in held}, max(held),
-                                                self.safe[x], self.window)
+                needs = {v: self.needs[v] for v in held}
+            keep = retention.versions_to_keep(needs, self.safe[x], self.window)
+            assert len(keep) <= self.window + 2 or self.needs is not None
             held &= keep
         self.current[x] = {o: retention.decode_held(*retention.encode_held(h))
                            for o, h in self.held[x].items()}

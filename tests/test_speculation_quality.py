@@ -1,4 +1,4 @@
-"""launch.speculation_quality's offline replay, on synthetic runs (no JAX, no training).
+"""launch.experiments.speculation_quality's offline replay, on synthetic runs (no JAX, no training).
 
 Layer durations here are an exact function of the capacity tuple, as the bucket
 model of the tool assumes, and the expert load never moves: the detector alone
@@ -53,7 +53,8 @@ def result(tmp_path_factory):
     _write(root / "dynamic_speculative", {0, 1, 2, 3})
     out = root / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.speculation_quality", "--reuse", f"--workdir={root}",
+        [sys.executable, "-m", "launch.experiments.speculation_quality", "--reuse",
+         f"--workdir={root}",
          "--workloads=dynamic", f"--steps={len(FACTORS)}", "--ab_rounds=0", "--metrics=jsd",
          "--thresholds=0.05", "--cache_max_age=200,3", "--cache_samples=1,2",
          "--cache_granularity=tuple,layer",

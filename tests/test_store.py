@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from capricorn_jax import ChecksumError, HostStore
+from capricorn_jax._src.memory.store import ChecksumError, HostStore
 from capricorn_jax._src.memory.store import MANIFEST, StoreIsolationError
 
 

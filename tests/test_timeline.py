@@ -5,7 +5,7 @@ import json
 
 from capricorn_jax._src.scheduling import timeline
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.profiling.profiler import LayerProfile, Segment
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
 
 LINK = LinkModel(alpha_s=0.001, bytes_per_s=1e6)  # 1 MB/s: 1000 bytes = 1 ms + 1 ms
 

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, assert_no_orphans
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _run(module, *flags, timeout=300):
@@ -16,7 +20,7 @@ def _run(module, *flags, timeout=300):
 
 def test_bandwidth_reports_every_copy(tmp_path):
     out = tmp_path / "bw.json"
-    proc = _run("launch.bandwidth", "--mib=4", "--repeats=2", f"--tmpfs={tmp_path}",
+    proc = _run("launch.experiments.bandwidth", "--mib=4", "--repeats=2", f"--tmpfs={tmp_path}",
                 f"--json={out}", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     copies = json.loads(out.read_text())["copies"]
@@ -24,12 +28,12 @@ def test_bandwidth_reports_every_copy(tmp_path):
                            "tmpfs write + read"}
     assert all(r["best_gb_s"] >= r["median_gb_s"] > 0 for r in copies.values())
     assert list(tmp_path.iterdir()) == [out]  # its scratch file is gone
-    assert _run("launch.bandwidth", "--mib=0", timeout=60).returncode == 2
+    assert _run("launch.experiments.bandwidth", "--mib=0", timeout=60).returncode == 2
 
 
 def test_pec_accuracy_compares_runs(tmp_path):
     out = tmp_path / "acc.json"
-    proc = _run("launch.pec_accuracy", "--model=tiny", "--steps=8", "--fail_every=4",
+    proc = _run("launch.experiments.pec_accuracy", "--model=tiny", "--steps=8", "--fail_every=4",
                 "--runs=no_failure,pec2_sequential", f"--workdir={tmp_path / 'w'}",
                 f"--json={out}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -45,8 +49,8 @@ def test_pec_accuracy_compares_runs(tmp_path):
 
 def test_orbax_rss_reports_memory_and_blocking(tmp_path):
     out = tmp_path / "rss.json"
-    proc = _run("launch.orbax_rss", "--mib=8", "--devices=2", f"--store_root={tmp_path}",
-                f"--workdir={tmp_path / 'w'}", f"--json={out}")
+    proc = _run("launch.experiments.orbax_rss", "--mib=8", "--devices=2",
+                f"--store_root={tmp_path}", f"--workdir={tmp_path / 'w'}", f"--json={out}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["phase"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"capricorn memory", "capricorn persistent", "orbax", "timing"}

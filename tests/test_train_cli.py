@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import ROOT, assert_no_orphans, processes_mentioning, run_train
 
 
+@pytest.mark.slow
 def test_two_hosts_two_devices_train(tmp_path):
     workdir = tmp_path / "run"
     proc = run_train("--hosts=2", "--devices_per_host=2", "--model=tiny", "--steps=12",
@@ -64,15 +65,15 @@ def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):
 _CHECK_FLAGS = """
 import json, sys
 from absl import flags
-from launch import train
+from launch import config, train
 out = []
 for argv in json.loads(sys.argv[1]):
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["train", *argv])
     try:
-        train.check_flags()
+        config.from_flags(flags.FLAGS)
         out.append(None)
-    except train.FlagError as e:
+    except config.FlagError as e:
         out.append(str(e))
 print(json.dumps(out))
 """
@@ -112,6 +113,7 @@ def test_unwritable_workdir_is_named(tmp_path):
     assert "--workdir" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_interrupt_stops_every_host(tmp_path):
     workdir = tmp_path / "interrupted"
     log = tmp_path / "supervisor.log"  # a file, not a pipe nobody reads while waiting
@@ -141,6 +143,7 @@ def test_interrupt_stops_every_host(tmp_path):
     assert_no_orphans(str(workdir))
 
 
+@pytest.mark.slow
 def test_supervisor_killed_takes_hosts_with_it(tmp_path):
     workdir = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -155,3 +158,24 @@ def test_supervisor_killed_takes_hosts_with_it(tmp_path):
     proc.kill()  # SIGKILL: no cleanup code runs in the supervisor
     proc.wait()
     assert_no_orphans(str(workdir))
+
+
+def test_checkpoint_config_chunk_cap_and_checks():
+    """The config dataclasses check themselves without absl: --chunk_cap_bytes
+    defaults to --chunk_bytes, and a check spanning two parts names its flag."""
+    from launch.config import CheckpointConfig, FlagError
+    from models.config import get_config
+
+    base = dict(strategy="capricorn", replicas=2, chunk_bytes=4 << 20, chunk_cap_bytes=0,
+                store_root="/tmp", job="job-x", replication_timeout_s=30.0, persist_every=0,
+                max_to_keep=3, pec_k=0, pec_policy="sequential", pec_plt_threshold=0.0375,
+                pec_dynamic=True, pec_k_persist=0, hosts=2, model=get_config("tiny"),
+                expert_axis=4)
+    config = CheckpointConfig(**base)
+    assert config.chunk_cap == 4 << 20 and config.scheduled and config.in_memory
+    assert CheckpointConfig(**{**base, "chunk_cap_bytes": 1 << 20}).chunk_cap == 1 << 20
+    assert config.store_dir(1) == config.job_root / "host1"
+    with pytest.raises(FlagError, match=r"^--chunk_cap_bytes must be >= 0"):
+        CheckpointConfig(**{**base, "chunk_cap_bytes": -1})
+    with pytest.raises(FlagError, match=r"^--replicas=3 must be in \[1, --hosts=2\]"):
+        CheckpointConfig(**{**base, "strategy": "inmem", "replicas": 3})

@@ -1,17 +1,21 @@
-"""launch.transfer_alt measures both transports and checks every byte it moves."""
+"""launch.experiments.transfer_alt measures both transports and checks every byte it moves."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, assert_no_orphans
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _run(*flags, timeout=120):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "launch.transfer_alt", *flags], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "launch.experiments.transfer_alt", *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_both_transports_measured_and_verified(tmp_path):

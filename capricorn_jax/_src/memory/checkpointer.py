@@ -26,35 +26,19 @@ and before reporting this save's (``retention``, which proves that the safe
 version then sits on all its holders at every moment); the writer of an
 owner carries them out before its next write. A host keeps, per owner, the
 safe version and the newest ``InMemoryOptions.window`` + 1 after it
-(``retention.versions_to_keep``), so one version of every owner survives the
-loss of any m-1 hosts at any moment.
+(``retention.versions_to_keep``, the keep rule of every store), so one
+version of every owner survives the loss of any m-1 hosts at any moment.
 
 Alternative not taken: a blocking save that returns when every replica is
 written. It is simpler but puts the peer's disk-less write and the slowest
 host on every step's critical path.
 
 Partial expert checkpointing (``InMemoryOptions.pec``; MoC-System): each
-version carries the non-expert state and K experts of every MoE layer, each
-with its Adam moments. The checkpointer owns the bookkeeping (a
-``pec.PltTracker`` fed with each step's ``tokens_per_expert``, the current
-K), the decision is ``pec.version_mask`` (dynamic K, then the policy's
-selection), and a version is packed with the plan of its per-device record
-count C (``packing.make_pec_plan``; one compiled pack + replicate program per
-C, the gather indices traced). A version with every expert (the first ones,
-or K = N) uses the full plan: bitwise the payload of a run without PEC. Every
-host takes the same decision, so a replica's manifest is written from the
-receiver's own record of the version (K, mask, the tracker, the versions a
-restore to it reads). Pruning keeps, per owner, the newest version, the safe
-one and the candidates of the last ``window`` versions, with every
-version holding the newest copy of an expert for them
-(``pec.versions_to_keep``); the safe version is also complete and reads only
-versions every holder holds. The caller may pass its own ``expert_mask``
-(tests, external policies); the tracker still records it.
-
-Alternative not taken: the caller selecting experts and carrying the tracker
-in its host state (the trailer). The trailer would then differ between a PEC
-version with K = N and a full one, and a receiver could not prune a replica
-without decoding its payload.
+version carries the non-expert state and K experts of every MoE layer; the
+checkpointer's ``pec`` (``pec_tier.PecTier``) decides and records each
+version. Pruning follows the same rule, each version's needs being the
+versions holding the newest copy of every expert (``plans.version_needs``);
+the safe version is also complete and reads only versions every holder holds.
 """
 
 from __future__ import annotations
@@ -71,20 +55,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.partial import pec as pec_lib
-from capricorn_jax._src.memory import placement
-from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory import placement, retention
+from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.packing import (
-    PackPlan,
-    decode_trailer,
-    encode_trailer,
-    make_pec_plan,
-    make_plan,
-)
-from capricorn_jax._src.partial.pec import DynamicK, MoEShape, PecOptions, PltTracker
+from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
+from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.partial.leaves import MoEShape
+from capricorn_jax._src.partial.tracker import PltTracker
 
 log = logging.getLogger("capricorn_jax")
 
@@ -93,147 +72,30 @@ log = logging.getLogger("capricorn_jax")
 class SaveReport:
     """What one save() knows when it returns (for the ``checkpoint`` event).
 
-    ``committed`` and ``replicated`` lag the save by the writers' latency: they
-    describe the newest versions confirmed so far, not necessarily ``step``.
-    ``store_bytes`` is this host's store now; ``store_kib_per_host`` every
-    host's, as of the previous save (it travels in the all-gathered statuses).
+    ``committed`` (this host's newest own version committed) and
+    ``safe_version`` (the newest version every holder of every owner holds,
+    ``retention.safe_version``; -1: none) lag the save by the writers'
+    latency: they describe the newest versions confirmed so far, not
+    necessarily ``step``. ``store_bytes`` is this host's store now;
+    ``store_kib_per_host`` every host's, as of the previous save (it travels
+    in the all-gathered statuses).
     """
 
     step: int
     bytes: int
     store_bytes: int
     committed: int
-    replicated: int
+    safe_version: int
     under_replicated: list[dict[str, int]]
     skipped: bool
     store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
     pec_k: int | None = None
     pec_plt: float | None = None
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PecVersion:
-    """One version under PEC, as every host decided it.
-
-    Attributes:
-      step: the version.
-      k: experts per MoE layer (the largest row of ``mask``).
-      mask: bool [L, N] the experts it carries.
-      gather: int32 [R, C] gather indices, or None for a full version.
-      plan, transport: the layout it is packed with and its program.
-      meta: the manifest's "pec" entry.
-    """
-
-    step: int
-    k: int
-    mask: np.ndarray
-    gather: np.ndarray | None
-    plan: PackPlan
-    transport: Transport
-    meta: dict[str, Any]
-
-
-class PecTier:
-    """The PEC bookkeeping of an InMemoryCheckpointer (see the module doc).
-
-    Args:
-      options: the PEC options.
-      model: the model's MoE shape (num_experts, top_k, moe_layers).
-      tokens_per_step: tokens of one training step (global batch x seq len).
-      ckpt: the checkpointer (its full plan, transport, mesh and rounds).
-    """
-
-    def __init__(self, options: PecOptions, model: MoEShape, tokens_per_step: int, ckpt):
-        options.check(model.num_experts)
-        axes = pec_lib.expert_leaf_axes(ckpt.abstract_state, model)
-        self.layers = [None if a is None else a.moe_layer for a in axes.values()]
-        self.shape = (len(model.moe_layers), model.num_experts)
-        self.tokens_per_step = tokens_per_step
-        self._ckpt = ckpt
-        self._transports: dict[int | None, Transport] = {None: ckpt.transport}
-        self.experts = make_pec_plan(ckpt.plan, self.layers, 1).experts  # the expert layout
-        self.ranks = self.experts.ranks
-        self.dyn = DynamicK(options, model.num_experts, self.ranks)
-        self.tracker = PltTracker(*self.shape, model.top_k)
-        self.k = options.k
-        # Assignments each expert processed since step 0 of this training's
-        # timeline (a restore rewinds it to the restore point's count); the
-        # persistent tier's PLT is a difference of these counts.
-        self.cumulative = np.zeros(self.shape, np.int64)
-
-    def transport(self, count: int | None) -> Transport:
-        """The program of versions with ``count`` records per device (None: full)."""
-        if count not in self._transports:
-            ckpt = self._ckpt
-            plan = make_pec_plan(ckpt.plan, self.layers, count)
-            self._transports[count] = Transport(plan, ckpt.mesh, ckpt.state_shardings,
-                                                ckpt.rounds, ckpt.status_len)
-        return self._transports[count]
-
-    def resume(self, tracker: PltTracker, k: int, cumulative: Any = None) -> None:
-        """Continues from ``tracker`` (restored, or fresh at a step) with K ``k``
-        and, when given, the cumulative assignments [L, N] at the restore point."""
-        if tracker.shape != self.shape:
-            raise ValueError(f"tracker of shape {tracker.shape}, the model has {self.shape}")
-        if cumulative is not None:
-            cumulative = np.asarray(cumulative, np.int64)
-            if cumulative.shape != self.shape:
-                raise ValueError(f"cumulative of shape {cumulative.shape}, the model has "
-                                 f"{self.shape}")
-            self.cumulative = cumulative.copy()
-        self.tracker, self.k = tracker, k
-
-    def plt(self) -> float:
-        """The PLT a restore now would leave (accumulated)."""
-        return self.tracker.plt(self.tracker.step * self.tokens_per_step)
-
-    def version(self, step: int, tokens_per_expert: Any, expert_mask: Any = None,
-                full: bool = False) -> PecVersion:
-        """Records version ``step`` (after observing its step) and returns it.
-
-        Args:
-          step: the version; must follow the tracker's step by one.
-          tokens_per_expert: [L, N] kept assignments of the step that made it.
-          expert_mask: bool [L, N] to save instead of the policy's choice.
-          full: save every expert (a version moved by the full plan).
-        """
-        if tokens_per_expert is None:
-            raise ValueError("PEC needs tokens_per_expert ([moe_layers, experts] of the step) "
-                             "with every save")
-        if step != self.tracker.step + 1:
-            raise ValueError(f"PEC version {step} does not follow step {self.tracker.step}: "
-                             f"save once per step, or call resume_pec first")
-        tracker = self.tracker.copy()
-        tracker.observe(tokens_per_expert)
-        cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
-        k, mask = self._choose(tracker, tokens_per_expert, expert_mask, full)
-        tracker.on_saved(step, mask)
-        gather, _ = pec_lib.padded_gather_indices(mask, self.ranks)
-        count = None if mask.all() else gather.shape[1]
-        transport = self.transport(count)
-        needed, complete = pec_lib.version_needs(tracker.saved_step)
-        meta = {"k": k, "shape": list(self.shape), "mask": pec_lib.mask_to_hex(mask),
-                "count": count, "needed": list(needed), "complete": complete,
-                "tokens": step * self.tokens_per_step, "tracker": tracker.to_dict(),
-                "cumulative": cumulative.tolist()}
-        self.tracker, self.k, self.cumulative = tracker, k, cumulative
-        return PecVersion(step, k, mask, None if count is None else gather,
-                          transport.plan, transport, meta)
-
-    def _choose(self, tracker: PltTracker, rate: Any, expert_mask: Any,
-                full: bool) -> tuple[int, np.ndarray]:
-        if full:
-            return self.shape[1], np.ones(self.shape, bool)
-        if expert_mask is None:
-            return pec_lib.version_mask(tracker, self.dyn, self.k, rate, self.tokens_per_step,
-                                        tracker.step)
-        mask = np.asarray(expert_mask)
-        if mask.shape != self.shape or mask.dtype != bool:
-            raise ValueError(f"expert_mask must be bool {self.shape}, got {mask.dtype} "
-                             f"{mask.shape}")
-        if not mask.any(axis=1).all():
-            raise ValueError("expert_mask selects no expert of some MoE layer")
-        return int(mask.sum(axis=1).max()), mask
+    @property
+    def replicated(self) -> int:
+        """``safe_version`` under the name of the ``checkpoint`` event's key."""
+        return self.safe_version
 
 
 class InMemoryCheckpointer:
@@ -304,7 +166,7 @@ class InMemoryCheckpointer:
         self._own_q: queue.Queue = queue.Queue(maxsize=1)
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
-        self._memory_kind = _host_memory_kind(options.host_memory_kind, mesh)
+        self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
         self._write_pool = concurrent.futures.ThreadPoolExecutor(
             options.write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [
@@ -375,12 +237,10 @@ class InMemoryCheckpointer:
             for owner, held in self._held.items():
                 if not held:
                     continue
-                if self.pec is None:
-                    keep = retention.versions_to_keep(held, self._safe, self.options.window)
-                else:
-                    needs = {v: self._needs.get(v, ((v,), False)) for v in held}
-                    keep = pec_lib.versions_to_keep(needs, max(held), self._safe,
-                                                    self.options.window)
+                # A version saved whole reads itself; under PEC one without a
+                # record (an unreadable manifest) is not restorable.
+                needs = {v: self._needs.get(v, ((v,), self.pec is None)) for v in held}
+                keep = retention.versions_to_keep(needs, self._safe, self.options.window)
                 gone = held - keep
                 if gone:
                     held -= gone
@@ -544,7 +404,7 @@ class InMemoryCheckpointer:
     def _read_statuses(self) -> SaveReport:
         """Folds in the statuses gathered by the previous save (already computed)."""
         report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
-                            committed=self._newest[self.host], replicated=self._safe,
+                            committed=self._newest[self.host], safe_version=self._safe,
                             under_replicated=[], skipped=False)
         if self._last_statuses is None:
             return report
@@ -556,7 +416,7 @@ class InMemoryCheckpointer:
                  for o in range(h)} for x in range(h)]
         self._safe = retention.safe_version(held, self.holders, self._safe,
                                             None if self.pec is None else self._needs)
-        report.replicated = self._safe
+        report.safe_version = self._safe
         # per_host[x][o]: newest version of owner o held by host x.
         confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
         now = time.monotonic()
@@ -601,28 +461,7 @@ class InMemoryCheckpointer:
         self._write_pool.shutdown(wait=False)
 
 
-def _host_memory_kind(kind: str, mesh) -> str | None:
-    """The memory kind a payload is put in to leave the device; None: the
-    device's own memory is host memory (CPU), start ``copy_to_host_async``."""
-    device = mesh.devices.flat[0]
-    if kind != "auto":
-        return None if kind == "device" else kind
-    if device.platform == "cpu":
-        return None
-    kinds = {m.kind for m in device.addressable_memories()}
-    return "pinned_host" if "pinned_host" in kinds else None
-
-
 def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:
     if tokens_per_expert is not None or other is not None:
         raise ValueError("tokens_per_expert, expert_mask and version are for PEC "
                          "(InMemoryOptions.pec); this checkpointer saves whole versions")
-
-
-def version_needs_of(manifest: dict[str, Any], step: int) -> tuple[tuple[int, ...], bool]:
-    """(versions a restore to this version reads, complete) from its manifest;
-    a version saved without PEC reads itself only."""
-    pec = manifest.get("pec")
-    if pec is None:
-        return (step,), True
-    return tuple(int(v) for v in pec["needed"]), bool(pec["complete"])

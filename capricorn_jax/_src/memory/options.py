@@ -1,6 +1,6 @@
 """Options of the in-memory tier, one frozen dataclass per concern.
 
-Partial expert checkpointing has its own options (``pec.PecOptions``: K,
+Partial expert checkpointing has its own options (``selection.PecOptions``: K,
 policy, PLT threshold); the in-memory tier turns it on through
 ``InMemoryOptions.pec``, the model's shape and tokens per step being given to
 the checkpointer (they are the model's, not the tier's).
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from capricorn_jax._src.partial.pec import PecOptions
+from capricorn_jax._src.memory.host_arrays import check_host_memory_kind
+from capricorn_jax._src.partial.selection import PecOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +23,12 @@ class InMemoryOptions:
         ``store_root/job/host{h}``.
       job: the job's name; restarts of the same job find its versions.
       replicas: m, copies of each host's shards (own + m-1 peers).
-      chunk_bytes: transfer chunk size; a payload moves as this many-byte
-        collective-permutes and is stored as chunk files of this size.
+      chunk_bytes: the store's and the transport's chunk: a payload moves as
+        collective-permutes of this many bytes and is stored as chunk files
+        of this size (it is part of a version's layout: a version saved with
+        another chunk size is not read back). The scheduled strategies'
+        chunk cap (the largest piece the partitioner places in one window,
+        ``ScheduledTransfers(chunk_cap=...)``) is a separate setting.
       replication_timeout_s: a version whose replicas are not all confirmed
         this long after its save is reported under-replicated.
       writer_timeout_s: how long a save waits for the writer of the previous
@@ -37,9 +42,9 @@ class InMemoryOptions:
         state and K experts of every MoE layer (``InMemoryCheckpointer``).
       window: how many versions before the newest a host keeps, per owner,
         as candidates for the safe version while the writers of its holders
-        lag (``retention.versions_to_keep``, under PEC
-        ``pec.versions_to_keep``); at least 1, or a one-version lag between
-        two holders would stall the safe version.
+        lag (``retention.versions_to_keep``, with and without PEC); at least
+        1, or a one-version lag between two holders would stall the safe
+        version.
       host_memory_kind: where a version's payload goes when it leaves the
         device: "auto" (``pinned_host`` memory on accelerators that have it,
         a DMA at device-to-host bandwidth; on CPU the payload is already host
@@ -62,9 +67,7 @@ class InMemoryOptions:
     write_threads: int = 4
 
     def __post_init__(self) -> None:
-        if self.host_memory_kind not in ("auto", "pinned_host", "unpinned_host", "device"):
-            raise ValueError(f"host_memory_kind must be auto, pinned_host, unpinned_host or "
-                             f"device, got {self.host_memory_kind!r}")
+        check_host_memory_kind(self.host_memory_kind)
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads}")
         if self.replicas < 1:

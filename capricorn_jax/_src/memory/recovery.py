@@ -3,7 +3,7 @@
 1. Every host scans its own store and verifies each committed version's chunk
    checksums; versions with a bad chunk do not count.
 2. The inventories ({owner: [steps]}) are all-gathered (a collective over the
-   processes, ``multihost_utils.process_allgather``), so every host takes the
+   processes, ``agree.allgather_json``), so every host takes the
    same decision (``choose_version``, pure): the newest step at which every
    owner's shards are held by some host, preferring the owner's own store.
 3. Every host removes its stored versions newer than the one chosen (the
@@ -17,7 +17,7 @@
 Under partial expert checkpointing (the checkpointer's ``pec``), a version
 holds K experts per MoE layer, so a restore reads several versions: the
 restore point s for the non-expert state, and for each expert its newest copy
-at or before s, parameters and Adam moments alike (``pec.restore_plan``).
+at or before s, parameters and Adam moments alike (``tracker.restore_plan``).
 Each version's manifest records the versions a restore to it reads (from the
 tracker saved with it), so the decision (``choose_pec_version``, pure) is:
 the newest complete s such that s and every version it reads are held, for
@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from capricorn_jax._src.partial import pec as pec_lib
+from capricorn_jax._src.memory.host_arrays import global_arrays
 from capricorn_jax._src.memory.packing import (
     PackPlan,
     check_compatible,
@@ -54,10 +53,21 @@ from capricorn_jax._src.memory.packing import (
     unpack_pec,
 )
 from capricorn_jax._src.memory.store import ChecksumError
-from capricorn_jax._src.memory.transport import Transport, assemble, local_rows
+from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.multihost.agree import allgather_json
+from capricorn_jax._src.partial.plans import mask_from_hex, mask_to_hex
+from capricorn_jax._src.partial.selection import padded_gather_indices
+from capricorn_jax._src.partial.tracker import (
+    PltTracker,
+    restore_plan,
+    saved_from_masks,
+    whole_version_tracker,
+)
+
+if TYPE_CHECKING:
+    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 
 log = logging.getLogger("capricorn_jax")
-_INVENTORY_BYTES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +196,7 @@ def serve_rounds(sources: dict[int, int]) -> list[dict[int, int]]:
     return rounds
 
 
-def _inventory(ckpt) -> dict[int, list[int]]:
+def _inventory(ckpt: InMemoryCheckpointer) -> dict[int, list[int]]:
     out = {}
     for owner in ckpt.store.owners():
         good = []
@@ -200,36 +210,10 @@ def _inventory(ckpt) -> dict[int, list[int]]:
     return out
 
 
-def _allgather_json(doc: Any, hosts: int) -> list[Any]:
-    raw = json.dumps(doc).encode()
-    if len(raw) > _INVENTORY_BYTES:
-        raise ValueError(f"inventory of {len(raw)} bytes exceeds {_INVENTORY_BYTES}")
-    buf = np.zeros(_INVENTORY_BYTES, np.uint8)
-    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-    if hosts == 1:
-        return [doc]
-    from jax.experimental import multihost_utils
-
-    gathered = np.asarray(multihost_utils.process_allgather(buf))
-    return [json.loads(row.tobytes().rstrip(b"\0").decode()) for row in gathered]
-
-
-def _allgather_large(doc: Any, hosts: int) -> list[Any]:
-    """Every host's JSON ``doc`` (any size: the lengths are gathered first)."""
-    if hosts == 1:
-        return [doc]
-    from jax.experimental import multihost_utils
-
-    raw = json.dumps(doc).encode()
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([len(raw)], np.int32)))
-    sizes = sizes.reshape(-1)
-    buf = np.zeros(int(sizes.max()), np.uint8)
-    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(buf))
-    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(gathered, sizes, strict=True)]
-
-
-def _read_rows(ckpt, owner: int, step: int, plan: PackPlan | None = None) -> list[np.ndarray]:
+def read_rows(ckpt: InMemoryCheckpointer, owner: int, step: int, plan: PackPlan | None = None
+              ) -> list[np.ndarray]:
+    """The payload rows of ``owner``'s version ``step`` in this host's store, read
+    chunk by chunk (checksummed) in ``plan``'s layout (default: the full one)."""
     plan = ckpt.plan if plan is None else plan
     manifest = ckpt.store.manifest(owner, step)
     check_compatible(plan, manifest["leaves"])
@@ -246,23 +230,22 @@ def _read_rows(ckpt, owner: int, step: int, plan: PackPlan | None = None) -> lis
 
     # Chunks straight into the rows, in parallel (reads and CRC32 release the GIL).
     names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
-    threads = getattr(getattr(ckpt, "options", None), "write_threads", 1)
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(ckpt.options.write_threads) as pool:
         list(pool.map(read, names))  # raises the first failed read
     return rows
 
 
-def _fetch_rows(ckpt, step: int, sources: dict[int, int], transport: Transport
-                ) -> tuple[list[np.ndarray], int]:
+def _fetch_rows(ckpt: InMemoryCheckpointer, step: int, sources: dict[int, int],
+                transport: Transport) -> tuple[list[np.ndarray], int]:
     """This host's own payloads of version ``step``: read locally or served by a
     peer (every host runs the same serve rounds). Returns (rows, bytes received)."""
     plan = transport.plan
-    rows = _read_rows(ckpt, ckpt.host, step, plan) if sources[ckpt.host] == ckpt.host else None
+    rows = read_rows(ckpt, ckpt.host, step, plan) if sources[ckpt.host] == ckpt.host else None
     moved = 0
     for perm in serve_rounds(sources):
         send = {}
         if ckpt.host in perm:
-            send = dict(enumerate(_read_rows(ckpt, perm[ckpt.host], step, plan)))
+            send = dict(enumerate(read_rows(ckpt, perm[ckpt.host], step, plan)))
         received = transport.serve(send, perm)
         if ckpt.host in perm.values():
             rows = local_rows(received, plan)
@@ -272,13 +255,13 @@ def _fetch_rows(ckpt, step: int, sources: dict[int, int], transport: Transport
     return rows, moved
 
 
-def recover(ckpt) -> Recovered | None:
+def recover(ckpt: InMemoryCheckpointer) -> Recovered | None:
     """Restores the newest version every host can reach, or None if there is none."""
-    if getattr(ckpt, "pec", None) is not None:
+    if ckpt.pec is not None:
         return _recover_pec(ckpt)
     start = time.perf_counter()
     inventory = _inventory(ckpt)
-    gathered = _allgather_json({str(o): v for o, v in inventory.items()}, ckpt.hosts)
+    gathered = allgather_json({str(o): v for o, v in inventory.items()}, ckpt.hosts)
     inventories = [{int(o): v for o, v in inv.items()} for inv in gathered]
     decision = choose_version(inventories, ckpt.hosts)
     if decision is None:
@@ -292,10 +275,10 @@ def recover(ckpt) -> Recovered | None:
     rows, moved = _fetch_rows(ckpt, step, sources, ckpt.transport)
     blocks = unpack(ckpt.plan, ckpt.host, rows)
     state = jax.block_until_ready(
-        assemble(blocks, ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
+        global_arrays(blocks, ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
     tiers = ["local" if sources[h] == h else "peer" for h in range(ckpt.hosts)]
     mine = {"seconds": time.perf_counter() - start, "bytes": moved}
-    everyone = _allgather_json(mine, ckpt.hosts)
+    everyone = allgather_json(mine, ckpt.hosts)
     return Recovered(state, decode_trailer(ckpt.plan, rows[0]), step, tiers[ckpt.host], tiers,
                      max(x["seconds"] for x in everyone), sum(x["bytes"] for x in everyone))
 
@@ -303,18 +286,19 @@ def recover(ckpt) -> Recovered | None:
 # --------------------------------------------------------------------------- PEC
 
 
-def _pec_meta(ckpt, owner: int, step: int) -> dict[str, Any]:
+def _pec_meta(ckpt: InMemoryCheckpointer, owner: int, step: int) -> dict[str, Any]:
     """A version's PEC record (without its tracker); a full one if saved without PEC."""
     meta = ckpt.store.manifest(owner, step).get("pec")
     if meta is None:
         shape = ckpt.pec.shape
         return {"needed": [step], "complete": True, "count": None, "k": shape[1],
-                "mask": pec_lib.mask_to_hex(np.ones(shape, bool)),
+                "mask": mask_to_hex(np.ones(shape, bool)),
                 "tokens": step * ckpt.pec.tokens_per_step}
     return {key: meta[key] for key in ("needed", "complete", "count", "k", "mask", "tokens")}
 
 
-def _pec_inventories(ckpt) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
+def _pec_inventories(ckpt: InMemoryCheckpointer
+                     ) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
     """Every host's verified steps per owner, and every version's PEC record."""
     inventory = _inventory(ckpt)
     metas = {}
@@ -324,7 +308,7 @@ def _pec_inventories(ckpt) -> tuple[list[dict[int, list[int]]], dict[int, dict[s
                 metas[step] = _pec_meta(ckpt, owner, step)
     doc = {"inv": {str(o): v for o, v in inventory.items()},
            "meta": {str(s): m for s, m in metas.items()}}
-    gathered = _allgather_large(doc, ckpt.hosts)
+    gathered = allgather_json(doc, ckpt.hosts)
     merged: dict[int, dict[str, Any]] = {}
     for d in gathered:  # every host records a version alike
         for s, m in d["meta"].items():
@@ -332,8 +316,8 @@ def _pec_inventories(ckpt) -> tuple[list[dict[int, list[int]]], dict[int, dict[s
     return [{int(o): v for o, v in d["inv"].items()} for d in gathered], merged
 
 
-def _tracker_at(ckpt, inventories: list[dict[int, list[int]]], step: int
-                ) -> tuple[pec_lib.PltTracker, list[list[int]] | None]:
+def _tracker_at(ckpt: InMemoryCheckpointer, inventories: list[dict[int, list[int]]], step: int
+                ) -> tuple[PltTracker, list[list[int]] | None]:
     """The tracker and the cumulative assignments saved with version ``step``
     (any host's copy; all are alike); None for counts it does not record."""
     mine = None
@@ -342,14 +326,14 @@ def _tracker_at(ckpt, inventories: list[dict[int, list[int]]], step: int
         meta = ckpt.store.manifest(owner, step).get("pec") or {}
         if "tracker" in meta:
             mine = {"tracker": meta["tracker"], "cumulative": meta.get("cumulative")}
-    docs = [d for d in _allgather_large(mine, ckpt.hosts) if d is not None]
+    docs = [d for d in allgather_json(mine, ckpt.hosts) if d is not None]
     if docs:
-        return pec_lib.PltTracker.from_dict(docs[0]["tracker"]), docs[0]["cumulative"]
+        return PltTracker.from_dict(docs[0]["tracker"]), docs[0]["cumulative"]
     # A version saved without PEC.
-    return pec_lib.whole_version_tracker(ckpt.pec.shape, ckpt.pec.tracker.top_k, step), None
+    return whole_version_tracker(ckpt.pec.shape, ckpt.pec.tracker.top_k, step), None
 
 
-def _recover_pec(ckpt) -> Recovered | None:
+def _recover_pec(ckpt: InMemoryCheckpointer) -> Recovered | None:
     start = time.perf_counter()
     inventories, metas = _pec_inventories(ckpt)
     needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
@@ -364,10 +348,10 @@ def _recover_pec(ckpt) -> Recovered | None:
     ckpt.drop_newer_than(step)
     tracker, cumulative = _tracker_at(ckpt, inventories, step)
     shape = ckpt.pec.shape
-    masks = {v: pec_lib.mask_from_hex(metas[v]["mask"], shape) for v in servers}
-    plan = pec_lib.restore_plan(pec_lib.saved_from_masks(masks, shape), step, tracker,
+    masks = {v: mask_from_hex(metas[v]["mask"], shape) for v in servers}
+    plan = restore_plan(saved_from_masks(masks, shape), step, tracker,
                                 metas[step]["tokens"])
-    blocks = _PecBlocks(ckpt, plan.source)
+    blocks = PecBlocks(ckpt, plan.source)
     moved, host_state = 0, {}
     for version in sorted(servers):
         transport = ckpt.pec.transport(metas[version]["count"])
@@ -377,12 +361,12 @@ def _recover_pec(ckpt) -> Recovered | None:
         if version == step:
             host_state = decode_trailer(transport.plan, rows[0])
     state = jax.block_until_ready(
-        assemble(blocks.result(), ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
+        global_arrays(blocks.result(), ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
     tracker.on_restored(plan)
     ckpt.resume_pec(tracker, int(metas[step]["k"]), cumulative)
     tiers = ["local" if all(s[h] == h for s in servers.values()) else "peer"
              for h in range(ckpt.hosts)]
-    everyone = _allgather_json({"seconds": time.perf_counter() - start, "bytes": moved},
+    everyone = allgather_json({"seconds": time.perf_counter() - start, "bytes": moved},
                                ckpt.hosts)
     info = PecRestore(plan.plt, plan.accumulated_plt, plan.source.tolist(), sorted(servers),
                       int(metas[step]["k"]))
@@ -391,7 +375,7 @@ def _recover_pec(ckpt) -> Recovered | None:
                      info)
 
 
-class _PecBlocks:
+class PecBlocks:
     """This host's shard blocks, assembled from several versions (PEC restore).
 
     Non-expert leaves come from the restore point; expert leaf i's block on
@@ -400,7 +384,7 @@ class _PecBlocks:
     one buffer.
     """
 
-    def __init__(self, ckpt, source: np.ndarray):
+    def __init__(self, ckpt: InMemoryCheckpointer, source: np.ndarray):
         self.ckpt, self.source = ckpt, source
         self.experts = ckpt.pec.experts
         self.layer_of = dict(zip(self.experts.leaves, self.experts.layers, strict=True))
@@ -420,7 +404,7 @@ class _PecBlocks:
                       for p in self.positions}
             non_expert = full
         else:
-            gather = pec_lib.padded_gather_indices(mask, self.experts.ranks)[0]
+            gather = padded_gather_indices(mask, self.experts.ranks)[0]
             non_expert, slices = unpack_pec(plan, host, rows, gather)
         for p in self.positions:
             if restore_point:

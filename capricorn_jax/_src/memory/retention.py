@@ -1,4 +1,14 @@
-"""Which versions a host keeps, and which version is safe (pure).
+"""Which versions a store keeps, and which version is safe (pure).
+
+``versions_to_keep`` is the one keep rule of every store: the memory tier's
+with and without PEC, and the persistent tier's under PEC (which steps hold
+the experts a restore of the newest step reads). The stores differ only in
+its inputs: what each version's restore reads (a version saved whole reads
+itself), the safe version and the lag window. Alternative not taken: a rule
+per store (there were three, whose ``window`` counted stored versions in one
+and steps in another); the safety proof below would then have to hold for
+each of them separately. The rest of this module is the memory tier's safe
+version.
 
 Every save all-gathers each host's *held* versions of every owner (committed
 to its store and not marked for removal). The *safe* version is the newest
@@ -87,16 +97,76 @@ def safe_version(held: Sequence[Mapping[int, Iterable[int]]], holders: Sequence[
     return max([previous, *(v for v in everywhere if qualifies(v))])
 
 
-def versions_to_keep(stored: Iterable[int], safe: int, window: int) -> set[int]:
-    """The versions of one owner a host keeps (without PEC).
+Needs = Mapping[int, tuple[Sequence[int], bool]]
+"""{version: (the versions a restore to it reads, complete)}."""
 
-    The newest stored version at or before ``safe`` (the safe version itself
-    once adopted), and the newest ``window`` + 1 versions after it: the
-    candidates to become safe while the holders' writers lag by up to
-    ``window`` versions. With ``window`` = 0 a one-version lag between two
-    holders would never let the safe version advance.
+
+def whole_versions(stored: Iterable[int]) -> dict[int, tuple[tuple[int, ...], bool]]:
+    """The needs of versions saved whole (without PEC): each reads itself alone."""
+    return {int(v): ((int(v),), True) for v in stored}
+
+
+def versions_to_keep(needs: Needs, safe: int, window: int) -> set[int]:
+    """The versions of one store a tier keeps: the one keep rule of every tier.
+
+    A stored version (a key of ``needs``) is *restorable* when it is complete
+    and every version its restore reads is stored. The *roots* are:
+
+    * the newest stored version (the one just written, which the next
+      versions build on);
+    * the newest restorable version at or before ``safe`` (the safe version
+      itself once adopted);
+    * the newest ``window`` restorable versions after ``safe``, before the
+      newest: the candidates to become safe while the writers of the holders
+      lag by up to ``window`` versions.
+
+    The store keeps the roots and every stored version a root reads.
+
+    The tiers' callers:
+
+    * memory tier without PEC: ``needs = whole_versions(held)``, ``safe``
+      the adopted safe version, ``window`` = ``InMemoryOptions.window``: the
+      safe version and the newest ``window`` + 1 versions after it (with
+      ``window`` = 0 a one-version lag between two holders would never let
+      the safe version advance);
+    * memory tier with PEC: ``needs`` from the versions' manifests
+      (``plans.version_needs``), the same ``safe`` and ``window``. With the
+      sequential policy at a constant K and replication lagging by at most
+      ``window``, that is at most ceil(N/K) + window versions (ceil(N/K)
+      consecutive versions hold every expert); a longer lag adds the safe
+      version's own needs (at most 2 * ceil(N/K) + window), until
+      replication catches up;
+    * persistent tier under PEC: ``needs = plans.persisted_needs(masks)``,
+      ``safe`` the newest committed step, ``window`` = 0: every step holding
+      some expert's newest persisted copy, so the newest step always restores
+      (Orbax's own policy, ``max_to_keep``..., keeps others besides).
+
+    Alternative not taken: keeping every version after the safe one, which
+    also survives any lag but grows without bound while a peer stalls.
+
+    Args:
+      needs: {stored version: (versions its restore reads, complete)}.
+      safe: the safe version (-1: none yet).
+      window: how many versions before the newest stay candidates (>= 0).
+
+    Returns:
+      The versions to keep (a subset of ``needs``' keys).
     """
-    stored = sorted(set(stored))
-    at_or_before = [v for v in stored if v <= safe]
-    after = [v for v in stored if v > safe]
-    return set(at_or_before[-1:]) | set(after[-(window + 1):])
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    stored = set(needs)
+    if not stored:
+        return set()
+
+    def restorable(v: int) -> bool:
+        reads, complete = needs[v]
+        return complete and set(reads) <= stored
+
+    newest = max(stored)
+    ready = sorted(v for v in stored if restorable(v))
+    roots = {newest, *[v for v in ready if v <= safe][-1:]}
+    roots |= set([v for v in ready if safe < v < newest][-window:] if window else [])
+    keep = set(roots)
+    for root in roots:
+        keep |= set(needs[root][0]) & stored
+    return keep

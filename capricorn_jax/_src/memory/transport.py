@@ -238,14 +238,3 @@ def local_rows(array: jax.Array, plan: PackPlan) -> list[np.ndarray]:
     rows = sorted((position[s.device], s) for s in array.addressable_shards)
     return [np.array(s.data)[0] for _, s in rows]
 
-
-def assemble(blocks: dict[int, list[np.ndarray]], abstract: Any, shardings: Any,
-             mesh: Mesh) -> Any:
-    """Global arrays from the blocks of this process's devices (by mesh position)."""
-    devices = list(mesh.devices.flat)
-    leaves, treedef = jax.tree.flatten(abstract)
-    out = []
-    for i, (leaf, sharding) in enumerate(zip(leaves, jax.tree.leaves(shardings), strict=True)):
-        arrays = [jax.device_put(blocks[p][i], devices[p]) for p in sorted(blocks)]
-        out.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays))
-    return jax.tree.unflatten(treedef, out)

@@ -54,25 +54,29 @@ the later segment.
 
 Collective time. The all-to-alls of an MoE layer run inside its ``shard_map``,
 where the model has no boundary, so their time cannot be read off the marks.
-When the caller names each layer's all-to-all buffers (``collectives``; see
-``gpt_moe_all_to_alls``), each one is timed *in isolation* on the same mesh
-axis and the layer's ``collective_s`` is that estimate (the forward runs the
-all-to-alls, the backward their transposes, the same shapes); ``compute_s`` is
-the measured duration minus it, so waiting for a slower peer counts as
-compute. Without ``collectives`` both are None. Gradient all-reduces of
+When the caller names each layer's all-to-all buffers (``collectives``: the
+model knows them, the library does not), each one is timed *in isolation*
+(``probe.time_all_to_all``) on the same mesh axis and the layer's
+``collective_s`` is that estimate (the forward runs the all-to-alls, the
+backward their transposes, the same shapes); ``compute_s`` is the measured
+duration minus it, so waiting for a slower peer counts as compute. Without ``collectives`` both are None. Gradient all-reduces of
 replicated parameters are not split out.
+
+Caching. ``make_profiled_step`` keeps the variants and the all-to-all timings
+of a trainer in a weak mapping keyed by the trainer, so they live and die
+with it and nothing is written on the caller's object. Alternative not
+taken: attributes set on the trainer (``vars(trainer)``), which made the
+library's cache part of a class it does not own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import statistics
-import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -81,129 +85,20 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-FWD, BWD = "fwd", "bwd"
-STEP = "step"
-START, END = "start", "end"
-HEAD, TAIL = "head", "tail"
+from capricorn_jax._src.profiling.layer_profile import (
+    BWD,
+    END,
+    FWD,
+    START,
+    STEP,
+    LayerProfile,
+    Recorder,
+    build_profile,
+)
+from capricorn_jax._src.profiling.probe import probe_scalar, time_all_to_all
 
-EventKey = tuple[str, str]  # (boundary name or STEP, FWD | BWD | START | END)
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """The wall time between two consecutive marks of one step.
-
-    Attributes:
-      name: the boundary closing the layer (``"block3"``), or HEAD / TAIL.
-      direction: FWD or BWD (see the module docstring for HEAD and TAIL).
-      start_s: when the segment began, seconds after the step's start mark.
-      duration_s: its length in seconds.
-      collective_s: estimated all-to-all time inside it, or None if unknown.
-    """
-
-    name: str
-    direction: str
-    start_s: float
-    duration_s: float
-    collective_s: float | None = None
-
-    @property
-    def compute_s(self) -> float | None:
-        """duration_s minus the collective estimate (None without one)."""
-        if self.collective_s is None:
-            return None
-        return max(0.0, self.duration_s - self.collective_s)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerProfile:
-    """One profiled step of one process.
-
-    Attributes:
-      step: the train step (``state["step"]`` before the update).
-      total_s: host wall time of the call, dispatch to outputs ready.
-      segments: in execution order; they tile [start mark, end mark].
-      devices: local devices whose marks were merged.
-    """
-
-    step: int
-    total_s: float
-    segments: tuple[Segment, ...]
-    devices: int = 1
-
-    @property
-    def span_s(self) -> float:
-        """Time from the start mark to the end mark (sum of the segments)."""
-        return sum(s.duration_s for s in self.segments)
-
-    def durations(self) -> dict[EventKey, float]:
-        """{(name, direction): duration_s} of every segment."""
-        return {(s.name, s.direction): s.duration_s for s in self.segments}
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
-        segments = tuple(Segment(**s) for s in d["segments"])
-        return cls(int(d["step"]), float(d["total_s"]), segments, int(d.get("devices", 1)))
-
-    @classmethod
-    def from_json(cls, text: str) -> LayerProfile:
-        return cls.from_dict(json.loads(text))
-
-
-class Recorder:
-    """Host-side sink of the marks' timestamps (thread-safe).
-
-    Callbacks of different devices run on different threads. The callback
-    only stamps the time and keeps its operand; reading the operand (the
-    device index) waits for ``drain``, off the step's timeline (reading it
-    in the callback cost ~50 us per device and mark on CPU). Each mark is kept
-    once, at its first timestamp, per (name, direction, device).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._raw: list[tuple[str, str, Any, float]] = []
-
-    def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
-        """The callback body: stamps the time; returns the dummy scalar.
-
-        Args:
-          name, direction: the mark's key (bound when the step is traced).
-          tag: float32[2] (device index, probe of the marked data).
-        """
-        now = time.perf_counter()
-        with self._lock:
-            self._raw.append((name, direction, tag, now))
-        return _ZERO
-
-    def clear(self) -> None:
-        with self._lock:
-            self._raw.clear()
-
-    def drain(self) -> dict[tuple[str, str, int], float]:
-        """{(name, direction, device): first timestamp} recorded so far; forgets them."""
-        with self._lock:
-            raw, self._raw = self._raw, []
-        times: dict[tuple[str, str, int], float] = {}
-        for name, direction, tag, t in raw:
-            key = (name, direction, int(np.asarray(tag)[0]))
-            times[key] = min(t, times.get(key, t))
-        return times
-
-
-_ZERO = np.zeros((), np.float32)
-
-
-def _probe(leaves: Sequence[jax.Array]) -> jax.Array:
-    """A float32 scalar that depends on every (non-empty) leaf."""
-    parts = [leaf.ravel()[0].astype(jnp.float32) for leaf in leaves if leaf.size]
-    return functools.reduce(jnp.add, parts, jnp.zeros((), jnp.float32))
+if TYPE_CHECKING:
+    from capricorn_jax._src.strategies.base import State, TrainStep
 
 
 def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str) -> Any:
@@ -229,7 +124,7 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direc
 
     def body(*local: jax.Array) -> tuple[jax.Array, ...]:
         device = jax.lax.axis_index(axes).astype(jnp.float32)  # exact below 2**24
-        tag = jnp.stack([device, _probe(local)])  # one operand: one transfer
+        tag = jnp.stack([device, probe_scalar(local)])  # one operand: one transfer
         result = io_callback(callback, dummy, tag, ordered=True)
         local, _ = jax.lax.optimization_barrier((local, result))
         return local
@@ -287,144 +182,6 @@ class ProfileHook:
         return ident(x)
 
 
-class CollectiveProbe:
-    """A hook that times the collective phases a model marks with
-    ``collective_boundary`` (the MoE all-to-alls), in the forward and the
-    backward pass, on every device: the interference probe.
-
-    It adds no layer-boundary marks (``__call__`` is the identity). At each
-    phase edge an ordered per-device callback stamps the time, tied to the
-    buffer by data dependency (as the profiler's marks are); in the backward
-    pass the same edges are stamped on the cotangents, where the transposed
-    collective runs from the ``end`` edge to the ``begin`` edge.
-    ``phase_seconds`` turns one step's stamps into the time of each phase.
-    """
-
-    def __init__(self, recorder: Recorder | None = None) -> None:
-        self.recorder = recorder or Recorder()
-
-    def __call__(self, x: Any, name: str) -> Any:
-        del name
-        return x
-
-    def collective(self, x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
-        callback_fwd = functools.partial(self.recorder.record, name, f"{FWD}:{phase}")
-        callback_bwd = functools.partial(self.recorder.record, name, f"{BWD}:{phase}")
-
-        def stamp(tree: Any, callback: Callable) -> Any:
-            leaves, treedef = jax.tree.flatten(tree)
-            device = jax.lax.axis_index(axes).astype(jnp.float32)
-            tag = jnp.stack([device, _probe(leaves)])
-            result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag,
-                                 ordered=True)
-            leaves, _ = jax.lax.optimization_barrier((leaves, result))
-            return jax.tree.unflatten(treedef, leaves)
-
-        @jax.custom_vjp
-        def ident(y):
-            return stamp(y, callback_fwd)
-
-        def fwd(y):
-            return stamp(y, callback_fwd), None
-
-        def bwd(_, g):
-            return (stamp(g, callback_bwd),)
-
-        ident.defvjp(fwd, bwd)
-        return ident(x)
-
-    def phase_seconds(self) -> dict[tuple[str, str, str], float]:
-        """{(layer, direction, collective): seconds} of the one step stamped
-        since the last call (forgets its stamps): per device the time from the
-        phase's first edge to its second in that direction, the slowest
-        device's. A phase missing an edge on some device is left out."""
-        times = self.recorder.drain()
-        out: dict[tuple[str, str, str], float] = {}
-        for (name, key, device), t in times.items():
-            direction, phase = key.split(":", 1)
-            collective, edge = phase.rsplit(".", 1)
-            other = times.get((name, f"{direction}:{collective}."
-                               f"{'end' if edge == 'begin' else 'begin'}", device))
-            if edge != "begin" or other is None:
-                continue
-            seconds = abs(other - t)
-            k = (name, direction, collective)
-            out[k] = max(out.get(k, 0.0), seconds)
-        return out
-
-
-def event_order(names: Sequence[str]) -> list[EventKey]:
-    """The marks of one step in the order they must fire."""
-    return (
-        [(STEP, START)]
-        + [(n, FWD) for n in names]
-        + [(n, BWD) for n in reversed(names)]
-        + [(STEP, END)]
-    )
-
-
-def _segment_keys(names: Sequence[str]) -> list[EventKey]:
-    """The (name, direction) of the segment that each mark after START closes."""
-    fwd = [(n, FWD) for n in names]
-    bwd = [(n, BWD) for n in reversed(names[1:])]
-    return fwd + [(HEAD, FWD)] + bwd + [(TAIL, BWD)]
-
-
-def merge_devices(times: Mapping[tuple[str, str, int], float]) -> dict[EventKey, float]:
-    """Per mark, the time its last device passed it; for START, its first.
-
-    The step begins on this host when its first device begins (devices are
-    launched one after the other: ~2 ms apart on 4 CPU devices), and every
-    later mark is passed when all local devices passed it.
-    """
-    merged: dict[EventKey, float] = {}
-    for (name, direction, _), t in times.items():
-        pick = min if direction == START else max
-        merged[(name, direction)] = pick(t, merged.get((name, direction), t))
-    return merged
-
-
-def build_profile(
-    step: int,
-    total_s: float,
-    names: Sequence[str],
-    times: Mapping[tuple[str, str, int], float],
-    collectives_s: Mapping[str, float] | None = None,
-) -> LayerProfile:
-    """Turns one step's timestamps into a LayerProfile.
-
-    Args:
-      step: the step's index.
-      total_s: host wall time of the call.
-      names: the boundaries in forward order (at least one).
-      times: {(name, direction, device): perf_counter seconds} from a Recorder.
-      collectives_s: estimated collective seconds per boundary name, applied to
-        both directions of that layer; others get None.
-
-    Raises:
-      RuntimeError: a mark is missing or the marks are out of order.
-    """
-    if not names:
-        raise RuntimeError("profiler: no layer boundary was traced in the step")
-    merged = merge_devices(times)
-    order = event_order(names)
-    missing = [k for k in order if k not in merged]
-    if missing:
-        raise RuntimeError(f"profiler: marks missing for {missing}")
-    stamps = [merged[k] for k in order]
-    if any(b < a for a, b in zip(stamps, stamps[1:], strict=False)):
-        raise RuntimeError(f"profiler: marks out of order: {list(zip(order, stamps, strict=True))}")
-    layer_of = {(n, d): n for n in names for d in (FWD, BWD)}
-    layer_of[(TAIL, BWD)] = names[0]
-    segments = []
-    for key, t0, t1 in zip(_segment_keys(names), stamps[:-1], stamps[1:], strict=True):
-        layer = layer_of.get(key)
-        coll = None if collectives_s is None or layer is None else collectives_s.get(layer)
-        segments.append(Segment(key[0], key[1], t0 - stamps[0], t1 - t0, coll))
-    devices = len({d for (_, _, d) in times})
-    return LayerProfile(step, total_s, tuple(segments), devices)
-
-
 def _specs_of(shardings: Any) -> Any:
     return jax.tree.map(lambda s: s.spec, shardings)
 
@@ -439,7 +196,7 @@ class ProfiledStep:
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: TrainStep,
         factors: tuple[float, ...],
         collectives_s: Mapping[str, float] | None = None,
     ) -> None:
@@ -479,8 +236,19 @@ class ProfiledStep:
         return new_state, metrics, profile
 
 
+class _Variants:
+    """One trainer's profiled variants and all-to-all timings."""
+
+    def __init__(self) -> None:
+        self.steps: dict[Any, ProfiledStep] = {}
+        self.all_to_all_s: dict[tuple, float] = {}
+
+
+_VARIANTS: weakref.WeakKeyDictionary[Any, _Variants] = weakref.WeakKeyDictionary()
+
+
 def make_profiled_step(
-    trainer: Any,
+    trainer: TrainStep,
     factors: Sequence[float],
     collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] | None = None,
     collective_axis: str = "expert",
@@ -488,30 +256,29 @@ def make_profiled_step(
     """The profiled variant of ``trainer.step_fn(factors)``, cached per factors.
 
     Args:
-      trainer: a launch.trainer.Trainer (uses its mesh, shardings and
+      trainer: the caller's ``TrainStep`` (its mesh, shardings and
         ``step_fn(factors, hooks, wrap)``).
       factors: the capacity factor of each MoE layer.
       collectives: optional {boundary name: per-device all-to-all buffers of
         that layer's forward}; each is timed in isolation over
         ``collective_axis`` to estimate the layer's collective time (see the
-        module docstring). ``gpt_moe_all_to_alls`` builds it for GPTMoE.
+        module docstring). The model provides them (for GPTMoE:
+        ``models.gpt.all_to_all_buffers``).
       collective_axis: the mesh axis the all-to-alls run over.
 
     Returns:
       A callable (state, batch) -> (new state, metrics, LayerProfile).
     """
     factors = tuple(float(f) for f in factors)
-    # Kept on the trainer (whose own step cache holds these variants anyway),
-    # so they live and die with it.
-    per_trainer = vars(trainer).setdefault("_profiled_steps", {})
+    variants = _VARIANTS.setdefault(trainer, _Variants())
     key = (factors, _collectives_key(collectives), collective_axis)
-    if key not in per_trainer:
+    if key not in variants.steps:
         estimate = None
         if collectives is not None:
             # One timing per buffer shape, shared by the variants (a layer's
             # dispatch and combine, and the layers that keep their capacity
             # when another layer's bucket changes, have the same buffers).
-            timed = vars(trainer).setdefault("_all_to_all_s", {})
+            timed = variants.all_to_all_s
 
             def seconds(b: jax.ShapeDtypeStruct) -> float:
                 shape_key = (collective_axis, tuple(b.shape), str(b.dtype))
@@ -520,8 +287,8 @@ def make_profiled_step(
                 return timed[shape_key]
 
             estimate = {name: sum(seconds(b) for b in bufs) for name, bufs in collectives.items()}
-        per_trainer[key] = ProfiledStep(trainer, factors, estimate)
-    return per_trainer[key]
+        variants.steps[key] = ProfiledStep(trainer, factors, estimate)
+    return variants.steps[key]
 
 
 def _collectives_key(collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] | None) -> Any:
@@ -533,66 +300,10 @@ def _collectives_key(collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] |
     )
 
 
-def time_all_to_all(
-    mesh: Mesh, axis: str, buffer: jax.ShapeDtypeStruct, repeats: int = 5, chain: int = 10
-) -> float:
-    """Median seconds of one tiled all-to-all of ``buffer`` per device over ``axis``.
-
-    The buffer is split on its leading dimension into ``mesh.shape[axis]``
-    pieces, as GPTMoE's dispatch and combine do; every device of the mesh takes
-    part (the other axes run independent all-to-alls), as in the step. The
-    dispatch overhead is removed by timing programs of 1 and 1 + ``chain``
-    dependent all-to-alls and dividing the difference by ``chain``.
-    """
-    axes = tuple(mesh.axis_names)
-    spec = P(axes)
-    shape = (buffer.shape[0] * mesh.size, *buffer.shape[1:])
-    x = jax.device_put(jnp.zeros(shape, buffer.dtype), jax.sharding.NamedSharding(mesh, spec))
-
-    def program(n: int) -> Callable:
-        def body(b: jax.Array) -> jax.Array:
-            return jax.lax.fori_loop(
-                0, n, lambda _, v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True), b
-            )
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-
-    def median_s(fn: Callable) -> float:
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    one, many = median_s(program(1)), median_s(program(1 + chain))
-    return max(0.0, (many - one) / chain)
-
-
-def gpt_moe_all_to_alls(
-    trainer: Any, factors: Sequence[float]
-) -> dict[str, list[jax.ShapeDtypeStruct]]:
-    """The per-device all-to-all buffers of each MoE block of models.gpt.GPTMoE.
-
-    Each MoE layer sends a [num_experts, capacity, d_model] buffer out
-    (dispatch) and one back (combine), in the activation dtype (float32).
-    """
-    from models.config import capacity  # the model's adapter; the rest is model-free
-
-    cfg = trainer.cfg
-    out: dict[str, list[jax.ShapeDtypeStruct]] = {}
-    for layer, factor in zip(cfg.moe_layers, factors, strict=True):
-        cap = capacity(cfg, trainer.tokens_per_group, factor)
-        buf = jax.ShapeDtypeStruct((cfg.num_experts, cap, cfg.d_model), jnp.float32)
-        out[f"block{layer}"] = [buf, buf]
-    return out
-
-
 def measure_overhead(
-    trainer: Any, factors: Sequence[float], state: Any, batch: jax.Array,
+    trainer: TrainStep, factors: Sequence[float], state: State, batch: jax.Array,
     steps: int = 10, warmup: int = 2,
-) -> tuple[Any, dict[str, float]]:
+) -> tuple[State, dict[str, float]]:
     """Times the plain and the profiled step, alternating, on the same batch.
 
     Each round runs one plain and one profiled step (the order alternating
@@ -600,7 +311,7 @@ def measure_overhead(
     included) are not counted. Medians over ``steps`` rounds.
 
     Args:
-      trainer: the Trainer; ``state`` is donated step after step.
+      trainer: the caller's TrainStep; ``state`` is donated step after step.
       factors: the capacity factors of both variants.
       state, batch: the starting state (consumed) and the batch of every step.
       steps, warmup: timed and untimed rounds.

@@ -30,15 +30,20 @@ its bytes leave the link the all-to-all uses.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.profiling.boundary import boundary_hooks
 from capricorn_jax._src.scheduling.partitioner import Schedule, Window
-from capricorn_jax._src.memory.transport import Transport
+
+if TYPE_CHECKING:
+    from capricorn_jax._src.strategies.base import TrainStep
 
 START = ("<start>", "fwd")
 AFTER = ("<after>", "bwd")
@@ -116,7 +121,7 @@ class InStepSender:
         return jax.shard_map(body, mesh=self.transport.mesh, in_specs=(spec, spec),
                              out_specs=spec)(chunk, tie)
 
-    # --- the protocol Trainer._step_with calls ---
+    # --- the protocol TrainStep.step_with_sender calls ---
     @property
     def pec(self) -> bool:
         """Whether the payload is a PEC version's (packing takes gather indices)."""
@@ -194,8 +199,8 @@ class InStepSender:
         return {"own": ctx.payload, "received": jnp.concatenate([p for _, p in pieces], axis=1)}
 
 
-def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...],
-                   hooks: tuple = ()):
+def scheduled_step(trainer: TrainStep, sender: InStepSender, factors: tuple[float, ...],
+                   hooks: tuple = ()) -> Callable[..., tuple[Any, dict, dict[str, jax.Array]]]:
     """The jitted train step that also moves the schedule's chunks.
 
     ``hooks``: boundary hooks attached around the whole step besides the
@@ -209,12 +214,12 @@ def scheduled_step(trainer, sender: InStepSender, factors: tuple[float, ...],
       [devices, payload_bytes]; ``gather`` (PEC payloads only): the version's
       int32 [R, C] gather indices, a traced input (one compile per plan).
     """
-    rows = trainer.batch_sharding.__class__(trainer.mesh, P(sender.axes))
+    rows = NamedSharding(trainer.mesh, P(sender.axes))
     gather = (trainer.replicated,) if sender.pec else ()
 
     def body(s, b, t, *g):
         with boundary_hooks(*hooks):
-            return trainer._step_with(s, b, tuple(factors), sender, t, *g)
+            return trainer.step_with_sender(s, b, tuple(factors), sender, t, *g)
 
     return jax.jit(
         body,

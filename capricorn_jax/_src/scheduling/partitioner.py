@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.profiling.profiler import LayerProfile
+    from capricorn_jax._src.profiling.layer_profile import LayerProfile
 
 TRAILER = "<trailer>"
 PADDING = "<padding>"

@@ -27,8 +27,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.scheduling.partitioner import Schedule
-from capricorn_jax._src.profiling.profiler import LayerProfile
 
 LANES = {"compute": 0, "all-to-all": 1, "checkpoint link": 2}
 

@@ -1,32 +1,36 @@
-"""The scheduled strategies: ``gemini`` and ``capricorn`` on one interface.
+"""The in-step transfer schedule in force, and its compiled steps.
 
-Both move version t's chunks *inside* step t+1 (``executor.InStepSender``)
-according to a ``partitioner.Schedule`` built from profiled windows and a
-link model measured on the real transport. They differ in when the schedule
-is (re)built:
+A scheduled strategy (``strategies.scheduled``: gemini, capricorn) moves
+version t's chunks *inside* step t with ``executor.InStepSender``, according
+to a ``partitioner.Schedule`` built from profiled windows and a link model
+measured on the real transport (``measure_link``). ``ScheduledTransfers``
+keeps the schedule in force (one per payload size: a PEC version's payload is
+smaller and is partitioned again over the same windows) and the scheduled
+step variants compiled for it; ``schedule_at_risk`` is capricorn's gate on
+speculative profiles.
 
-* ``gemini``: once, from the iteration-level timeline of the first N steps
-  (Gemini profiles ~20 iterations and assumes the timeline stays constant);
-* ``capricorn``: from each new layer-level profile, i.e. whenever the
-  dynamicity detector fired (speculative activation), so the chunks follow the
-  experts' load.
+Every host must build the same schedule, or their compiled steps (which hold
+the collectives) would differ: the link fit and the windows are host 0's
+numbers (``multihost.agree.agree_floats``).
 
-Until the first schedule exists, a version moves unscheduled after its step,
-like ``inmem``. A version is committed by ``InMemoryCheckpointer`` in both
-cases. The final state of a run goes unscheduled at ``finish``.
+Design choice: compiled variants are keyed by where the bytes go, not by the
+window durations, so a re-partition that moves nothing reuses its variant.
+Alternative not taken: one variant per re-partition, a compile each time the
+detector fires.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.multihost.agree import agree_floats
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
@@ -37,35 +41,14 @@ from capricorn_jax._src.scheduling.partitioner import (
     scale_windows,
 )
 
-
-def agree(values: Sequence[float]) -> list[float]:
-    """Host 0's values on every host: all hosts must build the same schedule, or
-    their compiled steps (which hold the collectives) would differ."""
-    arr = np.asarray(values, np.float32)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        arr = np.asarray(multihost_utils.broadcast_one_to_all(arr))
-    return [float(v) for v in arr]
+if TYPE_CHECKING:
+    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+    from capricorn_jax._src.memory.transport import Transport
+    from capricorn_jax._src.profiling.detector import DynamicityDetector
+    from capricorn_jax._src.strategies.base import TrainStep
 
 
-def agree_profile(profile: Any) -> Any:
-    """``profile`` with host 0's segment durations and all-to-all estimates, on
-    every host (one broadcast per profile). A scheduled strategy feeds only
-    agreed profiles to its schedule and to the detector's cost models, so
-    every host takes the same decisions from them (capricorn's gate,
-    ``schedule_at_risk``) with no collective per step."""
-    segments = profile.segments
-    n = len(segments)
-    got = agree([s.duration_s for s in segments]
-                + [-1.0 if s.collective_s is None else s.collective_s for s in segments])
-    return dataclasses.replace(profile, segments=tuple(
-        dataclasses.replace(s, duration_s=got[i],
-                            collective_s=None if got[n + i] < 0 else got[n + i])
-        for i, s in enumerate(segments)))
-
-
-def measure_link(transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
+def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
                  repeats: int = 5) -> LinkModel:
     """Fits alpha + bytes/B from timed collective-permutes on the replication link.
 
@@ -86,10 +69,11 @@ def measure_link(transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
             xs.append(size)
             ts.append(time.perf_counter() - t0)
     best = [min(t for x, t in zip(xs, ts, strict=True) if x == s) for s in sizes]
-    return fit_link_model(list(sizes), agree(best))
+    return fit_link_model(list(sizes), agree_floats(best))
 
 
-def average_windows(profiles: Sequence[Any], windows_of) -> list[Window]:
+def average_windows(profiles: Sequence[LayerProfile],
+                    windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
     """Mean window per (name, direction) over several profiles, in step order."""
     per_key: dict[tuple[str, str], list[float]] = {}
     order: list[tuple[str, str]] = []
@@ -108,15 +92,15 @@ class ScheduledTransfers:
 
     Args:
       ckpt: the InMemoryCheckpointer (its transport, plan and writers).
-      trainer: builds the steps (launch.trainer.Trainer or compatible).
+      trainer: the caller's TrainStep (builds the steps).
       boundaries: the model's boundary names, forward order.
       link: the measured link model.
       chunk_cap: largest chunk in bytes.
       margin: windows are scaled by this before partitioning (safety).
     """
 
-    def __init__(self, ckpt, trainer, boundaries: list[str], link: LinkModel,
-                 chunk_cap: int, margin: float = 0.8):
+    def __init__(self, ckpt: InMemoryCheckpointer, trainer: TrainStep, boundaries: list[str],
+                 link: LinkModel, chunk_cap: int, margin: float = 0.8) -> None:
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
         self.link, self.chunk_cap, self.margin = link, chunk_cap, margin
         self.schedule: Schedule | None = None  # of the full payload (ckpt.plan)
@@ -128,7 +112,7 @@ class ScheduledTransfers:
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
-        durations = agree([w.duration_s for w in windows])
+        durations = agree_floats([w.duration_s for w in windows])
         windows = [Window(w.name, w.direction, d) for w, d in zip(windows, durations, strict=True)]
         self._windows = scale_windows(windows, self.margin)
         self._schedules = {}
@@ -136,12 +120,12 @@ class ScheduledTransfers:
         self.partitions += 1
         return self.schedule
 
-    def schedule_for(self, transport) -> Schedule:
+    def schedule_for(self, transport: Transport) -> Schedule:
         """The schedule in force for a payload of ``transport``'s plan (a PEC
         version's payload is smaller: the same windows, partitioned again)."""
         return self._planned(transport)[0]
 
-    def _planned(self, transport) -> tuple[Schedule, tuple]:
+    def _planned(self, transport: Transport) -> tuple[Schedule, tuple]:
         """(schedule, where its bytes go) for ``transport``'s payload size."""
         if self._windows is None:
             raise RuntimeError("no schedule yet: repartition first")
@@ -154,16 +138,18 @@ class ScheduledTransfers:
             self._schedules[size] = (s, where)
         return self._schedules[size]
 
-    def _key(self, factors, hooks, transport) -> tuple:
+    def _key(self, factors: tuple[float, ...], hooks: tuple, transport: Transport) -> tuple:
         # Compiled variants are keyed by where the bytes go, not by the window
         # durations, so a re-partition that moves nothing reuses its variant.
         return self._planned(transport)[1], id(transport), tuple(factors), tuple(hooks)
 
-    def has_step(self, factors: tuple[float, ...], hooks: tuple = (), transport=None) -> bool:
+    def has_step(self, factors: tuple[float, ...], hooks: tuple = (),
+                 transport: Transport | None = None) -> bool:
         """Whether the scheduled step for the current schedule is compiled."""
         return self._key(factors, hooks, transport or self.ckpt.transport) in self._steps
 
-    def step_fn(self, factors: tuple[float, ...], hooks: tuple = (), transport=None):
+    def step_fn(self, factors: tuple[float, ...], hooks: tuple = (),
+                transport: Transport | None = None) -> Callable[..., Any]:
         """The scheduled step of the schedule in force (compiled once per
         factors, ``hooks`` (extra boundary hooks, e.g. a CollectiveProbe) and
         payload: ``transport`` of a PEC version, default the full one)."""
@@ -184,37 +170,9 @@ class ScheduledTransfers:
                 "tail_bytes": s.tail_bytes}
 
 
-def moe_segments(profile: Any, moe_layers: Sequence[int]) -> dict[tuple[str, str], int]:
-    """{(segment name, direction): MoE layer index} of a profile's MoE segments.
-
-    A segment named ``block{i}`` holds layer i (forward: the segment closing
-    at boundary i; backward: the segment opening there); the backward
-    ``tail`` segment holds the first boundary's layer.
-
-    Args:
-      profile: a LayerProfile.
-      moe_layers: the model's MoE layer indices (``ModelConfig.moe_layers``).
-    """
-    moe = list(moe_layers)
-    first_boundary = profile.segments[0].name  # its fwd segment opens the step
-    out = {}
-    for seg in profile.segments:
-        name = first_boundary if seg.name == "tail" else seg.name
-        if name.startswith("block") and int(name[5:]) in moe:
-            out[(seg.name, seg.direction)] = moe.index(int(name[5:]))
-    return out
-
-
-def moe_durations(profile: Any, moe_layers: Sequence[int]) -> dict[tuple[int, str], float]:
-    """{(MoE layer index, direction): seconds} of a profile's MoE segments: what
-    the detector's cost models (``DynamicityDetector.record_profile``) take."""
-    layer_of = moe_segments(profile, moe_layers)
-    return {(layer_of[(s.name, s.direction)], s.direction): s.duration_s
-            for s in profile.segments if (s.name, s.direction) in layer_of}
-
-
-def schedule_at_risk(schedule: Schedule | None, detector: Any, tokens_per_expert: Any,
-                     profile: Any, moe_layers: Sequence[int]) -> bool:
+def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
+                     tokens_per_expert: Any, profile: LayerProfile | None,
+                     moe_layers: Sequence[int]) -> bool:
     """Whether ``schedule`` may overflow a window at this expert load.
 
     Capricorn's gate on speculative profiling: a drift of the load only

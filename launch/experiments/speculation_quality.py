@@ -1,6 +1,6 @@
 """How well does speculative profiling catch changes of the layer durations?
 
-    python -m launch.speculation_quality --model=tiny --steps=300 --shift_every=50 \
+    python -m launch.experiments.speculation_quality --model=tiny --steps=300 --shift_every=50 \
         --workdir=/tmp/specq
 
 Per workload (``--workloads``, default ``dynamic,steady``) it runs
@@ -79,14 +79,9 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-from capricorn_jax._src.profiling.detector import (
-    CACHE_GRANULARITIES,
-    METRICS,
-    CacheOptions,
-    DetectorOptions,
-    DynamicityDetector,
-    ProfileCache,
-)
+from capricorn_jax import DetectorOptions, DynamicityDetector
+from capricorn_jax.experimental import CACHE_GRANULARITIES, CacheOptions, ProfileCache
+from capricorn_jax.experimental import DRIFT_METRICS as METRICS
 from launch.metrics import read_metrics
 
 FLAGS = flags.FLAGS
@@ -396,7 +391,7 @@ def ab_worker(factors: tuple[float, ...]) -> None:
     """Plain vs instrumented step, alternating on one batch, in this process."""
     import jax
 
-    from capricorn_jax import measure_overhead
+    from capricorn_jax.experimental import measure_overhead
     from launch.trainer import OptimizerOptions, Trainer, make_mesh
     from models.config import get_config
 
@@ -421,7 +416,7 @@ def run_ab(factors: tuple[float, ...]) -> dict:
     devices = FLAGS.hosts * FLAGS.devices_per_host
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    cmd = [sys.executable, "-m", "launch.speculation_quality", f"--model={FLAGS.model}",
+    cmd = [sys.executable, "-m", "launch.experiments.speculation_quality", f"--model={FLAGS.model}",
            f"--dispatch={FLAGS.dispatch}", f"--ab_rounds={FLAGS.ab_rounds}",
            f"--global_batch={FLAGS.global_batch}",
            "--ab_worker=" + ",".join(str(f) for f in factors)]

@@ -1,6 +1,6 @@
 """Host memory of a persistent save: CapricornHandler vs plain Orbax async save.
 
-    python -m launch.orbax_rss --mib=256 --devices=4
+    python -m launch.experiments.orbax_rss --mib=256 --devices=4
 
 Each writer runs in a fresh process with ``--devices`` CPU devices and the same
 train state (float32 leaves sharded over the devices, plus a small replicated
@@ -107,9 +107,13 @@ def _state(mib: int, leaves: int):
 def _run_capricorn(workdir: str) -> list[dict]:
     import orbax.checkpoint as ocp
 
-    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
-    from capricorn_jax._src.memory.options import InMemoryOptions
-    from capricorn_jax._src.persistent.orbax_handler import CapricornHandler, CapricornSave, CheckpointManager
+    from capricorn_jax import (
+        CapricornHandler,
+        CapricornSave,
+        CheckpointManager,
+        InMemoryCheckpointer,
+        InMemoryOptions,
+    )
 
     mesh, shardings, abstract, state, state_bytes = _state(FLAGS.mib, FLAGS.leaves)
     store = tempfile.mkdtemp(prefix="capricorn_rss_", dir=FLAGS.store_root)
@@ -207,8 +211,8 @@ def _child(mode: str, workdir: str) -> list[dict]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(
         os.pathsep) if p])
-    cmd = [sys.executable, "-m", "launch.orbax_rss", f"--mode={mode}", f"--mib={FLAGS.mib}",
-           f"--devices={FLAGS.devices}", f"--leaves={FLAGS.leaves}",
+    cmd = [sys.executable, "-m", "launch.experiments.orbax_rss", f"--mode={mode}",
+           f"--mib={FLAGS.mib}", f"--devices={FLAGS.devices}", f"--leaves={FLAGS.leaves}",
            f"--store_root={FLAGS.store_root}", f"--workdir={workdir}"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

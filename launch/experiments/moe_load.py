@@ -1,6 +1,7 @@
 """Does an MoE layer's time follow its expert load? (bucketed vs fixed dispatch)
 
-    python -m launch.moe_load --model=small --devices=4 --repeats=20 --json=/tmp/moe_load.json
+    python -m launch.experiments.moe_load --model=small --devices=4 --repeats=20 \
+        --json=/tmp/moe_load.json
 
 What it measures: one expert-parallel ``MoEFeedForward`` layer of ``--model``
 on a (data=1, expert=N) mesh of N forced CPU devices, with the config's

@@ -1,6 +1,6 @@
 """Accuracy of partial expert checkpointing under repeated failures.
 
-    python -m launch.pec_accuracy --model=small --steps=60 --fail_every=15 \
+    python -m launch.experiments.pec_accuracy --model=small --steps=60 --fail_every=15 \
         --workdir=/tmp/pec_acc --json=/tmp/pec_acc.json
 
 Runs ``launch.train`` once per configuration, same model, data and seed, on

@@ -1,6 +1,6 @@
 """Memory-copy bandwidths of this machine, for reading the benchmarks.
 
-    python -m launch.bandwidth --mib=256 --repeats=5
+    python -m launch.experiments.bandwidth --mib=256 --repeats=5
 
 Measures, on the default JAX backend of this process (CPU here; a GPU when
 one is present): host memcpy (numpy), host -> device (``jax.device_put``),
@@ -8,7 +8,7 @@ device -> host (``np.asarray`` of a device array, after
 ``copy_to_host_async``), device -> ``pinned_host`` memory (accelerators
 that have it: the copy Orbax and the persistent tier use), and a write + read of the same bytes on the RAM disk
 the in-memory tier uses (tmpfs). The link between simulated hosts is measured
-by ``launch.transfer_alt`` (and by each scheduled strategy at start,
+by ``launch.experiments.transfer_alt`` (and by each scheduled strategy at start,
 ``scheduling.measure_link``). Median and best of ``--repeats``, GB/s (1e9).
 """
 

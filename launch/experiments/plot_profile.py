@@ -1,6 +1,6 @@
 """Plots a run's layer profiles: per-segment durations over the steps.
 
-    python -m launch.plot_profile --metrics=WORKDIR/metrics.jsonl --out=profile.png
+    python -m launch.experiments.plot_profile --metrics=WORKDIR/metrics.jsonl --out=profile.png
 
 Reads the ``profile`` events (one per profiled step), the ``detector`` events
 (speculative policy) and the per-step lines of a ``launch.train`` metrics file.

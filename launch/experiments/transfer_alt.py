@@ -1,9 +1,11 @@
 """Measures the rejected transport: jax.experimental.transfer against collective-permutes.
 
-    python -m launch.transfer_alt --sizes_mb=1,4,16 --repeats=5 --json=/tmp/transfer_alt.json
+    python -m launch.experiments.transfer_alt --sizes_mb=1,4,16 --repeats=5 \
+        --json=/tmp/transfer_alt.json
 
 The in-memory checkpointer moves payload chunks between hosts as collective-permutes
-(``jax.lax.ppermute`` in a ``shard_map`` over the whole mesh, ``capricorn_jax/_src/memory/transport.py``).
+(``jax.lax.ppermute`` in a ``shard_map`` over the whole mesh, capricorn_jax's
+``memory/transport.py``).
 The alternative not taken is a host-side sender: every process runs a
 ``jax.experimental.transfer`` server, the sender schedules its arrays with
 ``server.await_pull(uuid, arrays)`` and the receiver fetches them with
@@ -48,7 +50,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -91,12 +92,13 @@ class _Worker:
     def __init__(self, pid: int):
         import jax
         import numpy as np
-        from jax._src import distributed  # the jax.distributed client (key-value store)
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
+        from capricorn_jax.experimental import distributed_client
+
         self.jax, self.np, self.pid, self.peer = jax, np, pid, 1 - pid
-        self.kv = distributed.global_state.client
+        self.kv = distributed_client()  # the jax.distributed key-value store
         if self.kv is None:
             raise RuntimeError("jax.distributed is not initialized")
         self.timeout_ms = int(FLAGS.op_timeout_s * 1000)
@@ -494,21 +496,14 @@ def main(argv: list[str]) -> None:
         print("transfer_alt: error: --sizes_mb needs positive numbers and --repeats >= 1",
               file=sys.stderr)
         sys.exit(2)
-    workdir = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn_transfer_alt_"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_transfer_alt_")
     if FLAGS.process_id >= 0:
         runtime.exit_now_on_failure(worker, FLAGS.process_id, workdir)
         return
     for stale in workdir.glob("worker_*.json"):
         stale.unlink()
-    coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
-    passed = [a for a in sys.argv[1:] if not a.startswith(("--workdir", "--process_id",
-                                                            "--coordinator", "--json"))]
-    cluster = cluster_lib.LocalCluster(
-        lambda h: ["-m", "launch.transfer_alt", *passed, f"--workdir={workdir}",
-                   f"--process_id={h}", f"--coordinator={coordinator}"],
-        HOSTS, FLAGS.devices_per_host)
-    code = cluster_lib.run(cluster, FLAGS.timeout_s)
+    code = cluster_lib.run_workers("launch.experiments.transfer_alt", sys.argv[1:], HOSTS,
+                                   FLAGS.devices_per_host, workdir, FLAGS.timeout_s, ("--json",))
     files = [workdir / f"worker_{h}.json" for h in range(HOSTS)]
     if code != 0 or not all(f.exists() for f in files):
         why = "timed out, hosts killed" if code == 124 else f"exit code {code}"

@@ -1,0 +1,406 @@
+"""The host store as a shared-memory arena: reused, preallocated slots instead of chunk files.
+
+One root per (job, host) on a RAM disk (``/dev/shm``), so a crashed training
+process leaves its checkpoints in RAM for its successor. Layout::
+
+    ROOT/owner{o}/slot{k}.data      preallocated bytes of one version (mmap'ed, reused)
+    ROOT/owner{o}/slot{k}.head      its commit record: step, generation, chunk table
+    ROOT/owner{o}/slot{k}.writing   present while a version is being written
+
+``owner`` is the host whose shards the version holds: this host's own, or a
+peer's replica received through the transport. A writer takes a free slot
+(one without a head), marks it ``.writing``, copies each chunk into the mapped
+slot (``numpy.copyto``, which releases the GIL, so the writer threads copy in
+parallel) and checksums it with CRC32C; ``commit`` writes the head (chunk
+offsets, sizes, CRC32C, the caller's metadata) to a temporary name and renames
+it into place, then removes the marker: the head is the record written last,
+so a reader only ever sees complete versions, and a slot whose writer died is
+found by its marker when the store opens (reported, then reused). Pruning a
+version removes its head only; the slot's pages stay allocated and the next
+version lands in them with no page faults and no zeroing.
+
+Design choice: reused slots rather than a new set of chunk files per version.
+The file store this replaces paid, per version, tmpfs page allocation and
+zeroing, one ``write`` per chunk and a zlib CRC32 (about 2 GB/s on one core of
+this machine), together 1.7 GB/s on a box whose memcpy runs at 13 GB/s; a
+reused mapping costs one memcpy per byte, and CRC32C (the ``crc32c`` package,
+SSE4.2 / ARMv8 instructions, GIL released) runs at memcpy speed. The
+alternative not taken, an agent process owning the buffer, would survive the
+training process no better than tmpfs does and needs supervising.
+
+Isolation: every path the store touches is checked to lie inside its root;
+data from another host reaches this store only through ``write_chunk`` of a
+version received over the transport.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+_SLOT = re.compile(r"^slot(\d+)\.(data|head|writing)$")
+_ALIGN = 64  # chunk offsets: aligned for the CPU client's zero-copy wrap
+
+
+class ChecksumError(IOError):
+    """A chunk's bytes do not match the checksum of its commit record."""
+
+
+class StoreIsolationError(RuntimeError):
+    """A path outside this host's root was about to be touched."""
+
+
+class VersionGone(FileNotFoundError):
+    """The version was removed (pruned and its slot reused) while being read."""
+
+
+def checksum(data: Any) -> int:
+    """CRC32C of a bytes-like object (hardware-accelerated, releases the GIL)."""
+    return _crc32c.crc32c(data)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Slot:
+    """One preallocated, mapped slot file."""
+
+    def __init__(self, path: Path, index: int):
+        self.path, self.index = path, index
+        self._file = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
+        self.capacity = os.fstat(self._file.fileno()).st_size
+        self._maps: list[mmap.mmap] = []
+        self.view: np.ndarray = np.zeros(0, np.uint8)
+        if self.capacity:
+            self._map()
+
+    def _map(self) -> None:
+        m = mmap.mmap(self._file.fileno(), self.capacity)
+        self._maps.append(m)  # earlier maps stay alive while views of them may exist
+        self.view = np.frombuffer(m, np.uint8)
+
+    def grow(self, nbytes: int) -> None:
+        if nbytes <= self.capacity:
+            return
+        os.ftruncate(self._file.fileno(), nbytes)
+        self.capacity = nbytes
+        self._map()
+
+    def refresh(self) -> None:
+        """Maps the file again if another store object grew it."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size > self.capacity:
+            self.capacity = size
+            self._map()
+
+    def close(self) -> None:
+        self.view = np.zeros(0, np.uint8)
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a caller still holds a view; the GC closes it
+                pass
+        self._maps.clear()
+        self._file.close()
+
+
+class VersionWriter:
+    """Writes the chunks of one (owner, step) version into a slot; ``commit`` publishes it.
+
+    ``write_chunk`` may be called from several threads at once.
+    """
+
+    def __init__(self, store: HostStore, owner: int, step: int, slot: _Slot):
+        self.store, self.owner, self.step, self.slot = store, owner, step, slot
+        self.chunks: dict[str, dict[str, int]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._done = False
+
+    def write_chunk(self, name: str, data: Any) -> None:
+        """Copies ``data`` (bytes-like) into the slot and checksums it."""
+        if "/" in name:
+            raise ValueError(f"bad chunk name {name!r}")
+        src = np.frombuffer(data, np.uint8)
+        with self._lock:
+            if name in self.chunks:
+                raise ValueError(f"chunk {name!r} written twice")
+            offset, self._next = self._next, _round_up(self._next + src.size)
+            self.slot.grow(self._next)
+            view = self.slot.view
+            self.chunks[name] = {"offset": offset, "nbytes": int(src.size)}
+        dst = view[offset:offset + src.size]
+        np.copyto(dst, src)
+        self.chunks[name]["crc32c"] = checksum(dst)
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        """Writes the head last (temporary name, renamed into place); returns its path."""
+        head = {"owner": self.owner, "step": self.step, "generation": time.time_ns(),
+                "slot": self.slot.index, "chunks": self.chunks, **meta}
+        path = self.store._slot_path(self.owner, self.slot.index, "head")
+        tmp = self.store._check(path.with_suffix(".head.tmp"))
+        tmp.write_text(json.dumps(head))
+        os.replace(tmp, path)
+        self.store._committed(self.owner, self.step, self.slot.index)
+        self._finish()
+        return path
+
+    def abort(self) -> None:
+        """Drops the version: the slot is free again."""
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self.store._release(self.owner, self.slot.index)
+
+
+class HostStore:
+    """The checkpoint store of one host: per owner, a few reused slots.
+
+    Args:
+      root: this (job, host)'s directory; created if missing.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._busy: set[tuple[int, int]] = set()  # slots with a writer
+        self.removed_partials = self._remove_partials()
+
+    # paths ---------------------------------------------------------------
+    def _check(self, path: Path) -> Path:
+        resolved = Path(os.path.abspath(path))
+        if resolved != self.root and self.root not in resolved.parents:
+            raise StoreIsolationError(f"{resolved} is outside this host's store {self.root}")
+        return resolved
+
+    def _path(self, *parts: str) -> Path:
+        return self._check(self.root.joinpath(*parts))
+
+    def _slot_path(self, owner: int, index: int, kind: str) -> Path:
+        return self._path(f"owner{owner}", f"slot{index}.{kind}")
+
+    def _remove_partials(self) -> list[str]:
+        removed = []
+        for owner_dir in self.root.glob("owner*"):
+            for entry in owner_dir.iterdir():
+                m = _SLOT.match(entry.name)
+                if m and m.group(2) == "writing":
+                    # A marker without a head: the writer died mid-version. With
+                    # a head, it died after committing (the head is written
+                    # first, the marker removed last): the version stands.
+                    step = entry.read_text().strip() or "-1"
+                    if not entry.with_name(f"slot{m.group(1)}.head").exists():
+                        removed.append(f"{owner_dir.name}/v{int(step):012d} (slot {m.group(1)})")
+                    entry.unlink(missing_ok=True)
+                elif entry.name.endswith(".tmp"):
+                    entry.unlink(missing_ok=True)
+        return removed
+
+    # slots ---------------------------------------------------------------
+    def _slot(self, owner: int, index: int) -> _Slot:
+        key = (owner, index)
+        if key not in self._slots:
+            self._slots[key] = _Slot(self._slot_path(owner, index, "data"), index)
+        return self._slots[key]
+
+    def _slot_indices(self, owner: int) -> dict[int, set[str]]:
+        owner_dir = self._path(f"owner{owner}")
+        found: dict[int, set[str]] = {}
+        if owner_dir.is_dir():
+            for entry in owner_dir.iterdir():
+                m = _SLOT.match(entry.name)
+                if m:
+                    found.setdefault(int(m.group(1)), set()).add(m.group(2))
+        return found
+
+    def begin(self, owner: int, step: int, nbytes: int = 0) -> VersionWriter:
+        """A writer of version ``step`` of ``owner`` in a free slot.
+
+        Args:
+          nbytes: the version's size if known (the slot is grown once to it);
+            a writer grows its slot as chunks arrive otherwise.
+        """
+        self._path(f"owner{owner}").mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            indices = self._slot_indices(owner)
+            free = [i for i, kinds in indices.items()
+                    if "head" not in kinds and "writing" not in kinds and (owner, i) not in self._busy]
+            if free:
+                # The smallest free slot that fits, else the largest one (grown).
+                sizes = {i: self._slot(owner, i).capacity for i in free}
+                fits = [i for i in free if sizes[i] >= nbytes]
+                index = min(fits, key=sizes.get) if fits else max(free, key=sizes.get)
+            else:
+                index = max(indices, default=-1) + 1
+            self._busy.add((owner, index))
+            slot = self._slot(owner, index)
+        self._slot_path(owner, index, "writing").write_text(str(step))
+        slot.grow(_round_up(nbytes))
+        return VersionWriter(self, owner, step, slot)
+
+    def _committed(self, owner: int, step: int, index: int) -> None:
+        """After a head is in place: older heads of the same step are dropped."""
+        for other in self._heads(owner).get(step, []):
+            if other != index:
+                self._slot_path(owner, other, "head").unlink(missing_ok=True)
+
+    def _release(self, owner: int, index: int) -> None:
+        self._slot_path(owner, index, "writing").unlink(missing_ok=True)
+        with self._lock:
+            self._busy.discard((owner, index))
+
+    def _heads(self, owner: int) -> dict[int, list[int]]:
+        """{step: [slot indices whose committed head names it]}."""
+        out: dict[int, list[int]] = {}
+        for index, kinds in self._slot_indices(owner).items():
+            if "head" in kinds:
+                try:
+                    head = json.loads(self._slot_path(owner, index, "head").read_text())
+                except (FileNotFoundError, ValueError):
+                    continue  # pruned, or being replaced, while we listed
+                out.setdefault(int(head["step"]), []).append(index)
+        return out
+
+    # reading -------------------------------------------------------------
+    def owners(self) -> list[int]:
+        return sorted(int(p.name[5:]) for p in self.root.glob("owner*") if p.name[5:].isdigit())
+
+    def versions(self, owner: int) -> list[int]:
+        """Committed steps of ``owner``, ascending (head present)."""
+        return sorted(self._heads(owner))
+
+    def _head(self, owner: int, step: int) -> dict[str, Any]:
+        best = None
+        for index in self._heads(owner).get(step, []):
+            try:
+                head = json.loads(self._slot_path(owner, index, "head").read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            if head["step"] == step and (best is None or head["generation"] > best["generation"]):
+                best = head
+        if best is None:
+            raise VersionGone(f"owner{owner}/v{step:012d}: no such version")
+        return best
+
+    def manifest(self, owner: int, step: int) -> dict[str, Any]:
+        """The version's commit record: its chunk table and the caller's metadata."""
+        return self._head(owner, step)
+
+    def _still_there(self, owner: int, manifest: dict[str, Any]) -> bool:
+        try:
+            head = json.loads(self._slot_path(owner, manifest["slot"], "head").read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return head["generation"] == manifest["generation"]
+
+    def chunk_view(self, owner: int, step: int, name: str,
+                   manifest: dict | None = None) -> np.ndarray:
+        """The chunk's bytes in the slot, no copy and not checked (valid until
+        the version is pruned; ``verify`` or ``read_chunk_into`` check)."""
+        manifest = manifest or self.manifest(owner, step)
+        entry = manifest["chunks"][name]
+        slot = self._slot(owner, manifest["slot"])
+        if entry["offset"] + entry["nbytes"] > slot.capacity:
+            slot.refresh()
+        view = slot.view
+        if entry["offset"] + entry["nbytes"] > view.size:
+            raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: beyond its slot")
+        return view[entry["offset"]:entry["offset"] + entry["nbytes"]]
+
+    def read_chunk(self, owner: int, step: int, name: str,
+                   manifest: dict | None = None) -> bytearray:
+        """A chunk's bytes, checked against its CRC32C (``read_chunk_into``)."""
+        manifest = manifest or self.manifest(owner, step)
+        data = bytearray(manifest["chunks"][name]["nbytes"])
+        self.read_chunk_into(owner, step, name, memoryview(data), manifest)
+        return data
+
+    def read_chunk_into(self, owner: int, step: int, name: str, out: memoryview,
+                        manifest: dict | None = None) -> None:
+        """Copies a chunk into ``out`` (exactly its size) and checks its CRC32C.
+
+        Raises:
+          ChecksumError: naming the chunk, when its size or bytes do not match.
+          VersionGone: the version was pruned (its slot reused) meanwhile.
+        """
+        manifest = manifest or self.manifest(owner, step)
+        expected = manifest["chunks"][name]
+        dst = np.frombuffer(out, np.uint8)
+        if dst.size != expected["nbytes"]:
+            raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: size {dst.size} != "
+                                f"{expected['nbytes']}")
+        np.copyto(dst, self.chunk_view(owner, step, name, manifest))
+        if checksum(dst) != expected["crc32c"]:
+            if not self._still_there(owner, manifest):
+                raise VersionGone(f"owner{owner}/v{step:012d}: removed while being read")
+            raise ChecksumError(f"owner{owner}/v{step:012d}/{name}: checksum mismatch")
+
+    def verify(self, owner: int, step: int) -> bool:
+        """Whether every chunk of the version matches its checksum."""
+        try:
+            manifest = self.manifest(owner, step)
+            for name, entry in manifest["chunks"].items():
+                if checksum(self.chunk_view(owner, step, name, manifest)) != entry["crc32c"]:
+                    return False
+        except (OSError, ValueError, KeyError):
+            return False
+        return True
+
+    # removing ------------------------------------------------------------
+    def prune(self, owner: int, keep: Iterable[int]) -> None:
+        """Removes committed versions of ``owner`` not in ``keep`` (slots kept for reuse)."""
+        keep = set(keep)
+        for step in self.versions(owner):
+            if step not in keep:
+                self.remove(owner, step)
+
+    def remove(self, owner: int, step: int) -> None:
+        """Removes one committed version of ``owner`` (nothing if absent)."""
+        for index in self._heads(owner).get(step, []):
+            self._slot_path(owner, index, "head").unlink(missing_ok=True)
+
+    def wipe(self) -> None:
+        """Removes everything (a lost machine's RAM)."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def close(self) -> None:
+        """Unmaps the slots (the bytes stay in the RAM disk)."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+
+    def bytes_held(self) -> int:
+        """Bytes of the arena in RAM: every slot's size, free ones included
+        (the heads, a few KiB each, are not counted)."""
+        total = 0
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                if not name.endswith(".data"):
+                    continue
+                try:
+                    total += os.stat(os.path.join(directory, name)).st_size
+                except FileNotFoundError:
+                    continue
+        return total

@@ -1,0 +1,179 @@
+"""The PEC bookkeeping of the in-memory tier: what each version carries.
+
+Under partial expert checkpointing (``InMemoryOptions.pec``; MoC-System)
+each version carries the non-expert state and K experts of every MoE layer,
+each with its Adam moments. ``PecTier`` is the checkpointer's record of that:
+a ``tracker.PltTracker`` fed with each step's ``tokens_per_expert``, the
+current K, the cumulative assignments per expert; the decision of a version
+is ``selection.version_mask`` (dynamic K, then the policy's selection), and a
+version is packed with the plan of its per-device record count C
+(``packing.make_pec_plan``; one compiled pack + replicate program per C, the
+gather indices traced). A version with every expert (the first ones, or
+K = N) uses the full plan: bitwise the payload of a run without PEC. Every
+host takes the same decision, so a replica's manifest is written from the
+receiver's own record of the version (``PecVersion.meta``: K, mask, the
+tracker, the versions a restore to it reads). The caller may pass its own
+``expert_mask`` (tests, external policies); the tracker still records it.
+
+Alternative not taken: the caller selecting experts and carrying the tracker
+in its host state (the trailer). The trailer would then differ between a PEC
+version with K = N and a full one, and a receiver could not prune a replica
+without decoding its payload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from capricorn_jax._src.memory.packing import PackPlan, make_pec_plan
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.partial.leaves import MoEShape, expert_leaf_axes
+from capricorn_jax._src.partial.plans import mask_to_hex, version_needs
+from capricorn_jax._src.partial.selection import (
+    DynamicK,
+    PecOptions,
+    padded_gather_indices,
+    version_mask,
+)
+from capricorn_jax._src.partial.tracker import PltTracker
+
+if TYPE_CHECKING:
+    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PecVersion:
+    """One version under PEC, as every host decided it.
+
+    Attributes:
+      step: the version.
+      k: experts per MoE layer (the largest row of ``mask``).
+      mask: bool [L, N] the experts it carries.
+      gather: int32 [R, C] gather indices, or None for a full version.
+      plan, transport: the layout it is packed with and its program.
+      meta: the manifest's "pec" entry.
+    """
+
+    step: int
+    k: int
+    mask: np.ndarray
+    gather: np.ndarray | None
+    plan: PackPlan
+    transport: Transport
+    meta: dict[str, Any]
+
+
+class PecTier:
+    """The PEC bookkeeping of an InMemoryCheckpointer (see the module doc).
+
+    Args:
+      options: the PEC options.
+      model: the model's MoE shape (num_experts, top_k, moe_layers).
+      tokens_per_step: tokens of one training step (global batch x seq len).
+      ckpt: the checkpointer (its full plan, transport, mesh and rounds).
+    """
+
+    def __init__(self, options: PecOptions, model: MoEShape, tokens_per_step: int,
+                 ckpt: InMemoryCheckpointer):
+        options.check(model.num_experts)
+        axes = expert_leaf_axes(ckpt.abstract_state, model)
+        self.layers = [None if a is None else a.moe_layer for a in axes.values()]
+        self.shape = (len(model.moe_layers), model.num_experts)
+        self.tokens_per_step = tokens_per_step
+        self._ckpt = ckpt
+        self._transports: dict[int | None, Transport] = {None: ckpt.transport}
+        self.experts = make_pec_plan(ckpt.plan, self.layers, 1).experts  # the expert layout
+        self.ranks = self.experts.ranks
+        self.dyn = DynamicK(options, model.num_experts, self.ranks)
+        self.tracker = PltTracker(*self.shape, model.top_k)
+        self.k = options.k
+        # Assignments each expert processed since step 0 of this training's
+        # timeline (a restore rewinds it to the restore point's count); the
+        # persistent tier's PLT is a difference of these counts.
+        self.cumulative = np.zeros(self.shape, np.int64)
+
+    def transport(self, count: int | None) -> Transport:
+        """The program of versions with ``count`` records per device (None: full)."""
+        if count not in self._transports:
+            ckpt = self._ckpt
+            plan = make_pec_plan(ckpt.plan, self.layers, count)
+            self._transports[count] = Transport(plan, ckpt.mesh, ckpt.state_shardings,
+                                                ckpt.rounds, ckpt.status_len)
+        return self._transports[count]
+
+    def resume(self, tracker: PltTracker, k: int, cumulative: Any = None) -> None:
+        """Continues from ``tracker`` (restored, or fresh at a step) with K ``k``
+        and, when given, the cumulative assignments [L, N] at the restore point."""
+        if tracker.shape != self.shape:
+            raise ValueError(f"tracker of shape {tracker.shape}, the model has {self.shape}")
+        if cumulative is not None:
+            cumulative = np.asarray(cumulative, np.int64)
+            if cumulative.shape != self.shape:
+                raise ValueError(f"cumulative of shape {cumulative.shape}, the model has "
+                                 f"{self.shape}")
+            self.cumulative = cumulative.copy()
+        self.tracker, self.k = tracker, k
+
+    def plt(self) -> float:
+        """The PLT a restore now would leave (accumulated)."""
+        return self.tracker.plt(self.tracker.step * self.tokens_per_step)
+
+    def version(self, step: int, tokens_per_expert: Any, expert_mask: Any = None,
+                full: bool = False) -> PecVersion:
+        """Records version ``step`` (after observing its step) and returns it.
+
+        Args:
+          step: the version; must follow the tracker's step by one.
+          tokens_per_expert: [L, N] kept assignments of the step that made it.
+          expert_mask: bool [L, N] to save instead of the policy's choice.
+          full: save every expert (a version moved by the full plan).
+        """
+        if tokens_per_expert is None:
+            raise ValueError("PEC needs tokens_per_expert ([moe_layers, experts] of the step) "
+                             "with every save")
+        if step != self.tracker.step + 1:
+            raise ValueError(f"PEC version {step} does not follow step {self.tracker.step}: "
+                             f"save once per step, or call resume_pec first")
+        tracker = self.tracker.copy()
+        tracker.observe(tokens_per_expert)
+        cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
+        k, mask = self._choose(tracker, tokens_per_expert, expert_mask, full)
+        tracker.on_saved(step, mask)
+        gather, _ = padded_gather_indices(mask, self.ranks)
+        count = None if mask.all() else gather.shape[1]
+        transport = self.transport(count)
+        needed, complete = version_needs(tracker.saved_step)
+        meta = {"k": k, "shape": list(self.shape), "mask": mask_to_hex(mask),
+                "count": count, "needed": list(needed), "complete": complete,
+                "tokens": step * self.tokens_per_step, "tracker": tracker.to_dict(),
+                "cumulative": cumulative.tolist()}
+        self.tracker, self.k, self.cumulative = tracker, k, cumulative
+        return PecVersion(step, k, mask, None if count is None else gather,
+                          transport.plan, transport, meta)
+
+    def _choose(self, tracker: PltTracker, rate: Any, expert_mask: Any,
+                full: bool) -> tuple[int, np.ndarray]:
+        if full:
+            return self.shape[1], np.ones(self.shape, bool)
+        if expert_mask is None:
+            return version_mask(tracker, self.dyn, self.k, rate, self.tokens_per_step,
+                                        tracker.step)
+        mask = np.asarray(expert_mask)
+        if mask.shape != self.shape or mask.dtype != bool:
+            raise ValueError(f"expert_mask must be bool {self.shape}, got {mask.dtype} "
+                             f"{mask.shape}")
+        if not mask.any(axis=1).all():
+            raise ValueError("expert_mask selects no expert of some MoE layer")
+        return int(mask.sum(axis=1).max()), mask
+
+
+def version_needs_of(manifest: dict[str, Any], step: int) -> tuple[tuple[int, ...], bool]:
+    """(versions a restore to this version reads, complete) from its manifest;
+    a version saved without PEC reads itself only."""
+    pec = manifest.get("pec")
+    if pec is None:
+        return (step,), True
+    return tuple(int(v) for v in pec["needed"]), bool(pec["complete"])

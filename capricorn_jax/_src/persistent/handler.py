@@ -1,0 +1,432 @@
+"""The Orbax handler of the two tiers: host RAM every step, disk when asked.
+
+``CapricornHandler`` is an Orbax ``AsyncCheckpointHandler`` that owns an
+``InMemoryCheckpointer``; ``manager.CheckpointManager`` drives it:
+
+* **memory tier, every step.** ``save_to_memory`` runs
+  ``InMemoryCheckpointer.save`` (pack, replicate to peers, background
+  writers). All hosts call it for every step, in the same order, from the
+  training thread (the memory tier runs collectives).
+* **persistent tier, when Orbax's policy says so.** ``async_save`` returns at
+  once with a commit future (``_PersistFuture``, a daemon thread) that waits
+  until this host's in-memory writer has committed version ``step``, reads it
+  from the host store into aligned host buffers (``memory_read``), wraps them
+  as ``jax.Array``s without copying (on CPU device memory is host memory; on
+  an accelerator they go to ``pinned_host`` memory when the device has it,
+  ``host_arrays.host_memory_kind``), and hands them to an inner
+  ``ocp.StandardCheckpointHandler`` once Orbax has created the item's
+  directory. The training thread only pays Orbax's barriers and directory
+  creation. Peak extra host memory of a persistent save is about 1.1-1.4x
+  this host's state (``launch/experiments/orbax_rss.py``).
+
+On disk a step is exactly what ``StandardCheckpointHandler`` writes under the
+item name, and its step metadata names ``StandardCheckpointHandler`` as the
+item's handler (the handler instance reports that typestr), so a process that
+never imports capricorn_jax restores it with plain Orbax::
+
+    ocp.CheckpointManager(path).restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+
+Each host also writes its small JSON host state (data-iterator position...) as
+``capricorn_host_state.<host>.json`` in the item directory; plain Orbax
+ignores that file.
+
+Design decision: the disk copy comes from the host-RAM copy the memory tier
+already holds. Alternative not taken: Orbax's own async save of the training
+arrays, a second device-to-host copy of the state for every persistent step.
+``async_save`` called without a preceding in-memory save of the same state
+(which is what a plain ``ocp.CheckpointManager`` does) raises an error that
+names the fix.
+
+Pinning: the memory tier keeps only its newest versions (the writer prunes an
+older own version once a newer one is committed). The persistent reader holds
+its version's bytes in RAM before the next ``save_to_memory`` may start a newer
+version: that call waits (bounded) for the reader (``await_reader``). The
+alternative, a pin API in the store, would avoid the wait but needs the store
+to track readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
+from capricorn_jax._src.memory.host_arrays import (
+    check_host_memory_kind,
+    global_arrays,
+    host_memory_kind,
+)
+from capricorn_jax._src.memory.recovery import choose_version
+from capricorn_jax._src.multihost.agree import allgather_json
+from capricorn_jax._src.persistent.memory_read import (
+    carried_blocks,
+    check_tree,
+    read_own_blocks,
+    read_pec_blocks,
+)
+
+log = logging.getLogger("capricorn_jax")
+
+HOST_STATE_FILE = "capricorn_host_state.{host}.json"
+
+
+class CapricornHandler(ocp.AsyncCheckpointHandler):
+    """Orbax handler of the two tiers (see the module docstring).
+
+    Args:
+      checkpointer: the in-memory tier (an ``InMemoryCheckpointer``); None for a
+        handler that only restores persistent steps (e.g. on another topology).
+        The handler closes it in ``close()``.
+      use_ocdbt: passed to the inner ``ocp.StandardCheckpointHandler``.
+      host_memory_kind: memory kind of the arrays handed to Orbax, as
+        ``InMemoryOptions.host_memory_kind`` (``host_arrays.host_memory_kind``):
+        "auto" (the devices' memory on CPU, ``pinned_host`` on accelerators
+        that have it), or "device", "pinned_host", "unpinned_host".
+      read_timeout_s: how long the persistent reader waits for the in-memory
+        writer to commit its version, and how long ``save_to_memory`` waits
+        for the reader before starting a newer version.
+
+    Attributes:
+      on_persist: optional hook ``(step, phase)`` called in the background
+        thread: phase "read" once the version's bytes are in RAM, "written" once
+        this host's files are written (before Orbax commits the step).
+    """
+
+    def __init__(self, checkpointer: InMemoryCheckpointer | None = None, *,
+                 use_ocdbt: bool = True, host_memory_kind: str = "auto",
+                 read_timeout_s: float = 300.0):
+        check_host_memory_kind(host_memory_kind)
+        tier = None if checkpointer is None else checkpointer.pec
+        if tier is not None:
+            kp = tier.dyn.options.k_persist
+            if kp is not None and kp < tier.shape[1] and kp % tier.ranks:
+                raise ValueError(f"k_persist={kp}: a persisted step carries k_persist/R experts "
+                                 f"of every MoE layer from each of the R={tier.ranks} "
+                                 f"expert-parallel ranks, so k_persist must be a multiple of "
+                                 f"{tier.ranks} (or None: all {tier.shape[1]} experts)")
+        self.checkpointer = checkpointer
+        self.host_memory_kind = host_memory_kind
+        self.read_timeout_s = read_timeout_s
+        self.on_persist: Callable[[int, str], None] | None = None
+        self._inner = ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt)
+        self._use_ocdbt = use_ocdbt
+        self._partial: ocp.PyTreeCheckpointHandler | None = None  # restores of some leaves
+        # What Orbax records as this item's handler in the step metadata: the
+        # files are the standard handler's, so plain Orbax can restore them.
+        # (Instance attribute: the class keeps its own typestr for the global
+        # handler-type registry, which refuses two classes with one typestr.)
+        self.typestr = ocp.StandardCheckpointHandler.typestr
+        self._lock = threading.Lock()
+        self._memory: _MemorySave | None = None
+        self._reader: tuple[int, threading.Event] | None = None
+        self._writer: _PersistFuture | None = None
+        self._next_pec: dict[str, Any] | None = None
+        self._closed = False
+        self.last_host_state: dict[str, Any] = {}
+
+    def registry(self, item: str = "state") -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+        """A handler registry mapping ``item`` (save and restore args) to this handler."""
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add(item, CapricornSave, self)
+        registry.add(item, CapricornRestore, self)
+        return registry
+
+    # ----- memory tier (training thread, collective) -----
+    def save_to_memory(self, step: int, state: Any, host_state: dict[str, Any] | None = None,
+                       tokens_per_expert: Any = None) -> SaveReport:
+        """Checkpoints ``state`` as in-memory version ``step`` (all hosts, every
+        step); ``tokens_per_expert``: PEC only, the step's [moe_layers, experts]."""
+        ckpt = self._require_checkpointer("save")
+        self.await_reader()
+        if step in ckpt.store.versions(ckpt.host):
+            # A version with this number left by an earlier run: drop it (and
+            # the newer ones) so the persistent reader can only see the
+            # version written now.
+            ckpt.drop_newer_than(step - 1)
+        extra = {} if tokens_per_expert is None else {"tokens_per_expert": tokens_per_expert}
+        report = ckpt.save(step, state, host_state or {}, **extra)
+        with self._lock:
+            self._memory = _MemorySave(step, id(state), report.skipped)
+        return report
+
+    def adopt_memory_version(self, step: int, state: Any) -> None:
+        """Takes in-memory version ``step``, saved by the caller through the
+        checkpointer, as the one the next ``async_save`` of ``state`` persists."""
+        self._require_checkpointer("persist")
+        with self._lock:
+            self._memory = _MemorySave(step, id(state), False)
+
+    def set_pec_record(self, record: dict[str, Any] | None) -> None:
+        """The PEC record of the next persistent save (the manager decides it:
+        which experts the step carries, ...); its ``async_save`` takes it."""
+        with self._lock:
+            self._next_pec = record
+
+    def await_reader(self) -> None:
+        """Waits (bounded) until the persistent save in flight has read its
+        in-memory version, so the next in-memory save cannot prune it mid-read.
+        ``save_to_memory`` calls it; callers that save through the checkpointer
+        themselves call it before each save."""
+        with self._lock:
+            reader = self._reader
+        if reader is None:
+            return
+        step, event = reader
+        if not event.wait(self.read_timeout_s):
+            log.warning("persistent save of step %d has not read its in-memory version after "
+                        "%.0fs; the memory tier goes on and that step may fail", step,
+                        self.read_timeout_s)
+        with self._lock:
+            if self._reader is reader:
+                self._reader = None
+
+    def memory_step(self) -> int | None:
+        """The newest version every host's shards can be read at (collective, no data read)."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return None
+        inventory = {str(o): ckpt.store.versions(o) for o in ckpt.store.owners()}
+        gathered = allgather_json(inventory, ckpt.hosts)
+        decision = choose_version([{int(o): v for o, v in inv.items()} for inv in gathered],
+                                  ckpt.hosts)
+        return None if decision is None else decision[0]
+
+    # ----- persistent tier -----
+    async def async_save(self, directory, args: CapricornSave) -> list[ocp.Future]:
+        """Starts writing the persistent tier from the in-memory version; returns at once."""
+        return [self._start(directory, args)]
+
+    def save(self, directory, args: CapricornSave) -> None:
+        self._start(directory, args).result()
+
+    def _start(self, directory, args: CapricornSave) -> _PersistFuture:
+        if not isinstance(args, CapricornSave):
+            raise TypeError(f"CapricornHandler saves CapricornSave args, got {type(args).__name__}")
+        with self._lock:
+            memory, self._memory = self._memory, None
+        if memory is None or memory.state_id != id(args.state):
+            raise RuntimeError(
+                "CapricornHandler.async_save: the in-memory tier holds no version of this state, "
+                "and the persistent tier is written from that host-RAM copy. Use "
+                "capricorn_jax.CheckpointManager (its save() runs the in-memory tier every step "
+                "and the persistent tier when Orbax's policy says so), or call "
+                "handler.save_to_memory(step, state, host_state) first.")
+        with self._lock:
+            pec_step, self._next_pec = self._next_pec, None
+        if pec_step is not None and pec_step["step"] != memory.step:
+            raise RuntimeError(f"the persistent PEC record is for step {pec_step['step']}, "
+                               f"the in-memory version for step {memory.step}")
+        future = _PersistFuture(self, epath.Path(directory), memory, pec_step)
+        with self._lock:
+            self._reader = (memory.step, future.read)
+            self._writer = future
+        future.start()
+        return future
+
+    def abort(self) -> None:
+        """Stops the persistent write in flight (its Orbax save failed elsewhere)."""
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            writer.cancel()
+
+    def _persist(self, future: _PersistFuture) -> None:
+        """The background work of one persistent save (runs in ``future``'s thread)."""
+        ckpt, step, directory = self.checkpointer, future.memory.step, future.directory
+        try:
+            if future.memory.skipped:
+                raise RuntimeError(f"in-memory version {step} was skipped (its writer was busy); "
+                                   f"no host-RAM copy to write persistent step {step} from")
+            if ckpt.pec is None:
+                blocks, host_state = read_own_blocks(ckpt, step, self.read_timeout_s)
+                shapes = None
+            else:
+                blocks, host_state, plan = read_pec_blocks(ckpt, step, self.read_timeout_s)
+                blocks, shapes = carried_blocks(ckpt, blocks, plan, future.pec)
+        finally:
+            future.read.set()
+        self._hook(step, "read")
+        # Orbax creates the step's directories in the background (primary host);
+        # the write starts once this item's directory exists.
+        deadline = time.monotonic() + self.read_timeout_s
+        while not directory.exists():
+            if future.cancelled.is_set():
+                raise _Aborted(f"persistent save of step {step} aborted")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{directory} not created after {self.read_timeout_s:.0f}s")
+            time.sleep(0.01)
+        kind = host_memory_kind(self.host_memory_kind, ckpt.mesh.devices.flat[0])
+        tree = global_arrays(blocks, ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh, kind,
+                             shapes)
+        del blocks
+        futures = asyncio.run(self._inner.async_save(directory,
+                                                     args=ocp.args.StandardSave(tree)))
+        for f in futures or []:
+            f.result()
+        del tree, futures
+        (directory / HOST_STATE_FILE.format(host=ckpt.host)).write_text(json.dumps(host_state))
+        self._hook(step, "written")
+
+    def _hook(self, step: int, phase: str) -> None:
+        if self.on_persist is not None:
+            self.on_persist(step, phase)
+
+    def restore(self, directory, args: CapricornRestore | None = None) -> Any:
+        """Restores a persistent step (the memory tier is the manager's business)."""
+        if args is None:
+            args = CapricornRestore()
+        if not isinstance(args, CapricornRestore):
+            raise TypeError(f"CapricornHandler restores with CapricornRestore args, got "
+                            f"{type(args).__name__}")
+        directory = epath.Path(directory)
+        abstract = self.target(args.abstract_state)
+        if abstract is not None:
+            check_tree(abstract, self._inner.metadata(directory).tree, "the persistent checkpoint")
+        if abstract is not None and any(leaf is ocp.PLACEHOLDER
+                                        for leaf in jax.tree.leaves(abstract)):
+            state = self._restore_some(directory, abstract)
+        else:
+            state = self._inner.restore(directory, args=ocp.args.StandardRestore(abstract))
+        host = jax.process_index()
+        path = directory / HOST_STATE_FILE.format(host=host)
+        self.last_host_state = json.loads(path.read_text()) if path.exists() else {}
+        return state
+
+    def _restore_some(self, directory: epath.Path, abstract: Any) -> Any:
+        """Restores the leaves of ``abstract`` that are not ``ocp.PLACEHOLDER``
+        (those stay placeholders). The standard handler takes no placeholders;
+        the PyTree handler beneath it reads the same files."""
+        if self._partial is None:
+            self._partial = ocp.PyTreeCheckpointHandler(use_ocdbt=self._use_ocdbt)
+
+        def restore_args(leaf: Any) -> Any:
+            if leaf is ocp.PLACEHOLDER:
+                return ocp.PLACEHOLDER
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+            return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape),
+                                        dtype=leaf.dtype)
+
+        return self._partial.restore(directory, args=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=jax.tree.map(restore_args, abstract)))
+
+    def target(self, abstract_state: Any) -> Any:
+        """The restore target: ``abstract_state``, or the in-memory tier's own state layout."""
+        if abstract_state is not None or self.checkpointer is None:
+            return abstract_state
+        ckpt = self.checkpointer
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            ckpt.abstract_state, ckpt.state_shardings)
+
+    def metadata(self, directory):
+        return self._inner.metadata(epath.Path(directory))
+
+    def finalize(self, directory) -> None:
+        self._inner.finalize(directory)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inner.close()
+        if self._partial is not None:
+            self._partial.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def _require_checkpointer(self, what: str) -> InMemoryCheckpointer:
+        if self.checkpointer is None:
+            raise RuntimeError(f"this CapricornHandler has no InMemoryCheckpointer and cannot "
+                               f"{what}; pass CapricornHandler(checkpointer)")
+        return self.checkpointer
+
+
+@ocp.args.register_with_handler(CapricornHandler, for_save=True)
+@dataclasses.dataclass
+class CapricornSave(ocp.args.CheckpointArgs):
+    """Save args: the train state, this host's JSON state (at most 8 KiB) and,
+    under partial expert checkpointing, the step's kept assignments per expert
+    ([moe_layers, experts], the PLT's input)."""
+
+    state: Any
+    host_state: dict[str, Any] | None = None
+    tokens_per_expert: Any = None
+
+
+@ocp.args.register_with_handler(CapricornHandler, for_restore=True)
+@dataclasses.dataclass
+class CapricornRestore(ocp.args.CheckpointArgs):
+    """Restore args: the target pytree of ``jax.ShapeDtypeStruct`` (with ``.sharding``).
+
+    None restores into the in-memory tier's own layout.
+    """
+
+    abstract_state: Any = None
+
+
+class _Aborted(RuntimeError):
+    """The manager gave up on this persistent save (its Orbax part failed)."""
+
+
+class _PersistFuture:
+    """An Orbax commit future: a daemon thread running ``CapricornHandler._persist``.
+
+    A daemon thread (not Orbax's signal-waiting commit thread) so that a save
+    whose directory creation failed never holds the process or the host
+    buffers longer than ``cancel()`` or the timeout.
+    """
+
+    def __init__(self, handler: CapricornHandler, directory: epath.Path, memory: _MemorySave,
+                 pec: dict[str, Any] | None = None):
+        self.handler, self.directory, self.memory = handler, directory, memory
+        self.pec = pec  # the PEC record of the step (experts carried, ...), None: full
+        self.read = threading.Event()  # the version's bytes are in RAM (or the read failed)
+        self.cancelled = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"capricorn-persist-{memory.step}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.handler._persist(self)
+        except _Aborted as e:
+            log.info("%s", e)
+            self._error = e
+        except BaseException as e:  # noqa: BLE001 - raised by result()
+            log.error("persistent save of step %d failed on host %d: %s: %s", self.memory.step,
+                      jax.process_index(), type(e).__name__, e)
+            self._error = e
+
+    def result(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"persistent save of step {self.memory.step} still running after "
+                               f"{timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemorySave:
+    step: int
+    state_id: int
+    skipped: bool

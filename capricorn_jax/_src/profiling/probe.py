@@ -1,0 +1,145 @@
+"""Collective timing: the all-to-all probe in a step, and an all-to-all alone.
+
+Two ways to see what an MoE layer's all-to-alls cost, for two questions:
+
+* ``CollectiveProbe``, a boundary hook for the bench's interference column:
+  ordered per-device callbacks at the edges of every collective phase a model
+  marks with ``collective_boundary`` (dispatch, combine; forward and
+  backward), inside the real step, under whatever else the step does (the
+  checkpoint chunks of a scheduled step). It includes the wait for the
+  slowest peer and the callbacks' own cost: compare it across strategies.
+* ``time_all_to_all``: one all-to-all of a buffer shape timed in isolation on
+  the mesh, the estimate the layer profiler subtracts from a layer's
+  duration (``Segment.collective_s``); the step's segments cannot see their
+  collectives, which run inside the layer's ``shard_map``.
+
+Design choice: each stamp takes one element of the buffer as operand and
+returns a dummy tied to the buffer (``lax.optimization_barrier``), so XLA
+cannot move it off its edge (as the profiler's marks; see
+``profiling.profiler``). Alternative not taken: timing the collectives from
+the profiled step's segments, which hold the layer's compute too.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.profiling.layer_profile import BWD, FWD, Recorder
+
+def probe_scalar(leaves: Sequence[jax.Array]) -> jax.Array:
+    """A float32 scalar that depends on every (non-empty) leaf."""
+    parts = [leaf.ravel()[0].astype(jnp.float32) for leaf in leaves if leaf.size]
+    return functools.reduce(jnp.add, parts, jnp.zeros((), jnp.float32))
+
+
+class CollectiveProbe:
+    """A hook that times the collective phases a model marks with
+    ``collective_boundary`` (the MoE all-to-alls), in the forward and the
+    backward pass, on every device: the interference probe.
+
+    It adds no layer-boundary marks (``__call__`` is the identity). At each
+    phase edge an ordered per-device callback stamps the time, tied to the
+    buffer by data dependency (as the profiler's marks are); in the backward
+    pass the same edges are stamped on the cotangents, where the transposed
+    collective runs from the ``end`` edge to the ``begin`` edge.
+    ``phase_seconds`` turns one step's stamps into the time of each phase.
+    """
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        self.recorder = recorder or Recorder()
+
+    def __call__(self, x: Any, name: str) -> Any:
+        del name
+        return x
+
+    def collective(self, x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
+        callback_fwd = functools.partial(self.recorder.record, name, f"{FWD}:{phase}")
+        callback_bwd = functools.partial(self.recorder.record, name, f"{BWD}:{phase}")
+
+        def stamp(tree: Any, callback: Callable) -> Any:
+            leaves, treedef = jax.tree.flatten(tree)
+            device = jax.lax.axis_index(axes).astype(jnp.float32)
+            tag = jnp.stack([device, probe_scalar(leaves)])
+            result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag,
+                                 ordered=True)
+            leaves, _ = jax.lax.optimization_barrier((leaves, result))
+            return jax.tree.unflatten(treedef, leaves)
+
+        @jax.custom_vjp
+        def ident(y):
+            return stamp(y, callback_fwd)
+
+        def fwd(y):
+            return stamp(y, callback_fwd), None
+
+        def bwd(_, g):
+            return (stamp(g, callback_bwd),)
+
+        ident.defvjp(fwd, bwd)
+        return ident(x)
+
+    def phase_seconds(self) -> dict[tuple[str, str, str], float]:
+        """{(layer, direction, collective): seconds} of the one step stamped
+        since the last call (forgets its stamps): per device the time from the
+        phase's first edge to its second in that direction, the slowest
+        device's. A phase missing an edge on some device is left out."""
+        times = self.recorder.drain()
+        out: dict[tuple[str, str, str], float] = {}
+        for (name, key, device), t in times.items():
+            direction, phase = key.split(":", 1)
+            collective, edge = phase.rsplit(".", 1)
+            other = times.get((name, f"{direction}:{collective}."
+                               f"{'end' if edge == 'begin' else 'begin'}", device))
+            if edge != "begin" or other is None:
+                continue
+            seconds = abs(other - t)
+            k = (name, direction, collective)
+            out[k] = max(out.get(k, 0.0), seconds)
+        return out
+
+
+def time_all_to_all(
+    mesh: Mesh, axis: str, buffer: jax.ShapeDtypeStruct, repeats: int = 5, chain: int = 10
+) -> float:
+    """Median seconds of one tiled all-to-all of ``buffer`` per device over ``axis``.
+
+    The buffer is split on its leading dimension into ``mesh.shape[axis]``
+    pieces, as GPTMoE's dispatch and combine do; every device of the mesh takes
+    part (the other axes run independent all-to-alls), as in the step. The
+    dispatch overhead is removed by timing programs of 1 and 1 + ``chain``
+    dependent all-to-alls and dividing the difference by ``chain``.
+    """
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    shape = (buffer.shape[0] * mesh.size, *buffer.shape[1:])
+    x = jax.device_put(jnp.zeros(shape, buffer.dtype), jax.sharding.NamedSharding(mesh, spec))
+
+    def program(n: int) -> Callable:
+        def body(b: jax.Array) -> jax.Array:
+            return jax.lax.fori_loop(
+                0, n, lambda _, v: jax.lax.all_to_all(v, axis, 0, 0, tiled=True), b
+            )
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+    def median_s(fn: Callable) -> float:
+        jax.block_until_ready(fn(x))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    one, many = median_s(program(1)), median_s(program(1 + chain))
+    return max(0.0, (many - one) / chain)

@@ -1,0 +1,195 @@
+"""The two interfaces between the library and a training loop.
+
+``TrainStep`` is what the library asks of the caller's trainer: the mesh and
+shardings of the train state, the jitted step for a capacity tuple (with
+boundary hooks, or wrapped by instrumentation), and the traced step with a
+sender that moves checkpoint chunks inside it. The profiler, the in-step
+executor and the scheduled strategies use nothing else, and write nothing on
+the trainer: what they cache (profiled variants, all-to-all timings,
+scheduled steps) they keep themselves.
+
+``Strategy`` is what a training loop asks of a checkpoint strategy:
+``save`` after every step, ``finish`` after the last, ``close`` at the end,
+``restore`` at start-up. The capabilities only some strategies have (running
+the step themselves to move a version inside it, planning on layer profiles,
+vetoing a profile, a schedule to report) are part of the same protocol with
+no-op defaults, so a caller drives every strategy the same way and never asks
+what a strategy is. A strategy subclasses ``Strategy`` to inherit them.
+
+Design choice: structural protocols (``typing.Protocol``), so the launcher's
+baselines and any user strategy need no library base class beyond the
+defaults they choose to inherit, and the trainer needs none at all.
+Alternative not taken: probing the objects (``hasattr(strategy, "step")``,
+private ``trainer._step_with``), which let the library and its callers drift
+apart silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+if TYPE_CHECKING:
+    from capricorn_jax._src.memory.recovery import Recovered
+    from capricorn_jax._src.profiling.detector import DynamicityDetector
+    from capricorn_jax._src.profiling.layer_profile import LayerProfile
+    from capricorn_jax._src.scheduling.partitioner import Schedule
+
+State = Any
+"""A train state pytree of global arrays (e.g. {"step", "params", "opt_state", "rng"})."""
+Metrics = dict[str, Any]
+"""A step's metrics; the library reads ``"tokens_per_expert"`` ([moe_layers, experts])."""
+HostState = dict[str, Any]
+"""JSON-able per-host state saved with a version (data position, ...)."""
+CheckpointEvent = dict[str, Any]
+"""What a save committed: ``{"version": step, "bytes": ..., ...}`` (JSON-able)."""
+StepFn = Callable[[State, jax.Array], tuple[State, Metrics]]
+
+
+class TrainStep(Protocol):
+    """The caller's trainer, as the library uses it.
+
+    Attributes:
+      mesh: the device mesh of the train state and the batch.
+      state_shardings: a NamedSharding per leaf of the train state.
+      batch_sharding: the batch's sharding (leading dimension over the mesh).
+      replicated: a fully replicated NamedSharding on ``mesh``.
+      boundaries: the model's ``layer_boundary`` names, in forward order.
+      moe_layers: the indices ``i`` of the boundaries ``block{i}`` that close
+        an MoE layer, in order (the rows of ``tokens_per_expert``).
+    """
+
+    mesh: Mesh
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    replicated: NamedSharding
+
+    @property
+    def boundaries(self) -> list[str]: ...
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]: ...
+
+    def step_fn(self, factors: tuple[float, ...], hooks: tuple = (),
+                wrap: Callable[[StepFn], StepFn] | None = None) -> StepFn:
+        """The jitted step for a capacity tuple (state donated), compiled once
+        per (factors, hooks, wrap); ``hooks`` are boundary hooks attached
+        inside the traced step, ``wrap`` instruments the traced body."""
+        ...
+
+    def has_step(self, factors: tuple[float, ...], hooks: tuple = ()) -> bool:
+        """Whether ``step_fn(factors, hooks)`` (no wrap) is compiled already."""
+        ...
+
+    def step_with_sender(self, state: State, batch: jax.Array, factors: tuple[float, ...],
+                         sender: Any, *sender_args: jax.Array) -> tuple[State, Metrics, Any]:
+        """The traced (unjitted) step with an in-step sender: the caller calls
+        ``ctx = sender.begin(state, *sender_args)`` before the forward pass,
+        attaches ``sender.hooks(ctx, carriers, received)`` as boundary hooks
+        around the loss, differentiates with respect to ``ctx.carriers`` too,
+        and returns ``sender.finish(ctx, received, carrier_cotangents)`` as the
+        third output (see ``scheduling.executor``)."""
+        ...
+
+
+class Strategy(Protocol):
+    """A checkpoint strategy, as a training loop drives it.
+
+    Lifecycle, per process: ``restore`` once before the first step; after
+    each step t (0-based) ``save(t + 1, state, ...)`` with the state step t
+    produced; after the last step ``finish``; then ``close``. Every host
+    calls every method at the same points (a method may run collectives).
+
+    The profiling driver (``profiling.policy.ProfilingDriver``) runs each
+    step: a profiled step itself, any other through ``run_step``; it calls
+    ``on_profile`` with every profile and ``allow_profile`` before profiling
+    on the detector's word. Their defaults make a strategy that saves after
+    the step and takes no interest in profiles.
+
+    Attributes:
+      name: the strategy's name (metrics, reports).
+      bytes_per_step: bytes of this host's last saved version (0: none yet).
+      plans_on_profiles: the strategy plans on layer profiles, so every host
+        must see the same ones: the driver hands it host 0's durations.
+    """
+
+    name: str
+    bytes_per_step: int = 0
+    plans_on_profiles: bool = False
+
+    def save(self, step: int, state: State, host_state: HostState, *,
+             tokens_per_expert: np.ndarray | None = None,
+             next_step_profiled: bool = False) -> list[CheckpointEvent]:
+        """Called by the training loop after every step with version ``step``
+        (the state that step ``step - 1`` produced).
+
+        Args:
+          step, state, host_state: the version and this host's JSON state.
+          tokens_per_expert: [moe_layers, experts] of the step that made the
+            version (partial expert checkpointing chooses experts by it).
+          next_step_profiled: step ``step`` will run instrumented (the
+            driver's ``profile_next``); a strategy that moves the version
+            inside that step must then save it now.
+
+        Returns:
+          The versions committed by this call (``checkpoint`` events).
+        """
+        ...
+
+    def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
+        """Called once after the last step with the final version: saves what
+        ``save`` left for a later step to move. Default: nothing left."""
+        return []
+
+    def close(self) -> None:
+        """Called once at the end: waits for background work, frees resources."""
+
+    def restore(self) -> Recovered | None:
+        """Called once at start-up: the newest version every host can restore
+        (state, step, host_state, tiers), or None (start from scratch)."""
+        return None
+
+    # --- called by the profiling driver (no-op defaults) ---
+
+    def run_step(self, train: TrainStep, step: int, factors: tuple[float, ...], state: State,
+                 batch: jax.Array, hooks: tuple = ()) -> tuple[State, Metrics]:
+        """Runs step ``step`` when it is not profiled. Default: the plain step."""
+        return train.step_fn(factors, hooks)(state, batch)
+
+    def has_step(self, train: TrainStep, step: int, factors: tuple[float, ...],
+                 hooks: tuple = ()) -> bool:
+        """Whether ``run_step`` for step ``step`` would run a compiled program."""
+        return train.has_step(factors, hooks)
+
+    def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
+        """Takes the profile of step ``step`` (``cold``: the step ran its
+        variant for the first time, its durations are no measurement).
+
+        Returns:
+          The fields of a ``repartition`` event when the strategy re-planned
+          from it, else None (the default).
+        """
+        return None
+
+    def allow_profile(self, detector: DynamicityDetector, tokens_per_expert: np.ndarray) -> bool:
+        """Whether a profile the detector asks for is worth taking at this
+        load (the same answer on every host). Default: always."""
+        return True
+
+    def schedule(self) -> Schedule | None:
+        """The in-step transfer schedule in force (None: none)."""
+        return None
+
+    def schedule_summary(self) -> dict[str, Any] | None:
+        """A JSON-able account of the schedules (None: the strategy has none)."""
+        return None
+
+    def resume_at(self, step: int) -> None:
+        """The caller ran the steps before ``step`` without this strategy
+        (benchmarks interleave strategies); the next ``save`` is version
+        ``step + 1``. Default: nothing to catch up."""
+

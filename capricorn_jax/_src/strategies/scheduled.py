@@ -1,0 +1,210 @@
+"""``gemini`` and ``capricorn``: version t's chunks move inside step t.
+
+Version t is the state step t starts from; the scheduled variant of step t
+packs it and moves its chunks at the layer boundaries the schedule names
+(``scheduling.executor``), and ``save`` after step t commits it
+(``InMemoryCheckpointer.save_transferred``). The schedule comes from layer
+profiles (``partitioner.windows_from_profile``): gemini builds it once from
+the warm profiles of its first ``first_n`` profiled steps (Gemini profiles
+the first iterations and assumes the timeline stays constant) and keeps it;
+capricorn re-partitions from every new warm profile, so the chunks follow the
+experts' load. Under PEC (``gemini_pec``/``capricorn_pec``: the checkpointer
+has PEC options) each version is decided when its step starts, and only its
+K experts per layer move, on a schedule of their own payload.
+
+A step that is profiled, or runs before a schedule exists, moves no chunks:
+its version moves unscheduled after the step (as ``inmem``). A version is
+never moved twice: ``save`` defers version t when step t will move it, and
+saves it now otherwise. ``finish`` saves the last state, which no later step
+moves.
+
+Design choice: the strategy does not decide which steps are profiled; the
+profiling driver (``profiling.policy.ProfilingDriver``) does, for every
+strategy alike, and hands this one its profiles (``on_profile``) and asks its
+gate (``allow_profile``: capricorn profiles on the detector's word only when
+the schedule in force may overflow at the new load). Alternative not taken
+(the previous state): a second profiling loop inside this class for the
+benchmark, with its own defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.profiling.detector import DynamicityDetector
+from capricorn_jax._src.profiling.layer_profile import LayerProfile
+from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
+from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
+from capricorn_jax._src.scheduling.transfers import (
+    ScheduledTransfers,
+    average_windows,
+    measure_link,
+    schedule_at_risk,
+)
+from capricorn_jax._src.strategies.base import (
+    CheckpointEvent,
+    HostState,
+    Metrics,
+    State,
+    TrainStep,
+)
+from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
+
+KINDS = ("gemini", "capricorn")
+
+
+class ScheduledStrategy(InMemoryStrategy):
+    """``gemini`` / ``capricorn`` (see the module docstring).
+
+    Args:
+      name: "gemini" or "capricorn", optionally with a "_pec" suffix (the
+        checkpointer's PEC options decide what a version carries).
+      checkpointer: the host's InMemoryCheckpointer; one peer replica.
+      train: the caller's TrainStep (the scheduled steps are built on it).
+      first_n: gemini: the profiled steps its fixed schedule is built from.
+      chunk_cap: the partitioner's largest chunk, in bytes.
+    """
+
+    plans_on_profiles = True
+
+    def __init__(self, name: str, checkpointer: InMemoryCheckpointer, train: TrainStep,
+                 first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20) -> None:
+        kind = name.removesuffix("_pec")
+        if kind not in KINDS:
+            raise ValueError(f"unknown scheduled strategy {name!r}")
+        if len(checkpointer.sources) != 1:
+            raise ValueError(f"{name} sends one replica per step inside the step; it needs "
+                             f"--replicas=2, got {len(checkpointer.sources) + 1}")
+        super().__init__(checkpointer, name)
+        self.kind, self.train, self.first_n = kind, train, first_n
+        self.link = measure_link(checkpointer.transport)
+        self.transfers = ScheduledTransfers(checkpointer, train, train.boundaries, self.link,
+                                            chunk_cap)
+        self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
+        self._profiles_seen = 0  # gemini: profiles seen (cold ones too)
+        self._moved: tuple[int, dict[str, jax.Array], Any] | None = None
+        self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
+        self._last_saved = -1
+        self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
+        self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
+        self.repartitions: list[int] = []
+
+    def _moves(self, step: int) -> bool:
+        """Whether step ``step`` moves version ``step`` inside it."""
+        return self.transfers.schedule is not None and step in self._host_states
+
+    def has_step(self, train: TrainStep, step: int, factors: tuple[float, ...],
+                 hooks: tuple = ()) -> bool:
+        """Under PEC it assumes the payload of the last version moved (K is
+        fixed in the bench; a new K compiles a variant)."""
+        if self._moves(step):
+            if self.ckpt.pec is not None and self._pec_transport is None:
+                return False
+            return self.transfers.has_step(factors, hooks, self._pec_transport)
+        return train.has_step(factors, hooks)
+
+    def run_step(self, train: TrainStep, step: int, factors: tuple[float, ...], state: State,
+                 batch: jax.Array, hooks: tuple = ()) -> tuple[State, Metrics]:
+        """Step ``step``, moving version ``step`` in it when a schedule exists;
+        ``hooks``: extra boundary hooks (the bench's CollectiveProbe)."""
+        if not self._moves(step):
+            return train.step_fn(factors, hooks)(state, batch)
+        host_state, tokens_per_expert = self._host_states[step]
+        trailer = self.ckpt.trailer_rows(host_state)
+        version, transport, gather = None, None, ()
+        if self.ckpt.pec is not None:
+            # PEC: decide version ``step`` now (K experts per layer), pack and
+            # move only it; its payload has its own schedule.
+            version = self.ckpt.plan_pec_version(step, tokens_per_expert)
+            transport = self._pec_transport = version.transport
+            if version.gather is not None:
+                gather = (jax.device_put(version.gather, train.replicated),)
+        state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
+            state, batch, trailer, *gather)
+        self._moved = (step, moved, version)
+        return state, metrics
+
+    def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
+        """Re-partitions from the profile when the strategy does (gemini: once,
+        after its first ``first_n`` profiles; capricorn: every warm profile)."""
+        if self.kind == "gemini":
+            if self.transfers.schedule is not None:
+                return None
+            self._profiles_seen += 1
+            if not cold:
+                self._profiles.append(profile)
+            if self._profiles_seen < self.first_n:
+                return None
+            # Gemini: the iteration timeline of the first n steps, kept for good.
+            windows = average_windows(self._profiles or [profile], windows_from_profile)
+            self._profiles.clear()
+        else:
+            if cold:
+                return None
+            windows = windows_from_profile(profile)
+        self.transfers.repartition(windows)
+        self._planned_on = profile
+        self.repartitions.append(step)
+        return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
+                "link_bytes_per_s": self.link.bytes_per_s,
+                "windows_s": [round(w.duration_s, 6) for w in windows]}
+
+    def allow_profile(self, detector: DynamicityDetector, tokens_per_expert: np.ndarray) -> bool:
+        """capricorn: whether the schedule in force may overflow at this load
+        (``scheduling.transfers.schedule_at_risk``); gemini: always."""
+        if self.kind != "capricorn":
+            return True
+        # The same answer on every host with no collective: a profiled step
+        # (other collectives) must run on every host or on none, and every
+        # input is the same everywhere: the expert load is replicated, and the
+        # schedule, the profile it was planned on and the cost models' points
+        # are host 0's (the driver hands this strategy agreed profiles only).
+        return schedule_at_risk(self.transfers.schedule, detector, tokens_per_expert,
+                                self._planned_on, self.train.moe_layers)
+
+    def save(self, step: int, state: State, host_state: HostState, *,
+             tokens_per_expert: np.ndarray | None = None,
+             next_step_profiled: bool = False) -> list[CheckpointEvent]:
+        """After step ``step - 1``: commits the version moved inside it.
+
+        Version ``step`` (``state``) is then either deferred, when step ``step``
+        will move it (a schedule exists and that step is not profiled), or
+        saved now, unscheduled. A version is never moved twice.
+
+        Returns:
+          The ``checkpoint`` events of the versions committed now: the one
+          moved in the step, and ``step`` when it is saved now.
+        """
+        will_move = self.transfers.schedule is not None and not next_step_profiled
+        self._host_states = {step: (host_state, tokens_per_expert)} if will_move else {}
+        moved, self._moved = self._moved, None
+        events = []
+        if moved is not None:
+            version, payloads, pec_version = moved
+            report = self.ckpt.save_transferred(version, payloads["own"],
+                                                [payloads["received"]], version=pec_version)
+            self._last_saved = version
+            events.append({**self._event(version, report), "moved_in_step": version})
+        if not will_move:
+            self._last_saved = step
+            events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
+        return events
+
+    def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
+        """Saves the final state (version ``step``), which no later step moves."""
+        if self._last_saved == step:
+            return []
+        self._last_saved = step
+        _, tokens_per_expert = self._host_states.get(step, (None, None))
+        return super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
+
+    def schedule(self) -> Schedule | None:
+        return self.transfers.schedule
+
+    def schedule_summary(self) -> dict[str, Any] | None:
+        return {**self.transfers.summary(), "repartition_steps": self.repartitions}

@@ -1,0 +1,173 @@
+"""launch.train's checkpoint tiers: the in-memory checkpointer, the persistent
+tier over it, and where a restarted worker resumes from.
+
+``make_checkpointer`` builds the strategies' ``InMemoryCheckpointer`` from
+the checkpoint config (stores, replicas, chunk size, PEC) and the fault
+config (a stalled replica writer, the pause for a kill halfway through the
+replicas). ``Persistent`` adds ``--persist_every``: the library's
+``CheckpointManager`` over that checkpointer, writing WORKDIR/checkpoints.
+``resume`` restores the newest version across tiers and logs the
+``recovery`` event.
+
+Design choice: the strategy saves to memory itself (after the step, or inside
+it) and the persistent tier only hands each committed version to the
+manager, which writes it from the host store. Alternative not taken: the
+persistent tier saving the training state on its own schedule, which would
+copy the state from the devices a second time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from absl import logging
+
+from launch.config import CheckpointConfig, Config
+from launch.faults import pause_for_kill
+from launch.metrics import MetricsWriter
+
+# The tiers a recovery may reach for, nearest first.
+TIER_ORDER = ("local", "peer", "persistent")
+
+
+def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
+    """This host's ``capricorn_jax.InMemoryCheckpointer`` for the --ckpt strategy."""
+    import capricorn_jax
+
+    ckpt_cfg, faults = config.checkpoint, config.faults
+    pause = faults.pause_mid_replication_at if faults.pause_mid_replication_at >= 0 else None
+    options = capricorn_jax.InMemoryOptions(
+        store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,
+        chunk_bytes=ckpt_cfg.chunk_bytes, replication_timeout_s=ckpt_cfg.replication_timeout_s,
+        stall_replica_writer_at=faults.stall(host), pause_mid_replication_at=pause,
+        pec=capricorn_jax.PecOptions(k=ckpt_cfg.pec_k, k_persist=ckpt_cfg.pec_k_persist or None,
+                                     policy=ckpt_cfg.pec_policy,
+                                     plt_threshold=ckpt_cfg.pec_plt_threshold,
+                                     dynamic=ckpt_cfg.pec_dynamic) if ckpt_cfg.pec_k else None,
+    )
+    cfg = trainer.cfg
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts,
+        model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+    workdir = config.train.workdir
+
+    def on_pause(step: int) -> None:
+        pause_for_kill(workdir, host, f"halfway through writing replicas of version {step}")
+
+    ckpt.on_pause = on_pause
+    return ckpt
+
+
+class Persistent:
+    """The persistent tier of launch.train: capricorn_jax.CheckpointManager over
+    the strategy's InMemoryCheckpointer, writing WORKDIR/checkpoints.
+
+    The strategy saves to memory itself (after the step, or inside it);
+    ``maybe_persist`` hands each committed version to the manager, which writes
+    it from the host store when ``--persist_every`` says so.
+    """
+
+    def __init__(self, ckpt: Any, trainer: Any, metrics: MetricsWriter,
+                 checkpoint: CheckpointConfig, workdir: str):
+        import orbax.checkpoint as ocp
+
+        import capricorn_jax
+
+        self.ocp, self.cj, self.trainer, self.metrics = ocp, capricorn_jax, trainer, metrics
+        self.pec = bool(checkpoint.pec_k)
+        self.handler = capricorn_jax.CapricornHandler(ckpt)
+        self.manager = capricorn_jax.CheckpointManager(
+            Path(workdir).absolute() / "checkpoints",
+            options=ocp.CheckpointManagerOptions(save_interval_steps=checkpoint.persist_every,
+                                                 max_to_keep=checkpoint.max_to_keep),
+            handler_registry=self.handler.registry("state"))
+        self._errors = 0
+
+    def restore(self) -> tuple[Any, int, dict | None]:
+        """(state, step, host_state) of the newest step across tiers, or Nones."""
+        import jax
+
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              self.trainer.abstract_state, self.trainer.state_shardings)
+        try:
+            restored = self.manager.restore(args=self.ocp.args.Composite(
+                state=self.cj.CapricornRestore(target)))
+        except FileNotFoundError:
+            return None, 0, None
+        info = self.manager.last_restore
+        tiers = info.memory_tiers or ["persistent"] * jax.process_count()
+        log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,
+                     info.bytes_moved, **pec_fields(info))
+        return restored.state, info.step, info.host_state
+
+    def maybe_persist(self, version: int, state: Any) -> None:
+        args = self.ocp.args.Composite(state=self.cj.CapricornSave(state))
+        if self.manager.persist(version, args):
+            pec = self.manager.last_persist if self.pec else None
+            extra = {} if pec is None or pec["step"] != version else {
+                "pec_k_persist": pec["k_persist"], "plt": pec["plt"],
+                "accumulated_plt": pec["accumulated_plt"], "experts": pec["experts"]}
+            self.metrics.write({"event": "persist", "step": version,
+                                "directory": str(self.manager.directory), **extra})
+        self._report_errors()
+
+    def _report_errors(self) -> None:
+        for error in self.manager.persistent_errors[self._errors:]:
+            self.metrics.write({"event": "persist_error", **error})
+            logging.warning("persistent tier: step %s failed: %s; training goes on with the "
+                            "memory tier", error.get("step"), error.get("error"))
+        self._errors = len(self.manager.persistent_errors)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self._report_errors()
+        self.manager.close()
+
+
+def resume(strategy: Any, persistent: Persistent | None, metrics: MetricsWriter,
+           host: int) -> tuple[Any, int, dict | None]:
+    """(state, step, host_state) of the newest version across the tiers (the
+    persistent tier's, or the strategy's own ``restore``), or (None, 0, None)
+    when there is none; logs the recovery."""
+    if persistent is not None:
+        return persistent.restore()
+    recovered = strategy.restore()
+    if recovered is None:
+        return None, 0, None
+    log_recovery(metrics, host, recovered.step, recovered.tiers, recovered.seconds,
+                 recovered.bytes_moved, **pec_fields(recovered))
+    return recovered.state, recovered.step, recovered.host_state
+
+
+def log_recovery(metrics: MetricsWriter, host: int, step: int, tiers: list[str],
+                 seconds: float, bytes_moved: int | None, **extra: Any) -> None:
+    """The ``recovery`` event (its ``tier``: the farthest any host reached for)."""
+    metrics.write({"event": "recovery", "step": step,
+                   "tier": max(tiers, key=TIER_ORDER.index), "seconds": seconds,
+                   "tiers": tiers, "bytes_moved": bytes_moved, **extra})
+    logging.info("host %d: recovered version %d from tier %s in %.2fs", host, step, tiers[host],
+                 seconds)
+
+
+def pec_fields(recovered: Any) -> dict:
+    """A PEC restore's portion of lost tokens and where each expert came from."""
+    pec = getattr(recovered, "pec", None)
+    if pec is None:
+        return {}
+    fields = {"plt": pec.plt, "accumulated_plt": pec.accumulated_plt, "pec_k": pec.k,
+              "versions": pec.versions, "expert_source_steps": pec.source}
+    if pec.data_steps is not None:  # persistent tier: the training step of each expert's values
+        fields["expert_data_steps"] = pec.data_steps
+    return fields
+
+
+def quiet_orbax_info() -> None:
+    """Orbax logs every save step at INFO through absl; keep its warnings only."""
+    import logging as pylogging
+
+    class QuietOrbax(pylogging.Filter):
+        def filter(self, record: pylogging.LogRecord) -> bool:
+            return record.levelno >= pylogging.WARNING or "/orbax/" not in record.pathname
+
+    pylogging.getLogger("absl").addFilter(QuietOrbax())

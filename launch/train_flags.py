@@ -1,0 +1,145 @@
+"""launch.train's command line: its absl flags, defined on import.
+
+Only launch.train imports this module (launch.bench defines flags of the same
+names for itself). ``launch.config.from_flags`` reads these flags once into
+frozen dataclasses and checks them; nothing else reads them. Design choice:
+the definitions (name, default, help) apart from the dataclasses and their
+checks, so that the dataclasses can be built and tested without absl's global
+flag namespace. Alternative not taken: defaults declared on the dataclasses
+and the flags generated from them, which would hide each flag's help text
+behind a table.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from absl import flags
+
+from capricorn_jax import DetectorOptions
+from capricorn_jax.experimental import CACHE_GRANULARITIES, DRIFT_METRICS, CacheOptions
+from launch.strategies import STRATEGIES
+from models.config import CONFIGS, DISPATCH_MODES
+
+
+def _default_store_root() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, "capricorn_jax")
+
+
+flags.DEFINE_integer("hosts", 2, "Simulated hosts (processes).")
+flags.DEFINE_integer("devices_per_host", 2, "CPU devices per simulated host.")
+flags.DEFINE_boolean("pin_hosts", False,
+                     "Run each simulated host's process on its own CPUs (this process's CPUs "
+                     "split round robin): steadier timings, e.g. for profiling measurements.")
+flags.DEFINE_string("model", "tiny", f"Model config: {', '.join(CONFIGS)}.")
+flags.DEFINE_integer("steps", 20, "Training steps.")
+flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl and checkpoints.")
+flags.DEFINE_integer("seed", 0, "Seed of the parameters, dropout and data order.")
+flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"],
+                  "steady: one domain; dynamic: domain shift every --shift_every steps; "
+                  "synthetic: random bytes (explicit opt-in).")
+flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
+flags.DEFINE_enum("ckpt", "none", list(STRATEGIES),
+                  "Checkpoint strategy: none (a restarted job starts over from step 0); "
+                  "blocking (every step, every local shard written to this host's RAM disk, "
+                  "--store_root, before the next step); orbax_async (plain Orbax async save of "
+                  "every step to WORKDIR/checkpoints); inmem (every step to host RAM + m-1 "
+                  "peers, moved after the step); gemini (moved inside the step on a schedule "
+                  "from the first --profile_first_n steps' profile, kept); capricorn "
+                  "(layer-level schedule, re-partitioned when the expert load drifts); pec / "
+                  "capricorn_pec: inmem / capricorn with partial expert checkpoints, which need "
+                  "--pec_k (an error without it). Each restores from its own checkpoint.")
+flags.DEFINE_string("profile", "",
+                    "Layer profiling: off | every | first_n (the first --profile_first_n steps "
+                    "once, Gemini) | speculative (when the dynamicity detector asks, Capricorn); "
+                    "'' = the --ckpt strategy's policy (off for none and inmem).")
+flags.DEFINE_boolean("timeline", False,
+                     "Write WORKDIR/timeline.json (Chrome/Perfetto trace) and timeline.png: host "
+                     "0's last profiled iteration (layers, all-to-alls) with the checkpoint chunks "
+                     "of the schedule in force in it (gemini/capricorn), overflowing windows red. "
+                     "Needs a profiling policy.")
+flags.DEFINE_integer("profile_first_n", 20, "--profile=first_n: the steps profiled at the start.")
+flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
+                   "--profile=speculative: a layer's drift score of the expert load (since the "
+                   "last profile) above which the next step is profiled.")
+flags.DEFINE_enum("drift_metric", DetectorOptions().metric, list(DRIFT_METRICS),
+                  "--profile=speculative: the drift score (capricorn_jax.DetectorOptions.metric).")
+flags.DEFINE_integer("profile_cache_max_age", 0,
+                     "--profile=speculative with --dispatch=bucketed: profile each capacity "
+                     "tuple once and reuse its profile, for up to this many steps, when the load "
+                     "flips back to it (a profile only when the detector drifts or the tuple "
+                     "changes, and the tuple has no cached profile that young); 0 = no cache "
+                     "(every drift profiles). Fixed dispatch: ignored.")
+flags.DEFINE_integer("profile_cache_samples", CacheOptions().samples,
+                     "--profile_cache_max_age > 0: warm profiles of a capacity tuple (each "
+                     "younger than the max age) the cache needs before it answers for the tuple; "
+                     "it answers with their per-segment median (steadier than one profile).")
+flags.DEFINE_enum("profile_cache_granularity", "tuple", list(CACHE_GRANULARITIES),
+                  "--profile_cache_max_age > 0: file a profile under its whole capacity tuple, "
+                  "or under each MoE layer's capacity factor (a layer's segments are then "
+                  "answered from any profile in which it ran at that factor).")
+flags.DEFINE_integer("replicas", 2, "m: copies of each host's checkpoint (own + m-1 peers).")
+flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memory tier.")
+flags.DEFINE_integer("chunk_cap_bytes", 0,
+                     "--ckpt=gemini|capricorn: the largest chunk the schedule places in a window "
+                     "(the partitioner's cap); 0 = --chunk_bytes.")
+flags.DEFINE_string("store_root", _default_store_root(),
+                    "Base directory of the host RAM stores (tmpfs).")
+flags.DEFINE_float("replication_timeout_s", 30.0,
+                   "A version not confirmed by every replica after this is under-replicated.")
+flags.DEFINE_boolean("resume", False,
+                     "Resume a previous job of this workdir from its stores; default: the job "
+                     "starts fresh and only recovers from failures that happen inside it.")
+flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's process...")
+flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
+flags.DEFINE_enum("kill_mode", "process", ["process", "host"],
+                  "...process: its RAM store survives; host: its store is wiped (machine loss).")
+flags.DEFINE_integer("persist_every", 0,
+                     "Persistent tier (in-memory strategies): every this many steps, write the "
+                     "in-memory version to WORKDIR/checkpoints as a standard Orbax step, in the "
+                     "background, from host RAM; 0: no persistent tier.")
+flags.DEFINE_integer("max_to_keep", 3, "Persistent steps kept in WORKDIR/checkpoints.")
+flags.DEFINE_integer("kill_every", 0,
+                     "Fault injection: kill --kill_host again every this many steps after "
+                     "--kill_at_step (0: once); each time all hosts restart and recover.")
+flags.DEFINE_integer("pec_k", 0,
+                     "Partial expert checkpointing (in-memory strategies): experts per MoE "
+                     "layer in each version (0: all, no PEC; --ckpt=pec and capricorn_pec "
+                     "need a value > 0).")
+flags.DEFINE_enum("pec_policy", "sequential", ["sequential", "load_aware"],
+                  "PEC: which experts a version carries.")
+flags.DEFINE_float("pec_plt_threshold", 0.0375,
+                   "PEC: dynamic K doubles K when the portion of lost tokens would pass this.")
+flags.DEFINE_boolean("pec_dynamic", True, "PEC: adapt K to the portion of lost tokens.")
+flags.DEFINE_integer("pec_k_persist", 0,
+                     "PEC with --persist_every: experts per MoE layer in each persistent step "
+                     "(<= --pec_k, a multiple of the expert-parallel size; each step carries the "
+                     "least recently persisted experts); 0: all experts (full steps).")
+flags.DEFINE_boolean("corrupt_store", False,
+                     "Fault injection: after the kill, flip bytes in a chunk of the killed host's "
+                     "own newest version (RAM bit rot); it must then recover from a peer.")
+flags.DEFINE_enum("kill_point", "after_step", ["after_step", "mid_replication"],
+                  "after_step: when the step is logged; mid_replication: while the host is "
+                  "halfway through writing the replicas it received for that step.")
+flags.DEFINE_integer("stall_host", -1, "Fault injection: this host's replica writer stalls...")
+flags.DEFINE_integer("stall_at_step", -1, "...at this step...")
+flags.DEFINE_float("stall_seconds", 0.0, "...for this long (a peer that stops answering).")
+flags.DEFINE_integer("pause_mid_replication_at", -1, "Internal: set by the supervisor.")
+flags.DEFINE_integer("pause_after_step_at", -1, "Internal: set by the supervisor.")
+flags.DEFINE_integer("expert_parallel", 0,
+                     "Size of the expert mesh axis; 0 = all devices (capped at num_experts).")
+flags.DEFINE_enum("dispatch", "", ["", *DISPATCH_MODES],
+                  "MoE dispatch: fixed capacity or bucketed (load-dependent); '' = model's.")
+flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = model's.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
+flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.")
+flags.DEFINE_integer("log_every", 10, "Steps between log lines.")
+flags.DEFINE_integer("eval_sequences", 8, "Validation sequences per domain at the end; 0 = none.")
+flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
+                  "cpu: simulated hosts; gpu: this process on the local GPU(s).")
+flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole job; hosts are stopped past it.")
+flags.DEFINE_integer("process_id", -1,
+                     "Internal: this worker's host index (set by the supervisor).")
+flags.DEFINE_string("coordinator", "", "Internal: jax.distributed coordinator address.")
