@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
@@ -32,6 +33,7 @@ __all__ = [
     "CACHE_GRANULARITIES",
     "CacheOptions",
     "DRIFT_METRICS",
+    "HostStore",
     "ProfileCache",
     "allgather_floats",
     "allgather_json",

@@ -2,8 +2,9 @@
 
 The supervisor starts one process per simulated host, each with its own CPU
 device count, and passes it the coordinator address (127.0.0.1, a free port)
-and its process id. It forwards every line a host prints with a ``[host i]``
-prefix, and ends the whole job when any host fails (a jax.distributed job
+and its process id. It hands every line a host prints to ``on_line`` (by
+default: printed with a ``[host i]`` prefix; launch.train filters them,
+``launch.console``), and ends the whole job when any host fails (a jax.distributed job
 cannot go on without one of its processes), when a deadline passes, or on
 SIGINT/SIGTERM. No orphans: every child gets PR_SET_PDEATHSIG=SIGKILL, so it
 dies with the supervisor even when the supervisor is SIGKILLed, and the
@@ -85,6 +86,8 @@ class LocalCluster:
       devices_per_host: CPU devices each process gets (XLA_FLAGS).
       on_line: called with (host, line) for each line a host prints; the
         default writes ``[host i] line`` to stdout.
+      on_exit: called with (host) when a host's output ends (its process
+        exited), after its last ``on_line``.
       cpu_sets: if given, host i's process (and its XLA thread pools, which
         size themselves from the affinity) runs on ``cpu_sets[i % len]`` only:
         a quieter simulation, each host on its own cores instead of every
@@ -98,6 +101,7 @@ class LocalCluster:
         devices_per_host: int,
         on_line: Callable[[int, str], None] | None = None,
         cpu_sets: Sequence[Collection[int]] | None = None,
+        on_exit: Callable[[int], None] | None = None,
     ):
         if cpu_sets is not None and (not cpu_sets or not all(cpu_sets)):
             raise ValueError(f"cpu_sets must be non-empty sets of CPUs, got {cpu_sets!r}")
@@ -108,6 +112,7 @@ class LocalCluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self._threads: list[threading.Thread] = []
         self._on_line = on_line or self._print_line
+        self._on_exit = on_exit
         self._print_lock = threading.Lock()
 
     def _print_line(self, host: int, line: str) -> None:
@@ -150,6 +155,8 @@ class LocalCluster:
         assert proc.stdout is not None
         for line in proc.stdout:
             self._on_line(host, line)
+        if self._on_exit is not None:
+            self._on_exit(host)
 
     def start(self) -> None:
         for host in range(self.hosts):

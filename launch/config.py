@@ -92,6 +92,8 @@ class TrainConfig:
     log_every: int
     eval_sequences: int
     resume: bool
+    fresh: bool = False
+    verbose: bool = False
     cluster: InitVar[ClusterConfig]
 
     def __post_init__(self, cluster: ClusterConfig) -> None:
@@ -101,6 +103,9 @@ class TrainConfig:
             raise FlagError(f"--model: unknown model {self.model!r}; known: {', '.join(CONFIGS)}")
         if self.shift_every < 1:
             raise FlagError(f"--shift_every must be >= 1, got {self.shift_every}")
+        if self.resume and self.fresh:
+            raise FlagError("--resume and --fresh contradict each other: resuming is the "
+                            "default; --fresh deletes the checkpoints and starts over")
         cfg, devices = self.model_config, cluster.devices
         ep = self.expert_axis(cluster)
         if ep is not None:
@@ -402,7 +407,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,
         expert_parallel=fv.expert_parallel, learning_rate=fv.learning_rate,
         warmup_steps=fv.warmup_steps, log_every=fv.log_every, eval_sequences=fv.eval_sequences,
-        resume=fv.resume, cluster=cluster)
+        resume=fv.resume, fresh=fv.fresh, verbose=fv.verbose, cluster=cluster)
     profile = ProfileConfig(
         profile=fv.profile, first_n=fv.profile_first_n, drift_threshold=fv.drift_threshold,
         drift_metric=fv.drift_metric, cache_max_age=fv.profile_cache_max_age,

@@ -23,9 +23,12 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from absl import logging
+
+from capricorn_jax.experimental import HostStore
 
 from launch import cluster as cluster_lib
 from launch.config import CheckpointConfig, FaultConfig
@@ -46,6 +49,8 @@ class FaultInjector:
         self.cluster: cluster_lib.LocalCluster | None = None
         self.kill_steps = faults.kill_steps(steps)
         self.kills = 0  # kills done so far
+        # Told the host about to be killed (the console then hides its peers' fallout).
+        self.before_kill: Callable[[int], None] | None = None
 
     @property
     def pending(self) -> bool:
@@ -69,6 +74,8 @@ class FaultInjector:
         if self.fired or self.cluster is None or not self.marker.exists():
             return
         self.fired = True
+        if self.before_kill is not None:
+            self.before_kill(self.faults.kill_host)
         self.cluster.kill_host(self.faults.kill_host, signal.SIGKILL)
         print(f"fault: SIGKILLed host {self.faults.kill_host} at step "
               f"{self.kill_steps[self.kills]} ({self.faults.kill_point}, mode "
@@ -87,16 +94,20 @@ class FaultInjector:
 
 
 def corrupt_newest_own_chunk(root: Path, host: int) -> None:
-    """Flips a byte in the first chunk of host ``host``'s newest own version."""
-    versions = sorted((root / f"owner{host}").glob("v*[0-9]"))
-    if not versions:
-        print(f"fault: host {host} has no own version to corrupt", flush=True)
-        return
-    chunk = versions[-1] / "d0.c0"
-    data = bytearray(chunk.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    chunk.write_bytes(bytes(data))
-    print(f"fault: flipped a byte in {chunk.relative_to(root)} of host {host}", flush=True)
+    """Flips a byte in the first chunk of host ``host``'s newest own version,
+    through the store's API (a view of the chunk in its shared-memory slot)."""
+    store = HostStore(root)
+    try:
+        versions = store.versions(host)
+        if not versions:
+            print(f"fault: host {host} has no own version to corrupt", flush=True)
+            return
+        view = store.chunk_view(host, versions[-1], "d0.c0")
+        view[view.size // 2] ^= 0xFF
+        print(f"fault: flipped a byte in owner{host}/v{versions[-1]:012d}/d0.c0 of host {host}",
+              flush=True)
+    finally:
+        store.close()
 
 
 def pause_for_kill(workdir: str, host: int, where: str) -> None:

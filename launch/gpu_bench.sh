@@ -56,7 +56,7 @@ part bandwidth 120 "$PY" -m launch.experiments.bandwidth --mib=1024 --repeats=5 
 TRAIN=(--platform=gpu --hosts=1 --replicas=1 --model=small --dispatch=fixed --ckpt=inmem
        --persist_every=4 --store_root="$STORE" --workdir="$WORK/train" --eval_sequences=2)
 rm -rf "$STORE"
-part train 300 "$PY" -m launch.train "${TRAIN[@]}" --steps=8 --profile=every
+part train 300 "$PY" -m launch.train "${TRAIN[@]}" --steps=8 --profile=every --fresh
 part resume_memory 300 "$PY" -m launch.train "${TRAIN[@]}" --steps=10 --resume
 rm -rf "$STORE"
 part resume_persistent 300 "$PY" -m launch.train "${TRAIN[@]}" --steps=12 --resume

@@ -146,8 +146,13 @@ def log_recovery(metrics: MetricsWriter, host: int, step: int, tiers: list[str],
     metrics.write({"event": "recovery", "step": step,
                    "tier": max(tiers, key=TIER_ORDER.index), "seconds": seconds,
                    "tiers": tiers, "bytes_moved": bytes_moved, **extra})
-    logging.info("host %d: recovered version %d from tier %s in %.2fs", host, step, tiers[host],
-                 seconds)
+    if host == 0:  # the job's line on the console (host 0 knows every host's tier)
+        moved = "" if bytes_moved is None else f", {bytes_moved} bytes from peers"
+        logging.info("recovery: resumed from step %d via tier %s (hosts: %s) in %.2fs%s", step,
+                     max(tiers, key=TIER_ORDER.index), ", ".join(tiers), seconds, moved)
+    else:
+        logging.info("host %d: recovered version %d from tier %s in %.2fs", host, step,
+                     tiers[host], seconds)
 
 
 def pec_fields(recovered: Any) -> dict:

@@ -3,10 +3,15 @@
 With ``--hosts=H`` on CPU the process a user starts is the supervisor: it
 starts H workers (this same command line plus ``--process_id`` and the
 coordinator's address, ``launch.cluster``), restarts all of them after each
-injected kill (``launch.faults``), and prints a one-line report of the
-metrics and each recovery. Unless ``--resume``, it first clears what an
-earlier job of the workdir left: the metrics, the RAM stores and the
-persistent checkpoints.
+injected kill (``launch.faults``), shows the job's console
+(``launch.console``) and prints a summary at the end.
+
+Nothing is deleted behind the user's back: a WORKDIR that holds checkpoints
+(WORKDIR/checkpoints, the job's RAM stores under --store_root) is resumed
+from, the newest version across the tiers (the workers pick it), and
+metrics.jsonl is appended to; one line says what was found. ``--fresh``
+deletes them first, one line per thing deleted. ``--resume`` (the default
+behaviour) with nothing to resume says so on one line.
 
 Design choice: restart every host after a failure, as a jax.distributed job
 must (its processes cannot rejoin one by one). Alternative not taken:
@@ -16,6 +21,7 @@ restarting only the failed host, which the collectives do not support.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -23,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launch import cluster as cluster_lib
-from launch.config import Config
+from launch.config import CheckpointConfig, Config
+from launch.console import Console
 from launch.faults import FaultInjector
 from launch.metrics import read_metrics, summarize
 
@@ -32,17 +39,90 @@ _INTERNAL_FLAGS = ("--pause_mid_replication_at", "--pause_after_step_at")
 
 
 def report(metrics_path: Path, injected: bool) -> None:
-    """Prints the job's summary and its recoveries (``injected``: a kill was asked for)."""
+    """Prints the job's summary (its recoveries were shown as they happened;
+    ``injected``: a kill was asked for)."""
     records = read_metrics(metrics_path)
-    print("report:", json.dumps(summarize(records)), flush=True)
-    for r in records:
-        if r.get("event") == "recovery":
-            moved = ("" if r.get("bytes_moved") is None
-                     else f", {r['bytes_moved']} bytes from peers")
-            print(f"recovery: resumed from step {r['step']} via tier {r['tier']} "
-                  f"(hosts: {', '.join(r['tiers'])}) in {r['seconds']:.2f}s{moved}", flush=True)
-    if injected and not any(r.get("event") == "recovery" for r in records):
+    recoveries = [r for r in records if r.get("event") == "recovery"]
+    summary = {**summarize(records), "recoveries": [
+        {"step": r["step"], "tier": r["tier"], "seconds": round(r["seconds"], 3)}
+        for r in recoveries]}
+    print("report:", json.dumps(summary), flush=True)
+    if injected and not recoveries:
         print("recovery: none happened", flush=True)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _ram_versions(job_root: Path) -> set[int]:
+    """Steps of the versions in a job's RAM stores (in-memory tier heads, blocking saves)."""
+    steps: set[int] = set()
+    for head in job_root.glob("host*/owner*/*.head"):
+        try:
+            steps.add(int(json.loads(head.read_text())["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    for version in job_root.glob("host*/blocking/v*"):
+        if re.fullmatch(r"v\d+", version.name):
+            steps.add(int(version.name[1:]))
+    return steps
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    if not steps:
+        return "no committed version"
+    ordered = sorted(steps)
+    return (f"{len(ordered)} {'step' if len(ordered) == 1 else 'steps'} "
+            f"({', '.join(map(str, ordered[:6]))}{', ...' if len(ordered) > 6 else ''})")
+
+
+def found_in_workdir(workdir: str, checkpoint: CheckpointConfig
+                     ) -> list[tuple[str, Path, str, bool]]:
+    """What an earlier job of ``workdir`` left: (what, where, how many, whether
+    it is a checkpoint to resume from), for each thing that exists."""
+    found = []
+    persistent = Path(workdir) / "checkpoints"
+    if persistent.exists():
+        steps = [int(p.name) for p in persistent.iterdir() if p.name.isdigit()]
+        found.append(("persistent checkpoints", persistent, _steps_text(steps), bool(steps)))
+    if checkpoint.job_root.exists():
+        steps = sorted(_ram_versions(checkpoint.job_root))
+        hosts = len(list(checkpoint.job_root.glob("host*")))
+        found.append(("RAM stores", checkpoint.job_root,
+                      f"{_steps_text(steps)} on {hosts} hosts, "
+                      f"{_size(checkpoint.job_root)} bytes", bool(steps)))
+    metrics = Path(workdir) / "metrics.jsonl"
+    if metrics.exists():
+        with open(metrics, encoding="utf-8") as f:
+            lines = sum(1 for line in f if line.strip())
+        found.append(("metrics", metrics, f"{lines} records", False))
+    return found
+
+
+def prepare_workdir(config: Config) -> None:
+    """--fresh: deletes what an earlier job left, one line per thing; else
+    says what the job resumes from (nothing is deleted)."""
+    t, checkpoint = config.train, config.checkpoint
+    found = found_in_workdir(t.workdir, checkpoint)
+    if t.fresh:
+        for what, path, count, _ in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            print(f"fresh: deleted {what} {path} ({count})", flush=True)
+        if not found:
+            print(f"fresh: nothing to delete in {t.workdir}", flush=True)
+        return
+    resumable = [f"{what} {path} ({count})" for what, path, count, ok in found if ok]
+    if resumable:
+        print(f"resume: found {'; '.join(resumable)}; resuming from the newest "
+              f"(--fresh deletes them and starts over)", flush=True)
+    elif t.resume or found:
+        kept = "; appending to metrics.jsonl" if any(w == "metrics" for w, *_ in found) else ""
+        print(f"resume: nothing to resume in {t.workdir} (no checkpoint); starting from "
+              f"step 0{kept}", flush=True)
 
 
 def supervise(config: Config, argv: Sequence[str]) -> int:
@@ -52,21 +132,23 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     """
     cluster, train, checkpoint = config.cluster, config.train, config.checkpoint
     metrics_path = train.metrics_path
-    if not train.resume:
-        metrics_path.unlink(missing_ok=True)
-        shutil.rmtree(checkpoint.job_root, ignore_errors=True)
-        shutil.rmtree(Path(train.workdir) / "checkpoints", ignore_errors=True)
+    prepare_workdir(config)
+    console = Console(verbose=train.verbose)
     injector = (FaultInjector(config.faults, train.workdir, train.steps)
                 if config.faults.kill_host >= 0 else None)
+    if injector is not None:
+        injector.before_kill = console.injected_kill
     deadline = time.monotonic() + cluster.timeout_s
     while True:
         coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
         armed = injector is not None and injector.pending
+        console.attempt()
         hosts = cluster_lib.LocalCluster(
             lambda h, c=coordinator, a=armed: cluster_lib.worker_argv(
                 "launch.train", argv, h, c, _INTERNAL_FLAGS,
                 injector.extra_args(h) if a else ()),
             cluster.hosts, cluster.devices_per_host,
+            on_line=console.line, on_exit=console.ended,
             cpu_sets=cluster_lib.cpu_sets_per_host(cluster.hosts) if cluster.pin_hosts else None)
         if armed:
             injector.arm(hosts)

@@ -5,7 +5,9 @@
 
 With ``--hosts=H`` (CPU) this process is the supervisor: it checks the flags,
 starts H worker processes joined by jax.distributed on 127.0.0.1 (gloo CPU
-collectives), forwards their logs, and prints a short report. Each worker
+collectives), shows their progress, faults and recoveries (``--verbose``: every
+line they print) and a short report. A WORKDIR holding checkpoints is resumed
+from; ``--fresh`` starts over. Each worker
 runs the same script with ``--process_id``. ``--platform=gpu --hosts=1`` runs
 the training in this process on the local GPUs; on a real cluster, start one
 worker per host with ``--process_id`` and ``--coordinator`` yourself.
@@ -25,7 +27,7 @@ import capricorn_jax
 from launch import faults, persistence, runtime, train_flags
 from launch.config import Config, FlagError, from_flags
 from launch.metrics import MetricsWriter
-from launch.supervisor import supervise
+from launch.supervisor import prepare_workdir, supervise
 
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(train_flags)  # --help lists them as this module's
@@ -231,6 +233,7 @@ def main(argv: list[str]) -> None:
     if config.cluster.process_id >= 0:
         runtime.exit_now_on_failure(train_worker, config, config.cluster.process_id)
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
+        prepare_workdir(config)
         train_worker(config, 0)
     else:
         sys.exit(supervise(config, sys.argv[1:]))

@@ -90,8 +90,19 @@ flags.DEFINE_string("store_root", _default_store_root(),
 flags.DEFINE_float("replication_timeout_s", 30.0,
                    "A version not confirmed by every replica after this is under-replicated.")
 flags.DEFINE_boolean("resume", False,
-                     "Resume a previous job of this workdir from its stores; default: the job "
-                     "starts fresh and only recovers from failures that happen inside it.")
+                     "The default behaviour, accepted for clarity: a WORKDIR that holds "
+                     "checkpoints (WORKDIR/checkpoints, the job's RAM stores under --store_root) "
+                     "is resumed from, newest version across the tiers; with nothing to resume "
+                     "one line says so and the job starts from step 0. Not with --fresh.")
+flags.DEFINE_boolean("fresh", False,
+                     "Start over: delete WORKDIR/metrics.jsonl, WORKDIR/checkpoints and this "
+                     "job's RAM stores under --store_root first, printing one line per thing "
+                     "deleted (where, how many steps/versions). Without it nothing is deleted.")
+flags.DEFINE_boolean("verbose", False,
+                     "Console: forward every worker line (absl INFO of every host, orbax, gloo "
+                     "connection lines, JAX warnings) and the tracebacks of hosts stopped after "
+                     "an injected kill. Default: host 0's progress, faults, recoveries, warnings "
+                     "of this project, errors and a summary.")
 flags.DEFINE_integer("kill_host", -1, "Fault injection: SIGKILL this host's process...")
 flags.DEFINE_integer("kill_at_step", -1, "...when host 0 has finished this step...")
 flags.DEFINE_enum("kill_mode", "process", ["process", "host"],

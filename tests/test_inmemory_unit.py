@@ -21,6 +21,7 @@ from capricorn_jax._src.memory.packing import (
 )
 from capricorn_jax._src.memory.placement import send_rounds
 from capricorn_jax._src.memory.recovery import choose_version, serve_rounds
+from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
@@ -189,11 +190,41 @@ def test_safe_version_and_the_versions_kept_follow_the_saves(trainer, tmp_path, 
         assert report.safe_version == report.replicated == (k - 2 if k >= 3 else -1)
         assert ckpt.store.versions(0) == [v for v in (k - 2, k - 1, k) if v >= 1]
     ckpt.close()
-    newest = tmp_path / "j" / "host0" / "owner0" / "v000000000007" / "d0.c0"
-    data = bytearray(newest.read_bytes())
-    data[0] ^= 0xFF
-    newest.write_bytes(bytes(data))
+    store = HostStore(tmp_path / "j" / "host0")
+    store.chunk_view(0, 7, "d0.c0")[0] ^= 0xFF  # the newest version's first byte
+    store.close()
     fresh = checkpointer()
     recovered = capricorn_jax.recover(fresh)
     assert recovered.step == 6 and fresh.store.versions(0) == [5, 6]
     fresh.close()
+
+
+def test_the_store_holds_a_bounded_number_of_slots(trainer, tmp_path):
+    """Many saves through the real checkpointer: every owner's arena stays at
+    the versions the keep rule keeps (the safe one, ``window`` candidates, the
+    newest) plus the one being written, each slot sized to one version and
+    reused, so the store's size stops growing after the first saves."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    state = trainer.init_state(0)
+    owner_dir = tmp_path / "j" / "host0" / "owner0"
+    slot_size = -(-4 * ckpt.plan.payload_bytes // 64) * 64  # four device rows, aligned
+    slots, sizes = [], []
+    for step in range(1, 13):
+        report = ckpt.save(step, state, {"data": {"step": step}})
+        ckpt.wait_until_finished(60)
+        slots.append(len(list(owner_dir.glob("slot*.data"))))
+        sizes.append(report.store_bytes)
+        assert len(ckpt.store.versions(0)) <= opts.window + 2
+    # The bound: window + 2 kept versions, one being written. One host holds
+    # at most the safe version and the newest (no candidates lag between
+    # them) plus the one being written: three slots, reused from save 3 on.
+    assert max(slots) <= opts.window + 3
+    assert slots == [1, 2] + [3] * 10
+    # store_bytes is sampled as a save begins, before its version is written.
+    assert sizes == [0, slot_size, 2 * slot_size] + [3 * slot_size] * 9
+    assert ckpt.store.bytes_held() == 3 * slot_size
+    ckpt.close()

@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from capricorn_jax._src.memory.store import HostStore
 from tests.helpers import assert_no_orphans, run_train
 from tests.tree_utils import assert_trees_equal
 
@@ -87,7 +88,16 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     tier = recovery["tier"]
     assert 6 <= recovery["step"] <= STEPS
     assert _losses(records) == reference
-    assert f"via tier {tier}" in proc.stdout
+    # The console: one line for the fault, the lost host, the survivor stopped
+    # because of it (its traceback hidden) and the recovery.
+    lines = proc.stdout.splitlines()
+    assert [x for x in lines if "recovery: resumed" in x] == [
+        f"[host 0] recovery: resumed from step {recovery['step']} via tier {tier} "
+        f"(hosts: {', '.join(recovery['tiers'])}) in {recovery['seconds']:.2f}s, "
+        f"{recovery['bytes_moved']} bytes from peers"]
+    assert len([x for x in lines if x.startswith("fault: SIGKILLed host 1 at step 6")]) == 1
+    assert "[host 0] stopped after host 1 was killed (its error output: --verbose)" in lines
+    assert "Traceback" not in proc.stdout and "Gloo" not in proc.stdout
     checkpoints = _events(records, "checkpoint")
     assert {c["step"] for c in checkpoints} == set(range(1, STEPS + 1))
     assert all(c["bytes"] > 0 for c in checkpoints)
@@ -385,7 +395,7 @@ def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     last = _events(records, "checkpoint")[-1]
     assert last["replicated"] > max(u["step"] for u in under)  # replication came back
     host1 = next((tmp_path / "s").glob("*/host1"))
-    assert sorted(os.listdir(host1 / "owner0"))[-1] == "v000000000060"
+    assert HostStore(host1).versions(0)[-1] == 60
 
 
 def test_four_hosts_host_loss(tmp_path):

@@ -23,10 +23,15 @@ def test_bandwidth_reports_every_copy(tmp_path):
     proc = _run("launch.experiments.bandwidth", "--mib=4", "--repeats=2", f"--tmpfs={tmp_path}",
                 f"--json={out}", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    copies = json.loads(out.read_text())["copies"]
+    result = json.loads(out.read_text())
+    copies = result["copies"]
     assert set(copies) == {"host memcpy", "host -> device", "device -> host",
-                           "tmpfs write + read"}
+                           "tmpfs write + read", "store ingest", "store restore"}
     assert all(r["best_gb_s"] >= r["median_gb_s"] > 0 for r in copies.values())
+    assert (result["memcpy_gbps"], result["store_ingest_gbps"], result["restore_gbps"]) == (
+        copies["host memcpy"]["median_gb_s"], copies["store ingest"]["median_gb_s"],
+        copies["store restore"]["median_gb_s"])
+    assert "| store ingest |" in proc.stdout and "| store restore |" in proc.stdout
     assert list(tmp_path.iterdir()) == [out]  # its scratch file is gone
     assert _run("launch.experiments.bandwidth", "--mib=0", timeout=60).returncode == 2
 

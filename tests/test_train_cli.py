@@ -27,7 +27,13 @@ def test_two_hosts_two_devices_train(tmp_path):
         for layer, dropped in zip(r["tokens_per_expert"], r["dropped"], strict=True):
             assert sum(layer) == 16 * 64 * 2 - dropped
     assert steps[-1]["loss"] < steps[0]["loss"]
-    assert "[host 0]" in proc.stdout and "[host 1]" in proc.stdout
+    # The console: host 0's progress line every --log_every steps, once per job,
+    # no library chatter, and the report.
+    progress = [x for x in proc.stdout.splitlines() if "/12 loss " in x]
+    assert [x.split(" loss ")[0] for x in progress] == [
+        "[host 0] step 4/12", "[host 0] step 8/12", "[host 0] step 12/12"]
+    assert "Gloo" not in proc.stdout and "distributed.py" not in proc.stdout
+    assert not [x for x in proc.stdout.splitlines() if x.startswith("[host 1]")], proc.stdout
     assert "report:" in proc.stdout
     assert any(r.get("event") == "eval" for r in lines)
     assert_no_orphans(str(workdir))
@@ -50,6 +56,7 @@ def test_two_hosts_two_devices_train(tmp_path):
         (["--ckpt=gemini", "--profile=every"], "--profile"),
         (["--ckpt=inmem", "--timeline"], "--timeline"),
         (["--kill_every=5"], "--kill_every"),
+        (["--resume", "--fresh"], "--fresh"),
     ],
 )
 def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):

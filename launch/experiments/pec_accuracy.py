@@ -63,7 +63,7 @@ def run_one(name: str, root: Path) -> dict:
            f"--devices_per_host={FLAGS.devices_per_host}", f"--dispatch={FLAGS.dispatch}",
            f"--workload={FLAGS.workload}", f"--shift_every={FLAGS.shift_every}",
            f"--workdir={workdir}", f"--store_root={root / 'shm'}", "--log_every=20",
-           f"--timeout_s={FLAGS.timeout_s}", *run_flags(name)]
+           f"--timeout_s={FLAGS.timeout_s}", "--fresh", *run_flags(name)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=FLAGS.timeout_s + 60)

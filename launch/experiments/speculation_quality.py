@@ -162,7 +162,7 @@ def train(workdir: Path, workload: str, profile: str, extra: tuple[str, ...] = (
            f"--dispatch={FLAGS.dispatch}", f"--seed={FLAGS.seed}", f"--profile={profile}",
            f"--global_batch={FLAGS.global_batch}", f"--pin_hosts={FLAGS.pin_hosts}",
            "--eval_sequences=0", f"--log_every={max(1, FLAGS.steps // 10)}",
-           f"--workdir={workdir}", f"--timeout_s={FLAGS.timeout_s}", *extra]
+           f"--workdir={workdir}", f"--timeout_s={FLAGS.timeout_s}", "--fresh", *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     print("$ python " + " ".join(cmd[1:]), flush=True)

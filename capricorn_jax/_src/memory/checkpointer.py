@@ -195,13 +195,16 @@ class InMemoryCheckpointer:
     def _write_version(self, owner: int, step: int, rows: list[np.ndarray], plan: PackPlan,
                        pec_meta: dict | None, pause_halfway: bool = False) -> None:
         self._remove_doomed(owner)
-        writer = self.store.begin(owner, step)
+        # Sized once; row j at j * payload, its chunks back to back, so a reader
+        # copies a whole row at once (store.read_span_into).
+        writer = self.store.begin(owner, step, len(rows) * plan.payload_bytes)
         names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
 
         def write(name: tuple[int, int]) -> None:
             j, k = name
             lo, hi = plan.chunk_range(k)
-            writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]))
+            writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]),
+                               offset=j * plan.payload_bytes + lo)
 
         halves = [names]
         if pause_halfway and self.on_pause is not None:

@@ -210,10 +210,16 @@ def _inventory(ckpt: InMemoryCheckpointer) -> dict[int, list[int]]:
     return out
 
 
+def row_chunk_names(plan: PackPlan, j: int) -> list[str]:
+    """The store's names of device row ``j``'s chunks, in payload order."""
+    return [f"d{j}.c{k}" for k in range(plan.num_chunks)]
+
+
 def read_rows(ckpt: InMemoryCheckpointer, owner: int, step: int, plan: PackPlan | None = None
               ) -> list[np.ndarray]:
-    """The payload rows of ``owner``'s version ``step`` in this host's store, read
-    chunk by chunk (checksummed) in ``plan``'s layout (default: the full one)."""
+    """The payload rows of ``owner``'s version ``step`` in this host's store, one
+    copy per row (each chunk checksummed) in ``plan``'s layout (default: the
+    full one)."""
     plan = ckpt.plan if plan is None else plan
     manifest = ckpt.store.manifest(owner, step)
     check_compatible(plan, manifest["leaves"])
@@ -222,16 +228,13 @@ def read_rows(ckpt: InMemoryCheckpointer, owner: int, step: int, plan: PackPlan 
                          f"(mesh, sharding, chunk size or expert count) than the current one")
     rows = [np.empty(plan.payload_bytes, np.uint8) for _ in range(manifest["devices"])]
 
-    def read(name: tuple[int, int]) -> None:
-        j, k = name
-        lo, hi = plan.chunk_range(k)
-        ckpt.store.read_chunk_into(owner, step, f"d{j}.c{k}", memoryview(rows[j])[lo:hi],
-                                   manifest)
+    def read(j: int) -> None:
+        ckpt.store.read_span_into(owner, step, row_chunk_names(plan, j), rows[j], manifest)
 
-    # Chunks straight into the rows, in parallel (reads and CRC32 release the GIL).
-    names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
+    # One copy per row out of the store's slot, then its chunks' CRC32C, rows in
+    # parallel (the copy and the checksum release the GIL).
     with concurrent.futures.ThreadPoolExecutor(ckpt.options.write_threads) as pool:
-        list(pool.map(read, names))  # raises the first failed read
+        list(pool.map(read, range(len(rows))))  # raises the first failed read
     return rows
 
 

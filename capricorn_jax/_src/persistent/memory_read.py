@@ -2,10 +2,11 @@
 
 The persistent tier writes a step from the host-RAM copy the memory tier
 already holds. ``read_own_blocks`` waits (bounded) until this host's own
-writer has committed version ``step``, then reads it from the host store
-(tmpfs, checksummed) chunk by chunk straight into one 64-byte aligned host
-buffer per shard block (the bytes ``packing.unpack`` yields): peak memory is
-the host's shards plus one chunk, and the CPU client wraps such buffers as
+writer has committed version ``step``, then copies it out of the host
+store's shared-memory slot (zero-copy views of each device row, checksummed
+with CRC32C after the copy) straight into one 64-byte aligned host buffer per
+shard block (the bytes ``packing.unpack`` yields): peak memory is the host's
+shards, and the CPU client wraps such buffers as
 ``jax.Array``s without a copy (``host_arrays.global_arrays``).
 
 Under partial expert checkpointing ``read_pec_blocks`` assembles, from this
@@ -15,8 +16,8 @@ newest in-memory copy), and ``carried_blocks`` keeps of it the experts a
 persisted step carries. ``check_tree`` names the first leaf where a restore
 target and a saved tree differ.
 
-Design choice: read the committed, checksummed store copy, each chunk into
-its blocks. Alternative not taken: reading each payload row whole and
+Design choice: read the committed, checksummed store copy, each row's view
+into its blocks. Alternative not taken: reading each payload row whole and
 unpacking it (what recovery does), which holds the rows and the blocks at
 once; it stays for the PEC read, which folds several versions.
 """
@@ -32,7 +33,7 @@ import orbax.checkpoint as ocp
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.packing import make_pec_plan
-from capricorn_jax._src.memory.recovery import PecBlocks, read_rows
+from capricorn_jax._src.memory.recovery import PecBlocks, read_rows, row_chunk_names
 from capricorn_jax._src.partial.plans import mask_from_hex
 from capricorn_jax._src.partial.tracker import (
     PltTracker,
@@ -57,8 +58,8 @@ def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
     """This host's shard blocks of its committed in-memory version ``step``.
 
     Waits (at most ``timeout_s``) for the own writer to commit the version, then
-    reads its chunks (checksummed) straight into one aligned buffer per unique
-    block: peak memory is the host's shards plus one chunk.
+    copies each device row's view of the store (checksummed) straight into one
+    aligned buffer per unique block: peak memory is the host's shards.
 
     Returns:
       ({mesh position: [block of each leaf]}, host_state), the blocks being what
@@ -87,13 +88,14 @@ def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
             if n > 0:
                 pieces[local[p]].append((slot.offset, slot.offset + n, buf, lo))
     for j, row_pieces in enumerate(pieces):
-        for k in range(plan.num_chunks):
-            clo, chi = plan.chunk_range(k)
-            data = np.frombuffer(store.read_chunk(host, step, f"d{j}.c{k}", manifest), np.uint8)
-            for lo, hi, buf, dst in row_pieces:
-                a, b = max(lo, clo), min(hi, chi)
-                if a < b:
-                    buf[dst + a - lo: dst + b - lo] = data[a - clo: b - clo]
+        # Zero-copy: the pieces are copied straight out of the store's slot,
+        # then the source is checked (a slot reused meanwhile fails its
+        # checksums and raises VersionGone, a FileNotFoundError).
+        names = row_chunk_names(plan, j)
+        row = store.span_view(host, step, names, manifest)
+        for lo, hi, buf, dst in row_pieces:
+            buf[dst:dst + hi - lo] = row[lo:hi]
+        store.check_span(host, step, names, row, manifest)
     return blocks, manifest.get("host_state", {})
 
 
