@@ -59,12 +59,12 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
     return ckpt
 
 
-class Persistent:
+class PersistentTier:
     """The persistent tier of launch.train: capricorn_jax.CheckpointManager over
     the strategy's InMemoryCheckpointer, writing WORKDIR/checkpoints.
 
     The strategy saves to memory itself (after the step, or inside it);
-    ``maybe_persist`` hands each committed version to the manager, which writes
+    ``offer`` hands each committed version to the manager, which writes
     it from the host store when ``--persist_every`` says so.
     """
 
@@ -101,7 +101,7 @@ class Persistent:
                      info.bytes_moved, **pec_fields(info))
         return restored.state, info.step, info.host_state
 
-    def maybe_persist(self, version: int, state: Any) -> None:
+    def offer(self, version: int, state: Any) -> None:
         args = self.ocp.args.Composite(state=self.cj.CapricornSave(state))
         if self.manager.persist(version, args):
             pec = self.manager.last_persist if self.pec else None

@@ -115,7 +115,7 @@ def train_worker(config: Config, process_id: int) -> None:
     ckpt = (persistence.make_checkpointer(config, trainer, mesh, host, num_hosts)
             if c.in_memory else None)
     strategy = _make_strategy(config, trainer, ckpt, host)
-    persistent = (persistence.Persistent(ckpt, trainer, metrics, c, t.workdir)
+    persistent = (persistence.PersistentTier(ckpt, trainer, metrics, c, t.workdir)
                   if c.persist_every else None)
     state, start, resumed = persistence.resume(strategy, persistent, metrics, host)
     max_routed = None
@@ -176,7 +176,7 @@ def _log_checkpoints(metrics: MetricsWriter, host: int, saved: list[dict], persi
     for event in saved:
         _log_checkpoint(metrics, host, event)
         if persistent is not None:
-            persistent.maybe_persist(event["version"], state)
+            persistent.offer(event["version"], state)
 
 
 class _Throughput:

@@ -66,7 +66,7 @@ def test_bench_scheduled_strategies(tmp_path):
                   "--dispatch=fixed",
                   "--workload=steady", "--steps=8", "--reps=1", "--profile_first_n=3",
                   "--warmup=4", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
-                  f"--json={out}")
+                  f"--json={out}", timeout=900)  # a hang guard: 4 strategies, 2 hosts
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["strategies"]
     for name in ("gemini", "capricorn"):

@@ -242,7 +242,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         if writer is not None:
             writer.cancel()
 
-    def _persist(self, future: _PersistFuture) -> None:
+    def _write_step(self, future: _PersistFuture) -> None:
         """The background work of one persistent save (runs in ``future``'s thread)."""
         ckpt, step, directory = self.checkpointer, future.memory.step, future.directory
         try:
@@ -382,7 +382,7 @@ class _Aborted(RuntimeError):
 
 
 class _PersistFuture:
-    """An Orbax commit future: a daemon thread running ``CapricornHandler._persist``.
+    """An Orbax commit future: a daemon thread running ``CapricornHandler._write_step``.
 
     A daemon thread (not Orbax's signal-waiting commit thread) so that a save
     whose directory creation failed never holds the process or the host
@@ -404,7 +404,7 @@ class _PersistFuture:
 
     def _run(self) -> None:
         try:
-            self.handler._persist(self)
+            self.handler._write_step(self)
         except _Aborted as e:
             log.info("%s", e)
             self._error = e

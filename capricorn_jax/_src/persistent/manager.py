@@ -129,7 +129,7 @@ class CheckpointManager(ocp.CheckpointManager):
         cap = self._item_args(args, CapricornSave, "save")
         self.last_memory_report = self.handler.save_to_memory(step, cap.state, cap.host_state,
                                                               cap.tokens_per_expert)
-        return self._persist(step, args, metrics, force, custom_metadata)
+        return self._save_if_due(step, args, metrics, force, custom_metadata)
 
     def persist(self, step: int, args, force: bool = False) -> bool:
         """The persistent half of ``save`` for a version the memory tier already holds.
@@ -145,9 +145,9 @@ class CheckpointManager(ocp.CheckpointManager):
         """
         cap = self._item_args(args, CapricornSave, "persist")
         self.handler.adopt_memory_version(step, cap.state)
-        return self._persist(step, args, None, force, None)
+        return self._save_if_due(step, args, None, force, None)
 
-    def _persist(self, step: int, args, metrics, force: bool,
+    def _save_if_due(self, step: int, args, metrics, force: bool,
                  custom_metadata: dict[str, Any] | None) -> bool:
         if not self.is_saving_in_progress():
             self._collect_errors()  # non-blocking: the previous save has finished
