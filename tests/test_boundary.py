@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import capricorn_jax
 from capricorn_jax import boundary_hooks, layer_boundary
@@ -40,6 +41,7 @@ def test_hooks_apply_in_order_and_detach():
     assert float(layer_boundary(jnp.float32(1), "l0")) == 1.0
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_model_calls_the_boundary_between_layers():
     cfg = get_config("tiny", n_layers=3)
     names = []

@@ -49,6 +49,7 @@ def setup():
     return trainer, transport, sender, step, batch, trailer, rows
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_scheduled_step_trains_bitwise_and_delivers_the_peer_payload(setup):
     trainer, transport, _, step, batch, trailer, rows = setup
     want_state, want_metrics = trainer.step_fn((2.0, 2.0))(trainer.init_state(0), batch)
@@ -119,6 +120,7 @@ def test_status_gather_alone(setup):
     np.testing.assert_array_equal(got, [[4, 5, 6]] * 4)
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_probed_scheduled_step_times_every_all_to_all_and_changes_nothing(setup):
     """The interference probe inside the scheduled step: the chunks still arrive,
     the state is bitwise the plain step's, and every MoE all-to-all (dispatch

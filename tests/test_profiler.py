@@ -33,6 +33,7 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_profiled_step_computes_bitwise_what_the_plain_step_computes(setup):
     trainer, batch = setup
     want_state, want_metrics = trainer.step_fn(FACTORS)(trainer.init_state(0), batch)
@@ -79,6 +80,7 @@ def test_segments_tile_the_step_and_add_up_to_its_wall_time(setup):
     assert 0.9 <= statistics.median(ratios) <= 1.0, ratios
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_only_the_profiled_variant_is_instrumented(setup):
     trainer, batch = setup
     abstract = trainer.abstract_state
@@ -134,6 +136,7 @@ def test_all_to_all_estimate_for_the_moe_layers(setup):
     assert 0.0 <= seconds < 1.0
 
 
+@pytest.mark.slow  # long: compiles or many examples
 def test_collective_probe_stamps_each_all_to_all_edge_on_every_device(setup):
     """The all-to-all probe in the plain step: bitwise the same results, one
     callback per edge (begin, end of dispatch and combine, forward and backward)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +38,7 @@ def routing_case(draw):
     return np.asarray(logits), k, cap
 
 
+@pytest.mark.slow  # long: compiles or many examples
 @settings(max_examples=60, deadline=None)
 @given(routing_case())
 def test_route_invariants(case):
@@ -86,6 +88,7 @@ def test_priority_is_token_order_within_a_choice():
     assert int(r.dropped) == 2
 
 
+@pytest.mark.slow  # long: compiles or many examples
 @settings(max_examples=30, deadline=None)
 @given(routing_case())
 def test_dispatch_combine_identity_experts(case):
