@@ -36,9 +36,18 @@ _ABSL = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([^:\]\s]+):\d+\] 
 # A Python warning's first line ("path.py:12: UserWarning: ...").
 _PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning\b")
 # Library chatter that is not an absl record.
-# (gloo's connection lines come from several threads and may arrive split.)
-_CHATTER = (re.compile(r"\[Gloo\]|is connected to \d+ peer ranks"),
+_CHATTER = (re.compile(r"\[Gloo\]"),
             re.compile(r"^WARNING: All log messages before absl::InitializeLog"))
+# gloo's connection line; it comes from several threads at once and may reach
+# the pipe split anywhere, so any piece of it (numbers generalized) is chatter.
+_GLOO_CONNECTED = ("[Gloo] Rank 0 is connected to 0 peer ranks. "
+                   "Expected number of connected peer ranks is : 0")
+
+
+def _gloo_piece(text: str) -> bool:
+    """Whether ``text`` is a piece (3 characters or more) of gloo's connection line."""
+    piece = re.sub(r"\d+", "0", text.strip())
+    return len(piece) >= 3 and piece in _GLOO_CONNECTED
 _TRACEBACK = "Traceback (most recent call last):"
 _LEVELS = {"W": "WARNING: ", "E": "ERROR: ", "F": "FATAL: "}
 
@@ -120,7 +129,8 @@ class Console:
             if _PY_WARNING.match(text):
                 self._warning_source.add(host)
                 return None
-            return None if any(c.search(text) for c in _CHATTER) else text
+            chatter = any(c.search(text) for c in _CHATTER) or _gloo_piece(text)
+            return None if chatter else text
         level, source, message = record.groups()
         ours = source in self._ours
         if level == "I":

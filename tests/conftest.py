@@ -1,14 +1,27 @@
-"""Test setup: 4 CPU devices, forced before JAX starts."""
+"""Test setup: 4 CPU devices and the test XLA flags, forced before JAX starts."""
 
 import os
 import sys
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.helpers import TEST_XLA_FLAGS  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS,
+     "--xla_force_host_platform_device_count=4"]).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One JAX compilation cache for the whole session, this process and every one it
+# starts (only a multi-process job's process 0 writes it, as JAX does).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="capricorn-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)

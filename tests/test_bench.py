@@ -1,19 +1,18 @@
 """launch.bench runs strategies side by side and never reports a failed run."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_no_orphans
+from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _bench(*flags, timeout=400):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "launch.bench", *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

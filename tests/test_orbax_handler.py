@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import capricorn_jax
 from capricorn_jax._src.memory.packing import unpack
 from capricorn_jax._src.persistent.memory_read import read_own_blocks
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 from tests.orbax_worker import INTERVAL, README_SNIPPET, SHAPES, expected_state
 from tests.tree_utils import assert_trees_equal
 
@@ -43,12 +43,7 @@ STANDARD_TYPESTR = ocp.StandardCheckpointHandler.typestr()
 
 
 def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)])
-    return env
+    return child_env(devices)
 
 
 def _results(stdout: str) -> list[dict]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # a worker of the two-process test: set up JAX first
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
@@ -45,6 +45,7 @@ from capricorn_jax._src.partial.selection import PecOptions, padded_gather_indic
 from capricorn_jax._src.partial.tracker import PltTracker, restore_plan
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
+from tests.helpers import child_env
 from tests.tree_utils import assert_trees_equal
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,8 +335,7 @@ def test_two_processes_restore_pec_versions_from_a_peer(tmp_path):
     wiped, so its expert copies (four versions) come from host 0's replicas."""
     from launch.cluster import free_port
 
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = str(ROOT)
+    env = child_env(2)
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--worker", str(h), str(port), str(tmp_path)],

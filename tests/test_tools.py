@@ -1,19 +1,18 @@
 """The measurement scripts run end to end and report what they measured."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_no_orphans
+from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _run(module, *flags, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -1,19 +1,18 @@
 """launch.experiments.transfer_alt measures both transports and checks every byte it moves."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, assert_no_orphans
+from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _run(*flags, timeout=120):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "launch.experiments.transfer_alt", *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
