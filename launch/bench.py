@@ -82,6 +82,12 @@ flags.DEFINE_string("json", None, "Write the results here as JSON.")
 flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.")
 flags.DEFINE_integer("seed", 0, "Seed.")
 flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole benchmark.")
+flags.DEFINE_float("ckpt_budget", -1.0,
+                   "In-memory strategies: the tier's cost budget in seconds "
+                   "(InMemoryOptions.max_wait_s; -1: none, a version every step).")
+flags.DEFINE_integer("bandwidth_mib", 64,
+                     "After the strategies: this host's memcpy, store ingest and store restore "
+                     "bandwidth on this many MiB (the JSON's \"bandwidth\"; 0: skip).")
 flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
                   "cpu: the simulated cluster (--hosts processes); gpu: this process on the "
                   "local GPU(s), --hosts=1, strategies without peers (--replicas=1).")
@@ -100,6 +106,7 @@ def _checkpointer(name: str, job):
         # A strategy's statuses refresh only when it saves; interleaved blocks of
         # the other strategies must not read as replicas that stopped answering.
         replication_timeout_s=FLAGS.timeout_s,
+        max_wait_s=None if FLAGS.ckpt_budget < 0 else FLAGS.ckpt_budget,
         pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
         if name in PEC else None)
     return capricorn_jax.InMemoryCheckpointer(
@@ -146,6 +153,7 @@ class _Runner:
         # strategy's save compiles, e.g. PEC's packing for a new K): a step
         # during which one ran is not timed.
         self.compiles = 0
+        self.saves: dict[str, list[int]] = {}  # strategy -> [versions saved, skipped]
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -183,10 +191,13 @@ class _Runner:
                     a2a.append(sum(phases.values()))
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
             strategy.resume_at(self.step)  # the other strategies ran the steps in between
-            strategy.save(self.step + 1, self.state,
-                          {"data": self.job.data.state(), "max_routed": self.max_routed},
-                          tokens_per_expert=np.asarray(out["tokens_per_expert"]),
-                          next_step_profiled=driver.profile_next)
+            events = strategy.save(self.step + 1, self.state,
+                                   {"data": self.job.data.state(), "max_routed": self.max_routed},
+                                   tokens_per_expert=np.asarray(out["tokens_per_expert"]),
+                                   next_step_profiled=driver.profile_next)
+            count = self.saves.setdefault(strategy.name, [0, 0])
+            count[0] += 1
+            count[1] += any(e.get("skipped") for e in events)
             # Checked again after the save: it may compile too (e.g. PEC packing).
             if cached and i > 0 and not hooks and self.compiles == compiles:
                 times.append(time.perf_counter() - t0)
@@ -262,7 +273,7 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         strategy.close()
     if job.host == 0:
         result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery,
-                  "schedules": schedules,
+                  "schedules": schedules, "saves": runner.saves,
                   "state_bytes": sum(x.size * x.dtype.itemsize
                                      for x in jax.tree.leaves(job.trainer.abstract_state))}
         (workdir / "worker_result.json").write_text(json.dumps(result))
@@ -296,7 +307,23 @@ def summarize(raw: dict) -> dict:
         out[name]["schedule"] = schedule
     for name, recovery in raw.get("recovery", {}).items():
         out[name]["recovery"] = recovery
+    for name, (saved, skipped) in raw.get("saves", {}).items():
+        if name in out and name in IN_MEMORY:
+            out[name]["versions_skipped"] = skipped
+            out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
     return out
+
+
+def _bandwidth(mib: int) -> dict:
+    """This host's copy bandwidths (launch.experiments.bandwidth) for the JSON."""
+    from launch.experiments.bandwidth import measure
+
+    copies = measure(mib << 20, 5, os.path.dirname(FLAGS.store_root.rstrip("/")) or "/dev/shm")
+    backend = copies.pop("backend")
+    return {"memcpy_gbps": copies["host memcpy"]["median_gb_s"],
+            "store_ingest_gbps": copies["store ingest"]["median_gb_s"],
+            "restore_gbps": copies["store restore"]["median_gb_s"],
+            "mib": mib, "backend": backend["platform"], "copies": copies}
 
 
 def markdown(results: dict) -> str:
@@ -371,11 +398,17 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: {e}; no results reported", file=sys.stderr)
         sys.exit(1)
     print(markdown(results))
+    bandwidth = _bandwidth(FLAGS.bandwidth_mib) if FLAGS.bandwidth_mib > 0 else None
+    if bandwidth is not None:
+        print(f"bandwidth ({FLAGS.bandwidth_mib} MiB): memcpy {bandwidth['memcpy_gbps']:.2f} "
+              f"GB/s, store ingest {bandwidth['store_ingest_gbps']:.2f} GB/s, store restore "
+              f"{bandwidth['restore_gbps']:.2f} GB/s")
     config = {k: getattr(FLAGS, k) for k in (
         "model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch", "replicas",
-        "global_batch", "platform", "a2a_steps")}
+        "global_batch", "platform", "a2a_steps", "ckpt_budget")}
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
+                                                "bandwidth": bandwidth,
                                                 "date": time.strftime("%Y-%m-%d")}, indent=1))
     if FLAGS.png:
         _plot(results, FLAGS.png)

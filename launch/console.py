@@ -73,7 +73,7 @@ class Console:
         self._write = write or self._stdout
         self._lock = threading.Lock()
         self._ours = _project_files()
-        self.killed: int | None = None
+        self.killed: tuple[int, ...] = ()  # the hosts the launcher killed in this attempt
         self._held: dict[int, list[str]] = {}
         self._warning_source: set[int] = set()
 
@@ -85,12 +85,12 @@ class Console:
     def attempt(self) -> None:
         """A new attempt of the job starts: no host killed, nothing held."""
         with self._lock:
-            self.killed, self._held, self._warning_source = None, {}, set()
+            self.killed, self._held, self._warning_source = (), {}, set()
 
-    def injected_kill(self, host: int) -> None:
-        """The launcher is about to kill ``host``: the others' failures follow from it."""
+    def injected_kill(self, hosts: tuple[int, ...]) -> None:
+        """The launcher is about to kill ``hosts``: the others' failures follow from it."""
         with self._lock:
-            self.killed = host
+            self.killed = tuple(hosts)
 
     def say(self, text: str) -> None:
         """A line of the supervisor itself."""
@@ -114,8 +114,8 @@ class Console:
                 self._held[host] = [text]
                 return
             shown = self._shown(host, text)
-            if shown is not None and (self.killed in (None, host) or _ABSL.match(text)
-                                      and text[0] in "IW"):
+            if shown is not None and (not self.killed or host in self.killed
+                                      or _ABSL.match(text) and text[0] in "IW"):
                 self._emit(host, shown)
 
     def _shown(self, host: int, text: str) -> str | None:
@@ -149,8 +149,9 @@ class Console:
             held = self._held.pop(host, None)
             if self.verbose:
                 return
-            if self.killed is not None and host != self.killed:
-                self._emit(host, f"stopped after host {self.killed} was killed "
+            if self.killed and host not in self.killed:
+                victims = " and ".join(str(h) for h in self.killed)
+                self._emit(host, f"stopped after host {victims} was killed "
                                  f"(its error output: --verbose)")
             elif held:
                 for text in held:

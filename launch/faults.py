@@ -29,68 +29,85 @@ from pathlib import Path
 from absl import logging
 
 from capricorn_jax.experimental import HostStore
-
 from launch import cluster as cluster_lib
-from launch.config import CheckpointConfig, FaultConfig
+from launch.config import PAUSING_POINTS, CheckpointConfig, Fault, FaultConfig
 
 
 def pause_marker(workdir: str | Path, host: int) -> Path:
-    """The file host ``host`` writes when it waits at its kill point."""
+    """The file host ``host`` writes when it reaches its fault point."""
     return Path(workdir) / f".paused_host{host}"
 
 
 class FaultInjector:
-    """Kills host K at the requested point of each armed attempt (supervisor side)."""
+    """Runs the fault plan, one fault per attempt (supervisor side).
 
-    def __init__(self, faults: FaultConfig, workdir: str, steps: int):
-        self.faults = faults
-        self.marker = pause_marker(workdir, faults.kill_host)
+    Args:
+      plan: the faults (``FaultConfig.plan``).
+      workdir: the job's WORKDIR (the victims' markers).
+    """
+
+    def __init__(self, plan: tuple[Fault, ...], workdir: str):
+        self.plan, self.workdir = plan, workdir
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
-        self.kill_steps = faults.kill_steps(steps)
-        self.kills = 0  # kills done so far
-        # Told the host about to be killed (the console then hides its peers' fallout).
-        self.before_kill: Callable[[int], None] | None = None
+        self.kills = 0  # faults done so far
+        # Told the hosts about to be killed (the console then hides their peers' fallout).
+        self.before_kill: Callable[[tuple[int, ...]], None] | None = None
 
     @property
     def pending(self) -> bool:
-        return self.kills < len(self.kill_steps)
+        return self.kills < len(self.plan)
+
+    @property
+    def fault(self) -> Fault:
+        """The fault armed in this attempt."""
+        return self.plan[self.kills]
 
     def arm(self, cluster: cluster_lib.LocalCluster) -> None:
-        """The next attempt's cluster: it will be killed at the next kill step."""
+        """The next attempt's cluster: the next fault strikes it."""
         self.cluster, self.fired = cluster, False
+        for host in self.fault.hosts:
+            pause_marker(self.workdir, host).unlink(missing_ok=True)
 
     def extra_args(self, host: int) -> tuple[str, ...]:
-        """The internal flags that make ``host`` pause at the next kill point."""
-        if host != self.faults.kill_host or not self.pending:
+        """The internal flag that makes a victim announce its fault point."""
+        if not self.pending or host not in self.fault.hosts:
             return ()
-        at = self.kill_steps[self.kills]
-        if self.faults.kill_point == "mid_replication":
-            return (f"--pause_mid_replication_at={at + 1}",)
-        return (f"--pause_after_step_at={at}",)
+        return (f"--fault_at={self.fault.point}:{self.fault.step}",)
 
     def tick(self) -> None:
-        """Kills host K once it waits at its kill point (the marker exists)."""
-        if self.fired or self.cluster is None or not self.marker.exists():
+        """Kills the victims once every one of them reached its point."""
+        if self.fired or self.cluster is None or not all(
+                pause_marker(self.workdir, h).exists() for h in self.fault.hosts):
             return
         self.fired = True
+        fault = self.fault
         if self.before_kill is not None:
-            self.before_kill(self.faults.kill_host)
-        self.cluster.kill_host(self.faults.kill_host, signal.SIGKILL)
-        print(f"fault: SIGKILLed host {self.faults.kill_host} at step "
-              f"{self.kill_steps[self.kills]} ({self.faults.kill_point}, mode "
-              f"{self.faults.kill_mode})", flush=True)
-        self.kills += 1
+            self.before_kill(fault.hosts)
+        for host in fault.hosts:
+            self.cluster.kill_host(host, signal.SIGKILL)
+        where = "recovering" if fault.point == "recovery" else f"at step {fault.step}"
+        victims = ", ".join(str(h) for h in fault.hosts)
+        print(f"fault: SIGKILLed host{'s' if len(fault.hosts) > 1 else ''} {victims} {where} "
+              f"({fault.point}, mode {fault.mode})", flush=True)
 
-    def after_kill(self, checkpoint: CheckpointConfig) -> None:
+    def after_kill(self, checkpoint: CheckpointConfig, hosts: int) -> None:
         """Between the killed attempt and the restart: the store damage asked for."""
-        host = self.faults.kill_host
-        if self.faults.kill_mode == "host":
+        fault = self.fault
+        wiped = range(hosts) if fault.wipe_all else fault.hosts if fault.mode == "host" else ()
+        for host in wiped:
             shutil.rmtree(checkpoint.store_dir(host), ignore_errors=True)
-            print(f"fault: wiped host {host}'s RAM store (machine loss)", flush=True)
-        if self.faults.corrupt_store:
-            corrupt_newest_own_chunk(checkpoint.store_dir(host), host)
-        self.marker.unlink(missing_ok=True)
+        if fault.wipe_all:
+            print("fault: every host's RAM store lost", flush=True)
+        elif wiped:
+            print(f"fault: wiped the RAM store of host {', '.join(map(str, wiped))} "
+                  f"(machine loss)", flush=True)
+        if fault.corrupt and not fault.wipe_all:
+            for host in fault.hosts:
+                corrupt_newest_own_chunk(checkpoint.store_dir(host), host)
+        for host in fault.hosts:
+            pause_marker(self.workdir, host).unlink(missing_ok=True)
+        self.kills += 1
 
 
 def corrupt_newest_own_chunk(root: Path, host: int) -> None:
@@ -110,14 +127,26 @@ def corrupt_newest_own_chunk(root: Path, host: int) -> None:
         store.close()
 
 
-def pause_for_kill(workdir: str, host: int, where: str) -> None:
-    """Fault injection: mark the kill point and wait for the supervisor's SIGKILL."""
-    logging.warning("host %d: paused %s", host, where)
+def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int = -1) -> None:
+    """Worker side: this host got to ``point`` of ``step``. If it is the armed
+    fault's, says so to the injector (a marker file) and, at a pausing point,
+    waits there for the SIGKILL (bounded: it ends itself after 120 s)."""
+    at = config.at()
+    if at is None or at[0] != point or (point != "recovery" and at[1] != step):
+        return
+    where = "recovering" if point == "recovery" else f"{point.replace('_', ' ')} {step}"
+    logging.warning("host %d: fault point reached (%s)", host, where)
     sys.stdout.flush()
     sys.stderr.flush()
     pause_marker(workdir, host).write_text(where)
+    if point in PAUSING_POINTS:
+        wait_for_kill(host)
+
+
+def wait_for_kill(host: int) -> None:
+    """Waits for the supervisor's SIGKILL (bounded)."""
     time.sleep(120)
-    logging.error("host %d: not killed within 120 s of pausing", host)
+    logging.error("host %d: not killed within 120 s of its fault point", host)
     os._exit(1)
 
 

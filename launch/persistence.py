@@ -4,7 +4,7 @@ tier over it, and where a restarted worker resumes from.
 ``make_checkpointer`` builds the strategies' ``InMemoryCheckpointer`` from
 the checkpoint config (stores, replicas, chunk size, PEC) and the fault
 config (a stalled replica writer, the pause for a kill halfway through the
-replicas). ``Persistent`` adds ``--persist_every``: the library's
+replicas). ``PersistentTier`` adds ``--persist_every``: the library's
 ``CheckpointManager`` over that checkpointer, writing WORKDIR/checkpoints.
 ``resume`` restores the newest version across tiers and logs the
 ``recovery`` event.
@@ -18,13 +18,14 @@ copy the state from the devices a second time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from absl import logging
 
+from launch import faults as faults_lib
 from launch.config import CheckpointConfig, Config
-from launch.faults import pause_for_kill
 from launch.metrics import MetricsWriter
 
 # The tiers a recovery may reach for, nearest first.
@@ -40,6 +41,7 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
     options = capricorn_jax.InMemoryOptions(
         store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,
         chunk_bytes=ckpt_cfg.chunk_bytes, replication_timeout_s=ckpt_cfg.replication_timeout_s,
+        max_wait_s=None if ckpt_cfg.budget_s < 0 else ckpt_cfg.budget_s,
         stall_replica_writer_at=faults.stall(host), pause_mid_replication_at=pause,
         pec=capricorn_jax.PecOptions(k=ckpt_cfg.pec_k, k_persist=ckpt_cfg.pec_k_persist or None,
                                      policy=ckpt_cfg.pec_policy,
@@ -52,8 +54,8 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
     workdir = config.train.workdir
 
-    def on_pause(step: int) -> None:
-        pause_for_kill(workdir, host, f"halfway through writing replicas of version {step}")
+    def on_pause(version: int) -> None:  # halfway through the replicas of ``version``
+        faults_lib.reached(faults, workdir, host, "mid_replication", version - 1)
 
     ckpt.on_pause = on_pause
     return ckpt
@@ -83,6 +85,8 @@ class PersistentTier:
                                                  max_to_keep=checkpoint.max_to_keep),
             handler_registry=self.handler.registry("state"))
         self._errors = 0
+        # Called with each version whose persistent write started (fault injection).
+        self.on_write: Callable[[int], None] | None = None
 
     def restore(self) -> tuple[Any, int, dict | None]:
         """(state, step, host_state) of the newest step across tiers, or Nones."""
@@ -104,6 +108,8 @@ class PersistentTier:
     def offer(self, version: int, state: Any) -> None:
         args = self.ocp.args.Composite(state=self.cj.CapricornSave(state))
         if self.manager.persist(version, args):
+            if self.on_write is not None:
+                self.on_write(version)
             pec = self.manager.last_persist if self.pec else None
             extra = {} if pec is None or pec["step"] != version else {
                 "pec_k_persist": pec["k_persist"], "plt": pec["plt"],
@@ -125,7 +131,7 @@ class PersistentTier:
         self.manager.close()
 
 
-def resume(strategy: Any, persistent: Persistent | None, metrics: MetricsWriter,
+def resume(strategy: Any, persistent: PersistentTier | None, metrics: MetricsWriter,
            host: int) -> tuple[Any, int, dict | None]:
     """(state, step, host_state) of the newest version across the tiers (the
     persistent tier's, or the strategy's own ``restore``), or (None, 0, None)

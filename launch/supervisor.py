@@ -35,7 +35,7 @@ from launch.faults import FaultInjector
 from launch.metrics import read_metrics, summarize
 
 # Flags the fault injector sets per worker; never passed through from the command line.
-_INTERNAL_FLAGS = ("--pause_mid_replication_at", "--pause_after_step_at")
+_INTERNAL_FLAGS = ("--fault_at",)
 
 
 def report(metrics_path: Path, injected: bool) -> None:
@@ -134,8 +134,8 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     metrics_path = train.metrics_path
     prepare_workdir(config)
     console = Console(verbose=train.verbose)
-    injector = (FaultInjector(config.faults, train.workdir, train.steps)
-                if config.faults.kill_host >= 0 else None)
+    plan = config.faults.plan(train.steps)
+    injector = FaultInjector(plan, train.workdir) if plan else None
     if injector is not None:
         injector.before_kill = console.injected_kill
     deadline = time.monotonic() + cluster.timeout_s
@@ -156,8 +156,8 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
                                on_tick=injector.tick if armed else None)
         if not (armed and injector.fired):
             break
-        injector.after_kill(checkpoint)
-        print("fault: restarting all hosts; they recover from the in-memory tier", flush=True)
+        injector.after_kill(checkpoint, cluster.hosts)
+        print("fault: restarting all hosts; they recover", flush=True)
     if code == 0 and metrics_path.exists():
         report(metrics_path, injector is not None)
     elif code != 0:

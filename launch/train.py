@@ -117,6 +117,10 @@ def train_worker(config: Config, process_id: int) -> None:
     strategy = _make_strategy(config, trainer, ckpt, host)
     persistent = (persistence.PersistentTier(ckpt, trainer, metrics, c, t.workdir)
                   if c.persist_every else None)
+    if persistent is not None:
+        persistent.on_write = lambda v: faults.reached(config.faults, t.workdir, host,
+                                                       "mid_persist", v - 1)
+    faults.reached(config.faults, t.workdir, host, "recovery")
     state, start, resumed = persistence.resume(strategy, persistent, metrics, host)
     max_routed = None
     if state is not None:
@@ -131,6 +135,7 @@ def train_worker(config: Config, process_id: int) -> None:
         factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
         domain, in_force = data.domain, strategy.schedule()
         t0 = time.perf_counter()
+        faults.reached(config.faults, t.workdir, host, "mid_step", step)
         batch = trainer.global_batch(data.next_batch())
         run = driver.step(step, factors, state, batch)
         state, out = run.state, run.metrics
@@ -153,8 +158,7 @@ def train_worker(config: Config, process_id: int) -> None:
             "profiled": run.profile is not None, "compiled": run.compiled,
         })
         _log_checkpoints(metrics, host, saved, persistent, state)
-        if step == config.faults.pause_after_step_at:
-            faults.pause_for_kill(t.workdir, host, f"after step {step}")
+        faults.reached(config.faults, t.workdir, host, "after_step", step)
         if host == 0:
             meter.tick(step, loss, tpe, domain)
     final = strategy.finish(t.steps, state, {"data": data.state(), "max_routed": max_routed})
@@ -162,11 +166,43 @@ def train_worker(config: Config, process_id: int) -> None:
     if persistent is not None:
         persistent.close()
     strategy.close()
+    if ckpt is not None:
+        _release_store(ckpt, persistent, t.steps, t.workdir, host)
     if config.profile.timeline and host == 0:
         _write_timeline(config, timeline)
     _evaluate(config, job, state, metrics)
     jax.block_until_ready(state)
     metrics.close()
+
+
+def _persisted(persistent, step: int, workdir: str) -> bool:
+    """Whether the (closed) persistent tier holds ``step``: the manager's newest
+    step, no failure recorded for it, and its finalized directory on disk."""
+    if persistent is None:
+        return False
+    manager = persistent.manager
+    failed = any(e.get("step") == step for e in manager.persistent_errors)
+    return (manager.latest_step() == step and not failed
+            and (Path(workdir).absolute() / "checkpoints" / str(step)).is_dir())
+
+
+def _release_store(ckpt, persistent, final_step: int, workdir: str, host: int) -> None:
+    """After a clean finish: this host's RAM store is reclaimed when the
+    persistent tier holds the final step, else shrunk to the safe version
+    (one version per owner) for a later resume. Never after a failure: a
+    worker that fails or is killed does not get here, and its store is what
+    the restart recovers from."""
+    if _persisted(persistent, final_step, workdir):
+        ckpt.release("none")
+        if host == 0:
+            logging.info("RAM store: reclaimed (the persistent tier holds step %d)", final_step)
+        return
+    done = ckpt.release("final")
+    if host == 0:
+        kept = sorted({v for versions in done.versions.values() for v in versions})
+        logging.info("RAM store: shrunk to version %s, %.1f MiB (%.1f MiB freed)",
+                     ", ".join(map(str, kept)) or "none", done.bytes_held / (1 << 20),
+                     done.bytes_freed / (1 << 20))
 
 
 def _log_checkpoints(metrics: MetricsWriter, host: int, saved: list[dict], persistent,

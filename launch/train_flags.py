@@ -87,6 +87,12 @@ flags.DEFINE_integer("chunk_cap_bytes", 0,
                      "(the partitioner's cap); 0 = --chunk_bytes.")
 flags.DEFINE_string("store_root", _default_store_root(),
                     "Base directory of the host RAM stores (tmpfs).")
+flags.DEFINE_float("ckpt_budget", -1.0,
+                   "The in-memory tier's cost budget: the longest (seconds) a step waits for "
+                   "the tier's writers. When a host's writers are still busy with the previous "
+                   "version, every host skips the next one (never a half version) and the "
+                   "checkpoint events report the interval achieved. -1: no budget, a version "
+                   "every step (a save waits for the previous one).")
 flags.DEFINE_float("replication_timeout_s", 30.0,
                    "A version not confirmed by every replica after this is under-replicated.")
 flags.DEFINE_boolean("resume", False,
@@ -131,14 +137,23 @@ flags.DEFINE_integer("pec_k_persist", 0,
 flags.DEFINE_boolean("corrupt_store", False,
                      "Fault injection: after the kill, flip bytes in a chunk of the killed host's "
                      "own newest version (RAM bit rot); it must then recover from a peer.")
-flags.DEFINE_enum("kill_point", "after_step", ["after_step", "mid_replication"],
-                  "after_step: when the step is logged; mid_replication: while the host is "
-                  "halfway through writing the replicas it received for that step.")
+flags.DEFINE_enum("kill_point", "after_step",
+                  ["after_step", "mid_step", "mid_replication", "mid_persist", "recovery"],
+                  "after_step: when the step is logged; mid_step: while the step runs; "
+                  "mid_replication: while the host is halfway through writing the replicas "
+                  "it received for that step; mid_persist: while the persistent tier writes "
+                  "the version after that step; recovery: while the job recovers (the "
+                  "attempt after a kill).")
+flags.DEFINE_string("fault_plan", "",
+                    "Fault injection, several faults: a JSON list (or @PATH of one) of "
+                    "{\"hosts\": [..], \"step\", \"point\" (as --kill_point), \"mode\" "
+                    "(process|host), \"corrupt\", \"wipe_all\" (every RAM store lost)}; "
+                    "each fault ends one attempt, all hosts restart and recover. Not with "
+                    "--kill_host.")
 flags.DEFINE_integer("stall_host", -1, "Fault injection: this host's replica writer stalls...")
 flags.DEFINE_integer("stall_at_step", -1, "...at this step...")
 flags.DEFINE_float("stall_seconds", 0.0, "...for this long (a peer that stops answering).")
-flags.DEFINE_integer("pause_mid_replication_at", -1, "Internal: set by the supervisor.")
-flags.DEFINE_integer("pause_after_step_at", -1, "Internal: set by the supervisor.")
+flags.DEFINE_string("fault_at", "", "Internal: set by the supervisor (POINT:STEP).")
 flags.DEFINE_integer("expert_parallel", 0,
                      "Size of the expert mesh axis; 0 = all devices (capped at num_experts).")
 flags.DEFINE_enum("dispatch", "", ["", *DISPATCH_MODES],

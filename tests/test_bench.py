@@ -22,10 +22,16 @@ def test_bench_reports_every_strategy(tmp_path):
     proc = _bench("--strategies=none,blocking,inmem,pec", "--model=tiny", "--dispatch=fixed",
                   "--steps=3", "--reps=2",
                   "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
-                  f"--json={out}", f"--png={tmp_path / 'bench.png'}")
+                  f"--json={out}", f"--png={tmp_path / 'bench.png'}", "--bandwidth_mib=8")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())["strategies"]
+    report = json.loads(out.read_text())
+    result = report["strategies"]
     assert set(result) == {"none", "blocking", "inmem", "pec"}
+    bandwidth = report["bandwidth"]
+    assert bandwidth["mib"] == 8 and all(
+        bandwidth[k] > 0 for k in ("memcpy_gbps", "store_ingest_gbps", "restore_gbps"))
+    # No budget: every version taken.
+    assert (result["inmem"]["versions_taken"], result["inmem"]["versions_skipped"]) == (1.0, 0)
     for row in result.values():
         assert row["median_step_s"] > 0 and row["samples"] == 2
         assert {"spread_s", "ratio", "ckpt_bytes_per_step"} <= set(row)

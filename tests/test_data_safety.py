@@ -137,7 +137,7 @@ TRACEBACK = [ABSL.format("runtime.py", 78, "worker failed").replace("I", "E", 1)
 def test_console_after_an_injected_kill_says_one_line_per_survivor():
     out = []
     console = Console(write=out.append)
-    console.injected_kill(1)
+    console.injected_kill((1,))
     _feed(console, [
         (0, ABSL.format("train.py", 187, "step 30/60 loss 4.2")), (0, "[Gloo] connection closed"),
         (0, "E1201 03:25:43.470851 1 gloo.cc:9] peer gone"), (1, "exited with code -9"),

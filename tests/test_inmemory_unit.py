@@ -228,3 +228,45 @@ def test_the_store_holds_a_bounded_number_of_slots(trainer, tmp_path):
     assert sizes == [0, slot_size, 2 * slot_size] + [3 * slot_size] * 9
     assert ckpt.store.bytes_held() == 3 * slot_size
     ckpt.close()
+
+
+def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_path):
+    """InMemoryOptions.max_wait_s: a save after one whose statuses showed a busy
+    writer takes no version (nothing written, ``skipped``); the versions taken
+    are whole, and ``interval`` is the steps between them. The writer is held
+    on an event, so the schedule is exact."""
+    import threading
+
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
+                                         max_wait_s=0.0)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    release, begin = threading.Event(), ckpt.store.begin
+
+    def held_begin(*args, **kwargs):
+        assert release.wait(60)
+        return begin(*args, **kwargs)
+
+    ckpt.store.begin = held_begin
+    state = trainer.init_state(0)
+    reports = {}
+    for step in (1, 2, 3, 4):  # 1 is being written (held); 2 waits in the queue
+        reports[step] = ckpt.save(step, state, {"data": {"step": step}})
+    release.set()
+    ckpt.wait_until_finished(60)
+    for step in (5, 6):  # 5 reads 4's statuses (busy); 6 reads 5's (idle)
+        reports[step] = ckpt.save(step, state, {"data": {"step": step}})
+    ckpt.wait_until_finished(60)
+    assert {s: r.skipped for s, r in reports.items()} == {
+        1: False, 2: False, 3: True, 4: True, 5: True, 6: False}
+    assert {s: r.interval for s, r in reports.items()} == {
+        1: None, 2: 1, 3: None, 4: None, 5: None, 6: 4}
+    assert ckpt.store.versions(0) == [2, 6]  # the keep rule: safe (2) and newest
+    assert all(r.bytes == 0 for s, r in reports.items() if r.skipped)
+    ckpt.close()
+    fresh = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    assert capricorn_jax.recover(fresh).step == 6
+    fresh.close()

@@ -117,3 +117,26 @@ def test_strategy_saves_is_killed_and_recovers(tmp_path, cache, reference, strat
         assert recovery["tiers"] == [tier, tier]
     if strategy in SCHEDULED:
         assert any("moved_in_step" in c for c in _events(records, "checkpoint"))
+
+
+def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
+                                                                        reference):
+    """Failure during recovery (--fault_plan): host 1 is killed after step 4;
+    while the restarted job recovers, host 0 is lost as a machine (killed, its
+    RAM store wiped). The third attempt recovers again: host 0's shards come
+    from host 1's replica, and every loss is the uninterrupted run's."""
+    plan = ('[{"hosts": [1], "step": 4}, '
+            '{"hosts": [0], "point": "recovery", "mode": "host"}]')
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", f"--fault_plan={plan}", timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_no_orphans(str(tmp_path / "w"))
+    assert proc.stdout.count("fault: SIGKILLed") == 2
+    assert "fault: SIGKILLed host 0 recovering (recovery, mode host)" in proc.stdout
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    (recovery,) = _events(records, "recovery")  # the attempt killed while recovering logs none
+    assert recovery["step"] == KILL_AT + 1
+    assert recovery["tiers"] == ["peer", "local"] and recovery["bytes_moved"] > 0
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
+        range(KILL_AT + 1, STEPS))

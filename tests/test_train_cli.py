@@ -186,3 +186,8 @@ def test_checkpoint_config_chunk_cap_and_checks():
         CheckpointConfig(**{**base, "chunk_cap_bytes": -1})
     with pytest.raises(FlagError, match=r"^--replicas=3 must be in \[1, --hosts=2\]"):
         CheckpointConfig(**{**base, "strategy": "inmem", "replicas": 3})
+    assert CheckpointConfig(**{**base, "budget_s": 0.5}).budget_s == 0.5
+    with pytest.raises(FlagError, match=r"^--ckpt_budget bounds the in-memory tier"):
+        CheckpointConfig(**{**base, "strategy": "blocking", "budget_s": 0.5})
+    with pytest.raises(FlagError, match=r"^--ckpt_budget must be -1 \(none\) or in \[0, 60\]"):
+        CheckpointConfig(**{**base, "budget_s": -0.5})

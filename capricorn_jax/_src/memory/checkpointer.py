@@ -13,9 +13,18 @@ that runs the training steps, because each call runs collectives):
   so the next step may donate ``state``), and hands the outputs to two writer
   threads: one writes this host's own version, one the replicas it received.
   A save waits for the previous own version's writer for at most
-  ``writer_timeout_s``; a replica version that arrives while the replica
-  writer is still busy is dropped (and shows up as under-replicated).
+  ``writer_timeout_s`` (``max_wait_s`` under a cost budget); a replica
+  version that arrives while the replica writer is still busy is dropped
+  (counted in ``SaveReport.dropped_replicas``; under-replicated).
+* Under a cost budget (``InMemoryOptions.max_wait_s``) a save skips its
+  version on every host when any host's writers were busy at the previous
+  save (every host decides from the same all-gathered statuses, so the
+  collectives match); ``SaveReport.interval`` is the steps between the
+  versions taken.
 * ``close()`` drains the writers.
+* ``release(keep)`` (after ``close``, on a clean finish only) gives the RAM
+  back: "none" deletes this host's store, "final" keeps one version per
+  owner (the safe version) and deletes the slots that hold none.
 
 When a version is safe: each save all-gathers every host's *held* versions of
 every owner (committed and not marked for removal) in the status vector; the
@@ -60,12 +69,27 @@ from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
 from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
-from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store import HostStore, StoreLimit
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
 
 log = logging.getLogger("capricorn_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreRelease:
+    """What ``InMemoryCheckpointer.release`` did to this host's store.
+
+    ``keep``: "none" (the store was deleted) or "final"; ``versions``: the
+    versions left per owner ({} after "none"); ``bytes_held``: the store's
+    bytes after; ``bytes_freed``: the bytes given back to the RAM disk.
+    """
+
+    keep: str
+    versions: dict[int, list[int]]
+    bytes_held: int
+    bytes_freed: int
 
 
 @dataclasses.dataclass
@@ -78,7 +102,11 @@ class SaveReport:
     latency: they describe the newest versions confirmed so far, not
     necessarily ``step``. ``store_bytes`` is this host's store now;
     ``store_kib_per_host`` every host's, as of the previous save (it travels
-    in the all-gathered statuses).
+    in the all-gathered statuses). ``skipped``: this version was not taken
+    (the budget skipped it everywhere, or this host's writer was busy past
+    the wait); ``interval``: steps since the previous version this host took
+    (None: skipped, or the first); ``dropped_replicas``: replica copies this
+    save received but did not write (the replica writer was busy).
     """
 
     step: int
@@ -89,6 +117,8 @@ class SaveReport:
     under_replicated: list[dict[str, int]]
     skipped: bool
     store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
+    interval: int | None = None
+    dropped_replicas: int = 0
     pec_k: int | None = None
     pec_plt: float | None = None
 
@@ -125,7 +155,10 @@ class InMemoryCheckpointer:
                              f"tokens_per_step={tokens_per_step}")
         self.options, self.mesh, self.host, self.hosts = options, mesh, host, hosts
         self.abstract_state, self.state_shardings = abstract_state, state_shardings
-        self.store = HostStore(Path(options.store_root) / options.job / f"host{host}")
+        limit = StoreLimit.fraction_of(options.store_root, options.max_store_fraction)
+        self.store = HostStore(Path(options.store_root) / options.job / f"host{host}",
+                               limit=limit)
+        self._closed = False
         if self.store.removed_partials:
             log.warning("host %d: removed partial versions %s", host, self.store.removed_partials)
         self.plan: PackPlan = make_plan(abstract_state, state_shardings, mesh,
@@ -134,8 +167,9 @@ class InMemoryCheckpointer:
         self.sources = placement.replica_sources(hosts, options.replicas, host)
         self.rounds = placement.send_rounds(hosts, options.replicas)
         # Status vector: per owner the newest held version, then the mask of
-        # the held ones before it (retention.encode_held), then the store's KiB.
-        self.status_len = 2 * hosts + 1
+        # the held ones before it (retention.encode_held), then the store's
+        # KiB, then whether the writers are busy (the cost budget's input).
+        self.status_len = 2 * hosts + 2
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
                                    self.status_len)
         self.pec: PecTier | None = None
@@ -159,6 +193,7 @@ class InMemoryCheckpointer:
                                     "manifest; ignored", host, v, o)
                         steps.discard(v)
         self._safe = -1
+        self._last_taken = -1  # the newest version this host's writer was given
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
         self._last_statuses = None
         self._store_bytes = 0
@@ -281,12 +316,30 @@ class InMemoryCheckpointer:
 
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
-        """This host's held versions per owner (newest, mask), then its store's KiB."""
+        """This host's held versions per owner (newest, mask), its store's KiB,
+        and 1 if a writer is still busy with an earlier version."""
         with self._lock:
             pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
+        busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
-                         self._store_bytes // 1024], np.int64)
+                         self._store_bytes // 1024, busy], np.int64)
+
+    def _over_budget(self) -> bool:
+        """Whether this version is skipped: under a cost budget, some host's
+        writers were busy at the previous save (the same answer on every host:
+        it reads the all-gathered statuses)."""
+        if self.options.max_wait_s is None or self._last_statuses is None:
+            return False
+        rows = np.asarray(self._last_statuses)
+        return bool(rows[:, 2 * self.hosts + 1].any())
+
+    def _skip(self, step: int) -> SaveReport:
+        """Takes no version at ``step``; the statuses still travel."""
+        report, status = self._begin_save()
+        self._last_statuses = self.transport.gather_status(status)
+        report.step, report.skipped = step, True
+        return report
 
     def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
         """Adopts the previous save's statuses, decides removals, then takes the
@@ -313,9 +366,14 @@ class InMemoryCheckpointer:
         trailer = encode_trailer(host_state)
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, expert_mask)
+            if self._over_budget():
+                return self._skip(step)
             report, status = self._begin_save()
             own, received, statuses = self.transport.replicate(state, trailer, status)
             return self._enqueue(report, step, own, received, statuses)
+        if self._over_budget():
+            self.pec.skip(step, tokens_per_expert)
+            return self._skip(step)
         version = self.pec.version(step, tokens_per_expert, expert_mask)
         report, status = self._begin_save()
         own, received, statuses = version.transport.replicate(state, trailer, status,
@@ -345,7 +403,12 @@ class InMemoryCheckpointer:
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, version)
+            if self._over_budget():  # the step moved it; nothing is written
+                return self._skip(step)
         elif version is None:
+            if self._over_budget():
+                self.pec.skip(step, tokens_per_expert)
+                return self._skip(step)
             version = self.pec.version(step, tokens_per_expert, full=True)
         elif version.step != step or tokens_per_expert is not None:
             raise ValueError(f"version is PEC version {version.step} (already recorded, no "
@@ -385,17 +448,24 @@ class InMemoryCheckpointer:
         # Start the device-to-host copies now; the writers read them.
         own, *received = [self._to_host(a) for a in (own, *received)]
         skipped = False
+        wait = self.options.writer_timeout_s
+        if self.options.max_wait_s is not None:
+            wait = self.options.max_wait_s
         try:
-            self._own_q.put((step, own, plan, meta), timeout=self.options.writer_timeout_s)
+            self._own_q.put((step, own, plan, meta), timeout=wait)
             self._pending[step] = time.monotonic()
+            if self._last_taken >= 0:
+                report.interval = step - self._last_taken
+            self._last_taken = step
         except queue.Full:
             skipped = True
-            log.warning("host %d: own writer busy for %.0fs; version %d skipped", self.host,
-                        self.options.writer_timeout_s, step)
+            log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
+                        wait, step)
         if received:
             try:
                 self._rep_q.put_nowait((step, received, plan, meta))
             except queue.Full:
+                report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
         report.step, report.skipped = step, skipped
@@ -414,7 +484,7 @@ class InMemoryCheckpointer:
         rows = np.asarray(self._last_statuses)
         per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
         h = self.hosts
-        report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]
+        report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
         held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
                  for o in range(h)} for x in range(h)]
         self._safe = retention.safe_version(held, self.holders, self._safe,
@@ -462,6 +532,65 @@ class InMemoryCheckpointer:
         for t in self._threads:
             t.join(timeout=5.0)
         self._write_pool.shutdown(wait=False)
+        self._closed = True
+
+    def release(self, keep: str) -> StoreRelease:
+        """Gives this host's store back to the RAM disk after a clean finish.
+
+        Call after ``close()``, and only when the job finished cleanly (after
+        a failure the store is what the restarted job resumes from). Every
+        host calls it once, whatever its ``keep`` (it all-gathers the status
+        vectors once more, every writer being drained, so the safe version
+        it adopts is the newest version every holder holds, normally the
+        final one); then each host releases its own store, which is closed
+        afterwards.
+
+        Args:
+          keep: "none" deletes this host's store (and the job's directory
+            once no host's store is left in it): for when the persistent tier
+            holds the final step. "final" keeps, per owner, the versions a
+            restore to the safe version reads (the safe version; under PEC
+            also the versions holding its experts' newest copies) and deletes
+            the slot files that hold no version, so a resumed job still finds
+            the final safe version in RAM; with no safe version yet, every
+            committed version stays and only the free slots go.
+
+        Design choice: the caller decides, after the persistent tier has
+        closed, because only it knows whether that tier holds the final step.
+        Alternative not taken: ``close`` releasing on its own, which would
+        also run after an injected failure and delete what the restart needs.
+        """
+        if keep not in ("none", "final"):
+            raise ValueError(f"keep must be 'none' or 'final', got {keep!r}")
+        if not self._closed:
+            raise RuntimeError(f"host {self.host}: release({keep!r}) before close(): the "
+                               f"writers may still be writing")
+        # The final statuses: every host's writers are drained (close), so the
+        # safe version catches up with what the hosts hold.
+        self._last_statuses = self.transport.gather_status(self.status_vector())
+        self._read_statuses()
+        before = self.store.bytes_held()
+        if keep == "none":
+            root = self.store.root
+            self.store.destroy()
+            try:
+                root.parent.rmdir()  # the job's directory, once the last host's store is gone
+            except OSError:
+                pass
+            return StoreRelease(keep, {}, 0, before)
+        safe = self._safe
+        if safe >= 0:
+            wanted = set(self._needs.get(safe, ((safe,), True))[0]) | {safe}
+            for owner in self.store.owners():
+                versions = set(self.store.versions(owner))
+                if safe in versions:
+                    self.store.prune(owner, wanted & versions)
+        self.store.drop_free_slots()
+        versions = {o: self.store.versions(o) for o in self.store.owners()}
+        held = self.store.bytes_held()
+        self.store.close()
+        return StoreRelease(keep, {o: v for o, v in versions.items() if v}, held,
+                            max(before - held, 0))
 
 
 def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:

@@ -33,6 +33,16 @@ class InMemoryOptions:
         this long after its save is reported under-replicated.
       writer_timeout_s: how long a save waits for the writer of the previous
         version before skipping this version (never an unbounded wait).
+      max_wait_s: the cost budget: the longest a step waits for the tier.
+        None (default): a version every step, a save waiting up to
+        ``writer_timeout_s`` for the previous one. Set: when a host's writers
+        were still busy with the previous version at the last save, every host
+        skips the next version together (nothing packed, moved or written;
+        the statuses still travel), and a save waits at most this long for
+        its own writer before this host drops its copy. A version is never
+        half written: each (owner, version) is whole or absent, and the safe
+        version rule reads only versions every holder holds. The interval
+        achieved is in each ``SaveReport``.
       stall_replica_writer_at: fault injection: (step, seconds) to stall this
         host's replica writer, simulating a peer that stops answering.
       pause_mid_replication_at: fault injection: at this step the replica
@@ -51,6 +61,12 @@ class InMemoryOptions:
         memory, ``copy_to_host_async``), or an explicit memory kind.
       write_threads: chunk files of one version written in parallel (file
         writes and their CRC32 release the GIL).
+      max_store_fraction: all stores under ``store_root`` (every job, every
+        host of this machine) may hold at most this fraction of the RAM
+        disk's size; a slot that would grow past it, or past the RAM disk's
+        free space, raises ``StoreFullError`` naming the command that lists
+        and prunes stores. Checked when a slot grows only (a version's slot
+        is reused afterwards). In (0, 1].
     """
 
     store_root: str
@@ -59,14 +75,19 @@ class InMemoryOptions:
     chunk_bytes: int = 4 << 20
     replication_timeout_s: float = 30.0
     writer_timeout_s: float = 60.0
+    max_wait_s: float | None = None
     stall_replica_writer_at: tuple[int, float] | None = None
     pause_mid_replication_at: int | None = None
     pec: PecOptions | None = None
     window: int = 1
     host_memory_kind: str = "auto"
     write_threads: int = 4
+    max_store_fraction: float = 0.8
 
     def __post_init__(self) -> None:
+        if not 0 < self.max_store_fraction <= 1:
+            raise ValueError(f"max_store_fraction must be in (0, 1], got "
+                             f"{self.max_store_fraction}")
         check_host_memory_kind(self.host_memory_kind)
         if self.write_threads < 1:
             raise ValueError(f"write_threads must be >= 1, got {self.write_threads}")
@@ -80,3 +101,6 @@ class InMemoryOptions:
             raise ValueError(f"pec must be a PecOptions or None, got {self.pec!r}")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.max_wait_s is not None and not 0 <= self.max_wait_s <= self.writer_timeout_s:
+            raise ValueError(f"max_wait_s must be None or in [0, writer_timeout_s="
+                             f"{self.writer_timeout_s}], got {self.max_wait_s}")

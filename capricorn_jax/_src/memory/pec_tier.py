@@ -154,6 +154,17 @@ class PecTier:
         return PecVersion(step, k, mask, None if count is None else gather,
                           transport.plan, transport, meta)
 
+    def skip(self, step: int, tokens_per_expert: Any) -> None:
+        """Accounts step ``step`` whose version is not taken (a cost budget):
+        its tokens count as not saved."""
+        if tokens_per_expert is None:
+            raise ValueError("PEC needs tokens_per_expert ([moe_layers, experts] of the step) "
+                             "with every save")
+        if step != self.tracker.step + 1:
+            raise ValueError(f"PEC step {step} does not follow step {self.tracker.step}")
+        self.tracker.observe(tokens_per_expert)
+        self.cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
+
     def _choose(self, tracker: PltTracker, rate: Any, expert_mask: Any,
                 full: bool) -> tuple[int, np.ndarray]:
         if full:

@@ -43,10 +43,35 @@ training process no better than tmpfs does and needs supervising.
 Isolation: every path the store touches is checked to lie inside its root;
 data from another host reaches this store only through ``write_chunk`` of a
 version received over the transport.
+
+Lifecycle: an open store holds a shared ``flock`` on ``ROOT/.lock`` (released
+by ``close``, and by the kernel when the process dies, however it dies), so
+``store_in_use(root)`` tells a live store from one a finished or crashed job
+left; ``remove_unused`` deletes stores under a directory only while it holds
+every one of their locks exclusively (a job that starts meanwhile waits, then
+finds its root gone and starts afresh). The lock is shared, not exclusive,
+because several store objects of one root are legitimately open at once (a
+successor's reader, a fault injector's audit, tests); it is a liveness
+signal, not a writers' mutex. Alternative not taken: a pid file, which lies
+after the pid is reused and says nothing about a process that is a zombie.
+A slot's pages are reserved when it grows (``posix_fallocate`` after the
+``ftruncate``): on tmpfs a file only truncated to its size gets its pages at
+first touch, and a page the RAM disk cannot supply then kills the process
+with SIGBUS in the middle of a copy; reserved up front, a full RAM disk is an
+``ENOSPC`` at ``begin``, raised as ``StoreFullError``. With a ``StoreLimit``
+the store also refuses to grow when all stores under the limit's root would
+then hold more than its bound, or when the RAM disk has less free space than
+the growth; the error names the RAM disk, its size and free space, the bytes
+wanted, the bytes held, the bound and ``python -m launch.stores`` (list and
+prune). After a clean finish ``InMemoryCheckpointer.release`` reclaims the
+store or shrinks it to one version per owner (``drop_free_slots``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -79,6 +104,131 @@ class VersionGone(FileNotFoundError):
     """The version was removed (pruned and its slot reused) while being read."""
 
 
+class StoreFullError(OSError):
+    """A slot could not grow: the RAM disk is full or the stores' bound is reached.
+
+    An ``OSError`` with ``errno.ENOSPC``; its message names the RAM disk, its
+    size and free bytes, the bytes wanted, the bytes all stores under the
+    store root hold, the bound, and the command that lists and prunes stores.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLimit:
+    """A bound on every store under ``shared_root`` (all jobs, all hosts), bytes.
+
+    Checked only when a slot grows (the first versions of a job), by walking
+    the files under ``shared_root``.
+    """
+
+    shared_root: Path
+    max_bytes: int
+
+    @classmethod
+    def fraction_of(cls, shared_root: str | os.PathLike, fraction: float) -> StoreLimit:
+        """``fraction`` of the size of the filesystem (RAM disk) holding ``shared_root``."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        root = Path(shared_root).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(root)
+        return cls(root, int(fraction * st.f_blocks * st.f_frsize))
+
+
+def tree_bytes(path: str | os.PathLike) -> int:
+    """Bytes of the files under ``path`` (their sizes; 0 if it is missing)."""
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(directory, name)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def mount_point(path: str | os.PathLike) -> Path:
+    """The mount point of the filesystem holding ``path`` (the RAM disk)."""
+    p = Path(path).resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+_LOCK = ".lock"
+
+
+def store_in_use(root: str | os.PathLike) -> bool:
+    """Whether a process (this one included) has the store at ``root`` open.
+
+    Tries a non-blocking exclusive ``flock`` on ``root/.lock``, which every
+    open ``HostStore`` holds shared; False when there is no lock file.
+    """
+    try:
+        fd = os.open(Path(root) / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the probe's lock
+    return False
+
+
+def remove_unused(path: str | os.PathLike) -> bool:
+    """Deletes ``path`` (a store root, or a directory of them: a job's) unless
+    a store under it is open; True if deleted (or already gone).
+
+    Holds every ``.lock`` under ``path`` exclusively while deleting, so no
+    store opens in the middle; nothing is deleted if any is held.
+    """
+    path = Path(path)
+    if not path.exists():
+        return True
+    fds = []
+    try:
+        for lock in sorted(path.rglob(_LOCK)):
+            try:
+                fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def committed_steps(root: str | os.PathLike) -> dict[int, list[int]]:
+    """{owner: committed steps, ascending} of the store at ``root``, read from
+    its heads without opening it (no lock taken, nothing removed)."""
+    out: dict[int, set[int]] = {}
+    for head in Path(root).glob("owner*/slot*.head"):
+        owner = head.parent.name[5:]
+        if not owner.isdigit():
+            continue
+        try:
+            step = int(json.loads(head.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out.setdefault(int(owner), set()).add(step)
+    return {o: sorted(steps) for o, steps in sorted(out.items())}
+
+
 def checksum(data: Any) -> int:
     """CRC32C of a bytes-like object (hardware-accelerated, releases the GIL)."""
     return _crc32c.crc32c(data)
@@ -95,11 +245,28 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _full_message(path: Path, nbytes: int, delta: int, limit: StoreLimit | None,
+                  why: str, shared: Path) -> str:
+    disk = mount_point(shared)
+    st = os.statvfs(shared)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    held = tree_bytes(shared)
+    bound = (f"the bound is {_mib(limit.max_bytes)} ({limit.max_bytes} bytes)"
+             if limit is not None else "no bound is set")
+    return (f"RAM disk {disk} cannot hold the checkpoint store's next version: {why}. "
+            f"{path} needs {delta} more bytes ({_mib(delta)}; the slot grows to "
+            f"{nbytes} bytes); the RAM disk is {_mib(size)} ({size} bytes) with {_mib(free)} "
+            f"({free} bytes) free; all stores under {shared} hold {_mib(held)} ({held} bytes); "
+            f"{bound}. List and prune the stores: python -m launch.stores "
+            f"--store_root={shared} (then --action=prune --job=NAME, --older_than_h=H or --all)")
+
+
 class _Slot:
     """One preallocated, mapped slot file."""
 
-    def __init__(self, path: Path, index: int):
+    def __init__(self, path: Path, index: int, store: HostStore | None = None):
         self.path, self.index = path, index
+        self._store = store  # checks the bound and words the StoreFullError
         self._file = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
         self.capacity = os.fstat(self._file.fileno()).st_size
         self._maps: list[mmap.mmap] = []
@@ -113,9 +280,31 @@ class _Slot:
         self.view = np.frombuffer(m, np.uint8)
 
     def grow(self, nbytes: int) -> None:
+        """Grows the file to ``nbytes`` with its pages reserved (module docstring).
+
+        Raises:
+          StoreFullError: the bound or the RAM disk's free space is exceeded.
+        """
         if nbytes <= self.capacity:
             return
-        os.ftruncate(self._file.fileno(), nbytes)
+        old, delta, fd = self.capacity, nbytes - self.capacity, self._file.fileno()
+        if self._store is not None:
+            self._store._reserve(nbytes, delta, self.path)
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, old, delta)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                pass  # no fallocate on this filesystem: pages at first touch, as before
+            else:
+                os.ftruncate(fd, old)  # gives back what was reserved
+                if e.errno != errno.ENOSPC:
+                    raise
+                why = f"posix_fallocate of {delta} bytes failed: {e.strerror}"
+                if self._store is None:
+                    raise StoreFullError(f"{self.path}: {why}") from e
+                raise StoreFullError(self._store._full_message(self.path, nbytes, delta,
+                                                               why)) from e
         self.capacity = nbytes
         self._map()
 
@@ -204,16 +393,68 @@ class HostStore:
 
     Args:
       root: this (job, host)'s directory; created if missing.
+      limit: the bound on every store under ``limit.shared_root`` (checked
+        when a slot grows); None: only the RAM disk's own space bounds it.
+
+    Holds a shared ``flock`` on ``root/.lock`` until ``close`` (module
+    docstring, Lifecycle).
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, limit: StoreLimit | None = None):
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.limit = limit
+        self._lock_fd: int | None = self._take_lock()
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._busy: set[tuple[int, int]] = set()  # slots with a writer
         self._unreadable: set[Path] = set()  # damaged heads already reported
         self.removed_partials = self._remove_partials()
+
+    def _take_lock(self) -> int:
+        """Opens and share-locks ROOT/.lock (creating the root): the liveness signal.
+
+        Waits only while ``remove_unused`` holds it to delete this root, then
+        locks the new file of the recreated root.
+        """
+        path = self.root / _LOCK
+        while True:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass  # deleted while we waited: lock the new one
+            os.close(fd)
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def _reserve(self, nbytes: int, delta: int, path: Path) -> None:
+        """Raises StoreFullError if growing ``path`` by ``delta`` bytes breaks the
+        bound or exceeds the RAM disk's free space (with a limit only)."""
+        limit = self.limit
+        if limit is None:
+            return
+        st = os.statvfs(limit.shared_root)
+        free = st.f_bavail * st.f_frsize
+        held = tree_bytes(limit.shared_root)
+        if held + delta > limit.max_bytes:
+            why = (f"the stores would hold {held + delta} bytes, over the bound of "
+                   f"{limit.max_bytes}")
+        elif delta > free:
+            why = f"{delta} bytes wanted, {free} free"
+        else:
+            return
+        raise StoreFullError(self._full_message(path, nbytes, delta, why))
+
+    def _full_message(self, path: Path, nbytes: int, delta: int, why: str) -> str:
+        # Without a limit, the store root is taken as ROOT/../.. (STORE_ROOT/JOB/host{h}).
+        shared = self.limit.shared_root if self.limit is not None else self.root.parent.parent
+        return _full_message(path, nbytes, delta, self.limit, why, shared)
 
     # paths ---------------------------------------------------------------
     def _check(self, path: Path) -> Path:
@@ -249,7 +490,7 @@ class HostStore:
     def _slot(self, owner: int, index: int) -> _Slot:
         key = (owner, index)
         if key not in self._slots:
-            self._slots[key] = _Slot(self._slot_path(owner, index, "data"), index)
+            self._slots[key] = _Slot(self._slot_path(owner, index, "data"), index, self)
         return self._slots[key]
 
     def _slot_indices(self, owner: int) -> dict[int, set[str]]:
@@ -285,7 +526,11 @@ class HostStore:
             self._busy.add((owner, index))
             slot = self._slot(owner, index)
         self._slot_path(owner, index, "writing").write_text(str(step))
-        slot.grow(_round_up(nbytes))
+        try:
+            slot.grow(_round_up(nbytes))
+        except BaseException:
+            self._release(owner, index)  # the slot is free again, as it was
+            raise
         return VersionWriter(self, owner, step, slot)
 
     def _committed(self, owner: int, step: int, index: int) -> None:
@@ -465,21 +710,57 @@ class HostStore:
         for index in self._heads(owner).get(step, []):
             self._slot_path(owner, index, "head").unlink(missing_ok=True)
 
+    def drop_free_slots(self) -> int:
+        """Deletes the slot files that hold no version (no head, no writer),
+        giving their pages back to the RAM disk; the bytes freed."""
+        freed = 0
+        with self._lock:
+            for owner in self.owners():
+                for index, kinds in self._slot_indices(owner).items():
+                    if "head" in kinds or "writing" in kinds or (owner, index) in self._busy:
+                        continue
+                    slot = self._slots.pop((owner, index), None)
+                    if slot is not None:
+                        slot.close()
+                    path = self._slot_path(owner, index, "data")
+                    try:
+                        freed += path.stat().st_size
+                        path.unlink()
+                    except FileNotFoundError:
+                        continue
+        return freed
+
     def wipe(self) -> None:
-        """Removes everything (a lost machine's RAM)."""
+        """Removes everything (a lost machine's RAM) but the lock, which stays held."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+        for entry in list(self.root.iterdir()) if self.root.is_dir() else ():
+            if entry.name == _LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def close(self) -> None:
+        """Unmaps the slots and releases the lock (the bytes stay in the RAM disk)."""
+        with self._lock:
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+        self._release_lock()
+
+    def destroy(self) -> None:
+        """Deletes this root and everything in it, then releases the lock."""
         with self._lock:
             for slot in self._slots.values():
                 slot.close()
             self._slots.clear()
         shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def close(self) -> None:
-        """Unmaps the slots (the bytes stay in the RAM disk)."""
-        with self._lock:
-            for slot in self._slots.values():
-                slot.close()
-            self._slots.clear()
+        self._release_lock()
 
     def bytes_held(self) -> int:
         """Bytes of the arena in RAM: every slot's size, free ones included

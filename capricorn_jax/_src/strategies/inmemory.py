@@ -43,7 +43,9 @@ class InMemoryStrategy(Strategy):
         event = {"version": version, "bytes": report.bytes, "store_bytes": report.store_bytes,
                  "store_kib_per_host": report.store_kib_per_host,
                  "committed": report.committed, "replicated": report.safe_version,
-                 "skipped": report.skipped, "under_replicated": report.under_replicated}
+                 "skipped": report.skipped, "interval": report.interval,
+                 "dropped_replicas": report.dropped_replicas,
+                 "under_replicated": report.under_replicated}
         if report.pec_k is not None:
             event.update(pec_k=report.pec_k, plt=report.pec_plt)
         return event

@@ -1,0 +1,390 @@
+r"""Randomized fault trials: ``python -m launch.chaos --trials=N --seed=S --json=PATH``.
+
+Each trial draws a topology (2 hosts x 2 devices, 4 x 1, 4 x 1 with three
+replicas), an in-memory strategy (inmem, gemini, capricorn, pec), with or
+without a persistent tier, and a fault schedule for ``launch.train
+--fault_plan``: one or two faults, each killing one host or two at once at a
+random step and point (after a step, while a step runs, halfway through
+writing replicas, while the persistent tier writes, while the job recovers),
+as a process (its RAM store survives) or a machine (its store is wiped), at
+times with a corrupted chunk, every RAM store lost, or a replica writer that
+stalls. The trial then checks the run against an uninterrupted reference run
+of the same topology (``--ckpt=none``: a checkpoint does not change training):
+
+* the job ends by itself (exit 0) within ``--trial_timeout_s``, every planned
+  fault struck, every step 0..N-1 was logged;
+* full checkpoints: the loss of every logged step, before and after every
+  recovery, is bit-identical to the reference's (so no torn or mixed version
+  was restored); PEC: bit-identical before the first restore point, finite
+  after it, and each recovery reports its portion of lost tokens (PLT);
+* each recovery resumed from a version no older than the newest one the job
+  had reported safe (committed on every holder of every owner) before the
+  fault, and no newer than the fault's step allows; after every RAM store
+  was lost, from the persistent tier (or from step 0 without one).
+
+A progress line per trial, a table and a summary at the end; the JSON
+(contract in DESIGN.md) has one object per trial with what was drawn, what
+happened and the problems found. Exit code 1 if a trial failed.
+
+Design choice: a trial is a real ``launch.train`` job (real processes, real
+kills by the supervisor's injector), and the decisions (``draw_trial``,
+``check_trial``) are pure functions of a seeded generator and the metrics, so
+a failed trial is replayed by its seed. Alternative not taken: a fault
+injector inside the workers, which could not kill a process from outside at
+a point the process does not choose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+
+from launch.config import PAUSING_POINTS, Fault
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("trials", 10, "Trials to run.")
+flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).")
+flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.")
+flags.DEFINE_integer("steps", 12, "Training steps of each job.")
+flags.DEFINE_string("model", "tiny", "Model config.")
+flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
+                  "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.")
+flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
+                  "Strategies drawn from (in-memory ones).")
+flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one (removed).")
+flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.")
+flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.")
+flags.DEFINE_boolean("fast_compile", True,
+                     "Compile the jobs' steps with LLVM's backend optimizations off and share a "
+                     "JAX compilation cache between the jobs (the trials test recovery, not "
+                     "speed; the reference runs use the same setting, so losses still compare "
+                     "bit for bit).")
+
+POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist")
+PERSIST_EVERY = 4
+PEC_K = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    hosts: int
+    devices_per_host: int
+    replicas: int
+
+
+def parse_topology(name: str) -> Topology:
+    """``HxD`` or ``HxDrM`` (default M = 2)."""
+    try:
+        shape, _, replicas = name.partition("r")
+        hosts, devices = (int(x) for x in shape.split("x"))
+        topo = Topology(name, hosts, devices, int(replicas or 2))
+    except ValueError:
+        raise ValueError(f"--topologies: {name!r} is not HxD or HxDrM") from None
+    if hosts < 2 or devices < 1 or not 2 <= topo.replicas <= hosts:
+        raise ValueError(f"--topologies: {name!r} needs >= 2 hosts and 2 <= replicas <= hosts")
+    return topo
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """What one trial runs (drawn by ``draw_trial``)."""
+
+    index: int
+    seed: int
+    topology: Topology
+    strategy: str
+    persist_every: int
+    faults: tuple[Fault, ...]
+    stall: tuple[int, int] | None  # (host, step): its replica writer stalls 3 s
+
+    @property
+    def pec(self) -> bool:
+        return self.strategy == "pec"
+
+    def flags(self, steps: int, model: str) -> list[str]:
+        t = self.topology
+        out = [f"--hosts={t.hosts}", f"--devices_per_host={t.devices_per_host}",
+               f"--model={model}", f"--steps={steps}", f"--ckpt={self.strategy}",
+               f"--replicas={t.replicas}", "--eval_sequences=0", f"--log_every={steps}",
+               "--fault_plan=" + json.dumps([f.to_json() for f in self.faults])]
+        if self.persist_every:
+            out.append(f"--persist_every={self.persist_every}")
+        if self.pec:
+            out += [f"--pec_k={PEC_K}", "--nopec_dynamic"]
+        if self.stall is not None:
+            out += [f"--stall_host={self.stall[0]}", f"--stall_at_step={self.stall[1]}",
+                    "--stall_seconds=3"]
+        return out
+
+    def describe(self) -> str:
+        faults = "; ".join(_describe(f) for f in self.faults)
+        stall = "" if self.stall is None else f"; stall host {self.stall[0]}@{self.stall[1]}"
+        return (f"{self.topology.name} {self.strategy} persist={self.persist_every} "
+                f"[{faults}{stall}]")
+
+
+def _describe(f: Fault) -> str:
+    who = "+".join(str(h) for h in f.hosts)
+    where = "recovery" if f.point == "recovery" else f"{f.point}@{f.step}"
+    extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else ""])
+    return f"host {who} {where} {f.mode}{extra}"
+
+
+def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: list[str],
+               steps: int) -> Trial:
+    """Trial ``index`` of a soak: every choice from one generator seeded by
+    (seed, index), so the trial is replayed by its seed."""
+    rng = random.Random(seed * 1000 + index)
+    topo = rng.choice(topologies)
+    choices = [s for s in strategies if topo.replicas == 2 or s in ("inmem", "pec")]
+    if not choices:
+        raise ValueError(f"no strategy of {strategies} runs on {topo.name} (the scheduled "
+                         f"ones need 2 replicas)")
+    strategy = rng.choice(choices)
+    persist = rng.choice([0, PERSIST_EVERY])
+    faults: list[Fault] = []
+    low = 1
+    for n in range(2 if rng.random() < 0.4 else 1):
+        if n == 1 and rng.random() < 0.5:  # a host lost while the job recovers
+            faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
+                                rng.choice(["process", "host"])))
+            break
+        points = [p for p in POINTS if p != "mid_persist" or persist]
+        point = rng.choice(points)
+        if point == "mid_persist":
+            writes = [s for s in range(low, steps - 1) if (s + 1) % persist == 0]
+            if not writes:
+                break
+            step = rng.choice(writes)
+        else:
+            if low > steps - 3:
+                break
+            step = rng.randrange(low, steps - 2)
+        two = rng.random() < (0.5 if topo.replicas >= 3 else 0.2)
+        victims = tuple(sorted(rng.sample(range(topo.hosts), 2 if two else 1)))
+        mode = "host" if rng.random() < 0.4 else "process"
+        wipe_all = bool(persist) and rng.random() < 0.1
+        corrupt = mode == "process" and not wipe_all and rng.random() < 0.2
+        faults.append(Fault(victims, step, point, mode, corrupt, wipe_all))
+        low = step + 1
+    stall = None
+    if rng.random() < 0.15:
+        stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
+    return Trial(index, seed * 1000 + index, topo, strategy, persist, tuple(faults), stall)
+
+
+def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], steps: int,
+                strikes: int) -> tuple[list[str], dict[str, Any]]:
+    """The problems of a finished trial (empty: it passed) and what happened.
+
+    Args:
+      records: the job's metrics.jsonl.
+      reference: step -> loss of the uninterrupted run.
+      strikes: the faults the supervisor reported striking.
+    """
+    problems: list[str] = []
+    if strikes != len(trial.faults):
+        problems.append(f"{strikes} of {len(trial.faults)} faults struck")
+    step_records = [r for r in records if "event" not in r]
+    seen = {r["step"] for r in step_records}
+    if seen != set(range(steps)):
+        problems.append(f"steps logged {sorted(seen)}, expected 0..{steps - 1}")
+    recoveries = [r for r in records if r.get("event") == "recovery"]
+    first_restore = min((r["step"] for r in recoveries), default=steps)
+    for r in step_records:
+        expected = reference.get(r["step"])
+        if trial.pec and r["step"] >= first_restore:
+            if not math.isfinite(r["loss"]):
+                problems.append(f"step {r['step']}: loss {r['loss']} after a PEC restore")
+        elif r["loss"] != expected:
+            problems.append(f"step {r['step']}: loss {r['loss']!r} != reference {expected!r}")
+    # Each recovery against the faults: the records are in order, so the safe
+    # version reported before a fault is the newest one before its recovery. A
+    # kill during recovery logs no recovery; a fault that struck before any
+    # version existed neither (the job starts over), so recovery i goes with
+    # fault i only when every other fault logged one.
+    kills = [f for f in trial.faults if f.point != "recovery"]
+    paired = len(recoveries) == len(kills)
+    safe, n, last = -1, 0, -1
+    for r in records:
+        if "event" not in r:
+            if r["step"] < last:  # the job started over (nothing to recover from)
+                safe = -1
+            last = r["step"]
+        elif r.get("event") == "checkpoint":
+            safe = max(safe, r.get("replicated", -1))
+        elif r.get("event") == "recovery":
+            last = r["step"]
+            if trial.pec and "plt" not in r:
+                problems.append(f"recovery to {r['step']}: no PLT reported")
+            if paired and kills[n].wipe_all:
+                if r["tier"] != "persistent":
+                    problems.append(f"recovery to {r['step']} via {r['tier']} after every "
+                                    f"RAM store was lost")
+            elif r["tier"] != "persistent" and r["step"] < safe:
+                problems.append(f"recovery to {r['step']}, older than the safe version {safe}")
+            if paired:
+                # A pausing point stops the victim there; elsewhere it runs on
+                # until the kill lands (a poll of the supervisor, about a step).
+                reach = kills[n].step + (1 if kills[n].point in PAUSING_POINTS else 3)
+                if r["step"] > reach:
+                    problems.append(f"recovery to {r['step']}, after the fault at step "
+                                    f"{kills[n].step} ({kills[n].point})")
+            n += 1
+            safe = min(safe, r["step"])  # the versions after it are abandoned
+    happened = {"resumed_from": [r["step"] for r in recoveries],
+                "tier": [r["tier"] for r in recoveries],
+                "recovery_s": [round(r["seconds"], 3) for r in recoveries],
+                "plt": [r.get("plt") for r in recoveries if "plt" in r]}
+    return problems, happened
+
+
+def _store_root(scratch: Path) -> Path:
+    """The trials' RAM stores: on the RAM disk when there is one."""
+    shm = Path("/dev/shm")
+    return shm / f"capricorn-chaos-{scratch.name}" if shm.is_dir() else scratch / "shm"
+
+
+def _run_train(flags_: list[str], workdir: Path, store: Path,
+               timeout_s: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if FLAGS.fast_compile:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
+                                     "--xla_backend_optimization_level=0"]).strip()
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
+    return subprocess.run(
+        [sys.executable, "-m", "launch.train", *flags_, f"--workdir={workdir}",
+         f"--store_root={store}", "--fresh"],
+        capture_output=True, text=True, timeout=timeout_s, env=env)
+
+
+def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dict,
+               timeout_s: float) -> dict[int, float]:
+    """Losses of the uninterrupted run of a topology (one run per topology)."""
+    key = (topo.hosts, topo.devices_per_host)
+    if key not in cache:
+        work = scratch / f"ref-{topo.hosts}x{topo.devices_per_host}"
+        proc = _run_train([f"--hosts={topo.hosts}", f"--devices_per_host={topo.devices_per_host}",
+                           f"--model={model}", f"--steps={steps}", "--ckpt=none",
+                           "--eval_sequences=0", f"--log_every={steps}"],
+                          work, _store_root(scratch), timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"reference run {key} failed:\n{proc.stdout[-2000:]}"
+                               f"{proc.stderr[-2000:]}")
+        records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+        cache[key] = {r["step"]: r["loss"] for r in records if "event" not in r}
+    return cache[key]
+
+
+def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: dict,
+              timeout_s: float) -> dict[str, Any]:
+    """Runs one trial and checks it; its JSON object."""
+    start = time.monotonic()
+    result: dict[str, Any] = {
+        "trial": trial.index, "seed": trial.seed, "topology": trial.topology.name,
+        "strategy": trial.strategy, "persist_every": trial.persist_every,
+        "faults": [f.to_json() for f in trial.faults],
+        "stall": None if trial.stall is None else list(trial.stall)}
+    reference = _reference(trial.topology, steps, model, scratch, references, timeout_s)
+    work, store = scratch / f"trial{trial.index}", _store_root(scratch)
+    flags_ = trial.flags(steps, model)
+    result["command"] = "python -m launch.train " + " ".join(
+        f"'{f}'" if "[" in f else f for f in flags_)
+    try:
+        proc = _run_train(flags_, work, store, timeout_s)
+    except subprocess.TimeoutExpired:
+        result.update(ok=False, problems=[f"job did not end within {timeout_s:.0f}s"],
+                      seconds=round(time.monotonic() - start, 1))
+        return result
+    records = []
+    if (work / "metrics.jsonl").exists():
+        records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    strikes = proc.stdout.count("fault: SIGKILLed")
+    if proc.returncode != 0:
+        problems = [f"job exited with {proc.returncode}: " + " | ".join(
+            (proc.stdout + proc.stderr).strip().splitlines()[-6:])]
+        happened: dict[str, Any] = {}
+    else:
+        problems, happened = check_trial(trial, records, reference, steps, strikes)
+    result.update(happened, ok=not problems, problems=problems,
+                  seconds=round(time.monotonic() - start, 1))
+    if not problems:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _table(results: list[dict]) -> str:
+    rows = [("trial", "ok", "topology", "strategy", "persist", "faults", "resumed", "tiers",
+             "s")]
+    for r in results:
+        faults = "; ".join(_describe(Fault(tuple(f["hosts"]), f["step"], f["point"], f["mode"],
+                                           f["corrupt"], f["wipe_all"])) for f in r["faults"])
+        rows.append((str(r["trial"]), "ok" if r["ok"] else "FAIL", r["topology"], r["strategy"],
+                     str(r["persist_every"]), faults,
+                     ",".join(map(str, r.get("resumed_from", []))),
+                     ",".join(r.get("tier", [])), f"{r['seconds']:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    topologies = [parse_topology(t) for t in FLAGS.topologies]
+    if FLAGS.trials < 1 or FLAGS.steps < 6:
+        raise app.UsageError(f"--trials must be >= 1 and --steps >= 6, got {FLAGS.trials}, "
+                             f"{FLAGS.steps}")
+    unknown = set(FLAGS.strategies) - {"inmem", "gemini", "capricorn", "pec"}
+    if unknown:
+        raise app.UsageError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
+                             f"(inmem, gemini, capricorn, pec)")
+    scratch = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn-chaos-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    references: dict = {}
+    results = []
+    started = time.monotonic()
+    try:
+        for i in range(FLAGS.trials):
+            trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
+            result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
+                               FLAGS.trial_timeout_s)
+            results.append(result)
+            status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
+            resumed = ",".join(f"{s} ({t})" for s, t in zip(
+                result.get("resumed_from", []), result.get("tier", []), strict=True))
+            print(f"trial {i + 1}/{FLAGS.trials} (seed {trial.seed}) {trial.describe()} -> "
+                  f"resumed {resumed or '-'} in {result['seconds']:.0f}s: {status}", flush=True)
+            if not result["ok"] and not FLAGS.keep_going:
+                break
+    finally:
+        if all(r["ok"] for r in results):
+            shutil.rmtree(_store_root(scratch), ignore_errors=True)
+            if FLAGS.workdir is None:
+                shutil.rmtree(scratch, ignore_errors=True)
+    passed = sum(r["ok"] for r in results)
+    print(_table(results))
+    print(f"chaos: {passed}/{len(results)} trials passed, {len(results) - passed} failed "
+          f"(seed {FLAGS.seed}, {time.monotonic() - started:.0f}s)"
+          + ("" if passed == len(results) else f"; failed runs kept under {scratch}"))
+    if FLAGS.json:
+        Path(FLAGS.json).write_text(json.dumps(
+            {"trials": results, "passed": passed, "failed": len(results) - passed,
+             "seed": FLAGS.seed, "steps": FLAGS.steps, "model": FLAGS.model}, indent=1))
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))

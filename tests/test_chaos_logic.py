@@ -1,0 +1,116 @@
+"""launch.chaos's decisions, without processes: the draws and the checks."""
+
+import pytest
+
+from launch.chaos import Trial, check_trial, draw_trial, parse_topology
+from launch.config import Fault
+
+TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
+STRATEGIES = ["inmem", "gemini", "capricorn", "pec"]
+
+
+def test_topologies_parse_and_bad_ones_are_named():
+    assert parse_topology("4x1r3") == TOPOLOGIES[2]
+    assert (TOPOLOGIES[0].hosts, TOPOLOGIES[0].devices_per_host, TOPOLOGIES[0].replicas) == (
+        2, 2, 2)
+    for bad in ("4", "axb", "1x4", "2x2r3"):
+        with pytest.raises(ValueError, match=f"--topologies: '{bad}'"):
+            parse_topology(bad)
+
+
+def test_draws_are_replayable_and_valid():
+    """Same (seed, index) -> same trial; every drawn plan is one launch.train
+    accepts: steps in order, mid_persist only on a persistent write, a kill
+    during recovery only as the last fault, scheduled strategies on 2 replicas."""
+    from launch.config import FaultConfig
+
+    for index in range(300):
+        trial = draw_trial(index, 7, TOPOLOGIES, STRATEGIES, 12)
+        assert trial == draw_trial(index, 7, TOPOLOGIES, STRATEGIES, 12)
+        topo = trial.topology
+        assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
+        assert 1 <= len(trial.faults) <= 2
+        kills = [f for f in trial.faults if f.point != "recovery"]
+        assert kills and trial.faults[:len(kills)] == tuple(kills)
+        assert [f.step for f in kills] == sorted({f.step for f in kills})
+        for f in trial.faults:
+            assert len(f.hosts) <= 2 and not (f.corrupt and f.mode == "host")
+            assert not f.wipe_all or trial.persist_every
+        FaultConfig(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",
+                    kill_point="after_step", corrupt_store=False, stall_host=-1,
+                    stall_at_step=-1, stall_seconds=0.0,
+                    fault_plan=_plan_flag(trial),
+                    hosts=topo.hosts, steps=12, strategy=trial.strategy,
+                    replicas=topo.replicas, persist_every=trial.persist_every)
+    seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
+                                                            12).faults}
+    assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery"}
+
+
+def _plan_flag(trial):
+    return next(f for f in trial.flags(12, "tiny") if f.startswith("--fault_plan=")).split(
+        "=", 1)[1]
+
+
+def _trial(*faults, strategy="inmem", persist=0):
+    return Trial(0, 0, TOPOLOGIES[0], strategy, persist, tuple(faults), None)
+
+
+REF = {s: 5.0 - 0.1 * s for s in range(8)}
+
+
+def _steps(*ranges):
+    return [{"step": s, "loss": REF[s]} for r in ranges for s in r]
+
+
+def test_a_clean_recovery_passes_and_reports_what_happened():
+    trial = _trial(Fault((1,), 4, "after_step"))
+    records = [*_steps(range(5)), {"event": "checkpoint", "replicated": 4},
+               {"event": "recovery", "step": 5, "tier": "local", "seconds": 0.25},
+               *_steps(range(5, 8))]
+    problems, happened = check_trial(trial, records, REF, 8, strikes=1)
+    assert problems == []
+    assert happened == {"resumed_from": [5], "tier": ["local"], "recovery_s": [0.25], "plt": []}
+
+
+def test_each_violation_is_named():
+    trial = _trial(Fault((1,), 4, "after_step"), Fault((0,), 5, "after_step", wipe_all=True))
+    records = [*_steps(range(5)), {"event": "checkpoint", "replicated": 4},
+               {"event": "recovery", "step": 3, "tier": "peer", "seconds": 1.0},
+               {"step": 3, "loss": 9.0}, *_steps(range(4, 6)),
+               {"event": "recovery", "step": 7, "tier": "local", "seconds": 1.0}]
+    problems, _ = check_trial(trial, records, REF, 8, strikes=1)
+    assert problems == [
+        "1 of 2 faults struck",
+        "steps logged [0, 1, 2, 3, 4, 5], expected 0..7",
+        "step 3: loss 9.0 != reference 4.7",
+        "recovery to 3, older than the safe version 4",
+        "recovery to 7 via local after every RAM store was lost",
+        "recovery to 7, after the fault at step 5 (after_step)",
+    ]
+
+
+def test_pec_losses_after_the_restore_point_may_differ_but_the_plt_is_reported():
+    trial = _trial(Fault((1,), 4, "after_step"), strategy="pec")
+    records = [*_steps(range(5)),
+               {"event": "recovery", "step": 3, "tier": "local", "seconds": 0.5, "plt": 0.01},
+               {"step": 3, "loss": 4.75}, *_steps(range(4, 8))]
+    assert check_trial(trial, records, REF, 8, strikes=1)[0] == []
+    records[5] = {"event": "recovery", "step": 3, "tier": "local", "seconds": 0.5}
+    assert check_trial(trial, records, REF, 8, strikes=1)[0] == [
+        "recovery to 3: no PLT reported"]
+
+
+def test_the_safe_version_starts_over_with_the_job_and_after_a_recovery():
+    """A job that lost every copy starts over from step 0 (no recovery event):
+    the safe version of the first attempt no longer binds; after a recovery
+    to step r, nothing newer than r is safe."""
+    trial = _trial(Fault((0, 1), 4, "after_step", "host"), Fault((1,), 2, "after_step"),
+                   Fault((1,), 5, "after_step"))
+    records = [*_steps(range(5)), {"event": "checkpoint", "replicated": 4},
+               *_steps(range(3)),
+               {"event": "recovery", "step": 2, "tier": "local", "seconds": 0.1},
+               *_steps(range(2, 6)), {"event": "checkpoint", "replicated": 2},
+               {"event": "recovery", "step": 2, "tier": "local", "seconds": 0.1},
+               *_steps(range(2, 8))]
+    assert check_trial(trial, records, REF, 8, strikes=3)[0] == []

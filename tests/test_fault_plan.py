@@ -1,0 +1,69 @@
+"""The fault plan of launch.train: parsed and checked without processes."""
+
+import json
+
+import pytest
+
+from launch.config import Fault, FaultConfig, FlagError, parse_fault_plan
+
+BASE = dict(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",
+            kill_point="after_step", corrupt_store=False, stall_host=-1, stall_at_step=-1,
+            stall_seconds=0.0, hosts=4, steps=12, strategy="inmem", replicas=3,
+            persist_every=4)
+
+
+def test_the_single_fault_flags_are_a_plan_of_one_fault_per_kill():
+    config = FaultConfig(**{**BASE, "kill_host": 1, "kill_at_step": 3, "kill_every": 4,
+                            "kill_mode": "host", "corrupt_store": True})
+    assert config.plan(12) == tuple(Fault((1,), s, "after_step", "host", True)
+                                    for s in (3, 7, 11))
+    assert FaultConfig(**BASE).plan(12) == ()
+
+
+def test_a_plan_reads_json_and_at_file(tmp_path):
+    plan = [{"hosts": [1, 2], "step": 5, "point": "mid_step"},
+            {"hosts": [0], "point": "recovery", "wipe_all": True}]
+    expected = (Fault((1, 2), 5, "mid_step"), Fault((0,), -1, "recovery", wipe_all=True))
+    assert parse_fault_plan(json.dumps(plan)) == expected
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    config = FaultConfig(**{**BASE, "fault_plan": f"@{path}"})
+    assert config.plan(12) == expected
+    assert [f.to_json() for f in expected] == [
+        {"hosts": [1, 2], "step": 5, "point": "mid_step", "mode": "process", "corrupt": False,
+         "wipe_all": False},
+        {"hosts": [0], "step": -1, "point": "recovery", "mode": "process", "corrupt": False,
+         "wipe_all": True}]
+
+
+@pytest.mark.parametrize("plan, message", [
+    ("[{", r"^--fault_plan: not a JSON list of faults"),
+    ('{"hosts": [1]}', r"^--fault_plan: not a JSON list of faults"),
+    ('[{"hosts": [1], "step": 2, "when": 3}]', r"^--fault_plan: fault 0 .*fields must be"),
+    ('[{"step": 2}]', r"^--fault_plan: fault 0 "),
+    ('[{"hosts": [4], "step": 2}]', r"^--fault_plan fault 0: hosts \[4\] must be distinct"),
+    ('[{"hosts": [1, 1], "step": 2}]', r"^--fault_plan fault 0: hosts \[1, 1\] must be"),
+    ('[{"hosts": [1], "step": 12}]', r"^--fault_plan fault 0: step 12 must be in \[0, --steps"),
+    ('[{"hosts": [1], "step": 2, "point": "lunch"}]', r"^--fault_plan fault 0: point 'lunch'"),
+    ('[{"hosts": [1], "step": 2, "mode": "rack"}]', r"^--fault_plan fault 0: mode 'rack'"),
+    ('[{"hosts": [1], "step": 1}, {"hosts": [1], "step": 2, "point": "mid_persist"}]',
+     r"^--fault_plan fault 1: mid_persist at step 2 needs --persist_every to write version 3"),
+])
+def test_a_bad_plan_names_the_fault_and_the_field(plan, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan})
+
+
+def test_plan_and_single_fault_flags_exclude_each_other_and_points_need_their_tier():
+    with pytest.raises(FlagError, match=r"^--fault_plan and --kill_host both"):
+        FaultConfig(**{**BASE, "kill_host": 1, "kill_at_step": 2,
+                       "fault_plan": '[{"hosts": [1], "step": 2}]'})
+    with pytest.raises(FlagError, match=r"^--kill_point: mid_replication needs --replicas >= 2"):
+        FaultConfig(**{**BASE, "kill_host": 1, "kill_at_step": 2,
+                       "kill_point": "mid_replication", "replicas": 1})
+    with pytest.raises(FlagError, match=r"^--kill_point: mid_replication pauses the in-memory"):
+        FaultConfig(**{**BASE, "kill_host": 1, "kill_at_step": 2,
+                       "kill_point": "mid_replication", "strategy": "blocking"})
+    at = FaultConfig(**{**BASE, "fault_at": "mid_replication:5"})
+    assert at.at() == ("mid_replication", 5) and at.pause_mid_replication_at == 6
+    assert FaultConfig(**BASE).at() is None and FaultConfig(**BASE).pause_mid_replication_at == -1
