@@ -54,23 +54,29 @@ from absl import app, flags
 from launch.config import PAUSING_POINTS, Fault
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("trials", 10, "Trials to run.")
-flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).")
-flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.")
-flags.DEFINE_integer("steps", 12, "Training steps of each job.")
-flags.DEFINE_string("model", "tiny", "Model config.")
-flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
-                  "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.")
-flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
-                  "Strategies drawn from (in-memory ones).")
-flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one (removed).")
-flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.")
-flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.")
-flags.DEFINE_boolean("fast_compile", True,
-                     "Compile the jobs' steps with LLVM's backend optimizations off and share a "
-                     "JAX compilation cache between the jobs (the trials test recovery, not "
-                     "speed; the reference runs use the same setting, so losses still compare "
-                     "bit for bit).")
+
+
+def define_flags() -> None:
+    """The command's flags (defined when run as a command only: importing this
+    module for its logic must not define flags other launchers define too)."""
+    flags.DEFINE_integer("trials", 10, "Trials to run.")
+    flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).")
+    flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.")
+    flags.DEFINE_integer("steps", 12, "Training steps of each job.")
+    flags.DEFINE_string("model", "tiny", "Model config.")
+    flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
+                      "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.")
+    flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
+                      "Strategies drawn from (in-memory ones).")
+    flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one (removed).")
+    flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.")
+    flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.")
+    flags.DEFINE_boolean("fast_compile", True,
+                         "Compile the jobs' steps with LLVM's backend optimizations off and "
+                         "share a JAX compilation cache between the jobs (the trials test "
+                         "recovery, not speed; the reference runs use the same setting, so "
+                         "losses still compare bit for bit).")
+
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist")
 PERSIST_EVERY = 4
@@ -258,10 +264,10 @@ def _store_root(scratch: Path) -> Path:
     return shm / f"capricorn-chaos-{scratch.name}" if shm.is_dir() else scratch / "shm"
 
 
-def _run_train(flags_: list[str], workdir: Path, store: Path,
-               timeout_s: float) -> subprocess.CompletedProcess:
+def _run_train(flags_: list[str], workdir: Path, store: Path, timeout_s: float,
+               fast_compile: bool) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    if FLAGS.fast_compile:
+    if fast_compile:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
                                      "--xla_backend_optimization_level=0"]).strip()
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
@@ -272,7 +278,7 @@ def _run_train(flags_: list[str], workdir: Path, store: Path,
 
 
 def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dict,
-               timeout_s: float) -> dict[int, float]:
+               timeout_s: float, fast_compile: bool) -> dict[int, float]:
     """Losses of the uninterrupted run of a topology (one run per topology)."""
     key = (topo.hosts, topo.devices_per_host)
     if key not in cache:
@@ -280,7 +286,7 @@ def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dic
         proc = _run_train([f"--hosts={topo.hosts}", f"--devices_per_host={topo.devices_per_host}",
                            f"--model={model}", f"--steps={steps}", "--ckpt=none",
                            "--eval_sequences=0", f"--log_every={steps}"],
-                          work, _store_root(scratch), timeout_s)
+                          work, _store_root(scratch), timeout_s, fast_compile)
         if proc.returncode != 0:
             raise RuntimeError(f"reference run {key} failed:\n{proc.stdout[-2000:]}"
                                f"{proc.stderr[-2000:]}")
@@ -290,7 +296,7 @@ def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dic
 
 
 def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: dict,
-              timeout_s: float) -> dict[str, Any]:
+              timeout_s: float, fast_compile: bool = True) -> dict[str, Any]:
     """Runs one trial and checks it; its JSON object."""
     start = time.monotonic()
     result: dict[str, Any] = {
@@ -298,13 +304,14 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
         "strategy": trial.strategy, "persist_every": trial.persist_every,
         "faults": [f.to_json() for f in trial.faults],
         "stall": None if trial.stall is None else list(trial.stall)}
-    reference = _reference(trial.topology, steps, model, scratch, references, timeout_s)
+    reference = _reference(trial.topology, steps, model, scratch, references, timeout_s,
+                           fast_compile)
     work, store = scratch / f"trial{trial.index}", _store_root(scratch)
     flags_ = trial.flags(steps, model)
     result["command"] = "python -m launch.train " + " ".join(
         f"'{f}'" if "[" in f else f for f in flags_)
     try:
-        proc = _run_train(flags_, work, store, timeout_s)
+        proc = _run_train(flags_, work, store, timeout_s, fast_compile)
     except subprocess.TimeoutExpired:
         result.update(ok=False, problems=[f"job did not end within {timeout_s:.0f}s"],
                       seconds=round(time.monotonic() - start, 1))
@@ -360,7 +367,7 @@ def main(argv: list[str]) -> int:
         for i in range(FLAGS.trials):
             trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
             result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
-                               FLAGS.trial_timeout_s)
+                               FLAGS.trial_timeout_s, FLAGS.fast_compile)
             results.append(result)
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(
@@ -387,4 +394,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(lambda argv: sys.exit(main(argv)))

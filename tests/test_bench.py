@@ -65,6 +65,7 @@ def test_bench_failure_reports_no_numbers(tmp_path):
     assert bad.returncode == 2 and "--strategies" in bad.stderr
 
 
+@pytest.mark.soak
 def test_bench_scheduled_strategies(tmp_path):
     out = tmp_path / "bench.json"
     proc = _bench("--strategies=none,gemini,capricorn,capricorn_pec", "--model=tiny",
@@ -93,6 +94,7 @@ def test_bench_scheduled_strategies(tmp_path):
         assert set(schedule["repartition_steps"]) <= set(schedule["profiled_steps"])
 
 
+@pytest.mark.soak
 def test_bench_single_process_path(tmp_path):
     """The one-GPU path runs the bench in this process (here on the CPU backend)."""
     out = tmp_path / "bench.json"

@@ -120,6 +120,7 @@ def test_status_gather_alone(setup):
     np.testing.assert_array_equal(got, [[4, 5, 6]] * 4)
 
 
+@pytest.mark.soak
 @pytest.mark.slow  # long: compiles or many examples
 def test_probed_scheduled_step_times_every_all_to_all_and_changes_nothing(setup):
     """The interference probe inside the scheduled step: the chunks still arrive,

@@ -17,6 +17,7 @@ def test_routed_inputs_send_the_chosen_share_of_tokens_to_expert_0():
     np.testing.assert_array_equal(np.sum(top2 == 0, axis=(1, 2)), [60, 60, 60])
 
 
+@pytest.mark.soak
 @pytest.mark.slow  # long: compiles or many examples
 def test_bucketed_capacity_follows_skew_and_fixed_does_not():
     assert jax.device_count() == 4

@@ -79,6 +79,7 @@ def test_profiling_leaves_training_bitwise_unchanged(every_run, off_run):
     assert not _events(off_run, "profile")
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_speculative_profiles_when_the_detector_asks(tmp_path, cache):
     # A low threshold so the early, fast-moving router triggers it within 8 steps.
@@ -100,6 +101,7 @@ def test_speculative_profiles_when_the_detector_asks(tmp_path, cache):
     assert {s for s, r in step_lines.items() if r["profiled"]} == set(profiles)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 def test_first_n_profiles_the_first_steps_once(tmp_path, cache):
     records = _train(tmp_path / "first_n", cache, 5, "--profile=first_n", "--profile_first_n=3")

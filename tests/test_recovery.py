@@ -72,7 +72,8 @@ def _events(records, name):
     return [r for r in records if r.get("event") == name]
 
 
-@pytest.mark.parametrize("mode,tier", [("process", "local"), ("host", "peer")])
+@pytest.mark.parametrize("mode,tier", [pytest.param("process", "local", marks=pytest.mark.soak),
+                                       ("host", "peer")])
 def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
                            f"--kill_mode={mode}", audit=True)
@@ -108,6 +109,7 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
     assert len(per_host) == 2 and all(k * 1024 >= checkpoints[0]["bytes"] for k in per_host)
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("ckpt,flags", [("gemini", ("--profile_first_n=3",)),
                                         ("capricorn", ("--timeline",))])
 def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, reference, ckpt,
@@ -143,6 +145,7 @@ def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, referen
         assert doc["metadata"]["scheduled"] and (tmp_path / "w" / "timeline.png").exists()
 
 
+@pytest.mark.soak
 def test_capricorn_moves_partial_expert_versions_inside_the_step(tmp_path):
     """capricorn with PEC (K = 2 of 8): the versions moved inside steps carry
     K experts per layer (fewer bytes, own schedule), every version commits,
@@ -163,6 +166,7 @@ def test_capricorn_moves_partial_expert_versions_inside_the_step(tmp_path):
     assert [r["step"] for r in records if "event" not in r][-1] == STEPS - 1
 
 
+@pytest.mark.soak
 def test_pec_full_k_recovers_bitwise(tmp_path, reference):
     """PEC with K = N is the full checkpoint: same bytes, bitwise the same run."""
     _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
@@ -276,6 +280,7 @@ def _disk_steps(workdir) -> list[int]:
     return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.soak
 def test_pec_full_persistent_step_is_the_memory_restore(tmp_path, reference_run):
     """PEC K=2 of 8 with --persist_every: a persisted step holds every expert,
     each from its newest in-memory copy (what a memory-tier restore gives), as
@@ -304,6 +309,7 @@ def test_pec_full_persistent_step_is_the_memory_restore(tmp_path, reference_run)
     assert _losses(first) == {s: loss for s, loss in reference_run[0].items() if s < 8}
 
 
+@pytest.mark.soak
 def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, reference_run):
     """K=4 and K_persist=4 of 8 (one expert per rank and layer): every persisted
     step carries the least recently persisted experts; retention keeps the steps
@@ -383,6 +389,7 @@ def test_kill_mid_replication(tmp_path, reference):
     assert "paused halfway through writing replicas" in proc.stdout
 
 
+@pytest.mark.soak
 def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     # Host 1 holds host 0's replicas; its replica writer stalls for 4 s at step 3.
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--stall_host=1",

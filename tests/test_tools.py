@@ -35,6 +35,7 @@ def test_bandwidth_reports_every_copy(tmp_path):
     assert _run("launch.experiments.bandwidth", "--mib=0", timeout=60).returncode == 2
 
 
+@pytest.mark.soak
 def test_pec_accuracy_compares_runs(tmp_path):
     out = tmp_path / "acc.json"
     proc = _run("launch.experiments.pec_accuracy", "--model=tiny", "--steps=8", "--fail_every=4",
@@ -51,6 +52,7 @@ def test_pec_accuracy_compares_runs(tmp_path):
     assert_no_orphans(str(tmp_path / "w"))
 
 
+@pytest.mark.soak
 def test_orbax_rss_reports_memory_and_blocking(tmp_path):
     out = tmp_path / "rss.json"
     proc = _run("launch.experiments.orbax_rss", "--mib=8", "--devices=2",
