@@ -37,14 +37,19 @@ from typing import Any
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("mib", 256, "Bytes per copy, MiB.")
-flags.DEFINE_integer("repeats", 5, "Timed copies per kind.")
-flags.DEFINE_string("tmpfs", "/dev/shm", "RAM disk for the store write/read.")
-flags.DEFINE_string("json", None, "Write the results here.")
-flags.DEFINE_integer("rows", 4, "Device rows per store version (devices per host).")
-flags.DEFINE_integer("chunk_mib", 4,
-                     "Chunk size of the store path, MiB (the checkpointer's default).")
-flags.DEFINE_integer("threads", 4, "Writer / reader threads of the store path.")
+
+
+def define_flags() -> None:
+    """The command's flags (only when run as a command: launch.bench imports
+    ``measure`` and has flags of the same names)."""
+    flags.DEFINE_integer("mib", 256, "Bytes per copy, MiB.")
+    flags.DEFINE_integer("repeats", 5, "Timed copies per kind.")
+    flags.DEFINE_string("tmpfs", "/dev/shm", "RAM disk for the store write/read.")
+    flags.DEFINE_string("json", None, "Write the results here.")
+    flags.DEFINE_integer("rows", 4, "Device rows per store version (devices per host).")
+    flags.DEFINE_integer("chunk_mib", 4,
+                         "Chunk size of the store path, MiB (the checkpointer's default).")
+    flags.DEFINE_integer("threads", 4, "Writer / reader threads of the store path.")
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
@@ -183,4 +188,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
