@@ -61,11 +61,11 @@ class InMemoryOptions:
         memory, ``copy_to_host_async``), or an explicit memory kind.
       write_threads: chunk files of one version written in parallel (file
         writes and their CRC32 release the GIL).
-      max_store_fraction: all stores under ``store_root`` (every job, every
-        host of this machine) may hold at most this fraction of the RAM
-        disk's size; a slot that would grow past it, or past the RAM disk's
-        free space, raises ``StoreFullError`` naming the command that lists
-        and prunes stores. Checked when a slot grows only (a version's slot
+      max_store_fraction: a slot grows only while the RAM disk holding
+        ``store_root`` (every job's stores and anything else on it) stays
+        at most this full; a slot that would grow past it, or past the RAM
+        disk's free space, raises ``StoreFullError`` naming the command that
+        lists and prunes stores. Checked when a slot grows only (a version's slot
         is reused afterwards). In (0, 1].
     """
 

@@ -59,11 +59,10 @@ A slot's pages are reserved when it grows (``posix_fallocate`` after the
 first touch, and a page the RAM disk cannot supply then kills the process
 with SIGBUS in the middle of a copy; reserved up front, a full RAM disk is an
 ``ENOSPC`` at ``begin``, raised as ``StoreFullError``. With a ``StoreLimit``
-the store also refuses to grow when all stores under the limit's root would
-then hold more than its bound, or when the RAM disk has less free space than
-the growth; the error names the RAM disk, its size and free space, the bytes
-wanted, the bytes held, the bound and ``python -m launch.stores`` (list and
-prune). After a clean finish ``InMemoryCheckpointer.release`` reclaims the
+the store also refuses to grow when the RAM disk would then have more bytes in
+use than the bound, or less free space than the growth; the error names the
+RAM disk, its size, free and used bytes, the bytes wanted, the bound and
+``python -m launch.stores`` (list and prune). After a clean finish ``InMemoryCheckpointer.release`` reclaims the
 store or shrinks it to one version per owner (``drop_free_slots``).
 """
 
@@ -108,8 +107,8 @@ class StoreFullError(OSError):
     """A slot could not grow: the RAM disk is full or the stores' bound is reached.
 
     An ``OSError`` with ``errno.ENOSPC``; its message names the RAM disk, its
-    size and free bytes, the bytes wanted, the bytes all stores under the
-    store root hold, the bound, and the command that lists and prunes stores.
+    size, free and used bytes, the bytes wanted, the bound, and the command
+    that lists and prunes stores.
     """
 
     def __init__(self, message: str):
@@ -118,10 +117,14 @@ class StoreFullError(OSError):
 
 @dataclasses.dataclass(frozen=True)
 class StoreLimit:
-    """A bound on every store under ``shared_root`` (all jobs, all hosts), bytes.
+    """A bound on the RAM disk holding ``shared_root``: a slot may grow only
+    while the disk's used bytes stay within ``max_bytes``.
 
-    Checked only when a slot grows (the first versions of a job), by walking
-    the files under ``shared_root``.
+    Checked only when a slot grows (the first versions of a job), from
+    ``os.statvfs``: the used bytes of the whole RAM disk, every job's stores
+    and anything else on it. Alternative not taken: walking the stores under
+    ``shared_root``, which on a simulated cluster (hosts sharing one RAM disk)
+    lists other hosts' stores and ignores what else fills the disk.
     """
 
     shared_root: Path
@@ -250,13 +253,13 @@ def _full_message(path: Path, nbytes: int, delta: int, limit: StoreLimit | None,
     disk = mount_point(shared)
     st = os.statvfs(shared)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    held = tree_bytes(shared)
-    bound = (f"the bound is {_mib(limit.max_bytes)} ({limit.max_bytes} bytes)"
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    bound = (f"the bound is {_mib(limit.max_bytes)} ({limit.max_bytes} bytes) in use"
              if limit is not None else "no bound is set")
     return (f"RAM disk {disk} cannot hold the checkpoint store's next version: {why}. "
             f"{path} needs {delta} more bytes ({_mib(delta)}; the slot grows to "
             f"{nbytes} bytes); the RAM disk is {_mib(size)} ({size} bytes) with {_mib(free)} "
-            f"({free} bytes) free; all stores under {shared} hold {_mib(held)} ({held} bytes); "
+            f"({free} bytes) free and {_mib(used)} ({used} bytes) in use; "
             f"{bound}. List and prune the stores: python -m launch.stores "
             f"--store_root={shared} (then --action=prune --job=NAME, --older_than_h=H or --all)")
 
@@ -441,9 +444,9 @@ class HostStore:
             return
         st = os.statvfs(limit.shared_root)
         free = st.f_bavail * st.f_frsize
-        held = tree_bytes(limit.shared_root)
-        if held + delta > limit.max_bytes:
-            why = (f"the stores would hold {held + delta} bytes, over the bound of "
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        if used + delta > limit.max_bytes:
+            why = (f"the RAM disk would have {used + delta} bytes in use, over the bound of "
                    f"{limit.max_bytes}")
         elif delta > free:
             why = f"{delta} bytes wanted, {free} free"
