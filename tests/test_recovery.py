@@ -176,6 +176,7 @@ def test_pec_full_k_recovers_bitwise(tmp_path, reference):
     assert _losses(records) == reference
 
 
+@pytest.mark.soak
 def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path):
     """K = 2 of 8 experts per version, host 1 lost every 5 steps: each restore
     takes every expert (params and moments) from its newest copy."""

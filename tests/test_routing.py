@@ -39,7 +39,7 @@ def routing_case(draw):
 
 
 @pytest.mark.slow  # long: compiles or many examples
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(routing_case())
 def test_route_invariants(case):
     logits, k, cap = case
@@ -89,7 +89,7 @@ def test_priority_is_token_order_within_a_choice():
 
 
 @pytest.mark.slow  # long: compiles or many examples
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(routing_case())
 def test_dispatch_combine_identity_experts(case):
     """With identity experts, combine(dispatch(x)) = x * sum of kept gates."""

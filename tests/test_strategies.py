@@ -78,7 +78,7 @@ def reference(tmp_path_factory, cache):
 
 # CI runs the in-memory tier, capricorn and a baseline's own restore; the
 # others run with the soak marker (pytest -m soak).
-SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking", "pec")
+SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking")
 
 
 @pytest.mark.parametrize("strategy", [
@@ -141,8 +141,9 @@ def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path,
     assert "fault: SIGKILLed host 0 recovering (recovery, mode host)" in proc.stdout
     records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     (recovery,) = _events(records, "recovery")  # the attempt killed while recovering logs none
-    assert recovery["step"] == KILL_AT + 1
+    # Version 5 when host 1's replica of it was written before the first kill, else 4.
+    assert KILL_AT <= recovery["step"] <= KILL_AT + 1
     assert recovery["tiers"] == ["peer", "local"] and recovery["bytes_moved"] > 0
     assert _losses(records) == reference
     assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
-        range(KILL_AT + 1, STEPS))
+        range(recovery["step"], STEPS))
