@@ -134,8 +134,12 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
     at = config.at()
     if at is None or at[0] != point or (point != "recovery" and at[1] != step):
         return
-    where = "recovering" if point == "recovery" else f"{point.replace('_', ' ')} {step}"
-    logging.warning("host %d: fault point reached (%s)", host, where)
+    where = {"after_step": f"paused after step {step}",
+             "mid_step": f"in step {step}, running on until killed",
+             "mid_replication": f"paused halfway through writing replicas of version {step + 1}",
+             "mid_persist": f"writing persistent version {step + 1}, running on until killed",
+             "recovery": "paused at the start of its recovery"}[point]
+    logging.warning("host %d: %s (fault point)", host, where)
     sys.stdout.flush()
     sys.stderr.flush()
     pause_marker(workdir, host).write_text(where)
