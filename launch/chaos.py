@@ -374,6 +374,8 @@ def main(argv: list[str]) -> int:
                 result.get("resumed_from", []), result.get("tier", []), strict=True))
             print(f"trial {i + 1}/{FLAGS.trials} (seed {trial.seed}) {trial.describe()} -> "
                   f"resumed {resumed or '-'} in {result['seconds']:.0f}s: {status}", flush=True)
+            if FLAGS.json:  # after every trial: a soak stopped early keeps what it ran
+                _write_json(FLAGS.json, results, FLAGS.seed, FLAGS.steps, FLAGS.model)
             if not result["ok"] and not FLAGS.keep_going:
                 break
     finally:
@@ -387,10 +389,15 @@ def main(argv: list[str]) -> int:
           f"(seed {FLAGS.seed}, {time.monotonic() - started:.0f}s)"
           + ("" if passed == len(results) else f"; failed runs kept under {scratch}"))
     if FLAGS.json:
-        Path(FLAGS.json).write_text(json.dumps(
-            {"trials": results, "passed": passed, "failed": len(results) - passed,
-             "seed": FLAGS.seed, "steps": FLAGS.steps, "model": FLAGS.model}, indent=1))
+        _write_json(FLAGS.json, results, FLAGS.seed, FLAGS.steps, FLAGS.model)
     return 0 if passed == len(results) else 1
+
+
+def _write_json(path: str, results: list[dict], seed: int, steps: int, model: str) -> None:
+    passed = sum(r["ok"] for r in results)
+    Path(path).write_text(json.dumps(
+        {"trials": results, "passed": passed, "failed": len(results) - passed, "seed": seed,
+         "steps": steps, "model": model}, indent=1))
 
 
 if __name__ == "__main__":
