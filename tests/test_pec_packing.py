@@ -221,8 +221,11 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
 # ------------------------------------------------------------------ restore + prune
 
 
-def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_path, caplog):
-    """A PEC store reopened with a corrupt manifest: the checkpointer opens,
+@pytest.mark.parametrize("damage", ["json", "pec_record"])
+def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_path, caplog,
+                                                                  damage):
+    """A PEC store reopened with a corrupt manifest (a head that does not
+    parse, or one whose PEC record lost its fields): the checkpointer opens,
     says which version it ignores, and recovery takes the newest good one."""
     base = trainer.init_state(0)
     ckpt = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))
@@ -231,11 +234,18 @@ def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_p
         ckpt.wait_until_finished(60)
     ckpt.close()
     slot = HostStore(tmp_path / "j" / "host0").manifest(0, 3)["slot"]
-    (tmp_path / "j" / "host0" / "owner0" / f"slot{slot}.head").write_text("{")
+    head = tmp_path / "j" / "host0" / "owner0" / f"slot{slot}.head"
+    if damage == "json":
+        head.write_text("{")
+        said = f"owner0/slot{slot}.head: unreadable commit record; its version is ignored"
+    else:
+        record = json.loads(head.read_text())
+        (record["meta"] if "pec" in record.get("meta", {}) else record)["pec"] = {}
+        head.write_text(json.dumps(record))
+        said = "version 3 of owner 0 has an unreadable manifest; ignored"
     with caplog.at_level("WARNING", logger="capricorn_jax"):
         fresh = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))
-    assert (f"owner0/slot{slot}.head: unreadable commit record; its version is ignored"
-            in caplog.text)
+    assert said in caplog.text
     recovered = capricorn_jax.recover(fresh)
     assert recovered.step == 2 and recovered.host_state == {"data": 2}
     fresh.close()

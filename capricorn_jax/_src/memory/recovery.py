@@ -306,9 +306,15 @@ def _pec_inventories(ckpt: InMemoryCheckpointer
     inventory = _inventory(ckpt)
     metas = {}
     for owner, steps in inventory.items():
-        for step in steps:
-            if step not in metas:
-                metas[step] = _pec_meta(ckpt, owner, step)
+        for step in list(steps):
+            try:
+                meta = _pec_meta(ckpt, owner, step)
+            except (KeyError, TypeError, ValueError):  # a head that parses, a record that does not
+                log.warning("host %d: version %d of owner %d has an unreadable PEC record; "
+                            "ignored", ckpt.host, step, owner)
+                steps.remove(step)
+                continue
+            metas.setdefault(step, meta)
     doc = {"inv": {str(o): v for o, v in inventory.items()},
            "meta": {str(s): m for s, m in metas.items()}}
     gathered = allgather_json(doc, ckpt.hosts)
