@@ -5,13 +5,16 @@
 
 Every host process builds the model once and then runs the strategies in
 interleaved blocks (A B C, B C A, C A B, ...) of ``--steps`` steps each,
-``--reps`` times, after a warm-up block per strategy that excludes
-compilation; a step during which anything compiled (a new variant for a
-new capacity bucket, or a program a strategy's save needs) and the first
-step of each block (which absorbs the previous strategy's tail) are
-left out. A sample is the mean step time of a block; per strategy the report
-gives the median and spread of the samples and the ratio of the median to
-``none``'s. After the timed steps, each block runs ``--a2a_steps`` steps
+``--reps`` times, after a warm-up block per strategy (the warm-up common to
+all strategies: their first compiles). Every step of a block is timed except
+its first (which absorbs the previous strategy's tail, for every strategy
+alike), the steps the strategy profiles and the steps during which anything
+compiled (a new variant for a new capacity bucket, a program a strategy's
+save needs) included: they are its cost. Per strategy the report gives the
+median and spread (IQR) of all its timed steps and the ratio of that median to
+``none``'s; ``steps_timed``, ``steps_profiled``, ``steps_compiled`` and the
+profiled / compiled steps' own medians; and, labelled as such, the steady
+state (plain steps only) beside it. After the timed steps, each block runs ``--a2a_steps`` steps
 (not timed) of the variant with ``capricorn_jax.CollectiveProbe`` attached:
 ordered per-device callbacks at the edges of every MoE all-to-all (dispatch
 and combine, forward and backward), under the strategy's own checkpoint
@@ -27,7 +30,8 @@ runs through ``capricorn_jax.ProfilingDriver``, as in launch.train: a
 strategy profiles the same steps here as in training (gemini its first
 ``--profile_first_n``, capricorn when the detector's drift passes
 ``--drift_threshold`` and its schedule is at risk; the defaults are the
-library's). A profiled step is not timed.
+library's). A profiled step is timed like any other (issue 15: the
+published ratios before it left out capricorn's profiled steps).
 
 Output: a markdown table on stdout, ``--json`` (contract in DESIGN.md), and a
 PNG bar chart with ``--png``. Exits non-zero, and reports no number, when any
@@ -161,14 +165,16 @@ class _Runner:
 
         jax.monitoring.register_event_duration_secs_listener(on_event)
 
-    def block(self, strategy, driver, n: int, probed: int = 0) -> tuple[list[float], list[float]]:
+    def block(self, strategy, driver, n: int, probed: int = 0
+              ) -> tuple[list[tuple[float, bool, bool]], list[float]]:
         """Runs ``n`` steps under ``strategy`` through its ``driver``; the last
         ``probed`` of them run the variant with the all-to-all probe
         (CollectiveProbe) attached.
 
         Returns:
-          (seconds of each timed step: warm, unprobed, unprofiled, not the first;
-           all-to-all seconds of each warm probed step: the sum of its phases).
+          ((seconds, profiled, compiled) of each timed step: unprobed, not the
+           block's first; all-to-all seconds of each warm probed step: the sum
+           of its phases).
         """
         import jax
         import numpy as np
@@ -198,9 +204,10 @@ class _Runner:
             count = self.saves.setdefault(strategy.name, [0, 0])
             count[0] += 1
             count[1] += any(e.get("skipped") for e in events)
-            # Checked again after the save: it may compile too (e.g. PEC packing).
-            if cached and i > 0 and not hooks and self.compiles == compiles:
-                times.append(time.perf_counter() - t0)
+            # Checked after the save: it may compile too (e.g. PEC packing).
+            if i > 0 and not hooks:
+                times.append((time.perf_counter() - t0, run.profile is not None,
+                               run.compiled or self.compiles != compiles))
             self.step += 1
         return times, a2a
 
@@ -246,7 +253,7 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         runner.block(strategy, drivers[name], FLAGS.warmup + probed, probed)
         if job.host == 0:
             print(f"warm-up of {name} done", flush=True)
-    samples = {name: [] for name in strategies}
+    samples = {name: [] for name in strategies}  # (seconds, profiled, compiled) per step
     a2a = {name: [] for name in strategies}
     names = list(strategies)
     for rep in range(FLAGS.reps):
@@ -254,12 +261,12 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         for name in order:
             times, phases = runner.block(strategies[name], drivers[name], FLAGS.steps + probed,
                                          probed)
-            if times:
-                samples[name].append(statistics.fmean(times))
+            samples[name] += times
             a2a[name] += phases
         if job.host == 0:
             print(f"repetition {rep + 1}/{FLAGS.reps}: " + ", ".join(
-                f"{n} {samples[n][-1] * 1e3:.1f} ms" for n in order if samples[n]), flush=True)
+                f"{n} {statistics.median(t for t, _, _ in samples[n]) * 1e3:.1f} ms"
+                for n in order if samples[n]), flush=True)
     ram = {}
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
@@ -282,27 +289,37 @@ def bench_worker(process_id: int, workdir: Path) -> None:
 def summarize(raw: dict) -> dict:
     """The DESIGN.md JSON: per strategy median, spread, ratio, bytes, RAM."""
     out = {}
-    for name, samples in raw["samples"].items():
-        if not samples:
+    for name, steps in raw["samples"].items():
+        if not steps:
             raise RuntimeError(f"strategy {name}: no measured steps")
-        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        times = [t for t, _, _ in steps]
         per_host = raw["ram"][name]
         out[name] = {
-            "median_step_s": statistics.median(samples),
-            "spread_s": q[2] - q[0],
-            "min_step_s": min(samples), "max_step_s": max(samples),
-            "samples": len(samples),
+            "median_step_s": statistics.median(times),
+            "spread_s": _iqr(times),
+            "min_step_s": min(times), "max_step_s": max(times),
+            "samples": len(times), "steps_timed": len(times),
+            "steps_profiled": sum(p for _, p, _ in steps),
+            "steps_compiled": sum(c for _, _, c in steps),
             "ckpt_bytes_per_step": int(sum(h[1] for h in per_host)),
             "store_bytes_per_host": [int(h[0]) for h in per_host],
         }
+        for key, chosen in (("profiled", [t for t, p, _ in steps if p]),
+                            ("compiled", [t for t, _, c in steps if c]),
+                            ("steady", [t for t, p, c in steps if not p and not c])):
+            if chosen:
+                out[name][f"{key}_median_s"] = statistics.median(chosen)
         a2a = raw.get("a2a", {}).get(name) or []
         if a2a:
             q = statistics.quantiles(a2a, n=4) if len(a2a) > 1 else [a2a[0]] * 3
             out[name].update(a2a_median_s=statistics.median(a2a), a2a_spread_s=q[2] - q[0],
                              a2a_samples=len(a2a))
     base = out.get("none", {}).get("median_step_s")
+    steady = out.get("none", {}).get("steady_median_s")
     for row in out.values():
         row["ratio"] = row["median_step_s"] / base if base else None
+        row["steady_ratio"] = (row["steady_median_s"] / steady
+                               if steady and "steady_median_s" in row else None)
     for name, schedule in raw.get("schedules", {}).items():
         out[name]["schedule"] = schedule
     for name, recovery in raw.get("recovery", {}).items():
@@ -312,6 +329,13 @@ def summarize(raw: dict) -> dict:
             out[name]["versions_skipped"] = skipped
             out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
     return out
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
 
 
 def _bandwidth(mib: int) -> dict:
@@ -327,16 +351,23 @@ def _bandwidth(mib: int) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| strategy | median step (ms) | spread IQR (ms) | ratio to none | all-to-all "
+    lines = ["| strategy | median step, all steps (ms) | spread IQR (ms) | ratio to none | "
+             "steps timed / profiled / compiled | steady state only (ms, ratio) | all-to-all "
              "(ms, IQR) | ckpt bytes/step (all hosts) | store RAM per host (MB) |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
         ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
         a2a = (f"{r['a2a_median_s'] * 1e3:.1f} ({r['a2a_spread_s'] * 1e3:.1f})"
                if "a2a_median_s" in r else "-")
+        steady = "-"
+        if "steady_median_s" in r:
+            steady = f"{r['steady_median_s'] * 1e3:.1f}" + (
+                f", {r['steady_ratio']:.3f}" if r.get("steady_ratio") else "")
+        counts = f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']}"
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
-                     f"{ratio} | {a2a} | {r['ckpt_bytes_per_step']:,} | {ram} |")
+                     f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
+                     f"{ram} |")
     for name, r in results.items():
         for tier, rec in r.get("recovery", {}).items():
             lines.append(f"\n{name}: recovery from {tier}: {rec['seconds']:.3f} s, "

@@ -33,7 +33,10 @@ def test_bench_reports_every_strategy(tmp_path):
     # No budget: every version taken.
     assert (result["inmem"]["versions_taken"], result["inmem"]["versions_skipped"]) == (1.0, 0)
     for row in result.values():
-        assert row["median_step_s"] > 0 and row["samples"] == 2
+        # Every step of a block but its first: 2 reps x (3 - 1) steps, none of
+        # them profiled (these strategies do not profile).
+        assert row["median_step_s"] > 0 and row["samples"] == row["steps_timed"] == 4
+        assert row["steps_profiled"] == 0 and 0 <= row["steps_compiled"] <= 4
         assert {"spread_s", "ratio", "ckpt_bytes_per_step"} <= set(row)
     assert result["none"]["ratio"] == 1.0 and result["none"]["ckpt_bytes_per_step"] == 0
     # The all-to-all probe: --a2a_steps (2) warm probed steps per block, 2 blocks.
@@ -75,6 +78,9 @@ def test_bench_scheduled_strategies(tmp_path):
                   f"--json={out}", timeout=900)  # a hang guard: 4 strategies, 2 hosts
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["strategies"]
+    # Every step of the block but its first is timed, profiled ones included.
+    assert all(row["steps_timed"] == 7 for row in result.values())
+    assert all(row["steps_profiled"] <= 7 for row in result.values())
     for name in ("gemini", "capricorn"):
         schedule = result[name]["schedule"]
         assert schedule["scheduled"], name
