@@ -64,3 +64,13 @@ def test_capacity_choice_follows_load():
     assert choose_capacity_factors(fixed, [1, 10000], 512) == (fixed.capacity_factor,) * 2
     with pytest.raises(ValueError, match="max_routed"):
         choose_capacity_factors(cfg, [1, 2, 3], tokens)
+
+
+def test_readme_model_table_is_the_generated_one():
+    """README's "Model configs" table is launch.tables' output, verbatim."""
+    from pathlib import Path
+
+    from launch.tables import model_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert model_table() in readme
