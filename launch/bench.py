@@ -158,6 +158,12 @@ class _Runner:
         # during which one ran is not timed.
         self.compiles = 0
         self.saves: dict[str, list[int]] = {}  # strategy -> [versions saved, skipped]
+        # Commit accounting (in-memory strategies): the versions of timed steps
+        # with the strategy's save index, and the save index at which each
+        # version was first reported on every holder of every owner.
+        self.timed_versions: dict[str, list[tuple[int, int]]] = {}
+        self.save_index: dict[str, int] = {}  # saves and status rounds, per strategy
+        self.committed_at: dict[str, dict[int, int]] = {}
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -204,12 +210,23 @@ class _Runner:
             count = self.saves.setdefault(strategy.name, [0, 0])
             count[0] += 1
             count[1] += any(e.get("skipped") for e in events)
+            index = self.save_index[strategy.name] = self.save_index.get(strategy.name, 0) + 1
+            self.committed(strategy.name, events)
+            if i > 0 and not hooks:
+                self.timed_versions.setdefault(strategy.name, []).append((self.step + 1, index))
             # Checked after the save: it may compile too (e.g. PEC packing).
             if i > 0 and not hooks:
                 times.append((time.perf_counter() - t0, run.profile is not None,
                                run.compiled or self.compiles != compiles))
             self.step += 1
         return times, a2a
+
+    def committed(self, name: str, events: list[dict]) -> None:
+        """Notes the versions these events report committed everywhere for the first time."""
+        index = self.save_index.get(name, 0)
+        for event in events:
+            for version in event.get("newly_committed", ()):
+                self.committed_at.setdefault(name, {}).setdefault(version, index)
 
 
 def _recovery_times(ckpt, job) -> dict:
@@ -267,6 +284,9 @@ def bench_worker(process_id: int, workdir: Path) -> None:
             print(f"repetition {rep + 1}/{FLAGS.reps}: " + ", ".join(
                 f"{n} {statistics.median(t for t, _, _ in samples[n]) * 1e3:.1f} ms"
                 for n in order if samples[n]), flush=True)
+    for name, ckpt in ckpts.items():  # one more status round: the last versions' commits
+        runner.save_index[name] = runner.save_index.get(name, 0) + 1
+        runner.committed(name, [{"newly_committed": ckpt.confirm(120).newly_committed}])
     ram = {}
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
@@ -281,6 +301,10 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     if job.host == 0:
         result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery,
                   "schedules": schedules, "saves": runner.saves,
+                  "commits": {name: {"timed": runner.timed_versions.get(name, []),
+                                     "committed_at": {str(v): i for v, i in
+                                                      runner.committed_at.get(name, {}).items()}}
+                              for name in ckpts},
                   "state_bytes": sum(x.size * x.dtype.itemsize
                                      for x in jax.tree.leaves(job.trainer.abstract_state))}
         (workdir / "worker_result.json").write_text(json.dumps(result))
@@ -328,6 +352,12 @@ def summarize(raw: dict) -> dict:
         if name in out and name in IN_MEMORY:
             out[name]["versions_skipped"] = skipped
             out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
+    for name, commits in raw.get("commits", {}).items():
+        at = {int(v): i for v, i in commits["committed_at"].items()}
+        timed = commits["timed"]
+        lags = [at[v] - i for v, i in timed if v in at]
+        out[name]["versions_committed"] = len(lags) / len(timed) if timed else None
+        out[name]["max_commit_lag"] = max(lags, default=None)
     return out
 
 
@@ -365,6 +395,10 @@ def markdown(results: dict) -> str:
             steady = f"{r['steady_median_s'] * 1e3:.1f}" + (
                 f", {r['steady_ratio']:.3f}" if r.get("steady_ratio") else "")
         counts = f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']}"
+        if r.get("versions_committed") is not None:
+            # "A version every step" only at 100%; else the share and the lag.
+            name = (f"{name} (committed {r['versions_committed']:.0%}, lag <= "
+                    f"{r['max_commit_lag']} saves)")
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
                      f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
                      f"{ram} |")

@@ -30,8 +30,12 @@ def test_bench_reports_every_strategy(tmp_path):
     bandwidth = report["bandwidth"]
     assert bandwidth["mib"] == 8 and all(
         bandwidth[k] > 0 for k in ("memcpy_gbps", "store_ingest_gbps", "restore_gbps"))
-    # No budget: every version taken.
-    assert (result["inmem"]["versions_taken"], result["inmem"]["versions_skipped"]) == (1.0, 0)
+    # No budget: every version taken, and every timed step's version reported
+    # on every holder (after the final status round at the latest).
+    for name in ("inmem", "pec"):
+        assert (result[name]["versions_taken"], result[name]["versions_skipped"]) == (1.0, 0)
+        assert result[name]["versions_committed"] == 1.0 and result[name]["max_commit_lag"] >= 1
+    assert result["none"].get("versions_committed") is None
     for row in result.values():
         # Every step of a block but its first: 2 reps x (3 - 1) steps, none of
         # them profiled (these strategies do not profile).
@@ -50,7 +54,7 @@ def test_bench_reports_every_strategy(tmp_path):
     # PEC (K=2 of 8 experts) moves the non-expert state and a quarter of the experts.
     assert 0 < result["pec"]["ckpt_bytes_per_step"] < 0.5 * result["inmem"]["ckpt_bytes_per_step"]
     assert result["pec"]["recovery"]["peer"]["tiers"] == ["local", "peer"]
-    assert "| inmem |" in proc.stdout and "repetition 2/2" in proc.stdout
+    assert "| inmem (committed 100%, lag <= " in proc.stdout and "repetition 2/2" in proc.stdout
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert_no_orphans(str(tmp_path / "w"))
 

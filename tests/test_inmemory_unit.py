@@ -265,6 +265,13 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
         1: None, 2: 1, 3: None, 4: None, 5: None, 6: 4}
     assert ckpt.store.versions(0) == [2, 6]  # the keep rule: safe (2) and newest
     assert all(r.bytes == 0 for s, r in reports.items() if r.skipped)
+    # Commit accounting: each version taken is reported committed once, after
+    # its writer finished (1 and 2 at save 6, which reads save 5's statuses;
+    # 6 at the final status round).
+    assert {s: r.newly_committed for s, r in reports.items()} == {
+        1: [], 2: [], 3: [], 4: [], 5: [], 6: [1, 2]}
+    final = ckpt.confirm(60)
+    assert final.newly_committed == [6] and final.safe_version == 6
     ckpt.close()
     fresh = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)

@@ -184,3 +184,15 @@ def test_a_safe_version_survives_any_m_minus_1_host_losses_at_every_moment(data)
         sim.end_save()
     if needs is None:
         assert sim.safe == [steps + 1] * hosts
+
+
+def test_held_everywhere_is_what_every_holder_of_every_owner_holds():
+    from capricorn_jax._src.memory.retention import held_everywhere
+
+    held = [{0: {1, 2, 3}, 1: {2}}, {0: {2, 3}, 1: {1, 2, 3}}, {2: {3}}]
+    # Owner 0 on hosts 0, 1; owner 1 on hosts 1, 0; owner 2 on host 2 alone.
+    assert held_everywhere(held, [[0, 1], [1, 0], [2]]) == set()  # owner 2 lacks 2
+    held[2][2] = {2, 3}
+    assert held_everywhere(held, [[0, 1], [1, 0], [2]]) == {2}  # owner 1 on host 0 lacks 3
+    assert held_everywhere(held, [[0], [1], [2]]) == {2, 3}
+    assert held_everywhere([{}, {}], [[0, 1], [1, 0]]) == set()

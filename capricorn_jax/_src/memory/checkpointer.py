@@ -106,7 +106,9 @@ class SaveReport:
     (the budget skipped it everywhere, or this host's writer was busy past
     the wait); ``interval``: steps since the previous version this host took
     (None: skipped, or the first); ``dropped_replicas``: replica copies this
-    save received but did not write (the replica writer was busy).
+    save received but did not write (the replica writer was busy);
+    ``newly_committed``: versions the gathered statuses show, for the first
+    time, on every holder of every owner (committed on owners and replicas).
     """
 
     step: int
@@ -119,6 +121,7 @@ class SaveReport:
     store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
     interval: int | None = None
     dropped_replicas: int = 0
+    newly_committed: list[int] = dataclasses.field(default_factory=list)
     pec_k: int | None = None
     pec_plt: float | None = None
 
@@ -193,6 +196,7 @@ class InMemoryCheckpointer:
                                     "manifest; ignored", host, v, o)
                         steps.discard(v)
         self._safe = -1
+        self._reported: set[int] = set()  # versions reported in newly_committed
         self._last_taken = -1  # the newest version this host's writer was given
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
         self._last_statuses = None
@@ -298,6 +302,7 @@ class InMemoryCheckpointer:
                     held.discard(v)
                     self.store.remove(owner, v)
                 self._newest[owner] = max(held, default=-1)
+            self._reported = {v for v in self._reported if v <= step}
 
     def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
         self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
@@ -490,6 +495,11 @@ class InMemoryCheckpointer:
         self._safe = retention.safe_version(held, self.holders, self._safe,
                                             None if self.pec is None else self._needs)
         report.safe_version = self._safe
+        everywhere = retention.held_everywhere(held, self.holders)
+        report.newly_committed = sorted(everywhere - self._reported)
+        if everywhere:  # older ones are gone from every store: forget them
+            oldest = min(everywhere)
+            self._reported = {v for v in self._reported | everywhere if v >= oldest}
         # per_host[x][o]: newest version of owner o held by host x.
         confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
         now = time.monotonic()
@@ -533,6 +543,14 @@ class InMemoryCheckpointer:
             t.join(timeout=5.0)
         self._write_pool.shutdown(wait=False)
         self._closed = True
+
+    def confirm(self, timeout_s: float = 60.0) -> SaveReport:
+        """One more status round with every writer drained (a collective: every
+        host calls it at the same point): the report's safe version and
+        ``newly_committed`` then account for every version saved so far."""
+        self.wait_until_finished(timeout_s)
+        self._last_statuses = self.transport.gather_status(self.status_vector())
+        return self._read_statuses()
 
     def release(self, keep: str) -> StoreRelease:
         """Gives this host's store back to the RAM disk after a clean finish.

@@ -66,6 +66,19 @@ def decode_held(newest: int, mask: int) -> set[int]:
                        if mask >> i & 1 and newest - 1 - i >= 0}
 
 
+def held_everywhere(held: Sequence[Mapping[int, Iterable[int]]],
+                    holders: Sequence[Sequence[int]]) -> set[int]:
+    """The versions that every holder of every owner reports holding (a version
+    committed on its owner and on every replica). ``held``, ``holders`` as in
+    ``safe_version``."""
+    out: set[int] | None = None
+    for owner, owner_holders in enumerate(holders):
+        for x in owner_holders:
+            versions = set(held[x].get(owner, ()))
+            out = versions if out is None else out & versions
+    return out or set()
+
+
 def safe_version(held: Sequence[Mapping[int, Iterable[int]]], holders: Sequence[Sequence[int]],
                  previous: int,
                  needs: Mapping[int, tuple[Sequence[int], bool]] | None = None) -> int:

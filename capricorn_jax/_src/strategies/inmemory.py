@@ -45,6 +45,7 @@ class InMemoryStrategy(Strategy):
                  "committed": report.committed, "replicated": report.safe_version,
                  "skipped": report.skipped, "interval": report.interval,
                  "dropped_replicas": report.dropped_replicas,
+                 "newly_committed": report.newly_committed,
                  "under_replicated": report.under_replicated}
         if report.pec_k is not None:
             event.update(pec_k=report.pec_k, plt=report.pec_plt)
