@@ -5,7 +5,12 @@
 
 Every host process builds the model once and then runs the strategies in
 interleaved blocks (A B C, B C A, C A B, ...) of ``--steps`` steps each,
-``--reps`` times, after a warm-up block per strategy (the warm-up common to
+``--reps`` times; within a repetition every strategy replays the same steps
+from the same state (a copy taken when the repetition starts, with the data
+position and the routing maxima), so all meet the same batches and capacity
+buckets (recorded in the JSON's ``buckets``), and the run fails if two
+strategies' losses differ at a step (a checkpoint must not change training;
+``steps_compared`` counts the steps checked), after a warm-up block per strategy (the warm-up common to
 all strategies: their first compiles). Every step of a block is timed except
 its first (which absorbs the previous strategy's tail, for every strategy
 alike), the steps the strategy profiles and the steps during which anything
@@ -52,6 +57,7 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions, ProfilingOptions
 from launch import cluster as cluster_lib
 from launch import runtime
+from launch.metrics import different_work
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
@@ -163,6 +169,11 @@ class _Runner:
         # version was first reported on every holder of every owner.
         self.timed_versions: dict[str, list[tuple[int, int]]] = {}
         self.save_index: dict[str, int] = {}  # saves and status rounds, per strategy
+        # Identical work: step -> {strategy: loss} and {strategy: capacity factors}
+        # of the timed repetitions, where every strategy replays the same steps.
+        self.losses: dict[int, dict[str, float]] = {}
+        self.buckets: dict[int, dict[str, list[float]]] = {}
+        self.record = False
         self.committed_at: dict[str, dict[int, int]] = {}
 
         def on_event(event: str, seconds: float, **_) -> None:
@@ -170,6 +181,23 @@ class _Runner:
                 self.compiles += 1
 
         jax.monitoring.register_event_duration_secs_listener(on_event)
+
+    def snapshot(self) -> tuple:
+        """The trajectory's position: a copy of the state, the data position,
+        the last step's routing maxima and the step."""
+        import jax
+
+        return (jax.tree.map(lambda x: x.copy(), self.state), self.job.data.state(),
+                self.max_routed, self.step)
+
+    def rewind(self, snapshot: tuple) -> None:
+        """Back to ``snapshot`` (its state copied again: a block donates it)."""
+        import jax
+
+        state, data, max_routed, step = snapshot
+        self.state = jax.tree.map(lambda x: x.copy(), state)
+        self.job.data.restore(data)
+        self.max_routed, self.step = max_routed, step
 
     def block(self, strategy, driver, n: int, probed: int = 0
               ) -> tuple[list[tuple[float, bool, bool]], list[float]]:
@@ -194,7 +222,10 @@ class _Runner:
             batch = trainer.global_batch(self.job.data.next_batch())
             run = driver.step(self.step, factors, self.state, batch, hooks)
             self.state, out = run.state, run.metrics
-            float(out["loss"])
+            loss = float(out["loss"])
+            if self.record:
+                self.losses.setdefault(self.step, {})[strategy.name] = loss
+                self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
             cached = not run.compiled and run.profile is None and self.compiles == compiles
             if hooks:
                 jax.block_until_ready(self.state)  # the backward pass's stamps are in
@@ -273,9 +304,13 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     samples = {name: [] for name in strategies}  # (seconds, profiled, compiled) per step
     a2a = {name: [] for name in strategies}
     names = list(strategies)
+    runner.record = True
     for rep in range(FLAGS.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
+        start = runner.snapshot()  # every strategy replays the same steps from here
+        for k, name in enumerate(order):
+            if k:
+                runner.rewind(start)
             times, phases = runner.block(strategies[name], drivers[name], FLAGS.steps + probed,
                                          probed)
             samples[name] += times
@@ -300,6 +335,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         strategy.close()
     if job.host == 0:
         result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery,
+                  "losses": {str(s): v for s, v in runner.losses.items()},
+                  "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
                   "commits": {name: {"timed": runner.timed_versions.get(name, []),
                                      "committed_at": {str(v): i for v, i in
@@ -311,7 +348,15 @@ def bench_worker(process_id: int, workdir: Path) -> None:
 
 
 def summarize(raw: dict) -> dict:
-    """The DESIGN.md JSON: per strategy median, spread, ratio, bytes, RAM."""
+    """The DESIGN.md JSON: per strategy median, spread, ratio, bytes, RAM.
+
+    Raises RuntimeError when two strategies trained different work: a step
+    whose losses differ between strategies (a checkpoint must not change
+    training; every strategy replays the same steps from the same state)."""
+    differ = different_work(raw.get("losses", {}))
+    if differ:
+        raise RuntimeError(f"strategies trained different work ({len(differ)} steps differ; "
+                           f"first: {differ[0]})")
     out = {}
     for name, steps in raw["samples"].items():
         if not steps:
@@ -352,6 +397,9 @@ def summarize(raw: dict) -> dict:
         if name in out and name in IN_MEMORY:
             out[name]["versions_skipped"] = skipped
             out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
+    for name in out:  # the steps at which its loss was checked against another strategy's
+        out[name]["steps_compared"] = sum(
+            name in by and len(by) > 1 for by in raw.get("losses", {}).values())
     for name, commits in raw.get("commits", {}).items():
         at = {int(v): i for v, i in commits["committed_at"].items()}
         timed = commits["timed"]
@@ -458,7 +506,8 @@ def main(argv: list[str]) -> None:
               file=sys.stderr)
         sys.exit(code or 1)
     try:
-        results = summarize(json.loads(result_file.read_text()))
+        raw = json.loads(result_file.read_text())
+        results = summarize(raw)
     except RuntimeError as e:
         print(f"bench: error: {e}; no results reported", file=sys.stderr)
         sys.exit(1)
@@ -474,6 +523,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
                                                 "bandwidth": bandwidth,
+                                                # step -> strategy -> capacity factors
+                                                "buckets": raw.get("buckets", {}),
                                                 "date": time.strftime("%Y-%m-%d")}, indent=1))
     if FLAGS.png:
         _plot(results, FLAGS.png)

@@ -52,3 +52,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "median_step_time_s": times[len(times) // 2],
         "events": sorted({r["event"] for r in records if "event" in r}),
     }
+
+
+def different_work(losses: dict[Any, dict[str, float]]) -> list[str]:
+    """Steps at which strategies that replayed the same work logged different
+    losses (a checkpoint must not change training): ``{step: {strategy: loss}}``
+    -> one line per such step, in step order."""
+    return [f"step {s}: " + ", ".join(f"{n} {v!r}" for n, v in by.items())
+            for s, by in sorted(losses.items(), key=lambda kv: int(kv[0]))
+            if len(set(by.values())) > 1]

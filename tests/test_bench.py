@@ -36,6 +36,12 @@ def test_bench_reports_every_strategy(tmp_path):
         assert (result[name]["versions_taken"], result[name]["versions_skipped"]) == (1.0, 0)
         assert result[name]["versions_committed"] == 1.0 and result[name]["max_commit_lag"] >= 1
     assert result["none"].get("versions_committed") is None
+    # Identical work: every strategy replayed the same steps (2 reps x (3 + 2)
+    # steps), and the bench checked their losses agree bit for bit.
+    assert all(row["steps_compared"] == 10 for row in result.values())
+    # ... and met the same capacity buckets (recorded per step and strategy).
+    assert len(report["buckets"]) == 10 and all(
+        len({tuple(f) for f in by.values()}) == 1 for by in report["buckets"].values())
     for row in result.values():
         # Every step of a block but its first: 2 reps x (3 - 1) steps, none of
         # them profiled (these strategies do not profile).
@@ -82,8 +88,10 @@ def test_bench_scheduled_strategies(tmp_path):
                   f"--json={out}", timeout=900)  # a hang guard: 4 strategies, 2 hosts
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())["strategies"]
-    # Every step of the block but its first is timed, profiled ones included.
+    # Every step of the block but its first is timed, profiled ones included;
+    # every step's loss agreed across the strategies (1 rep x (8 + 2) steps).
     assert all(row["steps_timed"] == 7 for row in result.values())
+    assert all(row["steps_compared"] == 10 for row in result.values())
     assert all(row["steps_profiled"] <= 7 for row in result.values())
     for name in ("gemini", "capricorn"):
         schedule = result[name]["schedule"]

@@ -191,3 +191,12 @@ def test_checkpoint_config_chunk_cap_and_checks():
         CheckpointConfig(**{**base, "strategy": "blocking", "budget_s": 0.5})
     with pytest.raises(FlagError, match=r"^--ckpt_budget must be -1 \(none\) or in \[0, 60\]"):
         CheckpointConfig(**{**base, "budget_s": -0.5})
+
+
+def test_different_work_names_each_step_where_strategies_disagree():
+    from launch.metrics import different_work
+
+    same = {"3": {"none": 5.25, "inmem": 5.25}, "4": {"none": 5.0}}
+    assert different_work(same) == []
+    differ = {**same, "10": {"none": 4.5, "pec": 4.75}, "9": {"a": 1.0, "b": 2.0}}
+    assert different_work(differ) == ["step 9: a 1.0, b 2.0", "step 10: none 4.5, pec 4.75"]
