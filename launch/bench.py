@@ -10,16 +10,17 @@ from the same state (a copy taken when the repetition starts, with the data
 position and the routing maxima), so all meet the same batches and capacity
 buckets (recorded in the JSON's ``buckets``), and the run fails if two
 strategies' losses differ at a step (a checkpoint must not change training;
-``steps_compared`` counts the steps checked), after a warm-up block per strategy (the warm-up common to
-all strategies: their first compiles). Every step of a block is timed except
-its first (which absorbs the previous strategy's tail, for every strategy
-alike), the steps the strategy profiles and the steps during which anything
-compiled (a new variant for a new capacity bucket, a program a strategy's
-save needs) included: they are its cost. Per strategy the report gives the
-median and spread (IQR) of all its timed steps and the ratio of that median to
-``none``'s; ``steps_timed``, ``steps_profiled``, ``steps_compiled`` and the
-profiled / compiled steps' own medians; and, labelled as such, the steady
-state (plain steps only) beside it. After the timed steps, each block runs ``--a2a_steps`` steps
+``steps_compared`` counts the steps checked); all after a warm-up block per
+strategy (the warm-up common to all strategies: their first compiles). Every
+step of a block is timed except its first (which absorbs the previous
+strategy's tail, for every strategy alike), the steps the strategy profiles
+and the steps during which anything compiled (a new variant for a new
+capacity bucket, a program a strategy's save needs) included: they are its
+cost. Per strategy the report gives the median and spread (IQR) of all its
+timed steps and the ratio of that median to ``none``'s; ``steps_timed``,
+``steps_profiled``, ``steps_compiled`` and the profiled / compiled steps'
+own medians; and, labelled as such, the steady state (plain steps only)
+beside it. After the timed steps, each block runs ``--a2a_steps`` steps
 (not timed) of the variant with ``capricorn_jax.CollectiveProbe`` attached:
 ordered per-device callbacks at the edges of every MoE all-to-all (dispatch
 and combine, forward and backward), under the strategy's own checkpoint
