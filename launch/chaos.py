@@ -60,6 +60,8 @@ def define_flags() -> None:
     """The command's flags (defined when run as a command only: importing this
     module for its logic must not define flags other launchers define too)."""
     flags.DEFINE_integer("trials", 10, "Trials to run.")
+    flags.DEFINE_integer("only_trial", -1,
+                         "Replay this trial index of the seed's draw alone (-1: all trials).")
     flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).")
     flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.")
     flags.DEFINE_integer("steps", 12, "Training steps of each job.")
@@ -312,8 +314,11 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
         f"'{f}'" if "[" in f else f for f in flags_)
     try:
         proc = _run_train(flags_, work, store, timeout_s, fast_compile)
-    except subprocess.TimeoutExpired:
-        result.update(ok=False, problems=[f"job did not end within {timeout_s:.0f}s"],
+    except subprocess.TimeoutExpired as e:
+        said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        tail = " | ".join((said or "").strip().splitlines()[-8:])
+        result.update(ok=False, problems=[f"job did not end within {timeout_s:.0f}s; its last "
+                                          f"lines: {tail}"],
                       seconds=round(time.monotonic() - start, 1))
         return result
     records = []
@@ -364,7 +369,8 @@ def main(argv: list[str]) -> int:
     results = []
     started = time.monotonic()
     try:
-        for i in range(FLAGS.trials):
+        indices = [FLAGS.only_trial] if FLAGS.only_trial >= 0 else range(FLAGS.trials)
+        for i in indices:
             trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
             result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
                                FLAGS.trial_timeout_s, FLAGS.fast_compile)
