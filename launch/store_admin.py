@@ -37,7 +37,7 @@ _HOST = re.compile(r"^host(\d+)$")
 
 
 def default_store_root() -> str:
-    """launch.train's default ``--store_root`` (the same rule as launch.train_flags)."""
+    """launch.train's default ``--store_root`` (its flag's default)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, "capricorn_jax")
 

@@ -12,21 +12,13 @@ behind a table.
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 from absl import flags
 
 from capricorn_jax import DetectorOptions
 from capricorn_jax.experimental import CACHE_GRANULARITIES, DRIFT_METRICS, CacheOptions
+from launch.store_admin import default_store_root
 from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
-
-
-def _default_store_root() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, "capricorn_jax")
-
 
 flags.DEFINE_integer("hosts", 2, "Simulated hosts (processes).")
 flags.DEFINE_integer("devices_per_host", 2, "CPU devices per simulated host.")
@@ -85,7 +77,7 @@ flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memo
 flags.DEFINE_integer("chunk_cap_bytes", 0,
                      "--ckpt=gemini|capricorn: the largest chunk the schedule places in a window "
                      "(the partitioner's cap); 0 = --chunk_bytes.")
-flags.DEFINE_string("store_root", _default_store_root(),
+flags.DEFINE_string("store_root", default_store_root(),
                     "Base directory of the host RAM stores (tmpfs).")
 flags.DEFINE_float("ckpt_budget", -1.0,
                    "The in-memory tier's cost budget: the longest (seconds) a step waits for "

@@ -549,6 +549,10 @@ class InMemoryCheckpointer:
         host calls it at the same point): the report's safe version and
         ``newly_committed`` then account for every version saved so far."""
         self.wait_until_finished(timeout_s)
+        return self._status_round()
+
+    def _status_round(self) -> SaveReport:
+        """Gathers every host's statuses now and adopts them (a collective)."""
         self._last_statuses = self.transport.gather_status(self.status_vector())
         return self._read_statuses()
 
@@ -585,8 +589,7 @@ class InMemoryCheckpointer:
                                f"writers may still be writing")
         # The final statuses: every host's writers are drained (close), so the
         # safe version catches up with what the hosts hold.
-        self._last_statuses = self.transport.gather_status(self.status_vector())
-        self._read_statuses()
+        self._status_round()
         before = self.store.bytes_held()
         if keep == "none":
             root = self.store.root
