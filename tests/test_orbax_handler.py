@@ -355,6 +355,12 @@ def _pec_manager(trainer, root, store: str, k_persist):
     return ckpt, manager
 
 
+def _bump(trainer):
+    """A jitted ``(state, v) -> state + v`` in the trainer's shardings."""
+    return jax.jit(lambda s, v: jax.tree.map(lambda x: x + v.astype(x.dtype), s),
+                   out_shardings=trainer.state_shardings)
+
+
 def _pec_target(trainer):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         trainer.abstract_state, trainer.state_shardings)
@@ -384,8 +390,7 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     from capricorn_jax._src.partial.plans import newest_copies, persisted_needs
 
     trainer = pec_trainer
-    bump = jax.jit(lambda s, v: jax.tree.map(lambda x: x + v.astype(x.dtype), s),
-                   out_shardings=trainer.state_shardings)
+    bump = _bump(trainer)
     base = trainer.init_state(0)
     ckpt, manager = _pec_manager(trainer, tmp_path, "shm", k_persist)
     persisted = {}
@@ -462,6 +467,39 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     assert fresh.pec.cumulative.tolist() == records[9]["cumulative"]
     assert fresh.save(10, bump(base, jnp.int32(10)), {"pos": 10},
                       tokens_per_expert=PEC_TPE).pec_k == 8
+    manager.close()
+
+
+def test_a_step_whose_memory_chain_is_gone_is_refused_before_orbax(pec_trainer, tmp_path):
+    """A persistent step some host cannot read from its own store (a version
+    holding some expert's newest copy is gone, as on a host whose store was
+    lost) is refused, recorded and named before Orbax starts (in a job, every
+    host then skips it: no host waits at Orbax's barriers for the one that
+    fails); the memory tier goes on and a later step persists."""
+    trainer = pec_trainer
+    bump = _bump(trainer)
+    base = trainer.init_state(0)
+    ckpt, manager = _pec_manager(trainer, tmp_path, "shm", None)
+    started = {}
+    for step in range(1, 10):
+        state = bump(base, jnp.int32(step))
+        manager.handler.await_reader()
+        ckpt.save(step, state, {"pos": step}, tokens_per_expert=PEC_TPE)
+        if step == 6:
+            ckpt.wait_until_finished(60)
+            needed = [v for v in ckpt._needs[6][0] if v < 6]
+            assert needed and ckpt.missing_for_read(6) == []
+            ckpt.store.remove(0, needed[0])
+            assert ckpt.missing_for_read(6) == [needed[0]]
+        started[step] = manager.persist(step, ocp.args.Composite(
+            state=capricorn_jax.CapricornSave(state)))
+    manager.wait_until_finished()
+    assert [s for s, ok in started.items() if ok] == [1, 3, 9]
+    (error,) = manager.persistent_errors
+    assert error["step"] == 6 and error["error"] == (
+        f"FileNotFoundError: host 0: its store lacks in-memory versions [{needed[0]}] "
+        f"that version 6 reads")
+    assert list(manager.all_steps()) == [9]
     manager.close()
 
 

@@ -147,3 +147,29 @@ def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path,
     assert _losses(records) == reference
     assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
         range(recovery["step"], STEPS))
+
+
+def test_pec_after_a_machine_loss_persists_the_next_steps(tmp_path, cache, reference):
+    """PEC with a persistent tier (found by the soak, seed 1 trial 16): host 1
+    is lost as a machine (killed mid-step, its RAM store wiped) in step 2 and
+    recovers from host 0's replicas. Its own store then lacks the versions
+    holding its experts' older copies, which the next persistent write (step
+    4) reads: the first version after such a recovery carries every expert,
+    and steps 4 and 8 commit on both hosts (before the fix the job hung at
+    Orbax's barrier for its 600 s timeout)."""
+    plan = '[{"hosts": [1], "step": 2, "point": "mid_step", "mode": "host"}]'
+    records = _train(tmp_path, cache, "--ckpt=pec", "--pec_k=2", "--nopec_dynamic",
+                     "--persist_every=4", f"--fault_plan={plan}")
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and recovery["plt"] > 0
+    assert not _events(records, "persist_error")
+    assert {p["step"] for p in _events(records, "persist")} >= {4, 8}
+    after = [c for c in _events(records, "checkpoint") if c["step"] > recovery["step"]]
+    assert after[0]["step"] == recovery["step"] + 1 and after[0]["pec_k"] == 8
+    assert all(c["pec_k"] == 2 for c in after[1:])
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
+    losses = {}
+    for r in _steps(records):
+        losses.setdefault(r["step"], r["loss"])
+    assert {s: losses[s] for s in range(recovery["step"])} == {
+        s: reference[s] for s in range(recovery["step"])}

@@ -199,6 +199,7 @@ class InMemoryCheckpointer:
         self._reported: set[int] = set()  # versions reported in newly_committed
         self._last_taken = -1  # the newest version this host's writer was given
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
+        self._own_queued: set[int] = set()  # own versions handed to the writer, not written yet
         self._last_statuses = None
         self._store_bytes = 0
         self.on_pause = None
@@ -305,7 +306,11 @@ class InMemoryCheckpointer:
             self._reported = {v for v in self._reported if v <= step}
 
     def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
-        self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
+        try:
+            self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
+        finally:
+            with self._lock:
+                self._own_queued.discard(step)
 
     def _write_replicas(self, step: int, received: list, plan: PackPlan,
                         pec_meta: dict | None) -> None:
@@ -431,6 +436,18 @@ class InMemoryCheckpointer:
             raise ValueError("plan_pec_version needs PEC (InMemoryOptions.pec)")
         return self.pec.version(step, tokens_per_expert, expert_mask)
 
+    def missing_for_read(self, step: int) -> list[int]:
+        """Versions older than ``step`` that a read of this host's own version
+        ``step`` needs (PEC: the versions holding its experts' newest copies)
+        and this host's own store does not hold nor its writer has queued (so
+        will never hold). Version ``step`` itself may still be in flight and is
+        not checked."""
+        needed = self._needs.get(step, ((step,), True))[0]
+        with self._lock:
+            queued = set(self._own_queued)
+        held = set(self.store.versions(self.host))
+        return sorted(v for v in needed if v < step and v not in held and v not in queued)
+
     def resume_pec(self, tracker: PltTracker, k: int | None = None,
                    cumulative: Any = None) -> None:
         """PEC: continue from ``tracker`` (e.g. ``PltTracker(L, N, top_k, step)``
@@ -457,12 +474,16 @@ class InMemoryCheckpointer:
         if self.options.max_wait_s is not None:
             wait = self.options.max_wait_s
         try:
+            with self._lock:
+                self._own_queued.add(step)
             self._own_q.put((step, own, plan, meta), timeout=wait)
             self._pending[step] = time.monotonic()
             if self._last_taken >= 0:
                 report.interval = step - self._last_taken
             self._last_taken = step
         except queue.Full:
+            with self._lock:
+                self._own_queued.discard(step)
             skipped = True
             log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
                         wait, step)

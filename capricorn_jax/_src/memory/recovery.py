@@ -372,9 +372,15 @@ def _recover_pec(ckpt: InMemoryCheckpointer) -> Recovered | None:
     state = jax.block_until_ready(
         global_arrays(blocks.result(), ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh))
     tracker.on_restored(plan)
-    ckpt.resume_pec(tracker, int(metas[step]["k"]), cumulative)
     tiers = ["local" if all(s[h] == h for s in servers.values()) else "peer"
              for h in range(ckpt.hosts)]
+    if "peer" in tiers:
+        # Some host's own store lacks versions of its chain (a lost machine,
+        # a corrupt copy): the next version carries every expert, so that no
+        # later version (nor a persistent write, which reads the own store
+        # only) needs a copy the own store does not hold. Same on every host.
+        tracker.forget_copies()
+    ckpt.resume_pec(tracker, int(metas[step]["k"]), cumulative)
     everyone = allgather_json({"seconds": time.perf_counter() - start, "bytes": moved},
                                ckpt.hosts)
     info = PecRestore(plan.plt, plan.accumulated_plt, plan.source.tolist(), sorted(servers),

@@ -134,6 +134,13 @@ class PltTracker:
         self.since_save[:] = 0
         self.saved_step[:] = plan.source
 
+    def forget_copies(self) -> None:
+        """Takes every expert as having no saved copy (losses so far kept): the
+        next version carries every expert. After a restore that read some
+        host's versions from peers, that host's own store lacks the copies
+        the tracker points at, and the next persistent read needs them."""
+        self.saved_step[:] = -1
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; copies are stored as ages (step - saved_step, -1: none)."""
         age = np.where(self.saved_step >= 0, self.step - self.saved_step, -1)

@@ -274,7 +274,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         futures = asyncio.run(self._inner.async_save(directory,
                                                      args=ocp.args.StandardSave(tree)))
         for f in futures or []:
-            f.result()
+            f.result(timeout=self.read_timeout_s)
         del tree, futures
         (directory / HOST_STATE_FILE.format(host=ckpt.host)).write_text(json.dumps(host_state))
         self._hook(step, "written")

@@ -31,9 +31,10 @@ finished, so a step killed while being written is never listed by
 ``latest_step``/``all_steps`` (``cleanup_tmp_directories`` removes it at the
 next start). Failures of the persistent tier never stop training: before each
 persistent save every host probes that it can create a directory in the root
-and the answers are all-gathered (so all hosts skip, or none); an unwritable
-root is then recorded without starting Orbax, whose background directory
-creation would otherwise leave threads waiting 300 s for a signal. A failure
+and that its store holds the in-memory versions the step is read from, and
+the answers are all-gathered (so all hosts skip, or none); a step some host
+cannot write is then recorded without starting Orbax, whose barriers would
+otherwise leave the other hosts waiting for their timeout. A failure
 inside the background write is collected at the next ``save`` (or
 ``wait_until_finished``/``close``), and the primary host removes the
 uncommitted directory. Either way the failure is logged to the
@@ -155,9 +156,9 @@ class CheckpointManager(ocp.CheckpointManager):
             return False
         self._collect_errors()  # waits for the previous persistent save, as Orbax would
         self._persist_step = step
-        unwritable = self._unwritable()
+        unwritable = self._cannot_persist(step)
         if unwritable is not None:
-            self._record(step, PermissionError(unwritable))
+            self._record(step, unwritable)
             return False
         record = None
         if self._pec_tier() is not None:
@@ -184,15 +185,19 @@ class CheckpointManager(ocp.CheckpointManager):
                                  ("step", "k_persist", "plt", "accumulated_plt", "experts")}
         return started
 
-    def _unwritable(self) -> str | None:
-        """Why some host cannot create directories in the persistent root (collective), or None.
+    def _cannot_persist(self, step: int) -> OSError | None:
+        """Why some host cannot write its part of persistent step ``step``
+        (collective), or None.
 
-        Every host probes (each writes its own files of a step) and the answers
-        are all-gathered, so either every host starts the Orbax save or none
-        does. Object stores (``gs://``...) have no directory permissions and are
-        not probed. Without this, an unwritable root fails inside Orbax's background
-        directory creation, whose waiting threads linger for Orbax's barrier
-        timeout (300 s) before the failure is known.
+        Every host checks that it can create directories in the root (each
+        writes its own files of a step) and that its own store holds the
+        older in-memory versions a read of version ``step`` needs (PEC: the
+        versions of its experts' newest copies); the answers are all-gathered,
+        so either every host starts the Orbax save or none does. Without this,
+        a host that cannot write fails alone inside Orbax's background save,
+        and the others wait at Orbax's barrier for its timeout (600 s) before
+        the failure is known. Object stores (``gs://``...) have no directory
+        permissions and are not probed.
         """
         mine = ""
         if "://" not in str(self.directory):  # a local or mounted filesystem
@@ -200,9 +205,17 @@ class CheckpointManager(ocp.CheckpointManager):
                 os.rmdir(tempfile.mkdtemp(prefix=".capricorn-probe-", dir=str(self.directory)))
             except OSError as e:
                 mine = f"host {jax.process_index()}: {self.directory} is not writable: {e}"
+        ckpt = self.handler.checkpointer
+        missing = [] if mine or ckpt is None else ckpt.missing_for_read(step)
+        if missing:
+            mine = (f"host {jax.process_index()}: its store lacks in-memory versions {missing} "
+                    f"that version {step} reads")
         everyone = allgather_json(mine)
         problems = [x for x in everyone if x]
-        return "; ".join(problems) if problems else None
+        if not problems:
+            return None
+        kind = PermissionError if "not writable" in problems[0] else FileNotFoundError
+        return kind("; ".join(problems))
 
     def _collect_errors(self) -> None:
         """Waits for the persistent save in flight; records (not raises) its failure."""
