@@ -62,7 +62,11 @@ from launch.metrics import different_work
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("strategies", ["none", "inmem"], f"Strategies, from {', '.join(STRATEGIES)}.")
+# Bench-only rows: a strategy on other media (name -> the strategy it runs).
+VARIANTS = {"blocking_disk": "blocking"}
+flags.DEFINE_list("strategies", ["none", "inmem"],
+                  f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
+                  f"(blocking writing to the scratch directory's disk instead of the RAM disk).")
 flags.DEFINE_string("model", "tiny", "Model config.")
 flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"], "Data workload.")
 flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
@@ -82,6 +86,9 @@ flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = 
 flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
 flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
 flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
+flags.DEFINE_integer("persist_every", 10,
+                     "orbax_emergency: its persistent tier's interval (steps); its local tier "
+                     "saves every step.")
 flags.DEFINE_integer("profile_first_n", ProfilingOptions().first_n,
                      "gemini: the profiled steps its fixed schedule is built from.")
 flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
@@ -131,14 +138,22 @@ def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
     from launch.strategies import make_strategy
 
     strategies, drivers, ckpts = {}, {}, {}
-    directories = {"blocking": workdir / "blocking" / f"host{job.host}",
-                   "orbax_async": Path(FLAGS.store_root) / "orbax"}
+    ram = Path(FLAGS.store_root)
+    # Every strategy writes to the RAM disk of the stores, but blocking_disk
+    # (the scratch directory, a disk) and orbax_emergency's persistent tier.
+    directories = {"blocking": ram / "blocking" / f"host{job.host}",
+                   "blocking_disk": workdir / "blocking" / f"host{job.host}",
+                   "orbax_async": ram / "orbax",
+                   "orbax_emergency": workdir / "orbax_emergency"}
     for name in FLAGS.strategies:
         if name in IN_MEMORY:
             ckpts[name] = _checkpointer(name, job)
         strategies[name] = make_strategy(
-            name, job.trainer, checkpointer=ckpts.get(name), directory=directories.get(name),
-            first_n=FLAGS.profile_first_n, chunk_cap=FLAGS.chunk_bytes, tier="local")
+            VARIANTS.get(name, name), job.trainer, checkpointer=ckpts.get(name),
+            directory=directories.get(name), first_n=FLAGS.profile_first_n,
+            chunk_cap=FLAGS.chunk_bytes, tier="local", local_directory=ram / "orbax_local",
+            persist_every=FLAGS.persist_every)
+        strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
             STRATEGY_PROFILE.get(name, "off"), FLAGS.profile_first_n,
             DetectorOptions(threshold=FLAGS.drift_threshold))
@@ -280,6 +295,58 @@ def _recovery_times(ckpt, job) -> dict:
     return out
 
 
+def _drop_page_cache(job) -> bool:
+    """Drops this machine's page cache (host 0; root only), so that a restore
+    from disk reads the disk; whether it could (collective)."""
+    from capricorn_jax.experimental import allgather_floats
+
+    done = 0.0
+    if job.host == 0:
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            done = 1.0
+        except OSError:
+            pass
+    return bool(allgather_floats([done], job.hosts)[0][0])
+
+
+def _timed_restore(strategy, job, cold: bool) -> dict:
+    """Restores ``strategy``'s newest version (collective): the slowest host's
+    seconds, the tier, and whether the page cache was dropped first."""
+    from capricorn_jax.experimental import allgather_floats
+
+    dropped = _drop_page_cache(job) if cold else False
+    allgather_floats([0.0], job.hosts)  # everyone starts together
+    t0 = time.perf_counter()
+    recovered = strategy.restore()
+    seconds = time.perf_counter() - t0
+    slowest = max(x[0] for x in allgather_floats([seconds], job.hosts))
+    if recovered is None:
+        raise RuntimeError(f"{strategy.name}: nothing to restore after the benchmark")
+    return {"seconds": slowest, "bytes_moved": recovered.bytes_moved or 0,
+            "tiers": recovered.tiers, "step": recovered.step, "cold_cache": dropped}
+
+
+def _baseline_recovery(name: str, strategy, job) -> dict:
+    """Recovery per tier of a baseline (its own restore), on the same state as
+    the in-memory strategies'. Disk reads start from a dropped page cache
+    when the process may drop it (``cold_cache``)."""
+    import shutil
+
+    if name == "orbax_emergency":
+        out = {}
+        if strategy.local_tier:
+            out["local"] = _timed_restore(strategy, job, cold=False)
+            shutil.rmtree(strategy.local, ignore_errors=True)  # every host's RAM tier lost
+            strategy.local.mkdir(parents=True)
+            strategy.manager.reload()
+        out["persistent"] = _timed_restore(strategy, job, cold=True)
+        return out
+    disk = name == "blocking_disk"
+    return {"disk" if disk else "local": _timed_restore(strategy, job, cold=disk)}
+
+
 def bench_worker(process_id: int, workdir: Path) -> None:
     import jax
 
@@ -332,6 +399,11 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                  if (summary := strategy.schedule_summary()) is not None}
     recovery = {name: _recovery_times(ckpts[name], job)
                 for name in ("inmem", "pec") if name in strategies}
+    for name, strategy in strategies.items():
+        if name in ("blocking", "blocking_disk", "orbax_async", "orbax_emergency"):
+            if name.startswith("orbax"):
+                strategy.manager.wait_until_finished()  # its saves are on disk
+            recovery[name] = _baseline_recovery(name, strategy, job)
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
@@ -339,6 +411,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
+                  "device_kind": (None if jax.devices()[0].platform == "cpu"
+                                  else f"{jax.device_count()}x {jax.devices()[0].device_kind}"),
                   "commits": {name: {"timed": runner.timed_versions.get(name, []),
                                      "committed_at": {str(v): i for v, i in
                                                       runner.committed_at.get(name, {}).items()}}
@@ -395,7 +469,7 @@ def summarize(raw: dict) -> dict:
     for name, recovery in raw.get("recovery", {}).items():
         out[name]["recovery"] = recovery
     for name, (saved, skipped) in raw.get("saves", {}).items():
-        if name in out and name in IN_MEMORY:
+        if name in out and (name in IN_MEMORY or skipped):
             out[name]["versions_skipped"] = skipped
             out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
     for name in out:  # the steps at which its loss was checked against another strategy's
@@ -429,6 +503,18 @@ def _bandwidth(mib: int) -> dict:
             "mib": mib, "backend": backend["platform"], "copies": copies}
 
 
+def _machine(raw: dict) -> str:
+    """The machine in words, for the tables' captions."""
+    import platform
+
+    import jax
+
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    where = raw.get("device_kind") or f"{os.cpu_count()}-core CPU"
+    return (f"{where}, {pages / 2**30:.0f} GiB RAM, {platform.system()}, python "
+            f"{platform.python_version()}, jax {jax.__version__}")
+
+
 def markdown(results: dict) -> str:
     lines = ["| strategy | median step, all steps (ms) | spread IQR (ms) | ratio to none | "
              "steps timed / profiled / compiled | steady state only (ms, ratio) | all-to-all "
@@ -448,13 +534,16 @@ def markdown(results: dict) -> str:
             # "A version every step" only at 100%; else the share and the lag.
             name = (f"{name} (committed {r['versions_committed']:.0%}, lag <= "
                     f"{r['max_commit_lag']} saves)")
+        elif r.get("versions_taken") is not None and r["versions_taken"] < 1:
+            name = f"{name} (a version at {r['versions_taken']:.0%} of steps)"
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
                      f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
                      f"{ram} |")
     for name, r in results.items():
         for tier, rec in r.get("recovery", {}).items():
+            cold = " (page cache dropped first)" if rec.get("cold_cache") else ""
             lines.append(f"\n{name}: recovery from {tier}: {rec['seconds']:.3f} s, "
-                         f"{rec['bytes_moved']:,} bytes between hosts")
+                         f"{rec['bytes_moved']:,} bytes between hosts{cold}")
     return "\n".join(lines)
 
 
@@ -478,10 +567,10 @@ def _plot(results: dict, path: str) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    unknown = [s for s in FLAGS.strategies if s not in STRATEGIES]
+    unknown = [s for s in FLAGS.strategies if s not in STRATEGIES and s not in VARIANTS]
     if unknown:
-        print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}",
-              file=sys.stderr)
+        print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}, "
+              f"{', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
     workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_bench_")
     if FLAGS.process_id >= 0:
@@ -522,11 +611,13 @@ def main(argv: list[str]) -> None:
         "model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch", "replicas",
         "global_batch", "platform", "a2a_steps", "ckpt_budget")}
     if FLAGS.json:
-        Path(FLAGS.json).write_text(json.dumps({"strategies": results, "config": config,
-                                                "bandwidth": bandwidth,
-                                                # step -> strategy -> capacity factors
-                                                "buckets": raw.get("buckets", {}),
-                                                "date": time.strftime("%Y-%m-%d")}, indent=1))
+        Path(FLAGS.json).write_text(json.dumps({
+            "strategies": results, "config": config, "bandwidth": bandwidth,
+            # step -> strategy -> capacity factors
+            "buckets": raw.get("buckets", {}), "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["python -m launch.bench",
+                                 *(a for a in sys.argv[1:] if not a.startswith("--json"))]),
+            "machine": _machine(raw)}, indent=1))
     if FLAGS.png:
         _plot(results, FLAGS.png)
 

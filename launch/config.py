@@ -276,9 +276,10 @@ class CheckpointConfig:
         if self.persist_every < 0 or self.max_to_keep < 1:
             raise FlagError(f"--persist_every must be >= 0 and --max_to_keep >= 1, got "
                             f"{self.persist_every}, {self.max_to_keep}")
-        if self.persist_every and not self.in_memory:
+        if self.persist_every and not self.in_memory and self.strategy != "orbax_emergency":
             raise FlagError(f"--persist_every writes the in-memory versions to disk: it needs "
-                            f"--ckpt in {', '.join(IN_MEMORY)}, got --ckpt={self.strategy}")
+                            f"--ckpt in {', '.join(IN_MEMORY)} (or orbax_emergency, its "
+                            f"persistent interval), got --ckpt={self.strategy}")
         self._check_pec_persist(model, expert_axis)
 
     def _check_pec(self, model: ModelConfig) -> None:

@@ -3,7 +3,8 @@
 launch.train (``--ckpt``) and launch.bench (``--strategies``) accept the same
 names and build them here:
 
-* ``none``, ``blocking``, ``orbax_async``: the baselines (``launch.baselines``);
+* ``none``, ``blocking``, ``orbax_async``, ``orbax_emergency``: the baselines
+  (``launch.baselines``);
 * ``inmem``: capricorn_jax's in-memory tier, every step to host RAM and m-1
   peers, moved after the step; ``pec``: the same with partial expert
   checkpointing (the checkpointer's PEC options: K of N experts per version);
@@ -24,8 +25,8 @@ from pathlib import Path
 
 from capricorn_jax import InMemoryCheckpointer, InMemoryStrategy, ScheduledStrategy, Strategy
 
-STRATEGIES = ("none", "blocking", "orbax_async", "inmem", "gemini", "capricorn", "pec",
-              "capricorn_pec")
+STRATEGIES = ("none", "blocking", "orbax_async", "orbax_emergency", "inmem", "gemini",
+              "capricorn", "pec", "capricorn_pec")
 # Built on the in-memory tier (its checkpointer, recovery and persistent tier).
 IN_MEMORY = ("inmem", "gemini", "capricorn", "pec", "capricorn_pec")
 # Move a version inside the step on a schedule (one peer replica).
@@ -39,7 +40,8 @@ STRATEGY_PROFILE = {"gemini": "first_n", "capricorn": "speculative",
 
 def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None = None,
                   directory: Path | None = None, first_n: int | None = None,
-                  chunk_cap: int = 1 << 20, tier: str = "persistent") -> Strategy:
+                  chunk_cap: int = 1 << 20, tier: str = "persistent",
+                  local_directory: Path | None = None, persist_every: int = 10) -> Strategy:
     """The strategy ``name`` of this host.
 
     Args:
@@ -47,11 +49,15 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
       train: the trainer (``launch.trainer.Trainer``).
       checkpointer: the host's InMemoryCheckpointer, for the ``IN_MEMORY``
         strategies (with PEC options for ``PEC``); None for the others.
-      directory: where ``blocking`` (this host's own folder) or
-        ``orbax_async`` (the Orbax root, shared) writes.
+      directory: where ``blocking`` (this host's own folder),
+        ``orbax_async`` (the Orbax root, shared) or ``orbax_emergency`` (its
+        persistent root, shared) writes.
       first_n: gemini's profiled steps (default: ``ProfilingOptions``').
       chunk_cap: the scheduled strategies' largest chunk in a window, bytes.
       tier: ``orbax_async``'s restore tier ("persistent" disk or "local" RAM disk).
+      local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
+        writes its own folder in it).
+      persist_every: ``orbax_emergency``'s persistent interval, steps.
     """
     from capricorn_jax import ProfilingOptions
     from launch import baselines
@@ -63,14 +69,18 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
                          f"in-memory checkpointer")
     if name in PEC and checkpointer.pec is None:
         raise ValueError(f"strategy {name!r} needs a checkpointer with PEC options")
-    if name in ("blocking", "orbax_async") and directory is None:
+    if name in ("blocking", "orbax_async", "orbax_emergency") and directory is None:
         raise ValueError(f"strategy {name!r} needs a directory")
+    if name == "orbax_emergency" and local_directory is None:
+        raise ValueError("strategy 'orbax_emergency' needs a local directory (its RAM tier)")
     if name == "none":
         return baselines.NoCheckpoint()
     if name == "blocking":
         return baselines.BlockingCheckpoint(directory, train)
     if name == "orbax_async":
         return baselines.OrbaxAsync(directory, train, tier)
+    if name == "orbax_emergency":
+        return baselines.OrbaxEmergency(local_directory, directory, train, persist_every)
     if name in SCHEDULED:
         return ScheduledStrategy(name, checkpointer, train,
                                  first_n=first_n or ProfilingOptions().first_n,

@@ -38,10 +38,14 @@ def _make_strategy(config: Config, trainer, ckpt, host: int) -> capricorn_jax.St
     from launch.strategies import make_strategy
 
     c = config.checkpoint
+    checkpoints = Path(config.train.workdir) / "checkpoints"
     directory = {"blocking": c.store_dir(host) / "blocking",  # the RAM disk of the memory tier
-                 "orbax_async": Path(config.train.workdir) / "checkpoints"}.get(c.strategy)
+                 "orbax_async": checkpoints, "orbax_emergency": checkpoints}.get(c.strategy)
     return make_strategy(c.strategy, trainer, checkpointer=ckpt, directory=directory,
-                         first_n=config.profile.first_n, chunk_cap=c.chunk_cap)
+                         first_n=config.profile.first_n, chunk_cap=c.chunk_cap,
+                         # Its local tier on the RAM disk, beside the stores.
+                         local_directory=c.job_root / "orbax_local",
+                         persist_every=c.persist_every or 10)
 
 
 def _make_driver(config: Config, trainer, strategy) -> capricorn_jax.ProfilingDriver:
@@ -116,7 +120,7 @@ def train_worker(config: Config, process_id: int) -> None:
             if c.in_memory else None)
     strategy = _make_strategy(config, trainer, ckpt, host)
     persistent = (persistence.PersistentTier(ckpt, trainer, metrics, c, t.workdir)
-                  if c.persist_every else None)
+                  if c.persist_every and c.in_memory else None)
     if persistent is not None:
         persistent.on_write = lambda v: faults.reached(config.faults, t.workdir, host,
                                                        "mid_persist", v - 1)

@@ -19,14 +19,16 @@ def _bench(*flags, timeout=400):
 
 def test_bench_reports_every_strategy(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=none,blocking,inmem,pec", "--model=tiny", "--dispatch=fixed",
-                  "--steps=3", "--reps=2",
+    proc = _bench("--strategies=none,blocking,blocking_disk,orbax_emergency,inmem,pec",
+                  "--model=tiny", "--dispatch=fixed", "--steps=3", "--reps=2", "--persist_every=2",
                   "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}", f"--png={tmp_path / 'bench.png'}", "--bandwidth_mib=8")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     result = report["strategies"]
-    assert set(result) == {"none", "blocking", "inmem", "pec"}
+    assert set(result) == {"none", "blocking", "blocking_disk", "orbax_emergency", "inmem", "pec"}
+    assert report["command"].startswith("python -m launch.bench --strategies=none,blocking,")
+    assert "CPU" in report["machine"] and "jax" in report["machine"]
     bandwidth = report["bandwidth"]
     assert bandwidth["mib"] == 8 and all(
         bandwidth[k] > 0 for k in ("memcpy_gbps", "store_ingest_gbps", "restore_gbps"))
@@ -36,6 +38,17 @@ def test_bench_reports_every_strategy(tmp_path):
         assert (result[name]["versions_taken"], result[name]["versions_skipped"]) == (1.0, 0)
         assert result[name]["versions_committed"] == 1.0 and result[name]["max_commit_lag"] >= 1
     assert result["none"].get("versions_committed") is None
+    # Orbax's emergency manager on the expert-parallel mesh (one data-parallel
+    # replica): Orbax builds a persistent-only manager, a version every 2nd step.
+    emergency = result["orbax_emergency"]
+    assert 0 < emergency["versions_taken"] < 1 and emergency["versions_skipped"] > 0
+    assert set(emergency["recovery"]) == {"persistent"}
+    assert "| orbax_emergency (a version at " in proc.stdout
+    # The baselines' own restores, per tier (the disk one from a cold page cache if allowed).
+    assert result["blocking"]["recovery"]["local"]["tiers"] == ["local", "local"]
+    assert set(result["blocking_disk"]["recovery"]) == {"disk"}
+    assert all(r["seconds"] > 0 for n in ("blocking", "blocking_disk", "orbax_emergency")
+               for r in result[n]["recovery"].values())
     # Identical work: every strategy replayed the same steps (2 reps x (3 + 2)
     # steps), and the bench checked their losses agree bit for bit.
     assert all(row["steps_compared"] == 10 for row in result.values())
