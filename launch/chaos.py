@@ -378,7 +378,9 @@ def main(argv: list[str]) -> int:
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(
                 result.get("resumed_from", []), result.get("tier", []), strict=True))
-            print(f"trial {i + 1}/{FLAGS.trials} (seed {trial.seed}) {trial.describe()} -> "
+            label = (f"trial index {i} (replayed alone)" if FLAGS.only_trial >= 0
+                     else f"trial {i + 1}/{FLAGS.trials}")
+            print(f"{label} (seed {trial.seed}) {trial.describe()} -> "
                   f"resumed {resumed or '-'} in {result['seconds']:.0f}s: {status}", flush=True)
             if FLAGS.json:  # after every trial: a soak stopped early keeps what it ran
                 _write_json(FLAGS.json, results, FLAGS.seed, FLAGS.steps, FLAGS.model)
