@@ -70,7 +70,23 @@ def test_a_clean_recovery_passes_and_reports_what_happened():
                *_steps(range(5, 8))]
     problems, happened = check_trial(trial, records, REF, 8, strikes=1)
     assert problems == []
-    assert happened == {"resumed_from": [5], "tier": ["local"], "recovery_s": [0.25], "plt": []}
+    assert happened == {"resumed_from": [5], "unlogged_steps": [], "tier": ["local"],
+                        "recovery_s": [0.25], "plt": []}
+
+
+def test_a_step_checkpointed_but_not_logged_before_the_kill_is_named_not_failed():
+    """Host 0 killed between a step's save and its line (hosts lost together
+    die wherever they are): the recovery resumes after that step, whose line
+    is missing; it is reported, and only such a step may be missing."""
+    trial = _trial(Fault((0, 3), 4, "mid_replication"))
+    records = [*_steps(range(4)), {"event": "checkpoint", "replicated": 4},
+               {"event": "recovery", "step": 5, "tier": "local", "seconds": 0.25},
+               *_steps(range(5, 8))]
+    problems, happened = check_trial(trial, records, REF, 8, strikes=1)
+    assert problems == [] and happened["unlogged_steps"] == [4]
+    del records[-2]  # step 6 never logged: a gap no recovery explains
+    assert check_trial(trial, records, REF, 8, strikes=1)[0] == [
+        "steps logged [0, 1, 2, 3, 5, 7], expected 0..7"]
 
 
 def test_each_violation_is_named():
@@ -114,3 +130,17 @@ def test_the_safe_version_starts_over_with_the_job_and_after_a_recovery():
                {"event": "recovery", "step": 2, "tier": "local", "seconds": 0.1},
                *_steps(range(2, 8))]
     assert check_trial(trial, records, REF, 8, strikes=3)[0] == []
+
+
+def test_a_mid_replication_fault_behind_a_stalled_writer_may_strike_late():
+    """The victim's replica writer stalled at the fault's step writes that
+    version halfway only when the stall ends, training having gone on: the
+    recovery may then resume later than the fault's step (seed 3, trial 1);
+    without the stall the same recovery is a violation."""
+    fault = Fault((0,), 4, "mid_replication")
+    records = [*_steps(range(8)), {"event": "checkpoint", "replicated": 4},
+               {"event": "recovery", "step": 8, "tier": "local", "seconds": 0.25}]
+    stalled = Trial(0, 0, TOPOLOGIES[0], "inmem", 0, (fault,), (0, 4))
+    assert check_trial(stalled, records, REF, 8, strikes=1)[0] == []
+    assert check_trial(_trial(fault), records, REF, 8, strikes=1)[0] == [
+        "recovery to 8, after the fault at step 4 (mid_replication)"]

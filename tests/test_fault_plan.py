@@ -67,3 +67,28 @@ def test_plan_and_single_fault_flags_exclude_each_other_and_points_need_their_ti
     at = FaultConfig(**{**BASE, "fault_at": "mid_replication:5"})
     assert at.at() == ("mid_replication", 5) and at.pause_mid_replication_at == 6
     assert FaultConfig(**BASE).at() is None and FaultConfig(**BASE).pause_mid_replication_at == -1
+
+
+def test_hosts_lost_together_die_when_the_first_reaches_its_point(tmp_path):
+    """A fault of several hosts strikes them all at once when one of them
+    reached its point (the soak found a victim that never reaches it: its
+    busy replica writer dropped the version's replicas, and the job hung)."""
+    from launch.faults import FaultInjector, pause_marker
+
+    class Cluster:
+        killed: list[int] = []
+
+        def kill_host(self, host, sig):
+            self.killed.append(host)
+
+    injector = FaultInjector((Fault(hosts=(2, 3), step=5, point="mid_replication"),),
+                             str(tmp_path))
+    cluster = Cluster()
+    injector.arm(cluster)
+    injector.tick()
+    assert cluster.killed == [] and not injector.fired
+    pause_marker(tmp_path, 3).write_text("here")
+    injector.tick()
+    assert cluster.killed == [2, 3] and injector.fired
+    injector.tick()  # once
+    assert cluster.killed == [2, 3]

@@ -494,6 +494,8 @@ class InMemoryCheckpointer:
                 report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
+                if self.options.pause_mid_replication_at == step and self.on_pause is not None:
+                    self.on_pause(step)  # fault injection: the point is here for this version
         report.step, report.skipped = step, skipped
         report.bytes = plan.payload_bytes * len(plan.host_positions(self.host))
         if version is not None:

@@ -46,7 +46,9 @@ class InMemoryOptions:
       stall_replica_writer_at: fault injection: (step, seconds) to stall this
         host's replica writer, simulating a peer that stops answering.
       pause_mid_replication_at: fault injection: at this step the replica
-        writer stops halfway through a version and calls ``on_pause``.
+        writer stops halfway through a version and calls ``on_pause`` (when
+        that version's replicas are dropped because the writer is busy, the
+        save calls it instead: the host is lost while it drops them).
       pec: partial expert checkpointing (None: every version is the whole
         state, as without PEC); with it each version carries the non-expert
         state and K experts of every MoE layer (``InMemoryCheckpointer``).
