@@ -39,15 +39,16 @@ _PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning\b")
 _CHATTER = (re.compile(r"\[Gloo\]"),
             re.compile(r"^WARNING: All log messages before absl::InitializeLog"))
 # gloo's connection line; it comes from several threads at once and may reach
-# the pipe split anywhere, so any piece of it (numbers generalized) is chatter.
+# the pipe split anywhere, so any piece of it (numbers generalized) is chatter,
+# down to a lone rank number ("0") cut off between two threads' writes.
 _GLOO_CONNECTED = ("[Gloo] Rank 0 is connected to 0 peer ranks. "
                    "Expected number of connected peer ranks is : 0")
 
 
 def _gloo_piece(text: str) -> bool:
-    """Whether ``text`` is a piece (3 characters or more) of gloo's connection line."""
+    """Whether ``text`` is a piece (one character or more) of gloo's connection line."""
     piece = re.sub(r"\d+", "0", text.strip())
-    return len(piece) >= 3 and piece in _GLOO_CONNECTED
+    return len(piece) >= 1 and piece in _GLOO_CONNECTED
 _TRACEBACK = "Traceback (most recent call last):"
 _LEVELS = {"W": "WARNING: ", "E": "ERROR: ", "F": "FATAL: "}
 

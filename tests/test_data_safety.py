@@ -110,6 +110,9 @@ def test_console_shows_the_job_and_hides_library_chatter():
         (1, "3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"),
         (1, " peer ranks. Expected number of connected peer ranks is : 3"),  # split by threads
         (1, "[Gloo] Rank 12 is connected to 1"),
+        (1, "0"),  # a rank number cut off between two threads' writes
+        (1, "12 "),
+        (0, "ed t"),
         (1, "/x/jax/_src/foo.py:12: UserWarning: something"),
         (1, "  warnings.warn("),
         (0, ABSL.format("train.py", 187, "step 10/60 loss 5.1")),
