@@ -16,6 +16,7 @@ from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
+from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
 from capricorn_jax._src.profiling.profiler import measure_overhead
 from capricorn_jax._src.scheduling import timeline
 
@@ -31,8 +32,10 @@ def distributed_client() -> Any:
 
 __all__ = [
     "CACHE_GRANULARITIES",
+    "CAPACITY_CACHE",
     "CacheOptions",
     "DRIFT_METRICS",
+    "TRIGGERS",
     "HostStore",
     "ProfileCache",
     "allgather_floats",

@@ -34,8 +34,9 @@ peer after host 1's store is wiped.
 Every strategy is built by ``launch.strategies.make_strategy`` and every step
 runs through ``capricorn_jax.ProfilingDriver``, as in launch.train: a
 strategy profiles the same steps here as in training (gemini its first
-``--profile_first_n``, capricorn when the detector's drift passes
-``--drift_threshold`` and its schedule is at risk; the defaults are the
+``--profile_first_n``, capricorn when its trigger asks (``--profile_trigger``:
+the next step's capacity tuple lacks warm profiles, or the expert load drifted
+past ``--drift_threshold``) and its schedule is at risk; the defaults are the
 library's). A profiled step is timed like any other (issue 15: the
 published ratios before it left out capricorn's profiled steps).
 
@@ -56,6 +57,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions, ProfilingOptions
+from capricorn_jax.experimental import TRIGGERS
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import different_work
@@ -91,9 +93,11 @@ flags.DEFINE_integer("persist_every", 10,
                      "saves every step.")
 flags.DEFINE_integer("profile_first_n", ProfilingOptions().first_n,
                      "gemini: the profiled steps its fixed schedule is built from.")
+flags.DEFINE_enum("profile_trigger", ProfilingOptions().trigger, list(TRIGGERS),
+                  "capricorn: what asks for a profile (launch.train's --profile_trigger).")
 flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
-                   "capricorn: the drift score of the expert load above which the next step is "
-                   "profiled (when the schedule in force is at risk).")
+                   "capricorn, --profile_trigger=drift: the drift score of the expert load above "
+                   "which the next step is profiled (when the schedule in force is at risk).")
 flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
 flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
 flags.DEFINE_string("json", None, "Write the results here as JSON.")
@@ -156,10 +160,24 @@ def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
         strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
             STRATEGY_PROFILE.get(name, "off"), FLAGS.profile_first_n,
-            DetectorOptions(threshold=FLAGS.drift_threshold))
+            DetectorOptions(threshold=FLAGS.drift_threshold), trigger=FLAGS.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
-                                                      collectives=job.trainer.all_to_alls)
+                                                      collectives=job.trainer.all_to_alls,
+                                                      next_factors=_next_factors(job))
     return strategies, drivers, ckpts
+
+
+def _next_factors(job):
+    """A step's metrics -> the next step's capacity tuple (the driver's capacity trigger)."""
+    import numpy as np
+
+    from models.capacity import choose_capacity_factors
+
+    def next_factors(metrics):
+        routed = [int(v) for v in np.asarray(metrics["max_routed"])]
+        return choose_capacity_factors(job.cfg, routed, job.trainer.tokens_per_group)
+
+    return next_factors
 
 
 class _Runner:
@@ -394,7 +412,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
         ram[name] = allgather_floats([held, float(strategy.bytes_per_step)], job.hosts)
-    schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps}
+    schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps,
+                        "cache_replan_steps": drivers[name].cache_replans}
                  for name, strategy in strategies.items()
                  if (summary := strategy.schedule_summary()) is not None}
     recovery = {name: _recovery_times(ckpts[name], job)

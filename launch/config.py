@@ -33,7 +33,7 @@ from pathlib import Path
 from absl import flags
 
 from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
-from capricorn_jax.experimental import CacheOptions
+from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
 from launch import runtime
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from models.config import CONFIGS, ModelConfig, get_config
@@ -161,7 +161,10 @@ _POLICY_FLAGS = (("profile_first_n", ProfilePolicy.FIRST_N),
                  ("drift_metric", ProfilePolicy.SPECULATIVE),
                  ("profile_cache_max_age", ProfilePolicy.SPECULATIVE),
                  ("profile_cache_samples", ProfilePolicy.SPECULATIVE),
-                 ("profile_cache_granularity", ProfilePolicy.SPECULATIVE))
+                 ("profile_cache_granularity", ProfilePolicy.SPECULATIVE),
+                 ("profile_trigger", ProfilePolicy.SPECULATIVE))
+# Speculative flags that only the drift trigger reads.
+_DRIFT_FLAGS = ("drift_threshold", "drift_metric")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,6 +182,7 @@ class ProfileConfig:
     cache_samples: int
     cache_granularity: str
     timeline: bool
+    trigger: str = ProfilingOptions().trigger
     given: frozenset[str] = frozenset()
     strategy: InitVar[str]
     policy: ProfilePolicy = dataclasses.field(init=False)
@@ -201,10 +205,19 @@ class ProfileConfig:
             raise FlagError(f"--drift_threshold must be in [0, 1], got {self.drift_threshold}")
         if self.cache_max_age < 0:
             raise FlagError(f"--profile_cache_max_age must be >= 0, got {self.cache_max_age}")
-        if self.cache_samples < 1:
-            raise FlagError(f"--profile_cache_samples must be >= 1, got {self.cache_samples}")
+        if self.cache_samples < 0:
+            raise FlagError(f"--profile_cache_samples must be >= 1 (0: the trigger's "
+                            f"default), got {self.cache_samples}")
+        if self.trigger not in TRIGGERS:
+            raise FlagError(f"--profile_trigger must be one of {', '.join(TRIGGERS)}, "
+                            f"got {self.trigger!r}")
+        for flag in _DRIFT_FLAGS:
+            if (flag in self.given and policy is ProfilePolicy.SPECULATIVE
+                    and self.trigger != "drift"):
+                raise FlagError(f"--{flag} is only used with --profile_trigger=drift "
+                                f"(trigger here: {self.trigger})")
         for flag in ("profile_cache_samples", "profile_cache_granularity"):
-            if flag in self.given and not self.cache_max_age:
+            if flag in self.given and not self.cache_max_age and self.trigger == "drift":
                 raise FlagError(f"--{flag} is only used with --profile_cache_max_age > 0")
         for flag, user in _POLICY_FLAGS:
             if flag in self.given and policy is not user:
@@ -215,15 +228,22 @@ class ProfileConfig:
         return DetectorOptions(threshold=self.drift_threshold, metric=self.drift_metric)
 
     def cache_options(self, dispatch: str) -> CacheOptions | None:
-        """The profile cache's options (None without a cache: no max age, or fixed dispatch)."""
+        """The profile cache's options. The capacity trigger always has one
+        (max age 0 = the default's); the drift trigger none without a max age
+        or with fixed dispatch."""
+        if self.trigger == "capacity":
+            return CacheOptions(self.cache_max_age or CAPACITY_CACHE.max_age,
+                                self.cache_samples or CAPACITY_CACHE.samples,
+                                self.cache_granularity)
         if not self.cache_max_age or dispatch != "bucketed":
             return None
-        return CacheOptions(self.cache_max_age, self.cache_samples, self.cache_granularity)
+        return CacheOptions(self.cache_max_age, self.cache_samples or CacheOptions().samples,
+                            self.cache_granularity)
 
     def options(self, dispatch: str) -> ProfilingOptions:
         """The library's ``ProfilingDriver`` options, for the model's ``dispatch``."""
         return ProfilingOptions(self.policy, self.first_n, self.detector_options(),
-                                self.cache_options(dispatch))
+                                self.cache_options(dispatch), self.trigger)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -529,7 +549,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         profile=fv.profile, first_n=fv.profile_first_n, drift_threshold=fv.drift_threshold,
         drift_metric=fv.drift_metric, cache_max_age=fv.profile_cache_max_age,
         cache_samples=fv.profile_cache_samples, cache_granularity=fv.profile_cache_granularity,
-        timeline=fv.timeline, given=given, strategy=fv.ckpt)
+        timeline=fv.timeline, trigger=fv.profile_trigger, given=given, strategy=fv.ckpt)
     checkpoint = CheckpointConfig(
         strategy=fv.ckpt, replicas=fv.replicas, chunk_bytes=fv.chunk_bytes,
         chunk_cap_bytes=fv.chunk_cap_bytes, store_root=fv.store_root,

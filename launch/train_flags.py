@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from absl import flags
 
-from capricorn_jax import DetectorOptions
-from capricorn_jax.experimental import CACHE_GRANULARITIES, DRIFT_METRICS, CacheOptions
+from capricorn_jax import DetectorOptions, ProfilingOptions
+from capricorn_jax.experimental import (CACHE_GRANULARITIES, CAPACITY_CACHE, DRIFT_METRICS,
+                                        TRIGGERS, CacheOptions)
 from launch.store_admin import default_store_root
 from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
@@ -56,21 +57,31 @@ flags.DEFINE_boolean("timeline", False,
                      "of the schedule in force in it (gemini/capricorn), overflowing windows red. "
                      "Needs a profiling policy.")
 flags.DEFINE_integer("profile_first_n", 20, "--profile=first_n: the steps profiled at the start.")
+flags.DEFINE_enum("profile_trigger", ProfilingOptions().trigger, list(TRIGGERS),
+                  "--profile=speculative: what asks for a profile. capacity: the next step's "
+                  "capacity tuple (known before it runs) has fewer than "
+                  "--profile_cache_samples warm profiles younger than --profile_cache_max_age "
+                  "(a layer's time follows its capacity, not the rest of the load); drift: the "
+                  "expert load drifted past --drift_threshold since the last profile.")
 flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
-                   "--profile=speculative: a layer's drift score of the expert load (since the "
+                   "--profile_trigger=drift: a layer's drift score of the expert load (since the "
                    "last profile) above which the next step is profiled.")
 flags.DEFINE_enum("drift_metric", DetectorOptions().metric, list(DRIFT_METRICS),
-                  "--profile=speculative: the drift score (capricorn_jax.DetectorOptions.metric).")
+                  "--profile_trigger=drift: the drift score "
+                  "(capricorn_jax.DetectorOptions.metric).")
 flags.DEFINE_integer("profile_cache_max_age", 0,
-                     "--profile=speculative with --dispatch=bucketed: profile each capacity "
-                     "tuple once and reuse its profile, for up to this many steps, when the load "
-                     "flips back to it (a profile only when the detector drifts or the tuple "
-                     "changes, and the tuple has no cached profile that young); 0 = no cache "
-                     "(every drift profiles). Fixed dispatch: ignored.")
-flags.DEFINE_integer("profile_cache_samples", CacheOptions().samples,
-                     "--profile_cache_max_age > 0: warm profiles of a capacity tuple (each "
-                     "younger than the max age) the cache needs before it answers for the tuple; "
-                     "it answers with their per-segment median (steadier than one profile).")
+                     "--profile=speculative: a capacity tuple's profile stands for it, when the "
+                     "load flips back to it, for up to this many steps. Capacity trigger: 0 = "
+                     f"{CAPACITY_CACHE.max_age}. Drift trigger with --dispatch=bucketed: a "
+                     "profile only when the detector drifts or the tuple changes and the tuple "
+                     "has no cached profile that young; 0 = no cache (every drift profiles); "
+                     "fixed dispatch: ignored.")
+flags.DEFINE_integer("profile_cache_samples", 0,
+                     "Capacity trigger, or --profile_cache_max_age > 0: warm profiles of a "
+                     "capacity tuple (each younger than the max age) the cache needs before it "
+                     "answers for the tuple; it answers with their per-segment median (steadier "
+                     f"than one profile). 0 = the trigger's default: capacity "
+                     f"{CAPACITY_CACHE.samples}, drift {CacheOptions().samples}.")
 flags.DEFINE_enum("profile_cache_granularity", "tuple", list(CACHE_GRANULARITIES),
                   "--profile_cache_max_age > 0: file a profile under its whole capacity tuple, "
                   "or under each MoE layer's capacity factor (a layer's segments are then "

@@ -358,3 +358,50 @@ def test_layer_sources_name_each_layers_steps_at_both_granularities():
         cache.record((3.0, 4.0), 2, {})
         assert cache.layer_sources((2.0, 4.0), 3) == expected
         assert cache.layer_sources((4.0, 4.0), 3) is None
+
+
+class _PlanningStrategy:
+    """A strategy that plans on profiles and records what it was handed."""
+
+    plans_on_profiles = True
+    name = "planner"
+
+    def __init__(self):
+        self.planned = []
+
+    def on_profile(self, step, profile, cold):
+        self.planned.append((step, profile, cold))
+        return {"window_bytes": [1]}
+
+
+def test_a_cache_hit_on_another_tuple_replans_from_that_tuples_profile():
+    from capricorn_jax import ProfilingDriver, ProfilingOptions
+
+    strategy = _PlanningStrategy()
+    driver = ProfilingDriver(object(), strategy, ProfilingOptions("speculative"),
+                             next_factors=lambda m: (1.0,))
+    assert driver.capacity_trigger and driver.options.cache == CacheOptions(200, 2)
+    a, b = (1.0, 2.0), (2.0, 2.0)
+    driver._warm = {a: "profile of a", b: "profile of b"}
+    driver._planned_key, driver._next_key = b, a
+    assert driver._replan_from_cache(7, {"cache_hit": False}) is None  # profiled, not a hit
+    assert driver._replan_from_cache(7, {"cache_hit": True}) == {"window_bytes": [1],
+                                                                 "from_cache": True}
+    assert strategy.planned == [(7, "profile of a", False)] and driver._planned_key == a
+    assert driver.cache_replans == [7]
+    assert driver._replan_from_cache(8, {"cache_hit": True}) is None  # planned on a already
+    driver._next_key = (4.0, 4.0)  # a hit on a tuple whose full profile is not kept here
+    assert driver._replan_from_cache(9, {"cache_hit": True}) is None
+    strategy.plans_on_profiles = False
+    driver._next_key = b
+    assert driver._replan_from_cache(10, {"cache_hit": True}) is None
+    assert len(strategy.planned) == 1
+
+
+def test_profiling_options_trigger():
+    from capricorn_jax import ProfilingOptions
+
+    assert ProfilingOptions().trigger == "capacity"
+    assert ProfilingOptions("speculative", trigger="drift").cache is None
+    with pytest.raises(ValueError, match="trigger"):
+        ProfilingOptions("speculative", trigger="sometimes")

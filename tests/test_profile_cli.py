@@ -84,7 +84,7 @@ def test_profiling_leaves_training_bitwise_unchanged(every_run, off_run):
 def test_speculative_profiles_when_the_detector_asks(tmp_path, cache):
     # A low threshold so the early, fast-moving router triggers it within 8 steps.
     records = _train(tmp_path / "spec", cache, 8, "--profile=speculative",
-                     "--drift_threshold=0.05", "--drift_metric=l1")
+                     "--profile_trigger=drift", "--drift_threshold=0.05", "--drift_metric=l1")
     decisions = _events(records, "detector")
     assert [d["step"] for d in decisions] == list(range(8))
     profiles = {p["step"]: p for p in _events(records, "profile")}
@@ -132,11 +132,16 @@ def test_plot_profile_writes_a_png(every_run, tmp_path):
      (["--profile=speculative", "--profile_first_n=5"], "--profile_first_n"),
      (["--profile=every", "--profile_cache_max_age=50"], "--profile_cache_max_age"),
      (["--profile=speculative", "--profile_cache_max_age=-1"], "--profile_cache_max_age"),
-     (["--profile=speculative", "--profile_cache_samples=3"], "--profile_cache_samples"),
-     (["--profile=speculative", "--profile_cache_max_age=50", "--profile_cache_samples=0"],
+     (["--profile=speculative", "--profile_trigger=drift", "--profile_cache_samples=3"],
       "--profile_cache_samples"),
-     (["--profile=speculative", "--profile_cache_granularity=layer"],
-      "--profile_cache_granularity")],
+     (["--profile=speculative", "--profile_cache_max_age=50", "--profile_cache_samples=-1"],
+      "--profile_cache_samples"),
+     (["--profile=speculative", "--profile_trigger=drift", "--profile_cache_granularity=layer"],
+      "--profile_cache_granularity"),
+     # The capacity trigger (default) reads no drift threshold or metric.
+     (["--profile=speculative", "--drift_threshold=0.2"], "--drift_threshold"),
+     (["--profile=speculative", "--drift_metric=l1"], "--drift_metric"),
+     (["--profile=every", "--profile_trigger=drift"], "--profile_trigger")],
 )
 def test_bad_profile_flags_give_one_line_error(tmp_path, flags, flag_name):
     proc = run_train(*flags, f"--workdir={tmp_path}", "--steps=2", timeout=60)
@@ -144,3 +149,30 @@ def test_bad_profile_flags_give_one_line_error(tmp_path, flags, flag_name):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert flag_name in proc.stderr
+
+
+@pytest.mark.slow
+def test_capacity_trigger_profiles_each_tuple_until_its_samples_are_in(tmp_path, cache):
+    # The default speculative trigger: step t is profiled when its capacity
+    # tuple (known before it runs) has fewer than --profile_cache_samples warm
+    # profiles (none expires within 12 steps), after a cold profile (compile),
+    # and at step 0; never because the load drifted.
+    samples = 2
+    records = _train(tmp_path / "cap", cache, 12, "--profile=speculative", "--dispatch=bucketed",
+                     f"--profile_cache_samples={samples}")
+    lines = [r for r in records if "event" not in r]
+    profiles = {p["step"]: p for p in _events(records, "profile")}
+    expected, warm, cold_before = set(), {}, False
+    for r in lines:
+        key = tuple(r["capacity_factors"])
+        if r["step"] == 0 or cold_before or warm.get(key, 0) < samples:
+            expected.add(r["step"])
+        profiled = r["step"] in expected
+        cold_before = profiled and r["compiled"]
+        if profiled and not r["compiled"]:
+            warm[key] = warm.get(key, 0) + 1
+    assert set(profiles) == expected
+    assert {r["step"] for r in lines if r["profiled"]} == expected
+    assert len(expected) < 12
+    # The detector still scores every step (its events), and never asked on its own.
+    assert [d["step"] for d in _events(records, "detector")] == list(range(12))

@@ -111,7 +111,9 @@ def test_kill_resumes_from_memory_bitwise(tmp_path, reference, mode, tier):
 
 @pytest.mark.soak
 @pytest.mark.parametrize("ckpt,flags", [("gemini", ("--profile_first_n=3",)),
-                                        ("capricorn", ("--timeline",))])
+                                        # The drift trigger re-profiles mid-run on tiny's
+                                        # fixed dispatch (the capacity trigger would not).
+                                        ("capricorn", ("--timeline", "--profile_trigger=drift"))])
 def test_scheduled_strategy_commits_every_version_and_recovers(tmp_path, reference, ckpt,
                                                                 flags):
     """The scheduled strategies move versions inside the step, re-partition

@@ -9,7 +9,7 @@ twice with the same seed, so the training, hence the expert loads and the
 capacity factors, are bitwise the same step for step:
 
 1. ``--profile=every``: the ground truth, every step's per-layer durations;
-2. ``--profile=speculative`` with train's detector defaults (or
+2. ``--profile=speculative --profile_trigger=drift`` with train's detector defaults (or
    ``--spec_threshold`` / ``--spec_metric``): the real path. Its steps are
    either profiled or plain, in the same run, so it gives the overhead of an
    instrumented step (each profiled step against its plain neighbours at the
@@ -544,7 +544,8 @@ def main(argv: list[str]) -> None:
     spec_threshold = FLAGS.spec_threshold if FLAGS.spec_threshold >= 0 else \
         DetectorOptions().threshold
     spec_metric = FLAGS.spec_metric or DetectorOptions().metric
-    spec_flags = (f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
+    # The tool scores the drift detector: its real run uses the drift trigger.
+    spec_flags = ("--profile_trigger=drift", f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
                   f"--profile_cache_max_age={FLAGS.spec_cache_max_age}",
                   *((f"--profile_cache_samples={FLAGS.spec_cache_samples}",
                      f"--profile_cache_granularity={FLAGS.spec_cache_granularity}")

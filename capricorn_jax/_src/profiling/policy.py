@@ -131,6 +131,17 @@ def should_profile(
     return decision is None or decision.profile_next
 
 
+TRIGGERS = ("capacity", "drift")
+"""What makes SPECULATIVE profile a step (``ProfilingOptions.trigger``)."""
+
+CAPACITY_CACHE = CacheOptions(max_age=200, samples=2)
+"""The capacity trigger's cache by default: a tuple is profiled cold (its
+compile), then warm twice, and its profiles stand for it for 200 steps.
+Replayed on 100-step 2x2 runs of ``tiny`` (bucketed, 6 tuples): 14 profiled
+steps on the dynamic and on the steady workload, all but two in the first
+14 steps (BUILD_NOTES, "The capacity trigger")."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfilingOptions:
     """What ``ProfilingDriver`` profiles.
@@ -141,20 +152,36 @@ class ProfilingOptions:
         first step this driver runs (a restarted process profiles again).
       detector: SPECULATIVE: the dynamicity detector's options (drift
         threshold 0.05, jsd: BUILD_NOTES, "Profiling policies").
-      cache: SPECULATIVE: the profile cache keyed by capacity tuple in front of
-        the detector, or None (no cache; every drift profiles). Only for
-        load-dependent dispatch (see ``ProfileCache``).
+      trigger: SPECULATIVE: what asks for a profile. ``"capacity"`` (default):
+        the next step's capacity tuple, known before it runs, has fewer than
+        ``cache.samples`` warm profiles younger than ``cache.max_age``: the
+        layer times of a static-shape MoE step follow its capacity tuple and
+        nothing else of the load, so the profiles follow the tuple (fixed
+        dispatch: profiled until the samples are in, then never again).
+        ``"drift"``: the detector's drift of the expert load past its threshold
+        (the cache, when given, in front). The detector observes every step
+        under both (scores in the ``detector`` events, cost models fitted on
+        the profiles, capricorn's gate).
+      cache: SPECULATIVE: the profile cache keyed by capacity tuple. With
+        ``trigger="drift"``, None means no cache (every drift profiles; only
+        for load-dependent dispatch, see ``ProfileCache``); with
+        ``trigger="capacity"``, None means ``CAPACITY_CACHE``.
     """
 
     policy: ProfilePolicy = ProfilePolicy.OFF
     first_n: int = DEFAULT_FIRST_N
     detector: DetectorOptions = dataclasses.field(default_factory=DetectorOptions)
     cache: CacheOptions | None = None
+    trigger: str = "capacity"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", ProfilePolicy(self.policy))
         if self.first_n < 1:
             raise ValueError(f"first_n must be >= 1, got {self.first_n}")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+        if self.trigger == "capacity" and self.cache is None:
+            object.__setattr__(self, "cache", CAPACITY_CACHE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +249,14 @@ class ProfilingDriver:
       collectives: factors -> {boundary name: per-device all-to-all buffers}
         of the model (``make_profiled_step``); None: no all-to-all estimate.
       next_factors: a step's metrics -> the next step's capacity tuple; the
-        profile cache needs it (the model's capacity rule).
+        profile cache and the capacity trigger need it (the model's capacity
+        rule).
 
     Attributes:
       profile_next: whether the next step this driver runs is profiled.
       profiled_steps: every profiled step, cold ones too.
+      cache_replans: the steps after which the strategy re-planned from a
+        cached profile (a cache hit on another capacity tuple).
       detector: the dynamicity detector (speculative only, else None).
     """
 
@@ -242,7 +272,16 @@ class ProfilingDriver:
         self.detector = DynamicityDetector(options.detector) if speculative else None
         self.cache = ProfileCache(options.cache) if speculative and options.cache else None
         if self.cache is not None and next_factors is None:
-            raise ValueError("the profile cache needs next_factors (the next capacity tuple)")
+            raise ValueError("the profile cache and the capacity trigger need next_factors "
+                             "(the next capacity tuple)")
+        self.capacity_trigger = speculative and options.trigger == "capacity"
+        # The newest warm profile of each capacity tuple, and the tuple the
+        # strategy's schedule was last planned on: a cache hit on another
+        # tuple re-plans from that tuple's profile (no instrumented step).
+        self._warm: dict[tuple[float, ...], LayerProfile] = {}
+        self._planned_key: tuple[float, ...] | None = None
+        self._next_key: tuple[float, ...] | None = None
+        self.cache_replans: list[int] = []  # steps after which a cache hit re-planned
         self.iterations = (FirstNProfiler(options.first_n)
                            if options.policy is ProfilePolicy.FIRST_N else None)
         self.decision: Decision | None = None  # the detector's, about the previous step
@@ -302,14 +341,38 @@ class ProfilingDriver:
                         "step_times_s": [_r6(t) for t in done.step_times_s],
                         "collective_s": _r6(collective)})
             repartition = self.strategy.on_profile(step, profile, compiled)
+            if not compiled:
+                self._warm[factors] = profile
+                if repartition is not None:
+                    self._planned_key = factors
         if self.detector is not None:
             tpe = np.asarray(metrics["tokens_per_expert"])
             events.append(self._detect(step, factors, metrics, tpe, profile, compiled))
             self._reprofile = profile is not None and compiled
-        if repartition is not None:
-            events.append({"event": "repartition", "step": step,
-                           "strategy": self.strategy.name, **repartition})
+            replanned = self._replan_from_cache(step, events[-1])
+        else:
+            replanned = None
+        for plan in (repartition, replanned):
+            if plan is not None:
+                events.append({"event": "repartition", "step": step,
+                               "strategy": self.strategy.name, **plan})
         return events
+
+    def _replan_from_cache(self, step: int, event: dict[str, Any]) -> dict[str, Any] | None:
+        """After a cache hit for the next step's tuple, a strategy that plans on
+        profiles re-plans from that tuple's newest warm profile (unless its
+        schedule was planned on that tuple already): its schedule follows the
+        tuple without an instrumented step."""
+        key = self._next_key
+        if (not event["cache_hit"] or not self.strategy.plans_on_profiles
+                or key == self._planned_key or key not in self._warm):
+            return None
+        repartition = self.strategy.on_profile(step, self._warm[key], False)
+        if repartition is None:
+            return None
+        self._planned_key = key
+        self.cache_replans.append(step)
+        return {**repartition, "from_cache": True}
 
     def _detect(self, step: int, factors: tuple[float, ...], metrics: Metrics, tpe: np.ndarray,
                 profile: LayerProfile | None, compiled: bool) -> dict[str, Any]:
@@ -324,9 +387,12 @@ class ProfilingDriver:
         decision = self.detector.observe(self.steps_run, tpe)
         cache: CacheDecision | None = None
         sources: list[int] | None = None
+        self._next_key = None
         if self.cache is not None:
-            key = tuple(float(f) for f in self.next_factors(metrics))
-            cache = self.cache.decide(step + 1, key, factors, decision.profile_next)
+            key = self._next_key = tuple(float(f) for f in self.next_factors(metrics))
+            # The capacity trigger: only the tuple (new, or short of young samples) asks.
+            drifted = decision.profile_next and not self.capacity_trigger
+            cache = self.cache.decide(step + 1, key, factors, drifted)
             decision = dataclasses.replace(decision, profile_next=cache.profile)
             if cache.cached:
                 sources = sorted(set().union(*self.cache.sources(key, step + 1).values()))
