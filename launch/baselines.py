@@ -185,10 +185,17 @@ class OrbaxAsync(Strategy):
 
         self._ocp, self.train, self.tier = ocp, train, tier
         self.directory = Path(directory).absolute()
+        # Its own barrier names: Orbax names a manager's save barriers after
+        # its prefix, and a second manager in the process with the same prefix
+        # (orbax_emergency's on an expert mesh, in the bench) would enter the
+        # same barrier from another thread while this one's last save
+        # finalizes ("Barrier ... set_value_start is already ongoing").
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=True,
-                                                 cleanup_tmp_directories=True))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=1, enable_async_checkpointing=True, cleanup_tmp_directories=True,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix="orbax_async")))
         self._host_states = _HostStates(self.directory)
         self.bytes_per_step = 0
 

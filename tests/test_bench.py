@@ -19,14 +19,18 @@ def _bench(*flags, timeout=400):
 
 def test_bench_reports_every_strategy(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=none,blocking,blocking_disk,orbax_emergency,inmem,pec",
+    # orbax_async right before orbax_emergency: two Orbax managers in one
+    # process, the first one's last async save still finalizing (the sequence
+    # that once collided on a shared barrier name).
+    proc = _bench("--strategies=none,blocking,blocking_disk,orbax_async,orbax_emergency,inmem,pec",
                   "--model=tiny", "--dispatch=fixed", "--steps=3", "--reps=2", "--persist_every=2",
                   "--warmup=2", f"--store_root={tmp_path / 'shm'}", f"--workdir={tmp_path / 'w'}",
                   f"--json={out}", f"--png={tmp_path / 'bench.png'}", "--bandwidth_mib=8")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     result = report["strategies"]
-    assert set(result) == {"none", "blocking", "blocking_disk", "orbax_emergency", "inmem", "pec"}
+    assert set(result) == {"none", "blocking", "blocking_disk", "orbax_async", "orbax_emergency",
+                           "inmem", "pec"}
     assert report["command"].startswith("python -m launch.bench --strategies=none,blocking,")
     assert "CPU" in report["machine"] and "jax" in report["machine"]
     bandwidth = report["bandwidth"]
@@ -47,7 +51,9 @@ def test_bench_reports_every_strategy(tmp_path):
     # The baselines' own restores, per tier (the disk one from a cold page cache if allowed).
     assert result["blocking"]["recovery"]["local"]["tiers"] == ["local", "local"]
     assert set(result["blocking_disk"]["recovery"]) == {"disk"}
-    assert all(r["seconds"] > 0 for n in ("blocking", "blocking_disk", "orbax_emergency")
+    assert set(result["orbax_async"]["recovery"]) == {"local"}
+    assert all(r["seconds"] > 0 for n in ("blocking", "blocking_disk", "orbax_async",
+                                          "orbax_emergency")
                for r in result[n]["recovery"].values())
     # Identical work: every strategy replayed the same steps (2 reps x (3 + 2)
     # steps), and the bench checked their losses agree bit for bit.
