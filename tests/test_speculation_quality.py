@@ -65,6 +65,7 @@ def result(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jsd + cache (200)" in proc.stdout
     assert "jsd + cache (200, median of 2)" in proc.stdout
+    assert "capacity trigger (train's default) + cache (200, median of 2)" in proc.stdout
     (res,) = json.loads(out.read_text())["results"]
     return res
 
@@ -131,3 +132,20 @@ def test_the_per_layer_cache_predicts_each_layer_from_its_own_profiles(result):
     assert row["profiled_rate"] == pytest.approx(3 / 12)
     assert row["bucket"]["caught"] == len(CHANGES) and row["bucket"]["caught_by_cache"] == 5
     assert _row(result, "jsd", 200, samples=2, granularity="layer")["bucket"]["recall"] == 1.0
+
+
+def test_trains_default_capacity_trigger_is_scored_with_its_own_cache(result):
+    row = _row(result, "capacity trigger", 200, samples=2)
+    # The cache's rule alone (max age 200, 2 samples): the steps the samples=2
+    # cache profiles above, whatever the drift: A 0, 1; B 2, 3; the flips at 4
+    # and 6 find one sample each; 7, 9 and 11 are answered by the cache.
+    assert row["profiled_rate"] == pytest.approx(5 / 12)
+    assert row["cache_hits"] == 3
+    assert row["bucket"]["caught"] == len(CHANGES) and row["bucket"]["recall"] == 1.0
+
+
+def test_the_capacity_trigger_needs_the_cache():
+    from launch.experiments.speculation_quality import CAPACITY_TRIGGER, replay
+
+    with pytest.raises(ValueError, match="cache"):
+        replay(None, CAPACITY_TRIGGER, float("nan"))

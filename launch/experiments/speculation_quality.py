@@ -80,7 +80,8 @@ import numpy as np
 from absl import app, flags
 
 from capricorn_jax import DetectorOptions, DynamicityDetector
-from capricorn_jax.experimental import CACHE_GRANULARITIES, CacheOptions, ProfileCache
+from capricorn_jax.experimental import (CACHE_GRANULARITIES, CAPACITY_CACHE, CacheOptions,
+                                        ProfileCache)
 from capricorn_jax.experimental import DRIFT_METRICS as METRICS
 from launch.metrics import read_metrics
 
@@ -247,6 +248,9 @@ class Replay:
 
 
 CAPACITY = "capacity"  # what-if trigger: the capacity factors differ from the last profile's
+# launch.train's default trigger (--profile_trigger=capacity): the profile
+# cache's rule alone, no drift (replayed with CAPACITY_CACHE's max age and samples).
+CAPACITY_TRIGGER = "capacity trigger"
 
 
 def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
@@ -257,9 +261,13 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
     profile a step whose capacity factors, known before it runs, differ from
     those of the last profiled step. ``cache_max_age`` > 0: with train's
     profile cache (``--profile_cache_max_age``, ``--profile_cache_samples``) in
-    front of the detector.
+    front of the detector. ``metric=CAPACITY_TRIGGER`` (needs the cache):
+    train's default trigger, the cache's rule with the detector's drift off.
     """
-    options = DetectorOptions() if metric == CAPACITY else DetectorOptions(threshold, metric)
+    if metric == CAPACITY_TRIGGER and not cache_max_age:
+        raise ValueError("the capacity trigger replays with the profile cache (cache_max_age)")
+    options = (DetectorOptions() if metric in (CAPACITY, CAPACITY_TRIGGER)
+               else DetectorOptions(threshold, metric))
     det = DynamicityDetector(options)
     cache = (ProfileCache(CacheOptions(cache_max_age, cache_samples, cache_granularity))
              if cache_max_age else None)
@@ -292,7 +300,8 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
         decision = det.observe(t, line["tokens_per_expert"])
         ask_next = decision.profile_next
         if cache is not None and t + 1 < n:
-            step = cache.decide(t + 1, run.factors(t + 1), run.factors(t), ask_next)
+            drifted = ask_next and metric != CAPACITY_TRIGGER
+            step = cache.decide(t + 1, run.factors(t + 1), run.factors(t), drifted)
             ask_next = step.profile
             hits += step.hit
         spent += time.perf_counter() - t0
@@ -451,7 +460,9 @@ def analyse(workload: str, every: Run, spec: Run, spec_metric: str,
               for age in FLAGS.cache_max_age for k in FLAGS.cache_samples
               for m, x, _, _, _ in grid]
     for metric, threshold, max_age, samples, gran in (
-            grid + [(CAPACITY, math.nan, 0, 1, "tuple")] + cached):
+            grid + [(CAPACITY, math.nan, 0, 1, "tuple"),
+                    (CAPACITY_TRIGGER, math.nan, CAPACITY_CACHE.max_age,
+                     CAPACITY_CACHE.samples, "tuple")] + cached):
         rep = replay(every, metric, threshold, max_age, samples, gran)
         n = len(every.steps)
         profiled_rate = (len(rep.profiled) - 1) / n  # step 0 is profiled by any policy
@@ -496,7 +507,8 @@ def table(results: list[dict]) -> str:
     for res in results:
         for r in res["rows"]:
             m, b = r["measured"], r["bucket"]
-            label = r["metric"] + (" (what-if)" if r["metric"] == CAPACITY else "")
+            label = r["metric"] + {CAPACITY: " (what-if)",
+                                   CAPACITY_TRIGGER: " (train's default)"}.get(r["metric"], "")
             if r.get("cache_max_age"):
                 extra = ([f"median of {r['cache_samples']}"] if r.get("cache_samples", 1) > 1
                          else []) + (["per layer"] if r.get("cache_granularity") == "layer"
