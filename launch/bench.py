@@ -163,21 +163,8 @@ def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
             DetectorOptions(threshold=FLAGS.drift_threshold), trigger=FLAGS.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
                                                       collectives=job.trainer.all_to_alls,
-                                                      next_factors=_next_factors(job))
+                                                      next_factors=job.trainer.next_factors)
     return strategies, drivers, ckpts
-
-
-def _next_factors(job):
-    """A step's metrics -> the next step's capacity tuple (the driver's capacity trigger)."""
-    import numpy as np
-
-    from models.capacity import choose_capacity_factors
-
-    def next_factors(metrics):
-        routed = [int(v) for v in np.asarray(metrics["max_routed"])]
-        return choose_capacity_factors(job.cfg, routed, job.trainer.tokens_per_group)
-
-    return next_factors
 
 
 class _Runner:

@@ -50,18 +50,10 @@ def _make_strategy(config: Config, trainer, ckpt, host: int) -> capricorn_jax.St
 
 def _make_driver(config: Config, trainer, strategy) -> capricorn_jax.ProfilingDriver:
     """The profiling driver of --profile (or the strategy's policy) and its knobs."""
-    from models.capacity import choose_capacity_factors
-
-    p, cfg = config.profile, trainer.cfg
-    options = p.options(cfg.dispatch)
-
-    def next_factors(metrics: dict) -> tuple[float, ...]:
-        routed = [int(v) for v in metrics["max_routed"]]
-        return choose_capacity_factors(cfg, routed, trainer.tokens_per_group)
-
+    options = config.profile.options(trainer.cfg.dispatch)
     return capricorn_jax.ProfilingDriver(trainer, strategy, options,
                                          collectives=trainer.all_to_alls,
-                                         next_factors=next_factors)
+                                         next_factors=trainer.next_factors)
 
 
 def _repartition(host: int, event: dict) -> None:

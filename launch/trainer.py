@@ -104,6 +104,15 @@ class Trainer:
         """The indices of the MoE blocks (the rows of tokens_per_expert)."""
         return tuple(self.cfg.moe_layers)
 
+    def next_factors(self, metrics: dict[str, Any]) -> tuple[float, ...]:
+        """The capacity tuple of the step after the one that returned
+        ``metrics`` (the model's rule, from its ``max_routed``): what the
+        profiling driver's cache and capacity trigger key on."""
+        from models.capacity import choose_capacity_factors
+
+        routed = [int(v) for v in np.asarray(metrics["max_routed"])]
+        return choose_capacity_factors(self.cfg, routed, self.tokens_per_group)
+
     def all_to_alls(self, factors: tuple[float, ...]) -> dict[str, list[jax.ShapeDtypeStruct]]:
         """Per MoE block, the per-device all-to-all buffers of a step at these
         capacity factors (the profiler's collective estimate)."""

@@ -557,7 +557,8 @@ def main(argv: list[str]) -> None:
         DetectorOptions().threshold
     spec_metric = FLAGS.spec_metric or DetectorOptions().metric
     # The tool scores the drift detector: its real run uses the drift trigger.
-    spec_flags = ("--profile_trigger=drift", f"--drift_threshold={spec_threshold}", f"--drift_metric={spec_metric}",
+    spec_flags = ("--profile_trigger=drift", f"--drift_threshold={spec_threshold}",
+                  f"--drift_metric={spec_metric}",
                   f"--profile_cache_max_age={FLAGS.spec_cache_max_age}",
                   *((f"--profile_cache_samples={FLAGS.spec_cache_samples}",
                      f"--profile_cache_granularity={FLAGS.spec_cache_granularity}")

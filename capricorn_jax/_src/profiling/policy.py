@@ -328,7 +328,7 @@ class ProfilingDriver:
                  profile: LayerProfile | None, compiled: bool) -> list[dict[str, Any]]:
         """Feeds the step to the first-N profiler, the strategy and the detector."""
         events: list[dict[str, Any]] = []
-        repartition = None
+        repartition = replanned = None
         if profile is not None:
             events.append(profile_event(step, profile, compiled, self.train.moe_layers))
             if self.iterations is not None and self.iterations.profile is None:
@@ -350,8 +350,6 @@ class ProfilingDriver:
             events.append(self._detect(step, factors, metrics, tpe, profile, compiled))
             self._reprofile = profile is not None and compiled
             replanned = self._replan_from_cache(step, events[-1])
-        else:
-            replanned = None
         for plan in (repartition, replanned):
             if plan is not None:
                 events.append({"event": "repartition", "step": step,
