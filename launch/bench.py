@@ -66,55 +66,61 @@ from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 FLAGS = flags.FLAGS
 # Bench-only rows: a strategy on other media (name -> the strategy it runs).
 VARIANTS = {"blocking_disk": "blocking"}
-flags.DEFINE_list("strategies", ["none", "inmem"],
-                  f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
-                  f"(blocking writing to the scratch directory's disk instead of the RAM disk).")
-flags.DEFINE_string("model", "tiny", "Model config.")
-flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"], "Data workload.")
-flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
-flags.DEFINE_integer("steps", 10, "Steps per block (one strategy, one repetition).")
-flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.")
-flags.DEFINE_integer("a2a_steps", 2,
-                     "Steps per block (after the timed ones, not timed) that run with the "
-                     "all-to-all probe: per-device stamps around each MoE all-to-all, under "
-                     "the strategy's own checkpoint traffic; 0 = no all-to-all column.")
-flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.")
-flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
-flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
-flags.DEFINE_integer("expert_parallel", 0, "Expert axis size; 0 = all devices.")
-flags.DEFINE_enum("dispatch", "bucketed", ["", "fixed", "bucketed"],
-                  "MoE dispatch; bucketed (load-dependent) by default; '' = the model's.")
-flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = the model's.")
-flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
-flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
-flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
-flags.DEFINE_integer("persist_every", 10,
-                     "orbax_emergency: its persistent tier's interval (steps); its local tier "
-                     "saves every step.")
-flags.DEFINE_integer("profile_first_n", ProfilingOptions().first_n,
-                     "gemini: the profiled steps its fixed schedule is built from.")
-flags.DEFINE_enum("profile_trigger", ProfilingOptions().trigger, list(TRIGGERS),
-                  "capricorn: what asks for a profile (launch.train's --profile_trigger).")
-flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
-                   "capricorn, --profile_trigger=drift: the drift score of the expert load above "
-                   "which the next step is profiled (when the schedule in force is at risk).")
-flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
-flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
-flags.DEFINE_string("json", None, "Write the results here as JSON.")
-flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.")
-flags.DEFINE_integer("seed", 0, "Seed.")
-flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole benchmark.")
-flags.DEFINE_float("ckpt_budget", -1.0,
-                   "In-memory strategies: the tier's cost budget in seconds "
-                   "(InMemoryOptions.max_wait_s; -1: none, a version every step).")
-flags.DEFINE_integer("bandwidth_mib", 64,
-                     "After the strategies: this host's memcpy, store ingest and store restore "
-                     "bandwidth on this many MiB (the JSON's \"bandwidth\"; 0: skip).")
-flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
-                  "cpu: the simulated cluster (--hosts processes); gpu: this process on the "
-                  "local GPU(s), --hosts=1, strategies without peers (--replicas=1).")
-flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
-flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_list("strategies", ["none", "inmem"],
+                      f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
+                      f"(blocking writing to the scratch directory's disk instead of the RAM disk).")
+    flags.DEFINE_string("model", "tiny", "Model config.")
+    flags.DEFINE_enum("workload", "steady", ["steady", "dynamic", "synthetic"], "Data workload.")
+    flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
+    flags.DEFINE_integer("steps", 10, "Steps per block (one strategy, one repetition).")
+    flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.")
+    flags.DEFINE_integer("a2a_steps", 2,
+                         "Steps per block (after the timed ones, not timed) that run with the "
+                         "all-to-all probe: per-device stamps around each MoE all-to-all, under "
+                         "the strategy's own checkpoint traffic; 0 = no all-to-all column.")
+    flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.")
+    flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
+    flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+    flags.DEFINE_integer("expert_parallel", 0, "Expert axis size; 0 = all devices.")
+    flags.DEFINE_enum("dispatch", "bucketed", ["", "fixed", "bucketed"],
+                      "MoE dispatch; bucketed (load-dependent) by default; '' = the model's.")
+    flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = the model's.")
+    flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
+    flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
+    flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
+    flags.DEFINE_integer("persist_every", 10,
+                         "orbax_emergency: its persistent tier's interval (steps); its local tier "
+                         "saves every step.")
+    flags.DEFINE_integer("profile_first_n", ProfilingOptions().first_n,
+                         "gemini: the profiled steps its fixed schedule is built from.")
+    flags.DEFINE_enum("profile_trigger", ProfilingOptions().trigger, list(TRIGGERS),
+                      "capricorn: what asks for a profile (launch.train's --profile_trigger).")
+    flags.DEFINE_float("drift_threshold", DetectorOptions().threshold,
+                       "capricorn, --profile_trigger=drift: the drift score of the expert load above "
+                       "which the next step is profiled (when the schedule in force is at risk).")
+    flags.DEFINE_string("store_root", "/dev/shm/capricorn_jax_bench", "RAM disk for the stores.")
+    flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
+    flags.DEFINE_string("json", None, "Write the results here as JSON.")
+    flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.")
+    flags.DEFINE_integer("seed", 0, "Seed.")
+    flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole benchmark.")
+    flags.DEFINE_float("ckpt_budget", -1.0,
+                       "In-memory strategies: the tier's cost budget in seconds "
+                       "(InMemoryOptions.max_wait_s; -1: none, a version every step).")
+    flags.DEFINE_integer("bandwidth_mib", 64,
+                         "After the strategies: this host's memcpy, store ingest and store restore "
+                         "bandwidth on this many MiB (the JSON's \"bandwidth\"; 0: skip).")
+    flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
+                      "cpu: the simulated cluster (--hosts processes); gpu: this process on the "
+                      "local GPU(s), --hosts=1, strategies without peers (--replicas=1).")
+    flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
+    flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
 
 
 def _checkpointer(name: str, job):
@@ -630,4 +636,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    define_flags()
     app.run(main)

@@ -16,8 +16,15 @@ from pathlib import Path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("trace", None, "A timeline JSON written by launch.train --timeline.")
-flags.DEFINE_string("out", "timeline.png", "PNG to write.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_string("trace", None, "A timeline JSON written by launch.train --timeline.")
+    flags.DEFINE_string("out", "timeline.png", "PNG to write.")
+
 
 _COLORS = {"compute": "tab:blue", "all-to-all": "tab:orange", "checkpoint link": "tab:green"}
 
@@ -71,4 +78,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

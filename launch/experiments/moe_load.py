@@ -42,13 +42,19 @@ from typing import Any
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "small", "Model config (models.config.CONFIGS).")
-flags.DEFINE_integer("devices", 4, "CPU devices to force; the expert axis spans all of them.")
-flags.DEFINE_integer("repeats", 20, "Timed runs per mode and skew.")
-flags.DEFINE_list("skews", ["uniform", "0.4", "0.6", "0.8", "1.0"],
-                  "Fraction of each group's tokens routed to expert 0 ('uniform' = k/E).")
-flags.DEFINE_integer("seed", 0, "Seed of the params and activations.")
-flags.DEFINE_string("json", None, "Write the result to this JSON file.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_string("model", "small", "Model config (models.config.CONFIGS).")
+    flags.DEFINE_integer("devices", 4, "CPU devices to force; the expert axis spans all of them.")
+    flags.DEFINE_integer("repeats", 20, "Timed runs per mode and skew.")
+    flags.DEFINE_list("skews", ["uniform", "0.4", "0.6", "0.8", "1.0"],
+                      "Fraction of each group's tokens routed to expert 0 ('uniform' = k/E).")
+    flags.DEFINE_integer("seed", 0, "Seed of the params and activations.")
+    flags.DEFINE_string("json", None, "Write the result to this JSON file.")
 
 
 def routed_inputs(num_experts: int, top_k: int, d_model: int, groups: int, tokens: int,
@@ -211,4 +217,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -39,13 +39,20 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("mib", 256, "State size in MiB.")
-flags.DEFINE_integer("devices", 4, "CPU devices of each measuring process.")
-flags.DEFINE_integer("leaves", 4, "Sharded float32 leaves the state is split into.")
-flags.DEFINE_string("store_root", "/dev/shm", "tmpfs for the in-memory store.")
-flags.DEFINE_string("workdir", None, "Persistent checkpoints go here; default: a temporary dir.")
-flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
-flags.DEFINE_string("mode", "", "Internal: run one writer (capricorn or orbax) and print JSON.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_integer("mib", 256, "State size in MiB.")
+    flags.DEFINE_integer("devices", 4, "CPU devices of each measuring process.")
+    flags.DEFINE_integer("leaves", 4, "Sharded float32 leaves the state is split into.")
+    flags.DEFINE_string("store_root", "/dev/shm", "tmpfs for the in-memory store.")
+    flags.DEFINE_string("workdir", None, "Persistent checkpoints go here; default: a temporary dir.")
+    flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
+    flags.DEFINE_string("mode", "", "Internal: run one writer (capricorn or orbax) and print JSON.")
+
 
 MIB = 1 << 20
 
@@ -260,4 +267,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

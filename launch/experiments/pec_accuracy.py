@@ -29,19 +29,25 @@ from absl import app, flags
 from launch.metrics import read_metrics
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "small", "Model config.")
-flags.DEFINE_integer("steps", 60, "Training steps per run.")
-flags.DEFINE_integer("fail_every", 15, "Host 1 is lost every this many steps (from this step).")
-flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
-flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
-flags.DEFINE_string("dispatch", "fixed", "MoE dispatch of the runs.")
-flags.DEFINE_string("workload", "dynamic", "Data workload.")
-flags.DEFINE_integer("shift_every", 20, "Domain shift period (dynamic workload).")
-flags.DEFINE_list("runs", ["no_failure", "full", "pec1_sequential", "pec2_sequential",
-                           "pec1_load_aware", "pec2_load_aware"], "Configurations to run.")
-flags.DEFINE_string("workdir", None, "Directory for the runs.")
-flags.DEFINE_string("json", None, "Write the results here.")
-flags.DEFINE_float("timeout_s", 3600.0, "Deadline of one run.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_string("model", "small", "Model config.")
+    flags.DEFINE_integer("steps", 60, "Training steps per run.")
+    flags.DEFINE_integer("fail_every", 15, "Host 1 is lost every this many steps (from this step).")
+    flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
+    flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+    flags.DEFINE_string("dispatch", "fixed", "MoE dispatch of the runs.")
+    flags.DEFINE_string("workload", "dynamic", "Data workload.")
+    flags.DEFINE_integer("shift_every", 20, "Domain shift period (dynamic workload).")
+    flags.DEFINE_list("runs", ["no_failure", "full", "pec1_sequential", "pec2_sequential",
+                               "pec1_load_aware", "pec2_load_aware"], "Configurations to run.")
+    flags.DEFINE_string("workdir", None, "Directory for the runs.")
+    flags.DEFINE_string("json", None, "Write the results here.")
+    flags.DEFINE_float("timeout_s", 3600.0, "Deadline of one run.")
 
 
 def run_flags(name: str) -> list[str]:
@@ -111,4 +117,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

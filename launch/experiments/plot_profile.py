@@ -30,10 +30,16 @@ from absl import app, flags
 from launch.metrics import read_metrics
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("metrics", None, "A launch.train metrics.jsonl.")
-flags.DEFINE_string("out", "profile.png", "PNG to write.")
-flags.DEFINE_string("title", "", "Figure title; default: the metrics path.")
-flags.DEFINE_float("threshold", -1.0, "Drift threshold to draw on the detector panel (< 0: none).")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_string("metrics", None, "A launch.train metrics.jsonl.")
+    flags.DEFINE_string("out", "profile.png", "PNG to write.")
+    flags.DEFINE_string("title", "", "Figure title; default: the metrics path.")
+    flags.DEFINE_float("threshold", -1.0, "Drift threshold to draw on the detector panel (< 0: none).")
 
 
 def load(path: str) -> dict:
@@ -210,4 +216,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

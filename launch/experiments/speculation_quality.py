@@ -86,50 +86,57 @@ from capricorn_jax.experimental import DRIFT_METRICS as METRICS
 from launch.metrics import read_metrics
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "tiny", "Model config.")
-flags.DEFINE_integer("steps", 300, "Training steps per run.")
-flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
-flags.DEFINE_list("workloads", ["dynamic", "steady"], "Workloads to run: dynamic, steady.")
-flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
-flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
-flags.DEFINE_boolean("pin_hosts", False, "launch.train --pin_hosts: each host on its own CPUs.")
-flags.DEFINE_string("dispatch", "bucketed",
-                    "MoE dispatch; bucketed makes a layer's time follow its load.")
-flags.DEFINE_integer("seed", 0, "Seed of both runs.")
-flags.DEFINE_integer("global_batch", 0, "Sequences per step; 0 = the model's.")
-flags.DEFINE_string("workdir", None, "Where the runs go; default: a temporary directory.")
-flags.DEFINE_boolean("reuse", False, "Score the runs already in --workdir instead of running.")
-flags.DEFINE_list("thresholds", ["0.05", "0.1", "0.2", "0.3"], "Detector thresholds replayed.")
-flags.DEFINE_list("metrics", list(METRICS), "Drift metrics replayed.")
-flags.DEFINE_float("spec_threshold", -1.0, "Threshold of the real speculative run; < 0: train's.")
-flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': train's.")
-flags.DEFINE_integer("spec_cache_max_age", 0,
-                     "--profile_cache_max_age of the real speculative run (0: no profile "
-                     "cache).")
-flags.DEFINE_integer("spec_cache_samples", CacheOptions().samples,
-                     "--profile_cache_samples of the real speculative run.")
-flags.DEFINE_list("cache_max_age", [str(CacheOptions().max_age)],
-                  "Max ages of the profile cache replayed in the '+ cache' rows (each with "
-                  "every metric, threshold and --cache_samples); empty: no such rows.")
-flags.DEFINE_list("cache_samples", [str(CacheOptions().samples)],
-                  "Samples per cell (CacheOptions.samples) replayed in the '+ cache' rows.")
-flags.DEFINE_list("cache_granularity", [CacheOptions().granularity],
-                  "Cache granularities (tuple, layer) replayed in the '+ cache' rows.")
-flags.DEFINE_string("spec_cache_granularity", CacheOptions().granularity,
-                    "--profile_cache_granularity of the real speculative run.")
-flags.DEFINE_float("instrumented_overhead", -1.0,
-                   "Overhead of an instrumented step (fraction of a plain step) used for the "
-                   "amortized overhead; < 0: estimated from the real speculative run (few "
-                   "profiled steps, e.g. with the cache, make that estimate loose).")
-flags.DEFINE_float("change", 0.10, "A duration change above this (relative) is a real change.")
-flags.DEFINE_integer("smooth", 5, "Window (steps) of the 'measured' truth's running median.")
-flags.DEFINE_string("json", None, "Also write the results here as JSON.")
-flags.DEFINE_float("timeout_s", 3600.0, "Deadline of each training run.")
-flags.DEFINE_integer("ab_rounds", 30,
-                     "Cross-check of the overhead: rounds of plain vs instrumented step on one "
-                     "batch (profiler.measure_overhead), one process with hosts x devices CPU "
-                     "devices; 0 = skip.")
-flags.DEFINE_string("ab_worker", "", "Internal: run the A/B at these capacity factors; print JSON.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command: a test or
+    another launcher importing this module for its logic must not define
+    flags of the same names twice."""
+    flags.DEFINE_string("model", "tiny", "Model config.")
+    flags.DEFINE_integer("steps", 300, "Training steps per run.")
+    flags.DEFINE_integer("shift_every", 50, "Steps between domain shifts (dynamic workload).")
+    flags.DEFINE_list("workloads", ["dynamic", "steady"], "Workloads to run: dynamic, steady.")
+    flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
+    flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+    flags.DEFINE_boolean("pin_hosts", False, "launch.train --pin_hosts: each host on its own CPUs.")
+    flags.DEFINE_string("dispatch", "bucketed",
+                        "MoE dispatch; bucketed makes a layer's time follow its load.")
+    flags.DEFINE_integer("seed", 0, "Seed of both runs.")
+    flags.DEFINE_integer("global_batch", 0, "Sequences per step; 0 = the model's.")
+    flags.DEFINE_string("workdir", None, "Where the runs go; default: a temporary directory.")
+    flags.DEFINE_boolean("reuse", False, "Score the runs already in --workdir instead of running.")
+    flags.DEFINE_list("thresholds", ["0.05", "0.1", "0.2", "0.3"], "Detector thresholds replayed.")
+    flags.DEFINE_list("metrics", list(METRICS), "Drift metrics replayed.")
+    flags.DEFINE_float("spec_threshold", -1.0, "Threshold of the real speculative run; < 0: train's.")
+    flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': train's.")
+    flags.DEFINE_integer("spec_cache_max_age", 0,
+                         "--profile_cache_max_age of the real speculative run (0: no profile "
+                         "cache).")
+    flags.DEFINE_integer("spec_cache_samples", CacheOptions().samples,
+                         "--profile_cache_samples of the real speculative run.")
+    flags.DEFINE_list("cache_max_age", [str(CacheOptions().max_age)],
+                      "Max ages of the profile cache replayed in the '+ cache' rows (each with "
+                      "every metric, threshold and --cache_samples); empty: no such rows.")
+    flags.DEFINE_list("cache_samples", [str(CacheOptions().samples)],
+                      "Samples per cell (CacheOptions.samples) replayed in the '+ cache' rows.")
+    flags.DEFINE_list("cache_granularity", [CacheOptions().granularity],
+                      "Cache granularities (tuple, layer) replayed in the '+ cache' rows.")
+    flags.DEFINE_string("spec_cache_granularity", CacheOptions().granularity,
+                        "--profile_cache_granularity of the real speculative run.")
+    flags.DEFINE_float("instrumented_overhead", -1.0,
+                       "Overhead of an instrumented step (fraction of a plain step) used for the "
+                       "amortized overhead; < 0: estimated from the real speculative run (few "
+                       "profiled steps, e.g. with the cache, make that estimate loose).")
+    flags.DEFINE_float("change", 0.10, "A duration change above this (relative) is a real change.")
+    flags.DEFINE_integer("smooth", 5, "Window (steps) of the 'measured' truth's running median.")
+    flags.DEFINE_string("json", None, "Also write the results here as JSON.")
+    flags.DEFINE_float("timeout_s", 3600.0, "Deadline of each training run.")
+    flags.DEFINE_integer("ab_rounds", 30,
+                         "Cross-check of the overhead: rounds of plain vs instrumented step on one "
+                         "batch (profiler.measure_overhead), one process with hosts x devices CPU "
+                         "devices; 0 = skip.")
+    flags.DEFINE_string("ab_worker", "", "Internal: run the A/B at these capacity factors; print JSON.")
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -613,4 +620,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    define_flags()
     app.run(main)
