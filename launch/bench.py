@@ -61,6 +61,7 @@ from capricorn_jax.experimental import TRIGGERS
 from launch import cluster as cluster_lib
 from launch import runtime
 from launch.metrics import different_work
+from launch.netns import LinkOptions, links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
@@ -119,6 +120,15 @@ def define_flags() -> None:
     flags.DEFINE_enum("platform", "cpu", ["cpu", "gpu"],
                       "cpu: the simulated cluster (--hosts processes); gpu: this process on the "
                       "local GPU(s), --hosts=1, strategies without peers (--replicas=1).")
+    flags.DEFINE_float("link_gbps", 0.0,
+                       "Each simulated host in its own network namespace behind a link of this "
+                       "many Gbit/s each way (launch.netns; needs root); 0 = unshaped loopback.")
+    flags.DEFINE_float("link_latency_ms", 0.0,
+                       "One-way latency between two hosts on the shaped links (netem).")
+    flags.DEFINE_float("link_probe_mib", 8.0,
+                       "Before the strategies: the link each host gets, measured with a "
+                       "collective-permute of this many MiB per device, one way and as an "
+                       "exchange (the JSON's \"link\"; 0: skip).")
     flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
     flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
 
@@ -372,6 +382,11 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                    * len(FLAGS.strategies))
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
                             FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
+    link = None
+    if FLAGS.link_probe_mib > 0 and job.hosts > 1:
+        from launch.link_probe import measure_link
+
+        link = measure_link(FLAGS.link_probe_mib)
     strategies, drivers, ckpts = _strategies(job, workdir)
     runner = _Runner(job)
     probed = FLAGS.a2a_steps
@@ -419,7 +434,7 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
-        result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery,
+        result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery, "link": link,
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
@@ -527,6 +542,22 @@ def _machine(raw: dict) -> str:
             f"{platform.python_version()}, jax {jax.__version__}")
 
 
+def _run_cluster(workdir: Path) -> int:
+    """The workers' job, behind shaped links with --link_gbps (``launch.netns``)."""
+    link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+    with links_for("bench", FLAGS.hosts, link) as network:
+        return cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,
+                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
+                                       network=network)
+
+
+def _link_record(measured: dict | None) -> dict:
+    """The JSON's "link": what was asked for and what the hosts measured."""
+    requested = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+    return {"requested_gbps": requested.gbps or None, "latency_ms": requested.latency_ms,
+            "describe": requested.describe(), **(measured or {})}
+
+
 def markdown(results: dict) -> str:
     lines = ["| strategy | median step, all steps (ms) | spread IQR (ms) | ratio to none | "
              "steps timed / profiled / compiled | steady state only (ms, ratio) | all-to-all "
@@ -584,6 +615,15 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}, "
               f"{', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
+    try:
+        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+    except ValueError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if link.shaped and FLAGS.platform == "gpu":
+        print("bench: error: --link_gbps shapes the simulated CPU hosts' links; not with "
+              "--platform=gpu", file=sys.stderr)
+        sys.exit(2)
     workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_bench_")
     if FLAGS.process_id >= 0:
         runtime.exit_now_on_failure(bench_worker, FLAGS.process_id, workdir)
@@ -599,8 +639,7 @@ def main(argv: list[str]) -> None:
         code = 0
         bench_worker(0, workdir)
     else:
-        code = cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,
-                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s)
+        code = _run_cluster(workdir)
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
     result_file = workdir / "worker_result.json"
     if code != 0 or not result_file.exists():
@@ -614,6 +653,11 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: {e}; no results reported", file=sys.stderr)
         sys.exit(1)
     print(markdown(results))
+    link = _link_record(raw.get("link"))
+    print(f"link: {link['describe']}" + (
+        f"; measured one way {link['one_way_gbps']:.3f} Gbit/s, exchange "
+        f"{link['exchange_gbps']:.3f} Gbit/s per host ({link['mib']:g} MiB per device)"
+        if "one_way_gbps" in link else ""))
     bandwidth = _bandwidth(FLAGS.bandwidth_mib) if FLAGS.bandwidth_mib > 0 else None
     if bandwidth is not None:
         print(f"bandwidth ({FLAGS.bandwidth_mib} MiB): memcpy {bandwidth['memcpy_gbps']:.2f} "
@@ -624,7 +668,7 @@ def main(argv: list[str]) -> None:
         "global_batch", "platform", "a2a_steps", "ckpt_budget")}
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({
-            "strategies": results, "config": config, "bandwidth": bandwidth,
+            "strategies": results, "config": config, "bandwidth": bandwidth, "link": link,
             # step -> strategy -> capacity factors
             "buckets": raw.get("buckets", {}), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python -m launch.bench",

@@ -46,12 +46,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from absl import app, flags
 
 from launch.config import PAUSING_POINTS, Fault
+from launch.netns import LinkError, LinkOptions, check_available
 
 FLAGS = flags.FLAGS
 
@@ -78,6 +80,11 @@ def define_flags() -> None:
                          "share a JAX compilation cache between the jobs (the trials test "
                          "recovery, not speed; the reference runs use the same setting, so "
                          "losses still compare bit for bit).")
+    flags.DEFINE_float("link_gbps", 0.0,
+                       "Every job's hosts behind shaped links of this many Gbit/s each way "
+                       "(launch.train --link_gbps; needs root); 0 = unshaped loopback.")
+    flags.DEFINE_float("link_latency_ms", 0.0,
+                       "One-way latency between two hosts on the shaped links (netem).")
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist")
@@ -287,7 +294,7 @@ def _store_root(scratch: Path) -> Path:
 
 
 def _run_train(flags_: list[str], workdir: Path, store: Path, timeout_s: float,
-               fast_compile: bool) -> subprocess.CompletedProcess:
+               fast_compile: bool, extra: Sequence[str] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if fast_compile:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
@@ -295,12 +302,13 @@ def _run_train(flags_: list[str], workdir: Path, store: Path, timeout_s: float,
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
     return subprocess.run(
         [sys.executable, "-m", "launch.train", *flags_, f"--workdir={workdir}",
-         f"--store_root={store}", "--fresh"],
+         f"--store_root={store}", "--fresh", *extra],
         capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dict,
-               timeout_s: float, fast_compile: bool) -> dict[int, float]:
+               timeout_s: float, fast_compile: bool, extra: Sequence[str] = ()
+               ) -> dict[int, float]:
     """Losses of the uninterrupted run of a topology (one run per topology)."""
     key = (topo.hosts, topo.devices_per_host)
     if key not in cache:
@@ -308,7 +316,7 @@ def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dic
         proc = _run_train([f"--hosts={topo.hosts}", f"--devices_per_host={topo.devices_per_host}",
                            f"--model={model}", f"--steps={steps}", "--ckpt=none",
                            "--eval_sequences=0", f"--log_every={steps}"],
-                          work, _store_root(scratch), timeout_s, fast_compile)
+                          work, _store_root(scratch), timeout_s, fast_compile, extra)
         if proc.returncode != 0:
             raise RuntimeError(f"reference run {key} failed:\n{proc.stdout[-2000:]}"
                                f"{proc.stderr[-2000:]}")
@@ -318,8 +326,10 @@ def _reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dic
 
 
 def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: dict,
-              timeout_s: float, fast_compile: bool = True) -> dict[str, Any]:
-    """Runs one trial and checks it; its JSON object."""
+              timeout_s: float, fast_compile: bool = True, extra: Sequence[str] = ()
+              ) -> dict[str, Any]:
+    """Runs one trial and checks it; its JSON object. ``extra``: flags every job
+    of the trial gets (the reference run's too), e.g. its shaped links."""
     start = time.monotonic()
     result: dict[str, Any] = {
         "trial": trial.index, "seed": trial.seed, "topology": trial.topology.name,
@@ -327,13 +337,13 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
         "faults": [f.to_json() for f in trial.faults],
         "stall": None if trial.stall is None else list(trial.stall)}
     reference = _reference(trial.topology, steps, model, scratch, references, timeout_s,
-                           fast_compile)
+                           fast_compile, extra)
     work, store = scratch / f"trial{trial.index}", _store_root(scratch)
     flags_ = trial.flags(steps, model)
     result["command"] = "python -m launch.train " + " ".join(
-        f"'{f}'" if "[" in f else f for f in flags_)
+        f"'{f}'" if "[" in f else f for f in [*flags_, *extra])
     try:
-        proc = _run_train(flags_, work, store, timeout_s, fast_compile)
+        proc = _run_train(flags_, work, store, timeout_s, fast_compile, extra)
     except subprocess.TimeoutExpired as e:
         said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
         tail = " | ".join((said or "").strip().splitlines()[-8:])
@@ -383,6 +393,14 @@ def main(argv: list[str]) -> int:
     if unknown:
         raise app.UsageError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
                              f"(inmem, gemini, capricorn, pec)")
+    try:
+        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+        if link.shaped:
+            check_available(link)
+    except (ValueError, LinkError) as e:
+        raise app.UsageError(str(e)) from None
+    link_flags = ([f"--link_gbps={link.gbps:g}", f"--link_latency_ms={link.latency_ms:g}"]
+                  if link.shaped else [])
     scratch = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn-chaos-"))
     scratch.mkdir(parents=True, exist_ok=True)
     references: dict = {}
@@ -393,7 +411,7 @@ def main(argv: list[str]) -> int:
         for i in indices:
             trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
             result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
-                               FLAGS.trial_timeout_s, FLAGS.fast_compile)
+                               FLAGS.trial_timeout_s, FLAGS.fast_compile, link_flags)
             results.append(result)
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(

@@ -88,6 +88,9 @@ class LocalCluster:
         default writes ``[host i] line`` to stdout.
       on_exit: called with (host) when a host's output ends (its process
         exited), after its last ``on_line``.
+      command_prefix: if given, host i's process runs under
+        ``command_prefix(i)`` (``ip netns exec NS``: its own shaped link,
+        ``launch.netns``).
       cpu_sets: if given, host i's process (and its XLA thread pools, which
         size themselves from the affinity) runs on ``cpu_sets[i % len]`` only:
         a quieter simulation, each host on its own cores instead of every
@@ -102,6 +105,7 @@ class LocalCluster:
         on_line: Callable[[int, str], None] | None = None,
         cpu_sets: Sequence[Collection[int]] | None = None,
         on_exit: Callable[[int], None] | None = None,
+        command_prefix: Callable[[int], Sequence[str]] | None = None,
     ):
         if cpu_sets is not None and (not cpu_sets or not all(cpu_sets)):
             raise ValueError(f"cpu_sets must be non-empty sets of CPUs, got {cpu_sets!r}")
@@ -114,6 +118,7 @@ class LocalCluster:
         self._on_line = on_line or self._print_line
         self._on_exit = on_exit
         self._print_lock = threading.Lock()
+        self._command_prefix = command_prefix
 
     def _print_line(self, host: int, line: str) -> None:
         with self._print_lock:
@@ -142,7 +147,8 @@ class LocalCluster:
                 os.sched_setaffinity(0, cpus)
 
         proc = subprocess.Popen(
-            [sys.executable, *self.argv_for_host(host)],
+            [*(self._command_prefix(host) if self._command_prefix else ()), sys.executable,
+             *self.argv_for_host(host)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self._env(), preexec_fn=preexec, text=True, bufsize=1,
         )
@@ -247,16 +253,27 @@ def scratch_dir(path: str | None, prefix: str) -> Path:
     return folder
 
 
+def coordinator_address(network=None) -> str:
+    """Where the jax.distributed coordinator (host 0) listens: 127.0.0.1, or
+    host 0's address on its shaped link (``network``: a ``launch.netns.ShapedNetwork``)."""
+    host = "127.0.0.1" if network is None else network.address(0)
+    return f"{host}:{free_port()}"
+
+
 def run_workers(module: str, argv: Sequence[str], hosts: int, devices_per_host: int,
                 workdir: str | os.PathLike, timeout_s: float,
-                internal: tuple[str, ...] = ()) -> int:
+                internal: tuple[str, ...] = (), network=None,
+                on_line: Callable[[int, str], None] | None = None) -> int:
     """Runs ``-m module`` once per simulated host with the launcher's flags
     ``argv`` (less ``internal``) and ``--workdir=workdir`` (a tool's scratch
     folder, where the workers leave their results), until every host exits
-    or ``timeout_s`` passes; the job's exit code (``run``)."""
-    coordinator = f"127.0.0.1:{free_port()}"
+    or ``timeout_s`` passes; the job's exit code (``run``). ``network``: an
+    open ``launch.netns.ShapedNetwork`` the hosts run behind; ``on_line``: as
+    ``LocalCluster``'s."""
+    coordinator = coordinator_address(network)
     cluster = LocalCluster(
         lambda h: worker_argv(module, argv, h, coordinator, ("--workdir", *internal),
                               (f"--workdir={workdir}",)),
-        hosts, devices_per_host)
+        hosts, devices_per_host, on_line=on_line,
+        command_prefix=None if network is None else network.command_prefix)
     return run(cluster, timeout_s)

@@ -35,6 +35,7 @@ from absl import flags
 from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
 from launch import runtime
+from launch.netns import LinkOptions
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from models.config import CONFIGS, ModelConfig, get_config
 
@@ -59,8 +60,17 @@ class ClusterConfig:
     timeout_s: float
     process_id: int
     coordinator: str
+    link_gbps: float = 0.0
+    link_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        try:
+            link = self.link
+        except ValueError as e:
+            raise FlagError(str(e)) from None
+        if link.shaped and self.platform == "gpu":
+            raise FlagError("--link_gbps shapes the simulated CPU hosts' links; not with "
+                            "--platform=gpu")
         if self.hosts < 1:
             raise FlagError(f"--hosts must be >= 1, got {self.hosts}")
         if self.devices_per_host < 1:
@@ -72,6 +82,10 @@ class ClusterConfig:
     @property
     def devices(self) -> int:
         return self.hosts * self.devices_per_host
+
+    @property
+    def link(self) -> LinkOptions:
+        return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -538,7 +552,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
     cluster = ClusterConfig(
         hosts=fv.hosts, devices_per_host=fv.devices_per_host, pin_hosts=fv.pin_hosts,
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
-        coordinator=fv.coordinator)
+        coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,

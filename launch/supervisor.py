@@ -33,6 +33,7 @@ from launch.config import CheckpointConfig, Config
 from launch.console import Console
 from launch.faults import FaultInjector
 from launch.metrics import read_metrics, summarize
+from launch.netns import ShapedNetwork, links_for
 
 # Flags the fault injector sets per worker; never passed through from the command line.
 _INTERNAL_FLAGS = ("--fault_at",)
@@ -129,7 +130,14 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     """Runs the simulated cluster (restarting it after an injected failure); its exit code.
 
     ``argv``: the flags this process was started with, passed on to the workers.
+    With ``--link_gbps`` the hosts run behind shaped links (``launch.netns``),
+    set up before the first attempt and removed however the job ends.
     """
+    with links_for("train", config.cluster.hosts, config.cluster.link) as network:
+        return _supervise(config, argv, network)
+
+
+def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | None) -> int:
     cluster, train, checkpoint = config.cluster, config.train, config.checkpoint
     metrics_path = train.metrics_path
     prepare_workdir(config)
@@ -140,7 +148,7 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
         injector.before_kill = console.injected_kill
     deadline = time.monotonic() + cluster.timeout_s
     while True:
-        coordinator = f"127.0.0.1:{cluster_lib.free_port()}"
+        coordinator = cluster_lib.coordinator_address(network)
         armed = injector is not None and injector.pending
         console.attempt()
         hosts = cluster_lib.LocalCluster(
@@ -149,6 +157,7 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
                 injector.extra_args(h) if a else ()),
             cluster.hosts, cluster.devices_per_host,
             on_line=console.line, on_exit=console.ended,
+            command_prefix=None if network is None else network.command_prefix,
             cpu_sets=cluster_lib.cpu_sets_per_host(cluster.hosts) if cluster.pin_hosts else None)
         if armed:
             injector.arm(hosts)

@@ -26,6 +26,12 @@ flags.DEFINE_integer("devices_per_host", 2, "CPU devices per simulated host.")
 flags.DEFINE_boolean("pin_hosts", False,
                      "Run each simulated host's process on its own CPUs (this process's CPUs "
                      "split round robin): steadier timings, e.g. for profiling measurements.")
+flags.DEFINE_float("link_gbps", 0.0,
+                   "Run each simulated host in its own network namespace behind a link of this "
+                   "many Gbit/s each way (tc tbf; needs root); 0 = unshaped loopback.")
+flags.DEFINE_float("link_latency_ms", 0.0,
+                   "One-way latency between two hosts on the shaped links (netem); needs "
+                   "--link_gbps.")
 flags.DEFINE_string("model", "tiny", f"Model config: {', '.join(CONFIGS)}.")
 flags.DEFINE_integer("steps", 20, "Training steps.")
 flags.DEFINE_string("workdir", None, "Directory for metrics.jsonl and checkpoints.")

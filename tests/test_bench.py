@@ -36,6 +36,11 @@ def test_bench_reports_every_strategy(tmp_path):
     bandwidth = report["bandwidth"]
     assert bandwidth["mib"] == 8 and all(
         bandwidth[k] > 0 for k in ("memcpy_gbps", "store_ingest_gbps", "restore_gbps"))
+    # The link the hosts got (unshaped loopback here), measured before the strategies.
+    link = report["link"]
+    assert link["requested_gbps"] is None and link["describe"] == "unshaped loopback"
+    assert link["one_way_gbps"] > 0 and link["exchange_gbps"] > 0 and link["hosts"] == 2
+    assert "link: unshaped loopback; measured one way " in proc.stdout
     # No budget: every version taken, and every timed step's version reported
     # on every holder (after the final status round at the latest).
     for name in ("inmem", "pec"):

@@ -14,9 +14,17 @@ import sys
 import pytest
 
 from launch.chaos import draw_trial, parse_topology
+from launch.netns import _NAME, _pid_alive, namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow
+
+
+def netns_usable() -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 SEED, STEPS = 5, 8
 FLAGS = ("--trials=1", f"--seed={SEED}", "--topologies=2x1", f"--steps={STEPS}")
@@ -44,3 +52,30 @@ def test_chaos_runs_trials_checks_them_and_writes_the_json(tmp_path):
     assert "chaos: 1/1 trials passed" in proc.stdout
     assert "trial 1/1 (seed 5000) 2x1 capricorn persist=4" in proc.stdout
     assert_no_orphans(str(tmp_path / "w"))
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2 (ip, tc)")
+def test_chaos_trial_on_shaped_links(tmp_path):
+    """The same trial with every job (reference included) behind 0.5 Gbit/s links."""
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "launch.chaos", *FLAGS, "--link_gbps=0.5",
+                           f"--workdir={tmp_path / 'w'}", f"--json={out}"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["passed"], report["failed"]) == (1, 0)
+    assert "--link_gbps=0.5" in report["trials"][0]["command"]
+    # No namespace of a finished job left behind (live jobs' are theirs).
+    assert [n for n in namespaces()
+            if (m := _NAME.match(n)) and not _pid_alive(int(m.group(1)))] == []
+
+
+def test_chaos_refuses_a_bad_link_flag_on_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.chaos", "--trials=1",
+                           "--link_gbps=-1", f"--workdir={tmp_path / 'w'}"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--link_gbps must be >= 0, got -1.0" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()

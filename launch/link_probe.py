@@ -1,0 +1,164 @@
+"""The link a simulated host actually gets, measured with the transfers the job uses.
+
+Run inside every worker of a job (after jax.distributed is up): each host's
+devices hold a ``mib``-MiB uint8 row each, and a jitted ``shard_map``
+``ppermute`` over a mesh of all devices moves them
+
+- ``one_way``: host 0's rows to host 1's devices (the others idle);
+- ``exchange``: every host's rows to the next host's devices at once (ring),
+  the pattern of a replication round.
+
+Each repetition starts at a barrier and ends when the slowest host has its
+output; the first call (compilation) is left out. The rate is the bytes one
+host sends divided by the median time, in Gbit/s (1e9 bits). With
+``--link_gbps`` the shaped rate is what a host may send (and receive) per
+direction, so both figures are comparable to the flag; tc's token bucket and
+TCP's ramp usually give less than the nominal rate, which is why the bench
+records the measured figure beside the requested one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+
+def measure_link(mib: float = 8.0, repeats: int = 5) -> dict:
+    """{"one_way_gbps", "exchange_gbps", "one_way_s", "exchange_s", "mib", "repeats"}
+    (medians; every host returns the same dict once every host is done)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    hosts = jax.process_count()
+    if hosts < 2:
+        raise ValueError("measure_link needs >= 2 processes (jax.distributed)")
+    if not (mib > 0 and repeats >= 1):
+        raise ValueError(f"measure_link: mib must be > 0 and repeats >= 1, got {mib}, {repeats}")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    per_host = {h: [i for i, d in enumerate(devices) if d.process_index == h]
+                for h in range(hosts)}
+    counts = {len(v) for v in per_host.values()}
+    if len(counts) != 1:
+        raise ValueError(f"measure_link: hosts hold different device counts {per_host}")
+    mesh = Mesh(np.array(devices), ("x",))
+    n = int(mib * (1 << 20))
+    local = np.full((len(per_host[jax.process_index()]), n), jax.process_index() + 1, np.uint8)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+    sent_per_host = local.nbytes
+
+    def program(pairs):
+        return jax.jit(jax.shard_map(lambda v: jax.lax.ppermute(v, "x", pairs), mesh=mesh,
+                                     in_specs=P("x"), out_specs=P("x")))
+
+    one_way = list(zip(per_host[0], per_host[1], strict=True))
+    ring = [(a, b) for h in range(hosts)
+            for a, b in zip(per_host[h], per_host[(h + 1) % hosts], strict=True)]
+    out = {"mib": mib, "repeats": repeats, "hosts": hosts}
+    for name, pairs in (("one_way", one_way), ("exchange", ring)):
+        fn = program(pairs)
+        y = fn(x)  # compiles; and checks the bytes arrived where they should
+        receivers = {b for _, b in pairs}
+        for shard in y.addressable_shards:
+            pos = devices.index(shard.device)
+            want = (devices[pos - len(local)].process_index + 1) if pos in receivers else 0
+            if pos in receivers and not np.all(np.asarray(shard.data) == want):
+                raise RuntimeError(f"measure_link {name}: device {shard.device} did not receive "
+                                   f"host {want - 1}'s row")
+        times = []
+        for r in range(repeats):
+            multihost_utils.sync_global_devices(f"link_probe/{name}/{r}")
+            t0 = time.perf_counter()
+            fn(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        # The slowest host's time: a transfer is done when its receiver has it.
+        slowest = np.asarray(multihost_utils.process_allgather(np.array(times))).max(axis=0)
+        med = float(statistics.median(slowest.tolist()))
+        out[f"{name}_s"] = med
+        out[f"{name}_gbps"] = sent_per_host * 8 / med / 1e9
+    return out
+
+
+# --- the command -------------------------------------------------------------------------------
+#
+#   python -m launch.link_probe --hosts=2 --devices_per_host=2 --link_gbps=0.4 --json=link.json
+#
+# Starts the simulated hosts (behind shaped links with --link_gbps, launch.netns),
+# runs measure_link in each and prints one line; exits non-zero on a failure.
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command (launch.bench
+    imports ``measure_link`` and has flags of the same names)."""
+    flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
+    flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
+    flags.DEFINE_float("link_gbps", 0.0, "Shaped links of this many Gbit/s (0: loopback).")
+    flags.DEFINE_float("link_latency_ms", 0.0, "One-way latency on the shaped links (netem).")
+    flags.DEFINE_float("mib", 8.0, "MiB per device per transfer.")
+    flags.DEFINE_integer("repeats", 5, "Timed transfers per pattern.")
+    flags.DEFINE_string("json", None, "Write the measurement here.")
+    flags.DEFINE_float("timeout_s", 300.0, "Deadline of the job.")
+    flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
+    flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
+    flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
+
+
+def _worker(process_id: int, workdir: Path) -> None:
+    from launch import runtime
+
+    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
+    result = measure_link(FLAGS.mib, FLAGS.repeats)
+    if process_id == 0:
+        (workdir / "link.json").write_text(json.dumps(result))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    from launch import cluster as cluster_lib
+    from launch import runtime
+    from launch.console import Console
+    from launch.netns import LinkOptions, links_for
+
+    try:
+        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+        if FLAGS.hosts < 2:
+            raise ValueError(f"--hosts must be >= 2 to measure a link, got {FLAGS.hosts}")
+    except ValueError as e:
+        print(f"link_probe: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_link_")
+    if FLAGS.process_id >= 0:
+        runtime.exit_now_on_failure(_worker, FLAGS.process_id, workdir)
+        return
+    with links_for("link_probe", FLAGS.hosts, link) as network:
+        code = cluster_lib.run_workers("launch.link_probe", sys.argv[1:], FLAGS.hosts,
+                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
+                                       network=network, on_line=Console().line)
+    result_file = workdir / "link.json"
+    if code != 0 or not result_file.exists():
+        print(f"link_probe: error: a host failed (exit code {code}); no measurement",
+              file=sys.stderr)
+        sys.exit(code or 1)
+    result = {"requested_gbps": link.gbps or None, "latency_ms": link.latency_ms,
+              "describe": link.describe(), **json.loads(result_file.read_text())}
+    print(f"link: {link.describe()}; measured one way {result['one_way_gbps']:.3f} Gbit/s, "
+          f"exchange {result['exchange_gbps']:.3f} Gbit/s per host "
+          f"({FLAGS.mib:g} MiB per device, {FLAGS.hosts} hosts)", flush=True)
+    if FLAGS.json:
+        Path(FLAGS.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    define_flags()
+    app.run(main)

@@ -1,0 +1,300 @@
+"""Shaped links for the simulated cluster: each host in its own network namespace.
+
+``--link_gbps=R`` (launch.train, launch.bench, launch.chaos) runs every
+simulated host behind a link of R Gbit/s in each direction, the regime of a
+real cluster where the all-to-alls and the checkpoint share a scarce link.
+Without it the hosts talk over unshaped loopback (the default).
+
+Layout of one job (names carry the supervisor's pid: ``cjx<pid>``):
+
+- ``cjx<pid>s``: a switch namespace holding the bridge ``br0``;
+- ``cjx<pid>h<i>``: host i's namespace; its veth ``eth0`` (address
+  ``10.93.0.<i+1>/24``) is paired with ``h<i>`` in the switch, a bridge port;
+- a ``tbf`` qdisc on ``eth0`` (what host i sends) and on ``h<i>`` (what it
+  receives) at the rate asked for; ``--link_latency_ms`` adds a ``netem`` delay
+  (half on each end) where the kernel has netem;
+- ``/etc/netns/cjx<pid>h<i>/hosts`` maps this machine's hostname to host i's
+  address: gloo advertises the address its hostname resolves to, and
+  ``ip netns exec`` bind-mounts that file over /etc/hosts for the worker.
+
+Addresses exist only inside these namespaces (no route out, no NAT). Everything
+is removed when the job ends (``ShapedNetwork.close``), when the supervisor is
+killed (a guardian process, in its own session, removes them when the
+supervisor's end of a pipe closes), and, for a run whose guardian died too,
+on the next start (``remove_stale``: namespaces whose pid is gone).
+
+Design choice: kernel namespaces and tc, so that gloo's real TCP traffic is
+shaped. Alternative not taken: pacing inside the transport (sleeping between
+chunks), which would shape only the checkpoint and leave the all-to-alls on an
+unshaped link, the opposite of the contention being studied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+PREFIX = "cjx"
+SUBNET = "10.93.0"
+NETNS_ETC = Path("/etc/netns")
+_NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
+
+
+class LinkError(RuntimeError):
+    """Shaped links cannot be set up here; the message says why, on one line."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkOptions:
+    """A simulated host's link: ``gbps`` each way (0: unshaped loopback) and
+    ``latency_ms`` one way between two hosts (needs netem)."""
+
+    gbps: float = 0.0
+    latency_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.gbps >= 0:
+            raise ValueError(f"--link_gbps must be >= 0, got {self.gbps}")
+        if not self.latency_ms >= 0:
+            raise ValueError(f"--link_latency_ms must be >= 0, got {self.latency_ms}")
+        if self.latency_ms and not self.gbps:
+            raise ValueError("--link_latency_ms needs --link_gbps > 0 (the hosts' own links)")
+
+    @property
+    def shaped(self) -> bool:
+        return self.gbps > 0
+
+    def describe(self) -> str:
+        if not self.shaped:
+            return "unshaped loopback"
+        lat = f", {self.latency_ms:g} ms one way" if self.latency_ms else ""
+        return f"{self.gbps:g} Gbit/s each way per host{lat}"
+
+
+def _run(*cmd: str) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise LinkError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespaces(prefix: str = PREFIX) -> list[str]:
+    """This machine's network namespaces whose names start with ``prefix``."""
+    out = _run("ip", "netns", "list")
+    return [line.split()[0] for line in out.splitlines()
+            if line.strip() and line.split()[0].startswith(prefix)]
+
+
+def _delete(name: str) -> None:
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+
+
+def remove_job(job: str) -> list[str]:
+    """Deletes job ``job``'s namespaces (and their veths, qdiscs, hosts
+    files); the names deleted."""
+    gone = []
+    for name in namespaces(job):
+        if _NAME.match(name) and name[len(job):][:1] in ("s", "h"):
+            _delete(name)
+            gone.append(name)
+    for folder in NETNS_ETC.glob(f"{job}[sh]*") if NETNS_ETC.exists() else ():
+        shutil.rmtree(folder, ignore_errors=True)
+    return gone
+
+
+def remove_stale() -> list[str]:
+    """Deletes the namespaces of jobs whose supervisor is gone (a crashed or
+    SIGKILLed run whose guardian died too); the names deleted."""
+    gone = []
+    names = set(namespaces())
+    if NETNS_ETC.exists():
+        names |= {p.name for p in NETNS_ETC.iterdir() if _NAME.match(p.name)}
+    for name in sorted(names):
+        m = _NAME.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            _delete(name)
+            gone.append(name)
+    return gone
+
+
+def check_available(options: LinkOptions) -> None:
+    """Raises LinkError (one line: what is missing and what to do) unless this
+    process can build shaped links."""
+    if os.geteuid() != 0:
+        raise LinkError("--link_gbps needs root (it creates network namespaces and tc qdiscs); "
+                        "run as root, or leave --link_gbps at 0 for unshaped loopback")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LinkError(f"--link_gbps needs iproute2's `{tool}` on PATH; install iproute2")
+    probe = f"{PREFIX}{os.getpid()}probe"
+    try:
+        _run("ip", "netns", "add", probe)
+    except LinkError as e:
+        raise LinkError(f"--link_gbps: network namespaces are unavailable here ({e})") from None
+    try:
+        _run("ip", "-n", probe, "link", "set", "lo", "up")
+        _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "tbf",
+             "rate", "1gbit", "burst", "256kb", "latency", "100ms")
+        if options.latency_ms:
+            try:
+                _run("tc", "-n", probe, "qdisc", "add", "dev", "lo", "parent", "1:1",
+                     "handle", "10:", "netem", "delay", "1ms")
+            except LinkError:
+                raise LinkError(
+                    "--link_latency_ms needs the kernel's netem qdisc (sch_netem), which this "
+                    "kernel lacks; leave --link_latency_ms at 0 (rate shaping alone works)"
+                ) from None
+    except LinkError as e:
+        if "--link" in str(e):
+            raise
+        raise LinkError(f"--link_gbps: tc's tbf qdisc is unavailable here ({e})") from None
+    finally:
+        _delete(probe)
+
+
+def _tbf(namespace: str, dev: str, options: LinkOptions) -> None:
+    rate_bytes_s = options.gbps * 1e9 / 8
+    # At least 256 KB (a few GSO segments of a veth), else 2 ms of the rate.
+    burst = max(256 << 10, int(rate_bytes_s * 2e-3))
+    _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+         "rate", f"{options.gbps * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
+    if options.latency_ms:
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+             "netem", "delay", f"{options.latency_ms / 2:g}ms")
+
+
+class ShapedNetwork:
+    """The namespaces and links of one job of ``hosts`` hosts (a context manager).
+
+    ``command_prefix(i)`` is what host i's process runs under, ``address(i)``
+    its address (the coordinator listens on host 0's).
+    """
+
+    def __init__(self, hosts: int, options: LinkOptions, job: str | None = None):
+        if not options.shaped:
+            raise ValueError("ShapedNetwork needs LinkOptions with gbps > 0")
+        self.hosts = hosts
+        self.options = options
+        self.job = job or f"{PREFIX}{os.getpid()}"
+        self.switch = f"{self.job}s"
+        self._guardian: subprocess.Popen | None = None
+        self.stale_removed: list[str] = []
+
+    def host_namespace(self, host: int) -> str:
+        return f"{self.job}h{host}"
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def command_prefix(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", self.host_namespace(host)]
+
+    def open(self) -> ShapedNetwork:
+        check_available(self.options)
+        self.stale_removed = remove_stale()
+        self._guardian = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from launch.netns import _guard; "
+             "_guard(sys.argv[1])", self.job],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self) -> None:
+        hostname = socket.gethostname()
+        _run("ip", "netns", "add", self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host in range(self.hosts):
+            ns = self.host_namespace(host)
+            _run("ip", "netns", "add", ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth",
+                 "peer", "name", f"h{host}", "netns", self.switch)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", self.switch, "link", "set", f"h{host}", "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", f"h{host}", "up")
+            _tbf(ns, "eth0", self.options)
+            _tbf(self.switch, f"h{host}", self.options)
+            etc = NETNS_ETC / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.address(host)} {hostname}\n")
+
+    def close(self) -> None:
+        remove_job(self.job)
+        if self._guardian is not None:
+            if self._guardian.stdin is not None:
+                self._guardian.stdin.close()
+            try:
+                self._guardian.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._guardian.kill()
+            self._guardian = None
+
+    def __enter__(self) -> ShapedNetwork:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _guard(job: str) -> None:
+    """The guardian: waits until its supervisor's pipe closes (the supervisor
+    ended, however it ended), then deletes the job's namespaces."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # outlive the job's own signals
+    try:
+        sys.stdin.buffer.read()
+    finally:
+        remove_job(job)
+
+
+@contextlib.contextmanager
+def links_for(tool: str, hosts: int, options: LinkOptions) -> Iterator[ShapedNetwork | None]:
+    """A command's shaped network for the length of the block (None when
+    ``options`` is unshaped): one line says what the hosts run behind (and
+    what a crashed run left that was removed); when links cannot be built
+    here, ``tool: error: ...`` on one line and exit code 2."""
+    if not options.shaped:
+        yield None
+        return
+    try:
+        network = ShapedNetwork(hosts, options).open()
+    except LinkError as e:
+        print(f"{tool}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        if network.stale_removed:
+            print(f"links: removed {len(network.stale_removed)} namespaces left by a crashed "
+                  f"run ({', '.join(network.stale_removed)})", flush=True)
+        print(f"links: {hosts} hosts, each in its own network namespace behind "
+              f"{options.describe()}", flush=True)
+        yield network
+    finally:
+        network.close()
