@@ -152,6 +152,7 @@ def test_bad_profile_flags_give_one_line_error(tmp_path, flags, flag_name):
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # the trigger's logic is unit-tested in test_detector.py; this is the CLI run
 def test_capacity_trigger_profiles_each_tuple_until_its_samples_are_in(tmp_path, cache):
     # The default speculative trigger: step t is profiled when its capacity
     # tuple (known before it runs) has fewer than --profile_cache_samples warm

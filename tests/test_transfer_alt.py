@@ -17,6 +17,7 @@ def _run(*flags, timeout=120):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.soak  # the rejected transport's measurement; its deadline test stays in CI
 def test_both_transports_measured_and_verified(tmp_path):
     out = tmp_path / "alt.json"
     proc = _run("--sizes_mb=0.25", "--repeats=2", "--window_s=0.2", "--timeout_s=100",
