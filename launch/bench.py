@@ -554,8 +554,7 @@ def _run_cluster(workdir: Path) -> int:
 def _link_record(measured: dict | None) -> dict:
     """The JSON's "link": what was asked for and what the hosts measured."""
     requested = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
-    return {"requested_gbps": requested.gbps or None, "latency_ms": requested.latency_ms,
-            "describe": requested.describe(), **(measured or {})}
+    return {**requested.record(), **(measured or {})}
 
 
 def markdown(results: dict) -> str:

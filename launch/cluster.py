@@ -277,3 +277,26 @@ def run_workers(module: str, argv: Sequence[str], hosts: int, devices_per_host: 
         hosts, devices_per_host, on_line=on_line,
         command_prefix=None if network is None else network.command_prefix)
     return run(cluster, timeout_s)
+
+
+def run_tool_workers(tool: str, module: str, argv: Sequence[str], hosts: int,
+                     devices_per_host: int, workdir: Path, timeout_s: float, link,
+                     result_name: str) -> dict:
+    """A measuring tool's job: its workers (``run_workers``, their chatter
+    filtered by the console) behind the links ``link`` asks for
+    (``launch.netns.links_for``); the JSON host 0 left in ``workdir/result_name``.
+    When a host fails or left nothing: ``tool: error: ...`` and the job's exit code."""
+    import json
+
+    from launch.console import Console
+    from launch.netns import links_for
+
+    with links_for(tool, hosts, link) as network:
+        code = run_workers(module, argv, hosts, devices_per_host, workdir, timeout_s,
+                           network=network, on_line=Console().line)
+    result_file = Path(workdir) / result_name
+    if code != 0 or not result_file.exists():
+        print(f"{tool}: error: a host failed (exit code {code}); no results", file=sys.stderr)
+        sys.exit(code or 1)
+    return json.loads(result_file.read_text())
+

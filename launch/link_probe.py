@@ -126,8 +126,7 @@ def main(argv: list[str]) -> None:
     del argv
     from launch import cluster as cluster_lib
     from launch import runtime
-    from launch.console import Console
-    from launch.netns import LinkOptions, links_for
+    from launch.netns import LinkOptions
 
     try:
         link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
@@ -140,17 +139,10 @@ def main(argv: list[str]) -> None:
     if FLAGS.process_id >= 0:
         runtime.exit_now_on_failure(_worker, FLAGS.process_id, workdir)
         return
-    with links_for("link_probe", FLAGS.hosts, link) as network:
-        code = cluster_lib.run_workers("launch.link_probe", sys.argv[1:], FLAGS.hosts,
-                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
-                                       network=network, on_line=Console().line)
-    result_file = workdir / "link.json"
-    if code != 0 or not result_file.exists():
-        print(f"link_probe: error: a host failed (exit code {code}); no measurement",
-              file=sys.stderr)
-        sys.exit(code or 1)
-    result = {"requested_gbps": link.gbps or None, "latency_ms": link.latency_ms,
-              "describe": link.describe(), **json.loads(result_file.read_text())}
+    measured = cluster_lib.run_tool_workers("link_probe", "launch.link_probe", sys.argv[1:],
+                                            FLAGS.hosts, FLAGS.devices_per_host, workdir,
+                                            FLAGS.timeout_s, link, "link.json")
+    result = {**link.record(), **measured}
     print(f"link: {link.describe()}; measured one way {result['one_way_gbps']:.3f} Gbit/s, "
           f"exchange {result['exchange_gbps']:.3f} Gbit/s per host "
           f"({FLAGS.mib:g} MiB per device, {FLAGS.hosts} hosts)", flush=True)

@@ -72,6 +72,11 @@ class LinkOptions:
     def shaped(self) -> bool:
         return self.gbps > 0
 
+    def record(self) -> dict:
+        """What was asked for, as the JSONs of the bench and the link probe hold it."""
+        return {"requested_gbps": self.gbps or None, "latency_ms": self.latency_ms,
+                "describe": self.describe()}
+
     def describe(self) -> str:
         if not self.shaped:
             return "unshaped loopback"
@@ -108,31 +113,42 @@ def _delete(name: str) -> None:
     shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
 
 
+def job_namespaces(job: str) -> list[str]:
+    """The namespaces of job ``job`` (``cjx<pid>``): its switch and hosts only,
+    not those of a job whose pid merely starts with the same digits."""
+    return [name for name in namespaces(job)
+            if _NAME.match(name) and name[len(job):][:1] in ("s", "h")]
+
+
 def remove_job(job: str) -> list[str]:
     """Deletes job ``job``'s namespaces (and their veths, qdiscs, hosts
     files); the names deleted."""
-    gone = []
-    for name in namespaces(job):
-        if _NAME.match(name) and name[len(job):][:1] in ("s", "h"):
-            _delete(name)
-            gone.append(name)
+    gone = job_namespaces(job)
+    for name in gone:
+        _delete(name)
     for folder in NETNS_ETC.glob(f"{job}[sh]*") if NETNS_ETC.exists() else ():
         shutil.rmtree(folder, ignore_errors=True)
     return gone
 
 
+def _stale(names) -> list[str]:
+    return sorted(n for n in names if (m := _NAME.match(n)) and not _pid_alive(int(m.group(1))))
+
+
+def stale_namespaces() -> list[str]:
+    """Namespaces of jobs whose supervisor is gone."""
+    return _stale(namespaces())
+
+
 def remove_stale() -> list[str]:
-    """Deletes the namespaces of jobs whose supervisor is gone (a crashed or
-    SIGKILLed run whose guardian died too); the names deleted."""
-    gone = []
+    """Deletes the namespaces (and hosts files) of jobs whose supervisor is
+    gone (a crashed or SIGKILLed run whose guardian died too); the names deleted."""
     names = set(namespaces())
     if NETNS_ETC.exists():
-        names |= {p.name for p in NETNS_ETC.iterdir() if _NAME.match(p.name)}
-    for name in sorted(names):
-        m = _NAME.match(name)
-        if m and not _pid_alive(int(m.group(1))):
-            _delete(name)
-            gone.append(name)
+        names |= {p.name for p in NETNS_ETC.iterdir()}
+    gone = _stale(names)
+    for name in gone:
+        _delete(name)
     return gone
 
 

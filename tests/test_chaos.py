@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from launch.chaos import draw_trial, parse_topology
-from launch.netns import _NAME, _pid_alive, namespaces
+from launch.netns import stale_namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow
@@ -68,8 +68,7 @@ def test_chaos_trial_on_shaped_links(tmp_path):
     assert (report["passed"], report["failed"]) == (1, 0)
     assert "--link_gbps=0.5" in report["trials"][0]["command"]
     # No namespace of a finished job left behind (live jobs' are theirs).
-    assert [n for n in namespaces()
-            if (m := _NAME.match(n)) and not _pid_alive(int(m.group(1)))] == []
+    assert stale_namespaces() == []
 
 
 def test_chaos_refuses_a_bad_link_flag_on_one_line(tmp_path):

@@ -24,8 +24,7 @@ needs_root = pytest.mark.skipif(
 
 
 def _job_namespaces(pid: int) -> list[str]:
-    return [n for n in netns.namespaces(f"{netns.PREFIX}{pid}")
-            if netns._NAME.match(n) and n[len(f"{netns.PREFIX}{pid}"):][:1] in ("s", "h")]
+    return netns.job_namespaces(f"{netns.PREFIX}{pid}")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -153,13 +152,8 @@ def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
     assert len(recoveries) == 1 and recoveries[0]["tier"] in ("local", "peer"), recoveries
     steps = sorted({r["step"] for r in records if "event" not in r})
     assert steps == list(range(8))
-    assert _job_namespaces_of_any_dead_run() == []
+    assert netns.stale_namespaces() == []
     assert_no_orphans(str(workdir))
-
-
-def _job_namespaces_of_any_dead_run() -> list[str]:
-    return [n for n in netns.namespaces()
-            if (m := netns._NAME.match(n)) and not netns._pid_alive(int(m.group(1)))]
 
 
 @needs_root
@@ -211,7 +205,7 @@ def test_measured_link_rate_is_within_a_factor_of_the_requested_one(tmp_path):
     assert 0.3 / 3 <= shaped["one_way_gbps"] <= 0.3 * 1.5, shaped
     assert 0.3 / 6 <= shaped["exchange_gbps"] <= 0.3 * 1.5, shaped
     assert loopback["one_way_gbps"] > 2 * shaped["one_way_gbps"], (loopback, shaped)
-    assert _job_namespaces_of_any_dead_run() == []
+    assert netns.stale_namespaces() == []
 
 
 @needs_root
@@ -229,4 +223,4 @@ def test_bench_on_shaped_links_records_the_link(tmp_path):
     assert result["link"]["requested_gbps"] == 0.3
     assert 0.3 / 3 <= result["link"]["one_way_gbps"] <= 0.3 * 1.5, result["link"]
     assert "link: 0.3 Gbit/s each way per host; measured one way" in proc.stdout
-    assert _job_namespaces_of_any_dead_run() == []
+    assert netns.stale_namespaces() == []

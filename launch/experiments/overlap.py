@@ -43,8 +43,7 @@ from absl import app, flags, logging
 
 from launch import cluster as cluster_lib
 from launch import runtime
-from launch.console import Console
-from launch.netns import LinkOptions, links_for
+from launch.netns import LinkOptions
 
 FLAGS = flags.FLAGS
 HOSTS = 2
@@ -272,15 +271,9 @@ def main(argv: list[str]) -> None:
     if FLAGS.process_id >= 0:
         runtime.exit_now_on_failure(_worker, FLAGS.process_id, workdir)
         return
-    with links_for("overlap", HOSTS, link) as network:
-        code = cluster_lib.run_workers("launch.experiments.overlap", sys.argv[1:], HOSTS,
-                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
-                                       network=network, on_line=Console().line)
-    result_file = workdir / "overlap.json"
-    if code != 0 or not result_file.exists():
-        print(f"overlap: error: a host failed (exit code {code}); no results", file=sys.stderr)
-        sys.exit(code or 1)
-    summary = summarize(json.loads(result_file.read_text()))
+    summary = summarize(cluster_lib.run_tool_workers(
+        "overlap", "launch.experiments.overlap", sys.argv[1:], HOSTS, FLAGS.devices_per_host,
+        workdir, FLAGS.timeout_s, link, "overlap.json"))
     print(markdown(summary))
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({
