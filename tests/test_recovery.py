@@ -385,6 +385,7 @@ def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
     assert _losses(records) == reference
 
 
+@pytest.mark.soak  # CI time; the chaos soak draws mid-replication kills (BUILD_NOTES)
 def test_kill_mid_replication(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=0", "--kill_at_step=5",
                            "--kill_point=mid_replication", "--kill_mode=process")
