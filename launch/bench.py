@@ -65,8 +65,15 @@ from launch.netns import LinkOptions, links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
-# Bench-only rows: a strategy on other media (name -> the strategy it runs).
-VARIANTS = {"blocking_disk": "blocking"}
+# Bench-only rows: a strategy on other media or another chunk path (name ->
+# the strategy it runs).
+VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
+            "capricorn_in_graph": "capricorn"}
+
+
+def _chunk_path(name: str) -> str:
+    """The chunk path of a row: its variant's, else --chunk_path."""
+    return "in_graph" if name.endswith("_in_graph") else FLAGS.chunk_path
 
 
 def define_flags() -> None:
@@ -94,6 +101,10 @@ def define_flags() -> None:
     flags.DEFINE_integer("global_batch", 0, "Sequences per step over all hosts; 0 = the model's.")
     flags.DEFINE_integer("replicas", 2, "In-memory replicas m.")
     flags.DEFINE_integer("chunk_bytes", 4 << 20, "In-memory transfer chunk size.")
+    flags.DEFINE_enum("chunk_path", "auto", ["auto", "in_graph", "threaded"],
+                      "gemini/capricorn: chunks inside the jitted step (in_graph) or from a "
+                      "sender thread started by boundary marks (threaded); auto: in_graph "
+                      "on GPU, threaded otherwise.")
     flags.DEFINE_integer("pec_k", 2, "Strategy pec: experts per MoE layer in each version (fixed K).")
     flags.DEFINE_integer("persist_every", 10,
                          "orbax_emergency: its persistent tier's interval (steps); its local tier "
@@ -146,7 +157,7 @@ def _checkpointer(name: str, job):
         replication_timeout_s=FLAGS.timeout_s,
         max_wait_s=None if FLAGS.ckpt_budget < 0 else FLAGS.ckpt_budget,
         pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
-        if name in PEC else None)
+        if VARIANTS.get(name, name) in PEC else None)
     return capricorn_jax.InMemoryCheckpointer(
         options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
         job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
@@ -166,16 +177,18 @@ def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
                    "orbax_async": ram / "orbax",
                    "orbax_emergency": workdir / "orbax_emergency"}
     for name in FLAGS.strategies:
-        if name in IN_MEMORY:
+        base = VARIANTS.get(name, name)
+        if base in IN_MEMORY:
             ckpts[name] = _checkpointer(name, job)
         strategies[name] = make_strategy(
-            VARIANTS.get(name, name), job.trainer, checkpointer=ckpts.get(name),
+            base, job.trainer, checkpointer=ckpts.get(name),
             directory=directories.get(name), first_n=FLAGS.profile_first_n,
-            chunk_cap=FLAGS.chunk_bytes, tier="local", local_directory=ram / "orbax_local",
+            chunk_cap=FLAGS.chunk_bytes, chunk_path=_chunk_path(name), tier="local",
+            local_directory=ram / "orbax_local",
             persist_every=FLAGS.persist_every)
         strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
-            STRATEGY_PROFILE.get(name, "off"), FLAGS.profile_first_n,
+            STRATEGY_PROFILE.get(base, "off"), FLAGS.profile_first_n,
             DetectorOptions(threshold=FLAGS.drift_threshold), trigger=FLAGS.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
                                                       collectives=job.trainer.all_to_alls,
@@ -496,7 +509,7 @@ def summarize(raw: dict) -> dict:
     for name, recovery in raw.get("recovery", {}).items():
         out[name]["recovery"] = recovery
     for name, (saved, skipped) in raw.get("saves", {}).items():
-        if name in out and (name in IN_MEMORY or skipped):
+        if name in out and (VARIANTS.get(name, name) in IN_MEMORY or skipped):
             out[name]["versions_skipped"] = skipped
             out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
     for name in out:  # the steps at which its loss was checked against another strategy's

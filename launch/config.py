@@ -276,6 +276,7 @@ class CheckpointConfig:
     chunk_bytes: int
     chunk_cap_bytes: int
     store_root: str
+    chunk_path: str = "auto"
     job: str
     replication_timeout_s: float
     budget_s: float = -1.0
@@ -567,6 +568,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
     checkpoint = CheckpointConfig(
         strategy=fv.ckpt, replicas=fv.replicas, chunk_bytes=fv.chunk_bytes,
         chunk_cap_bytes=fv.chunk_cap_bytes, store_root=fv.store_root,
+        chunk_path=fv.chunk_path,
         job=job_name(train.workdir), replication_timeout_s=fv.replication_timeout_s,
         budget_s=fv.ckpt_budget, persist_every=fv.persist_every, max_to_keep=fv.max_to_keep, pec_k=fv.pec_k,
         pec_policy=fv.pec_policy, pec_plt_threshold=fv.pec_plt_threshold,

@@ -40,7 +40,8 @@ STRATEGY_PROFILE = {"gemini": "first_n", "capricorn": "speculative",
 
 def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None = None,
                   directory: Path | None = None, first_n: int | None = None,
-                  chunk_cap: int = 1 << 20, tier: str = "persistent",
+                  chunk_cap: int = 1 << 20, chunk_path: str = "auto",
+                  tier: str = "persistent",
                   local_directory: Path | None = None, persist_every: int = 10) -> Strategy:
     """The strategy ``name`` of this host.
 
@@ -54,6 +55,7 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
         persistent root, shared) writes.
       first_n: gemini's profiled steps (default: ``ProfilingOptions``').
       chunk_cap: the scheduled strategies' largest chunk in a window, bytes.
+      chunk_path: how they move chunks: "auto", "in_graph" or "threaded".
       tier: ``orbax_async``'s restore tier ("persistent" disk or "local" RAM disk).
       local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
         writes its own folder in it).
@@ -84,5 +86,5 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
     if name in SCHEDULED:
         return ScheduledStrategy(name, checkpointer, train,
                                  first_n=first_n or ProfilingOptions().first_n,
-                                 chunk_cap=chunk_cap)
+                                 chunk_cap=chunk_cap, chunk_path=chunk_path)
     return InMemoryStrategy(checkpointer, name)

@@ -43,6 +43,7 @@ def _make_strategy(config: Config, trainer, ckpt, host: int) -> capricorn_jax.St
                  "orbax_async": checkpoints, "orbax_emergency": checkpoints}.get(c.strategy)
     return make_strategy(c.strategy, trainer, checkpointer=ckpt, directory=directory,
                          first_n=config.profile.first_n, chunk_cap=c.chunk_cap,
+                         chunk_path=c.chunk_path,
                          # Its local tier on the RAM disk, beside the stores.
                          local_directory=c.job_root / "orbax_local",
                          persist_every=c.persist_every or 10)

@@ -97,6 +97,10 @@ flags.DEFINE_integer("chunk_bytes", 4 << 20, "Transfer chunk size of the in-memo
 flags.DEFINE_integer("chunk_cap_bytes", 0,
                      "--ckpt=gemini|capricorn: the largest chunk the schedule places in a window "
                      "(the partitioner's cap); 0 = --chunk_bytes.")
+flags.DEFINE_enum("chunk_path", "auto", ["auto", "in_graph", "threaded"],
+                  "--ckpt=gemini|capricorn: how a window's chunks move: collective-permutes "
+                  "inside the jitted step (in_graph), or a sender thread outside it started "
+                  "by boundary marks (threaded); auto: in_graph on GPU, threaded otherwise.")
 flags.DEFINE_string("store_root", default_store_root(),
                     "Base directory of the host RAM stores (tmpfs).")
 flags.DEFINE_float("ckpt_budget", -1.0,

@@ -12,6 +12,15 @@ experts' load. Under PEC (``gemini_pec``/``capricorn_pec``: the checkpointer
 has PEC options) each version is decided when its step starts, and only its
 K experts per layer move, on a schedule of their own payload.
 
+Two paths move the chunks (``chunk_path``): ``in_graph``, collective-permutes
+placed inside the jitted step at the boundaries (``scheduling.executor``), where
+the backend runs collectives asynchronously (GPU); ``threaded``, a sender
+thread outside the XLA program, started by boundary marks, over a TCP channel
+to the peer (``scheduling.threaded``), on CPU, where an in-graph permute adds
+its link time to the step. ``auto`` takes in_graph on GPU, threaded otherwise.
+Both commit the same bytes (tested); the link model each schedules with is
+measured on its own path.
+
 A step that is profiled, or runs before a schedule exists, moves no chunks:
 its version moves unscheduled after the step (as ``inmem``). A version is
 never moved twice: ``save`` defers version t when step t will move it, and
@@ -29,6 +38,7 @@ benchmark, with its own defaults.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -40,6 +50,13 @@ from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
+from capricorn_jax._src.scheduling.threaded import (
+    ChunkChannel,
+    ThreadedSender,
+    global_rows,
+    measure_channel,
+    pack_program,
+)
 from capricorn_jax._src.scheduling.transfers import (
     ScheduledTransfers,
     average_windows,
@@ -56,6 +73,17 @@ from capricorn_jax._src.strategies.base import (
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 
 KINDS = ("gemini", "capricorn")
+CHUNK_PATHS = ("auto", "in_graph", "threaded")
+_channels = itertools.count()  # channel keys: strategies are built in the same order on every host
+
+
+def resolve_chunk_path(path: str) -> str:
+    """``auto``: in_graph where collectives run asynchronously (GPU), threaded elsewhere."""
+    if path not in CHUNK_PATHS:
+        raise ValueError(f"chunk_path must be one of {CHUNK_PATHS}, got {path!r}")
+    if path == "auto":
+        return "in_graph" if jax.default_backend() == "gpu" else "threaded"
+    return path
 
 
 class ScheduledStrategy(InMemoryStrategy):
@@ -68,12 +96,14 @@ class ScheduledStrategy(InMemoryStrategy):
       train: the caller's TrainStep (the scheduled steps are built on it).
       first_n: gemini: the profiled steps its fixed schedule is built from.
       chunk_cap: the partitioner's largest chunk, in bytes.
+      chunk_path: "auto", "in_graph" or "threaded" (module docstring).
     """
 
     plans_on_profiles = True
 
     def __init__(self, name: str, checkpointer: InMemoryCheckpointer, train: TrainStep,
-                 first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20) -> None:
+                 first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20,
+                 chunk_path: str = "auto") -> None:
         kind = name.removesuffix("_pec")
         if kind not in KINDS:
             raise ValueError(f"unknown scheduled strategy {name!r}")
@@ -82,7 +112,16 @@ class ScheduledStrategy(InMemoryStrategy):
                              f"--replicas=2, got {len(checkpointer.sources) + 1}")
         super().__init__(checkpointer, name)
         self.kind, self.train, self.first_n = kind, train, first_n
-        self.link = measure_link(checkpointer.transport)
+        self.chunk_path = resolve_chunk_path(chunk_path)
+        self.sender: ThreadedSender | None = None
+        if self.chunk_path == "threaded":
+            channel = self._channel(checkpointer)
+            self.link = measure_channel(channel, jax.local_device_count())
+            self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
+                                         train.mesh, channel.timeout_s)
+        else:
+            self.link = measure_link(checkpointer.transport)
+        self._packs: dict[int, Any] = {}
         self.transfers = ScheduledTransfers(checkpointer, train, train.boundaries, self.link,
                                             chunk_cap)
         self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
@@ -93,6 +132,32 @@ class ScheduledStrategy(InMemoryStrategy):
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
+
+    @staticmethod
+    def _channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
+        """The threaded path's connections to the peer of replication round 0."""
+        from capricorn_jax.experimental import distributed_client
+
+        client = distributed_client()
+        if client is None:
+            raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "
+                               "jax.distributed.initialize (or chunk_path='in_graph')")
+        destination = ckpt.rounds[0][ckpt.host]
+        source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
+        return ChunkChannel(ckpt.host, destination, source,
+                            f"{ckpt.options.job}/{next(_channels)}", client,
+                            ckpt.options.replication_timeout_s * 4)
+
+    def _hooks(self, hooks: tuple) -> tuple:
+        """The boundary hooks of a step that moves chunks on the threaded path."""
+        assert self.sender is not None
+        return (*hooks, self.sender.hook)
+
+    def _pack(self, transport: Transport) -> Any:
+        if id(transport) not in self._packs:
+            self._packs[id(transport)] = (pack_program(transport, self.train.state_shardings),
+                                          transport)
+        return self._packs[id(transport)][0]
 
     def _moves(self, step: int) -> bool:
         """Whether step ``step`` moves version ``step`` inside it."""
@@ -105,6 +170,9 @@ class ScheduledStrategy(InMemoryStrategy):
         if self._moves(step):
             if self.ckpt.pec is not None and self._pec_transport is None:
                 return False
+            if self.sender is not None:
+                return (train.has_step(factors, self._hooks(hooks))
+                        and id(self._pec_transport or self.ckpt.transport) in self._packs)
             return self.transfers.has_step(factors, hooks, self._pec_transport)
         return train.has_step(factors, hooks)
 
@@ -124,6 +192,16 @@ class ScheduledStrategy(InMemoryStrategy):
             transport = self._pec_transport = version.transport
             if version.gather is not None:
                 gather = (jax.device_put(version.gather, train.replicated),)
+        if self.sender is not None:
+            # Pack, then the plain step with marks: the sender thread sends each
+            # window's chunks when the step opens it.
+            transport = transport or self.ckpt.transport
+            own = self._pack(transport)(state, trailer, *gather)
+            self.sender.start(step, own, self.transfers.schedule_for(transport))
+            state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
+            self._moved = (step, {"own": own, "received": None, "transport": transport},
+                           version)
+            return state, metrics
         state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
             state, batch, trailer, *gather)
         self._moved = (step, moved, version)
@@ -186,6 +264,9 @@ class ScheduledStrategy(InMemoryStrategy):
         events = []
         if moved is not None:
             version, payloads, pec_version = moved
+            if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
+                rows = self.sender.wait(version)
+                payloads["received"] = global_rows(rows, payloads["transport"].rows)
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
             self._last_saved = version
@@ -202,6 +283,11 @@ class ScheduledStrategy(InMemoryStrategy):
         self._last_saved = step
         _, tokens_per_expert = self._host_states.get(step, (None, None))
         return super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        super().close()
 
     def schedule(self) -> Schedule | None:
         return self.transfers.schedule

@@ -1,0 +1,417 @@
+"""The host path for checkpoint chunks: a sender thread started by the boundary marks.
+
+On XLA:CPU an in-graph collective-permute does not overlap the compute around
+it when the link is the bottleneck (BUILD_NOTES, "Shaped links"): the step
+costs compute + link time. This path moves a window's chunks *outside* the
+XLA program while the step computes:
+
+* before the step, a jitted program (no collective) packs version t into
+  the payload; the step itself is the plain step plus a mark at every layer
+  boundary, forward and backward (``profiler.ProfileHook``: an ordered host
+  callback per device, tied to the boundary's data);
+* a mark on every local device of a boundary opens the windows whose site it
+  is (``executor.site_of``); the sender thread sends each window's ranges,
+  in step order, as soon as its window is open, and the schedule's tail
+  after the last window, so each window carries what the partitioner sized
+  to its capacity;
+* the bytes go over a TCP connection per replication round (this host to its
+  peer), on the address the host's name resolves to: behind shaped links,
+  the link the all-to-alls use; a receiver thread writes the peer's frames
+  into the version's buffer, and ``wait`` hands the complete buffer to the
+  commit.
+
+Why not XLA programs issued from a second thread (a chunk's ppermute program
+while the step runs): measured on this box (jax 0.10.2, gloo), two programs
+with collectives in flight at once on the same devices deadlocked: 2 hosts x 2
+devices 2 of 2 runs, 4 hosts x 1 device 1 of 2 runs (XLA's CPU collectives
+share one communicator per device set, with tag 0 for every op). A separate
+device set (one device per host) ran, but 4 hosts x 1 device has none. Why
+not ``jax.experimental.transfer``: a pull hung about once in 6 runs
+(launch.experiments.overlap). On GPUs the in-graph permutes run on their own
+streams and overlap: there ``executor.InStepSender`` is the path.
+
+Every host sends and receives the same frames in the same order; a peer
+that stops answering ends ``wait`` with an error naming it after the
+timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.profiling.profiler import ProfileHook
+from capricorn_jax._src.scheduling.executor import AFTER, START, Site, site_of
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, fit_link_model
+
+log = logging.getLogger(__name__)
+
+# version, offset, length (bytes per row), rows
+_HEADER = struct.Struct("<qqqq")
+_KEY = "capricorn/chunk_channel/{job}/{host}"
+
+
+class WindowMarks:
+    """The recorder of the marks: opens a site when every local device passed it.
+
+    The callback only counts (device index from the mark's tag); the sender
+    thread waits on ``wait_open``.
+    """
+
+    def __init__(self, local_devices: int) -> None:
+        self.local_devices = local_devices
+        self._cond = threading.Condition()
+        self._seen: dict[tuple[str, str], set[int]] = {}
+        self._open: set[tuple[str, str]] = set()
+        self._epoch = 0
+
+    def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
+        device = int(np.asarray(tag)[0])
+        with self._cond:
+            seen = self._seen.setdefault((name, direction), set())
+            seen.add(device)
+            if len(seen) >= self.local_devices and (name, direction) not in self._open:
+                self._open.add((name, direction))
+                self._cond.notify_all()
+        return np.zeros((), np.float32)
+
+    def reset(self) -> int:
+        """A new step: no site is open; returns the step's epoch."""
+        with self._cond:
+            self._seen.clear()
+            self._open.clear()
+            self._epoch += 1
+            self._cond.notify_all()
+            return self._epoch
+
+    def wait_open(self, site: Site, epoch: int, timeout_s: float) -> bool:
+        """Whether ``site`` opened in step ``epoch`` within the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while site not in self._open or self._epoch != epoch:
+                if self._epoch != epoch:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        view = view[n:]
+
+
+class ChunkChannel:
+    """TCP connections to this host's replication peer (round 0) and from its source.
+
+    Args:
+      host: this process's index.
+      destination, source: the hosts this one sends to and receives from.
+      job: a name unique to the job (the key-value store's keys).
+      client: the jax.distributed key-value client (exchanges the addresses).
+      timeout_s: bound on connecting and on every send and receive.
+    """
+
+    def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
+                 timeout_s: float = 120.0) -> None:
+        self.host, self.destination, self.source = host, destination, source
+        self.timeout_s = timeout_s
+        address = socket.gethostbyname(socket.gethostname())
+        listener = socket.create_server((address, 0))
+        listener.settimeout(timeout_s)
+        client.key_value_set(_KEY.format(job=job, host=host),
+                             f"{address}:{listener.getsockname()[1]}")
+        peer = client.blocking_key_value_get(_KEY.format(job=job, host=destination),
+                                             int(timeout_s * 1000))
+        peer_address, port = peer.rsplit(":", 1)
+        result: dict[str, Any] = {}
+
+        def accept() -> None:
+            try:
+                result["in"] = listener.accept()[0]
+            except OSError as e:
+                result["error"] = e
+
+        acceptor = threading.Thread(target=accept, daemon=True)
+        acceptor.start()
+        self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
+        acceptor.join(timeout_s)
+        listener.close()
+        if "in" not in result:
+            self.out.close()
+            raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
+                               f"within {timeout_s:g}s ({result.get('error', 'no connection')})")
+        self.inc: socket.socket = result["in"]
+        for s in (self.out, self.inc):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(timeout_s)
+
+    def send(self, version: int, offset: int, rows: np.ndarray) -> None:
+        """Sends ``rows`` [local devices, n] as bytes [offset, offset + n) of ``version``."""
+        rows = np.ascontiguousarray(rows)
+        self.out.sendall(_HEADER.pack(version, offset, rows.shape[1], rows.shape[0]))
+        self.out.sendall(memoryview(rows).cast("B"))
+
+    def receive_into(self, buffers: Callable[[int], np.ndarray]) -> tuple[int, int, int]:
+        """Receives one frame into ``buffers(version)``; (version, offset, length)."""
+        header = bytearray(_HEADER.size)
+        _recv_exact(self.inc, memoryview(header))
+        version, offset, length, rows = _HEADER.unpack(header)
+        target = buffers(version)
+        if rows != target.shape[0] or offset + length > target.shape[1]:
+            raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
+                             f"{offset} from host {self.source} does not fit version "
+                             f"{version}'s {target.shape}")
+        for r in range(rows):
+            _recv_exact(self.inc, memoryview(target[r, offset:offset + length]))
+        return version, offset, length
+
+    def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,
+                rows: int = 1) -> tuple[list[int], list[float]]:
+        """Fastest time per size of every host sending ``rows`` x size bytes to
+        its peer at once (the replication's pattern), receiving its source's;
+        every host calls it at the same point."""
+        times = []
+        for size in sizes:
+            data = np.zeros((rows, size), np.uint8)
+            sink = np.empty((rows, size), np.uint8)
+            best = float("inf")
+            for i in range(repeats):
+                errors: list[BaseException] = []
+
+                def receive() -> None:
+                    try:
+                        self.receive_into(lambda _: sink)
+                    except BaseException as e:  # noqa: BLE001
+                        errors.append(e)
+
+                t0 = time.perf_counter()
+                receiver = threading.Thread(target=receive, daemon=True)
+                receiver.start()
+                self.send(-1 - i, 0, data)
+                receiver.join(self.timeout_s)
+                if errors or receiver.is_alive():
+                    raise ConnectionError(f"host {self.host}: measuring the chunk channel "
+                                          f"failed") from (errors[0] if errors else None)
+                best = min(best, time.perf_counter() - t0)
+            times.append(best)
+        return list(sizes), times
+
+    def close(self) -> None:
+        for s in (self.out, self.inc):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class _Version:
+    def __init__(self, version: int, own: jax.Array, received: np.ndarray,
+                 expect: list[tuple[int, int]]) -> None:
+        self.version, self.own, self.received = version, own, received
+        self.expect = sorted(expect)
+        self.got: list[tuple[int, int]] = []
+        self.sent = threading.Event()
+        self.complete = threading.Event()
+        self.error: BaseException | None = None
+        self.times: dict[str, float] = {}
+
+
+class ThreadedSender:
+    """Moves each version's chunks while its step computes (see the module docstring).
+
+    Args:
+      channel: the connections to the peer.
+      boundaries: the model's boundary names, forward order.
+      local_devices: this process's devices (rows of the payload).
+      mesh: the training mesh (the marks run once per device).
+      timeout_s: bound on a window's wait for its mark and on ``wait``.
+    """
+
+    def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
+                 mesh: Any, timeout_s: float = 120.0) -> None:
+        self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
+        self.marks = WindowMarks(local_devices)
+        self.hook = ProfileHook(mesh, self.marks)
+        self._jobs: queue.Queue = queue.Queue()
+        self._versions: dict[int, _Version] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, name="chunk-sender",
+                                        daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, name="chunk-receiver",
+                                          daemon=True)
+        self._sender.start()
+        self._receiver.start()
+        self.failure: BaseException | None = None
+
+    def sites_in_order(self) -> list[Site]:
+        """The sites at which windows open, in the order a step passes them."""
+        return ([START] + [(b, "fwd") for b in self.boundaries]
+                + [(b, "bwd") for b in reversed(self.boundaries)] + [AFTER])
+
+    def start(self, version: int, own: jax.Array, schedule: Schedule) -> None:
+        """Version ``version``'s chunks go as the step about to be dispatched
+        opens its windows. ``own``: its packed payload [devices, bytes]."""
+        if self.failure is not None:
+            raise RuntimeError("the chunk channel failed earlier") from self.failure
+        by_site: dict[Site, list[tuple[int, int]]] = {}
+        for window, chunks in zip(schedule.windows, schedule.chunks, strict=True):
+            by_site.setdefault(site_of(window, self.boundaries), []).extend(
+                (c.start, c.stop) for c in chunks)
+        by_site.setdefault(AFTER, []).extend((c.start, c.stop) for c in schedule.tail)
+        rows = self.marks.local_devices
+        entry = _Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
+                         [r for rs in by_site.values() for r in rs])
+        with self._lock:
+            self._versions[version] = entry
+        epoch = self.marks.reset()
+        self._jobs.put((entry, epoch, by_site))
+
+    def _send_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            entry, epoch, by_site = job
+            try:
+                t0 = time.perf_counter()
+                local = local_rows_in_order(entry.own)
+                entry.times["packed_s"] = time.perf_counter() - t0
+                for site in self.sites_in_order():
+                    ranges = by_site.get(site)
+                    if not ranges:
+                        continue
+                    if site not in (START, AFTER):
+                        # A window opens at its mark; a missed mark (a step that
+                        # ended another way) sends at once rather than never.
+                        self.marks.wait_open(site, epoch, self.timeout_s)
+                    for lo, hi in ranges:
+                        self.channel.send(entry.version, lo, local[:, lo:hi])
+                entry.times["sent_s"] = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001
+                entry.error = e
+                self.failure = e
+                entry.complete.set()
+            finally:
+                entry.sent.set()
+
+    def _buffer(self, version: int) -> np.ndarray:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with self._lock:
+                entry = self._versions.get(version)
+            if entry is not None:
+                return entry.received
+            if time.monotonic() > deadline or self._closed:
+                raise RuntimeError(f"host {self.channel.host}: a frame of version {version} "
+                                   f"from host {self.channel.source} arrived before this host "
+                                   f"started that version")
+            time.sleep(0.001)
+
+    def _receive_loop(self) -> None:
+        while not self._closed:
+            try:
+                self.channel.inc.settimeout(None)  # idle between steps is not a failure
+                version, offset, length = self.channel.receive_into(self._buffer)
+            except BaseException as e:  # noqa: BLE001
+                if self._closed:
+                    return
+                self.failure = e
+                with self._lock:
+                    pending = list(self._versions.values())
+                for entry in pending:
+                    entry.error = entry.error or e
+                    entry.complete.set()
+                return
+            with self._lock:
+                entry = self._versions[version]
+                entry.got.append((offset, offset + length))
+                if sorted(entry.got) == entry.expect:
+                    entry.complete.set()
+
+    def wait(self, version: int, timeout_s: float | None = None) -> np.ndarray:
+        """The peer's payload of ``version`` [local devices, bytes] once every
+        chunk arrived and this host's chunks are sent; raises on a failure or
+        after the timeout, naming the peer."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            entry = self._versions[version]
+        deadline = time.monotonic() + timeout_s
+        for event, what in ((entry.sent, f"sending to host {self.channel.destination}"),
+                            (entry.complete, f"receiving from host {self.channel.source}")):
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"host {self.channel.host}: version {version}: {what} did "
+                                   f"not finish within {timeout_s:g}s")
+            if entry.error is not None:
+                raise RuntimeError(f"host {self.channel.host}: version {version}: {what} "
+                                   f"failed") from entry.error
+        with self._lock:
+            self._versions.pop(version, None)
+        return entry.received
+
+    def close(self) -> None:
+        self._closed = True
+        self._jobs.put(None)
+        self.channel.close()
+        self._sender.join(5.0)
+
+
+def _local_devices(sharding: Any) -> list[Any]:
+    """This process's devices of ``sharding``'s mesh, in mesh (position) order:
+    local row j of a payload is the j-th (``transport.device_perm``)."""
+    return [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def local_rows_in_order(array: jax.Array) -> np.ndarray:
+    """[local devices, n] of a [devices, n] row-sharded array, in mesh order."""
+    shards = {s.device: s for s in array.addressable_shards}
+    return np.stack([np.asarray(shards[d].data)[0] for d in _local_devices(array.sharding)])
+
+
+def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
+    """The [devices, n] array whose local rows (mesh order) are ``rows``."""
+    devices = _local_devices(sharding)
+    if rows.shape[0] != len(devices):
+        raise ValueError(f"{rows.shape[0]} rows for {len(devices)} local devices")
+    shape = (sharding.mesh.size, rows.shape[1])
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [jax.device_put(rows[j:j + 1], d) for j, d in enumerate(devices)])
+
+
+def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
+    """alpha + bytes/B of the chunk channel, host 0's fit on every host."""
+    from capricorn_jax._src.multihost.agree import agree_floats
+
+    sizes, times = channel.measure(rows=rows)
+    # Per-row bytes (the schedule's unit): every local row of a range goes at once.
+    return fit_link_model(sizes, agree_floats(times))
+
+
+def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:
+    """The jitted pack of a version into its payload [devices, bytes] (no collective)."""
+    specs = [s.spec for s in jax.tree.leaves(state_shardings)]
+    gather = (P(),) if transport.plan.experts is not None else ()
+
+    def pack(leaves, trailer, *g):
+        return transport.pack_local(leaves, trailer[0], *g)[None]
+
+    mapped = jax.shard_map(pack, mesh=transport.mesh,
+                           in_specs=(specs, P(transport.axes), *gather),
+                           out_specs=P(transport.axes))
+    return jax.jit(lambda state, trailer, *g: mapped(jax.tree.leaves(state), trailer, *g))
