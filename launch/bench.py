@@ -487,6 +487,8 @@ def summarize(raw: dict) -> dict:
             "steps_compiled": sum(c for _, _, c in steps),
             "ckpt_bytes_per_step": int(sum(h[1] for h in per_host)),
             "store_bytes_per_host": [int(h[0]) for h in per_host],
+            # Every timed step in order (blocks of --steps, repetitions interleaved).
+            "step_s": [round(t, 6) for t in times],
         }
         for key, chosen in (("profiled", [t for t, p, _ in steps if p]),
                             ("compiled", [t for t, _, c in steps if c]),

@@ -80,7 +80,8 @@ def reference(tmp_path_factory, cache):
 # recovery run in test_recovery.py, orbax_async's restore in the bench test,
 # pec's kill and restore in test_pec_after_a_machine_loss_persists_the_next_steps);
 # the others run with the soak marker (pytest -m soak).
-SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking", "inmem", "orbax_async", "pec")
+SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking", "inmem", "orbax_async", "pec",
+                   "capricorn")  # capricorn: its machine-loss test below reads the replica
 
 
 @pytest.mark.parametrize("strategy", [
@@ -126,6 +127,26 @@ def test_strategy_saves_is_killed_and_recovers(tmp_path, cache, reference, strat
         assert recovery["tiers"] == [tier, tier]
     if strategy in SCHEDULED:
         assert any("moved_in_step" in c for c in _events(records, "checkpoint"))
+
+
+@pytest.mark.parametrize("chunk_path", ["threaded", pytest.param("in_graph",
+                                                                 marks=pytest.mark.soak)])
+def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, cache, reference,
+                                                                     chunk_path):
+    """Host 1 is lost as a machine after step 4 (killed, its RAM store wiped):
+    its shards come back from host 0's replica, whose bytes the scheduled
+    steps moved (threaded: the sender thread over the chunk channel, CPU's
+    path; in_graph: collective-permutes inside the step). The restored
+    version is one moved inside its step, and every loss is the
+    uninterrupted run's, so every byte of it arrived intact."""
+    records = _train(tmp_path, cache, "--ckpt=capricorn", f"--chunk_path={chunk_path}",
+                     "--kill_host=1", f"--kill_at_step={KILL_AT}", "--kill_mode=host")
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    moved = {c["moved_in_step"] for c in _events(records, "checkpoint") if "moved_in_step" in c}
+    assert recovery["step"] in moved, (recovery, sorted(moved))
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
 def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,

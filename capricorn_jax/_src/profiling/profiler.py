@@ -101,7 +101,8 @@ if TYPE_CHECKING:
     from capricorn_jax._src.strategies.base import State, TrainStep
 
 
-def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str) -> Any:
+def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str,
+         ordered: bool = True) -> Any:
     """Emits a per-device ordered callback that depends on ``tree``; returns it.
 
     Args:
@@ -111,6 +112,8 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direc
       mesh: the mesh; the callback runs once per device of it.
       recorder: where the callback stamps (name, direction, device, time).
       name, direction: the mark's key.
+      ordered: an ordered callback (the profiler's: the marks of a step in
+        program order); unordered, only the data dependency places it.
 
     Returns:
       ``tree``, unchanged in value, tied to the callback's result so its
@@ -125,7 +128,7 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direc
     def body(*local: jax.Array) -> tuple[jax.Array, ...]:
         device = jax.lax.axis_index(axes).astype(jnp.float32)  # exact below 2**24
         tag = jnp.stack([device, probe_scalar(local)])  # one operand: one transfer
-        result = io_callback(callback, dummy, tag, ordered=True)
+        result = io_callback(callback, dummy, tag, ordered=ordered)
         local, _ = jax.lax.optimization_barrier((local, result))
         return local
 
@@ -143,10 +146,14 @@ class ProfileHook:
 
     The activation is assumed sharded on its leading (batch) dimension over
     all mesh axes, as GPTMoE's is; other leaves of a pytree activation too.
+    ``sites``: only these (name, direction) marks (None: all); ``ordered``:
+    see ``mark``.
     """
 
-    def __init__(self, mesh: Mesh, recorder: Recorder) -> None:
+    def __init__(self, mesh: Mesh, recorder: Recorder,
+                 sites: frozenset[tuple[str, str]] | None = None, ordered: bool = True) -> None:
         self.mesh, self.recorder = mesh, recorder
+        self.sites, self.ordered = sites, ordered
         self.names: list[str] = []  # boundaries in forward (trace) order
 
     def _specs(self, x: Any) -> Any:
@@ -166,17 +173,22 @@ class ProfileHook:
         if name not in self.names:
             self.names.append(name)
         specs = self._specs(x)
-        mesh, rec = self.mesh, self.recorder
+        mesh, rec, sites, ordered = self.mesh, self.recorder, self.sites, self.ordered
+
+        def marked(y, direction):
+            if sites is not None and (name, direction) not in sites:
+                return y
+            return mark(y, specs, mesh, rec, name, direction, ordered)
 
         @jax.custom_vjp
         def ident(y):
-            return mark(y, specs, mesh, rec, name, FWD)
+            return marked(y, FWD)
 
         def fwd(y):
-            return mark(y, specs, mesh, rec, name, FWD), None
+            return marked(y, FWD), None
 
         def bwd(_, g):
-            return (mark(g, specs, mesh, rec, name, BWD),)
+            return (marked(g, BWD),)
 
         ident.defvjp(fwd, bwd)
         return ident(x)

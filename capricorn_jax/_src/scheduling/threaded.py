@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 # version, offset, length (bytes per row), rows
 _HEADER = struct.Struct("<qqqq")
+SEND_BUFFER = 128 << 10
 _KEY = "capricorn/chunk_channel/{job}/{host}"
 
 
@@ -160,6 +161,10 @@ class ChunkChannel:
         for s in (self.out, self.inc):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(timeout_s)
+        # A small send buffer: ``send`` returns when a window's bytes are
+        # nearly on the link, not parked in the kernel to leave during the
+        # next all-to-all (pacing to the window).
+        self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
 
     def send(self, version: int, offset: int, rows: np.ndarray) -> None:
         """Sends ``rows`` [local devices, n] as bytes [offset, offset + n) of ``version``."""
@@ -229,7 +234,8 @@ class _Version:
         self.sent = threading.Event()
         self.complete = threading.Event()
         self.error: BaseException | None = None
-        self.times: dict[str, float] = {}
+        self.times: dict[str, float] = {}  # seconds since start: packed, sent, received
+        self.t0 = time.perf_counter()
 
 
 class ThreadedSender:
@@ -247,7 +253,8 @@ class ThreadedSender:
                  mesh: Any, timeout_s: float = 120.0) -> None:
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
         self.marks = WindowMarks(local_devices)
-        self.hook = ProfileHook(mesh, self.marks)
+        self.mesh = mesh
+        self._hooks: dict[frozenset, ProfileHook] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._versions: dict[int, _Version] = {}
         self._lock = threading.Lock()
@@ -259,11 +266,24 @@ class ThreadedSender:
         self._sender.start()
         self._receiver.start()
         self.failure: BaseException | None = None
+        self.last_times: dict[str, float] = {}
 
     def sites_in_order(self) -> list[Site]:
         """The sites at which windows open, in the order a step passes them."""
         return ([START] + [(b, "fwd") for b in self.boundaries]
                 + [(b, "bwd") for b in reversed(self.boundaries)] + [AFTER])
+
+    def hook(self, schedule: Schedule) -> ProfileHook:
+        """The boundary hook of a step moving ``schedule``: an unordered mark
+        (placed by its data dependency alone) at each boundary that opens a
+        window with chunks, none elsewhere; one per set of such sites, so a
+        re-partition that opens the same windows reuses its compiled step."""
+        sites = frozenset(site_of(w, self.boundaries)
+                          for w, chunks in zip(schedule.windows, schedule.chunks, strict=True)
+                          if chunks) - {START, AFTER}
+        if sites not in self._hooks:
+            self._hooks[sites] = ProfileHook(self.mesh, self.marks, sites=sites, ordered=False)
+        return self._hooks[sites]
 
     def start(self, version: int, own: jax.Array, schedule: Schedule) -> None:
         """Version ``version``'s chunks go as the step about to be dispatched
@@ -290,7 +310,7 @@ class ThreadedSender:
                 return
             entry, epoch, by_site = job
             try:
-                t0 = time.perf_counter()
+                t0 = entry.t0
                 local = local_rows_in_order(entry.own)
                 entry.times["packed_s"] = time.perf_counter() - t0
                 for site in self.sites_in_order():
@@ -343,12 +363,16 @@ class ThreadedSender:
                 entry = self._versions[version]
                 entry.got.append((offset, offset + length))
                 if sorted(entry.got) == entry.expect:
+                    entry.times["received_s"] = time.perf_counter() - entry.t0
                     entry.complete.set()
 
     def wait(self, version: int, timeout_s: float | None = None) -> np.ndarray:
         """The peer's payload of ``version`` [local devices, bytes] once every
         chunk arrived and this host's chunks are sent; raises on a failure or
-        after the timeout, naming the peer."""
+        after the timeout, naming the peer. ``last_times`` then holds the
+        version's seconds from ``start``: packed, sent, received, and waited
+        (this call)."""
+        t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             entry = self._versions[version]
@@ -363,6 +387,7 @@ class ThreadedSender:
                                    f"failed") from entry.error
         with self._lock:
             self._versions.pop(version, None)
+        self.last_times = {**entry.times, "waited_s": time.perf_counter() - t_wait}
         return entry.received
 
     def close(self) -> None:

@@ -148,10 +148,12 @@ class ScheduledStrategy(InMemoryStrategy):
                             f"{ckpt.options.job}/{next(_channels)}", client,
                             ckpt.options.replication_timeout_s * 4)
 
-    def _hooks(self, hooks: tuple) -> tuple:
-        """The boundary hooks of a step that moves chunks on the threaded path."""
+    def _hooks(self, hooks: tuple, transport: Transport | None = None) -> tuple:
+        """The boundary hooks of a step that moves chunks on the threaded path:
+        ``hooks`` and the marks of the windows the schedule fills."""
         assert self.sender is not None
-        return (*hooks, self.sender.hook)
+        schedule = self.transfers.schedule_for(transport or self.ckpt.transport)
+        return (*hooks, self.sender.hook(schedule))
 
     def _pack(self, transport: Transport) -> Any:
         if id(transport) not in self._packs:
@@ -171,7 +173,7 @@ class ScheduledStrategy(InMemoryStrategy):
             if self.ckpt.pec is not None and self._pec_transport is None:
                 return False
             if self.sender is not None:
-                return (train.has_step(factors, self._hooks(hooks))
+                return (train.has_step(factors, self._hooks(hooks, self._pec_transport))
                         and id(self._pec_transport or self.ckpt.transport) in self._packs)
             return self.transfers.has_step(factors, hooks, self._pec_transport)
         return train.has_step(factors, hooks)
@@ -198,7 +200,7 @@ class ScheduledStrategy(InMemoryStrategy):
             transport = transport or self.ckpt.transport
             own = self._pack(transport)(state, trailer, *gather)
             self.sender.start(step, own, self.transfers.schedule_for(transport))
-            state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
+            state, metrics = train.step_fn(factors, self._hooks(hooks, transport))(state, batch)
             self._moved = (step, {"own": own, "received": None, "transport": transport},
                            version)
             return state, metrics
@@ -270,7 +272,11 @@ class ScheduledStrategy(InMemoryStrategy):
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
             self._last_saved = version
-            events.append({**self._event(version, report), "moved_in_step": version})
+            event = {**self._event(version, report), "moved_in_step": version}
+            if self.sender is not None:  # threaded: when its chunks went (seconds from start)
+                event["chunk_times_s"] = {k: round(v, 4) for k, v in
+                                          self.sender.last_times.items()}
+            events.append(event)
         if not will_move:
             self._last_saved = step
             events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
