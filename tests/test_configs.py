@@ -92,3 +92,27 @@ def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
         assert {"none", "inmem", "capricorn"} <= set(d["strategies"])
         assert d["command"].startswith("python -m launch.bench")
     assert headline_table(docs) in (root / "README.md").read_text()
+
+
+def test_shaped_table_has_a_row_per_run_with_each_strategys_ratio_and_spread():
+    from launch.tables import shaped_table
+
+    def run(gbps, ratios):
+        link = {"requested_gbps": gbps, "one_way_gbps": gbps * 0.96,
+                "exchange_gbps": gbps / 2} if gbps else {}
+        rows = {"none": {"ratio": 1.0, "median_step_s": 0.2, "spread_s": 0.03}}
+        rows.update({n: {"ratio": r, "median_step_s": 0.2 * r, "spread_s": 0.011}
+                     for n, r in ratios.items()})
+        return {"config": {"hosts": 2, "devices_per_host": 2, "workload": "dynamic"},
+                "link": link, "strategies": rows, "command": f"bench {gbps}",
+                "date": "d", "machine": "m"}
+
+    table = shaped_table([run(0.4, {"gemini": 1.5, "capricorn": 1.25}),
+                          run(0.0, {"capricorn": 1.1})]).splitlines()
+    assert "- `bench 0.4` (d, m)" in table and "- `bench 0.0` (d, m)" in table
+    assert table[-4].endswith("| none (ms) | gemini | capricorn |")
+    assert table[-3] == "|---|---|---|---|---|---|"
+    assert table[-2] == "| 2x2 | dynamic | 0.4 / 0.38 / 0.20 | 200 (30) | 1.50 (11) | 1.25 (11) |"
+    assert table[-1] == "| 2x2 | dynamic | loopback | 200 (30) | - | 1.10 (11) |"
+    with pytest.raises(ValueError):
+        shaped_table([])
