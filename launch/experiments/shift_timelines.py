@@ -5,16 +5,17 @@
 
 W1 and W2 are the WORKDIRs of two ``launch.train`` runs with the same seed and
 workload (the same batches, so the same expert load at every step), one with
-``--ckpt=gemini``, one with ``--ckpt=capricorn``. Steps S1 and S2 are steps
-capricorn profiled (a ``profile`` event in W2), S1 before a shift and S2 the
-first after it. For each strategy and step the tool draws the measured layers
+``--ckpt=gemini``, one with ``--ckpt=capricorn``. Steps S1 and S2 are profiled steps (a ``profile`` event
+in W2, or in ``--profiles=W3``: e.g. a ``--ckpt=none --profile=every`` run
+of the same seed and workload, when capricorn did not profile after the
+shift), S1 before a shift and S2 after it. For each strategy and step the tool draws the measured layers
 of that profiled step against the schedule that strategy had in force during
 it (its last ``repartition`` before the step), as ``launch.train --timeline``
 draws one step: chunks that outlast their window are red (overflow).
 
 Gemini never profiles after its first steps, so its picture after the shift
-uses capricorn's profile of that step: the layers gemini's fixed schedule
-meets there (the same batch and load; a profiled step moves no chunks).
+uses another run's profile of that step: the layers its fixed schedule meets
+there (the same batch and load; a profiled step moves no chunks).
 
 Schedules are rebuilt from the ``repartition`` events (windows measured, the
 link model, the payload) with the partitioner and the strategy's safety
@@ -37,8 +38,12 @@ MARGIN = 0.8  # scheduling.transfers.ScheduledTransfers' default
 def define_flags() -> None:
     flags.DEFINE_string("gemini", None, "WORKDIR of the --ckpt=gemini run.")
     flags.DEFINE_string("capricorn", None, "WORKDIR of the --ckpt=capricorn run.")
-    flags.DEFINE_integer("before", None, "A step capricorn profiled before the shift.")
-    flags.DEFINE_integer("after", None, "The step capricorn profiled after the shift.")
+    flags.DEFINE_string("profiles", None,
+                        "WORKDIR of the run whose profiled steps are drawn (default: the "
+                        "capricorn run's), e.g. a --ckpt=none --profile=every run of the same "
+                        "seed and workload.")
+    flags.DEFINE_integer("before", None, "A profiled step before the shift.")
+    flags.DEFINE_integer("after", None, "A profiled step after the shift.")
     flags.DEFINE_integer("chunk_cap", 4 << 20, "The runs' --chunk_cap_bytes (else --chunk_bytes).")
     flags.DEFINE_string("out_dir", ".", "Where the PNGs and trace JSONs go.")
 
@@ -101,10 +106,11 @@ def main(argv: list[str]) -> None:
     from launch.plot_timeline import render
 
     runs = {"gemini": _records(FLAGS.gemini), "capricorn": _records(FLAGS.capricorn)}
+    profiles = _records(FLAGS.profiles) if FLAGS.profiles else runs["capricorn"]
     out = Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for when, step in (("before", FLAGS.before), ("after", FLAGS.after)):
-        profile = profile_at(runs["capricorn"], step)
+        profile = profile_at(profiles, step)
         for name, records in runs.items():
             schedule = schedule_in_force(records, step, FLAGS.chunk_cap)
             doc = timeline_lib.trace(profile, schedule, 0,
