@@ -393,6 +393,11 @@ def main(argv: list[str]) -> int:
     if unknown:
         raise app.UsageError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
                              f"(inmem, gemini, capricorn, pec)")
+    for topo in topologies:  # the draw would stop at the first trial on such a topology
+        if topo.replicas != 2 and not set(FLAGS.strategies) & {"inmem", "pec"}:
+            raise app.UsageError(f"--topologies={topo.name}: none of --strategies="
+                                 f"{','.join(FLAGS.strategies)} runs there (gemini and "
+                                 f"capricorn need 2 replicas); add inmem or pec, or drop it")
     try:
         link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
         if link.shaped:

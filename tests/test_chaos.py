@@ -78,3 +78,14 @@ def test_chaos_refuses_a_bad_link_flag_on_one_line(tmp_path):
     assert proc.returncode != 0
     assert "--link_gbps must be >= 0, got -1.0" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
+
+
+def test_chaos_refuses_a_topology_no_chosen_strategy_runs_on(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.chaos", "--trials=1",
+                           "--strategies=gemini,capricorn", "--topologies=2x2,4x1r3",
+                           f"--workdir={tmp_path / 'w'}"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert ("--topologies=4x1r3: none of --strategies=gemini,capricorn runs there (gemini and "
+            "capricorn need 2 replicas); add inmem or pec, or drop it") in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
