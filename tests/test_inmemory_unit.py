@@ -41,7 +41,7 @@ def test_pack_replicate_unpack_roundtrip(trainer):
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 2)
     own, received, statuses = transport.replicate(state, encode_trailer({"h": 7}),
                                                   np.array([3, 4]))
-    own_rows, recv_rows = local_rows(own, plan), local_rows(received[0], plan)
+    own_rows, recv_rows = local_rows(own), local_rows(received[0])
     # Host 0's devices received host 1's payloads and vice versa, byte for byte.
     for j in range(2):
         np.testing.assert_array_equal(recv_rows[j], own_rows[2 + j])

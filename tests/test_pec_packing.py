@@ -137,7 +137,7 @@ def test_pec_plan_roundtrip_on_two_simulated_hosts():
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, [{0: 1, 1: 0}], 2)
     own, received, _ = transport.replicate(state, np.zeros(TRAILER_BYTES, np.uint8),
                                            np.zeros(2), gather)
-    rows, peer = local_rows(own, plan), local_rows(received[0], plan)
+    rows, peer = local_rows(own), local_rows(received[0])
     np.testing.assert_array_equal(np.stack(peer[:2]), np.stack(rows[2:]))
     leaves = jax.tree.leaves(state)
     seen = set()

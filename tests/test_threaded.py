@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.profiling.boundary import boundary_hooks, layer_boundary
 from capricorn_jax._src.scheduling.executor import START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
@@ -25,7 +26,6 @@ from capricorn_jax._src.scheduling.threaded import (
     ThreadedSender,
     WindowMarks,
     global_rows,
-    local_rows_in_order,
 )
 
 
@@ -116,7 +116,7 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     payload_bytes = 50_000
     own_np = np.random.default_rng(0).integers(0, 256, (4, payload_bytes), dtype=np.uint8)
     own = jax.device_put(own_np, rows)
-    assert (local_rows_in_order(own) == own_np).all()
+    assert (np.stack(local_rows(own)) == own_np).all()
 
     store = _DictStore()
     channel = ChunkChannel(0, 0, 0, "self", store, timeout_s=20.0)  # host 0 to itself
@@ -170,6 +170,6 @@ def test_global_rows_puts_each_local_row_on_its_device():
     data = np.arange(4 * 6, dtype=np.uint8).reshape(4, 6)
     array = global_rows(data, rows)
     assert array.shape == (4, 6) and (np.asarray(array) == data).all()
-    assert (local_rows_in_order(array) == data).all()
+    assert (np.stack(local_rows(array)) == data).all()
     with pytest.raises(ValueError, match="3 rows for 4 local devices"):
         global_rows(data[:3], rows)

@@ -307,7 +307,7 @@ class InMemoryCheckpointer:
 
     def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
         try:
-            self._write_version(self.host, step, local_rows(own, plan), plan, pec_meta)
+            self._write_version(self.host, step, local_rows(own), plan, pec_meta)
         finally:
             with self._lock:
                 self._own_queued.discard(step)
@@ -321,7 +321,7 @@ class InMemoryCheckpointer:
             time.sleep(stall[1])
         pause = self.options.pause_mid_replication_at == step
         for owner, array in zip(self.sources, received, strict=True):
-            self._write_version(owner, step, local_rows(array, plan), plan, pec_meta,
+            self._write_version(owner, step, local_rows(array), plan, pec_meta,
                                 pause_halfway=pause)
 
     # ----- the training thread's API -----

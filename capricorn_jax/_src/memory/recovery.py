@@ -251,7 +251,7 @@ def _fetch_rows(ckpt: InMemoryCheckpointer, step: int, sources: dict[int, int],
             send = dict(enumerate(read_rows(ckpt, perm[ckpt.host], step, plan)))
         received = transport.serve(send, perm)
         if ckpt.host in perm.values():
-            rows = local_rows(received, plan)
+            rows = local_rows(received)
             moved = sum(r.nbytes for r in rows)
     if rows is None:
         raise ChecksumError(f"host {ckpt.host}: no payload for version {step}")

@@ -232,7 +232,7 @@ class Transport:
         return self._serve[perm](jax.make_array_from_process_local_data(self.rows, rows))
 
 
-def local_rows(array: jax.Array, plan: PackPlan) -> list[np.ndarray]:
+def local_rows(array: jax.Array) -> list[np.ndarray]:
     """This process's rows of a [devices, n] array, in local device order (copies)."""
     position = {d: p for p, d in enumerate(array.sharding.mesh.devices.flat)}
     rows = sorted((position[s.device], s) for s in array.addressable_shards)

@@ -50,6 +50,19 @@ AFTER = ("<after>", "bwd")
 Site = tuple[str, str]
 
 
+def pack_payload(transport: Transport, state_specs: list, state: Any, trailer: jax.Array,
+                 *gather: jax.Array) -> jax.Array:
+    """Version ``state`` packed into its payload [devices, bytes] (traceable,
+    no collective): each device packs its shards (``gather``: a PEC plan's
+    int32 [R, C] indices, replicated; ``state_specs``: the leaves' specs)."""
+    return jax.shard_map(
+        lambda leaves, t, *g: transport.pack_local(leaves, t[0], *g)[None],
+        mesh=transport.mesh,
+        in_specs=(state_specs, P(transport.axes), *(P() for _ in gather)),
+        out_specs=P(transport.axes),
+    )(jax.tree.leaves(state), trailer, *gather)
+
+
 def site_of(window: Window, boundaries: list[str]) -> Site:
     """The boundary (name, direction) at which ``window`` opens."""
     if window.direction == "fwd":
@@ -134,12 +147,7 @@ class InStepSender:
         if len(gather) != int(self.pec):
             raise ValueError(f"{len(gather)} gather arrays for a "
                              f"{'PEC' if self.pec else 'full'} payload")
-        payload = jax.shard_map(
-            lambda leaves, t, *g: transport.pack_local(leaves, t[0], *g)[None],
-            mesh=transport.mesh,
-            in_specs=(self.state_specs, P(self.axes), *(P() for _ in gather)),
-            out_specs=P(self.axes),
-        )(jax.tree.leaves(state), trailer, *gather)
+        payload = pack_payload(transport, self.state_specs, state, trailer, *gather)
         start = [((lo, hi), self._permute(payload[:, lo:hi], None))
                  for lo, hi in self.sites.get(START, [])]
         carriers = [jnp.zeros((payload.shape[0], -(-(hi - lo) // 4)), jnp.float32)

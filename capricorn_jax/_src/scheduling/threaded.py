@@ -37,6 +37,7 @@ timeout, never a hang.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import socket
@@ -50,8 +51,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.memory.transport import local_rows
+from capricorn_jax._src.multihost.agree import agree_floats
 from capricorn_jax._src.profiling.profiler import ProfileHook
-from capricorn_jax._src.scheduling.executor import AFTER, START, Site, site_of
+from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, fit_link_model
 
 log = logging.getLogger(__name__)
@@ -311,7 +314,7 @@ class ThreadedSender:
             entry, epoch, by_site = job
             try:
                 t0 = entry.t0
-                local = local_rows_in_order(entry.own)
+                local = np.stack(local_rows(entry.own))
                 entry.times["packed_s"] = time.perf_counter() - t0
                 for site in self.sites_in_order():
                     ranges = by_site.get(site)
@@ -403,12 +406,6 @@ def _local_devices(sharding: Any) -> list[Any]:
     return [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
 
 
-def local_rows_in_order(array: jax.Array) -> np.ndarray:
-    """[local devices, n] of a [devices, n] row-sharded array, in mesh order."""
-    shards = {s.device: s for s in array.addressable_shards}
-    return np.stack([np.asarray(shards[d].data)[0] for d in _local_devices(array.sharding)])
-
-
 def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
     """The [devices, n] array whose local rows (mesh order) are ``rows``."""
     devices = _local_devices(sharding)
@@ -421,22 +418,13 @@ def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
 
 def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
     """alpha + bytes/B of the chunk channel, host 0's fit on every host."""
-    from capricorn_jax._src.multihost.agree import agree_floats
-
     sizes, times = channel.measure(rows=rows)
     # Per-row bytes (the schedule's unit): every local row of a range goes at once.
     return fit_link_model(sizes, agree_floats(times))
 
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:
-    """The jitted pack of a version into its payload [devices, bytes] (no collective)."""
+    """The jitted pack of a version into its payload [devices, bytes] (no
+    collective; ``executor.pack_payload``, as the in-graph path packs it)."""
     specs = [s.spec for s in jax.tree.leaves(state_shardings)]
-    gather = (P(),) if transport.plan.experts is not None else ()
-
-    def pack(leaves, trailer, *g):
-        return transport.pack_local(leaves, trailer[0], *g)[None]
-
-    mapped = jax.shard_map(pack, mesh=transport.mesh,
-                           in_specs=(specs, P(transport.axes), *gather),
-                           out_specs=P(transport.axes))
-    return jax.jit(lambda state, trailer, *g: mapped(jax.tree.leaves(state), trailer, *g))
+    return jax.jit(functools.partial(pack_payload, transport, specs))

@@ -156,6 +156,8 @@ class ScheduledStrategy(InMemoryStrategy):
         return (*hooks, self.sender.hook(schedule))
 
     def _pack(self, transport: Transport) -> Any:
+        """The pack program of ``transport``'s payload (kept with the transport,
+        so that its id is not reused by another while the entry lives)."""
         if id(transport) not in self._packs:
             self._packs[id(transport)] = (pack_program(transport, self.train.state_shardings),
                                           transport)
