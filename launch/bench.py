@@ -59,6 +59,7 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions, ProfilingOptions
 from capricorn_jax.experimental import TRIGGERS
 from launch import cluster as cluster_lib
+from launch import cpu_account
 from launch import runtime
 from launch.metrics import different_work
 from launch.netns import LinkOptions, links_for
@@ -225,6 +226,11 @@ class _Runner:
         self.buckets: dict[int, dict[str, list[float]]] = {}
         self.record = False
         self.committed_at: dict[str, dict[int, int]] = {}
+        # strategy -> CPU seconds of this process in its timed steps, per
+        # launch.cpu_account group (sampled outside the timed span); and in
+        # its steady-state steps only (neither profiled nor compiled).
+        self.cpu: dict[str, list[float]] = {}
+        self.steady_cpu: dict[str, list[float]] = {}
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -268,6 +274,7 @@ class _Runner:
             hooks = (self.probe,) if i >= n - probed else ()
             factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
             compiles = self.compiles
+            cpu_before = cpu_account.sample()
             t0 = time.perf_counter()
             batch = trainer.global_batch(self.job.data.next_batch())
             run = driver.step(self.step, factors, self.state, batch, hooks)
@@ -297,8 +304,13 @@ class _Runner:
                 self.timed_versions.setdefault(strategy.name, []).append((self.step + 1, index))
             # Checked after the save: it may compile too (e.g. PEC packing).
             if i > 0 and not hooks:
-                times.append((time.perf_counter() - t0, run.profile is not None,
-                               run.compiled or self.compiles != compiles))
+                compiled = run.compiled or self.compiles != compiles
+                times.append((time.perf_counter() - t0, run.profile is not None, compiled))
+                if self.record:  # the timed repetitions, as the step times
+                    used = cpu_account.delta(cpu_before, cpu_account.sample())
+                    _add(self.cpu, strategy.name, used)
+                    if run.profile is None and not compiled:
+                        _add(self.steady_cpu, strategy.name, used)
             self.step += 1
         return times, a2a
 
@@ -381,6 +393,11 @@ def _baseline_recovery(name: str, strategy, job) -> dict:
     return {"disk" if disk else "local": _timed_restore(strategy, job, cold=disk)}
 
 
+def _add(totals: dict[str, list[float]], name: str, values: list[float]) -> None:
+    total = totals.get(name, [0.0] * len(values))
+    totals[name] = [a + b for a, b in zip(total, values, strict=True)]
+
+
 def bench_worker(process_id: int, workdir: Path) -> None:
     import jax
 
@@ -433,6 +450,10 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
         ram[name] = allgather_floats([held, float(strategy.bytes_per_step)], job.hosts)
+    none = [0.0] * len(cpu_account.GROUPS)
+    cpu = {name: {"all": allgather_floats(runner.cpu.get(name, none), job.hosts),
+                  "steady": allgather_floats(runner.steady_cpu.get(name, none), job.hosts)}
+           for name in strategies}
     schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps,
                         "cache_replan_steps": drivers[name].cache_replans}
                  for name, strategy in strategies.items()
@@ -447,7 +468,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for strategy in strategies.values():
         strategy.close()
     if job.host == 0:
-        result = {"samples": samples, "a2a": a2a, "ram": ram, "recovery": recovery, "link": link,
+        result = {"samples": samples, "a2a": a2a, "ram": ram, "cpu": cpu, "recovery": recovery,
+                  "link": link,
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
@@ -490,6 +512,11 @@ def summarize(raw: dict) -> dict:
             # Every timed step in order (blocks of --steps, repetitions interleaved).
             "step_s": [round(t, 6) for t in times],
         }
+        if name in raw.get("cpu", {}):
+            steady = sum(not p and not c for _, p, c in steps)
+            out[name]["cpu_ms_per_step"] = cpu_per_step(raw["cpu"][name]["all"], len(times))
+            out[name]["steady_cpu_ms_per_step"] = cpu_per_step(raw["cpu"][name]["steady"],
+                                                               steady)
         for key, chosen in (("profiled", [t for t, p, _ in steps if p]),
                             ("compiled", [t for t, _, c in steps if c]),
                             ("steady", [t for t, p, c in steps if not p and not c])):
@@ -524,6 +551,16 @@ def summarize(raw: dict) -> dict:
         out[name]["versions_committed"] = len(lags) / len(timed) if timed else None
         out[name]["max_commit_lag"] = max(lags, default=None)
     return out
+
+
+def cpu_per_step(per_host: list[list[float]], steps: int) -> dict[str, float]:
+    """CPU milliseconds per timed step, summed over the hosts' processes, per
+    ``launch.cpu_account`` group, with their ``total`` (which the box's cores
+    bound: cores x the step's wall time)."""
+    groups = {g: sum(h[i] for h in per_host) * 1e3 / max(steps, 1)
+              for i, g in enumerate(cpu_account.GROUPS)}
+    return {**{g: round(v, 2) for g, v in groups.items()},
+            "total": round(sum(groups.values()), 2)}
 
 
 def _iqr(values: list[float]) -> float:
@@ -596,6 +633,14 @@ def markdown(results: dict) -> str:
         lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
                      f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
                      f"{ram} |")
+    for name, r in results.items():
+        for key, label in (("cpu_ms_per_step", "timed step"),
+                           ("steady_cpu_ms_per_step", "steady-state step")):
+            if r.get(key):
+                cpu = r[key]
+                lines.append(f"\n{name}: CPU per {label}, all hosts: {cpu['total']:.0f} ms ("
+                             + ", ".join(f"{g} {cpu[g]:.0f}" for g in cpu_account.GROUPS
+                                         if cpu[g]) + ")")
     for name, r in results.items():
         for tier, rec in r.get("recovery", {}).items():
             cold = " (page cache dropped first)" if rec.get("cold_cache") else ""

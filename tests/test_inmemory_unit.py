@@ -277,3 +277,21 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
     assert capricorn_jax.recover(fresh).step == 6
     fresh.close()
+
+
+def test_a_received_payload_of_the_wrong_shape_is_refused_by_name(trainer, tmp_path):
+    """save_transferred takes the threaded path's receive buffer (numpy, this
+    host's rows) as is; one that does not fit the plan is refused, nothing queued."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=2)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 2,
+        device_host=[0, 0, 1, 1])
+    bad = np.zeros((2, ckpt.plan.payload_bytes + 1), np.uint8)
+    with pytest.raises(ValueError, match=re.escape(
+            f"shape (2, {ckpt.plan.payload_bytes + 1}); version 1 needs "
+            f"(2, {ckpt.plan.payload_bytes})")):
+        ckpt.save_transferred(1, None, [bad])
+    assert ckpt._own_q.unfinished_tasks == 0 and ckpt._rep_q.unfinished_tasks == 0
+    ckpt.close()

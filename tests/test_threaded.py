@@ -25,7 +25,6 @@ from capricorn_jax._src.scheduling.threaded import (
     ChunkChannel,
     ThreadedSender,
     WindowMarks,
-    global_rows,
 )
 
 
@@ -164,12 +163,3 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     assert START not in site_of_offset.values()
 
 
-def test_global_rows_puts_each_local_row_on_its_device():
-    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
-    rows = NamedSharding(mesh, P("x"))
-    data = np.arange(4 * 6, dtype=np.uint8).reshape(4, 6)
-    array = global_rows(data, rows)
-    assert array.shape == (4, 6) and (np.asarray(array) == data).all()
-    assert (np.stack(local_rows(array)) == data).all()
-    with pytest.raises(ValueError, match="3 rows for 4 local devices"):
-        global_rows(data[:3], rows)

@@ -307,7 +307,7 @@ class InMemoryCheckpointer:
 
     def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
         try:
-            self._write_version(self.host, step, local_rows(own), plan, pec_meta)
+            self._write_version(self.host, step, _host_rows(own), plan, pec_meta)
         finally:
             with self._lock:
                 self._own_queued.discard(step)
@@ -321,7 +321,7 @@ class InMemoryCheckpointer:
             time.sleep(stall[1])
         pause = self.options.pause_mid_replication_at == step
         for owner, array in zip(self.sources, received, strict=True):
-            self._write_version(owner, step, local_rows(array), plan, pec_meta,
+            self._write_version(owner, step, _host_rows(array), plan, pec_meta,
                                 pause_halfway=pause)
 
     # ----- the training thread's API -----
@@ -402,7 +402,10 @@ class InMemoryCheckpointer:
         Args:
           step: the version (the state the scheduled step started from).
           own: [devices, payload] this host's packed payload (output of the step).
-          received: one [devices, payload] array per replication round.
+          received: one payload per replication round: a [devices, payload]
+            array, or this host's rows as a numpy [local devices, payload]
+            array in local device order (what a receiver outside XLA filled;
+            the writer reads it as is, so the caller must not reuse it).
           tokens_per_expert: PEC, when ``version`` is None: [moe_layers,
             experts] of the step that produced version ``step``; the payloads
             are then taken as packed with the full plan (a full version).
@@ -411,6 +414,13 @@ class InMemoryCheckpointer:
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
+        plan = self.plan if version is None else version.plan
+        local = len(plan.host_positions(self.host))
+        for r in received:
+            if isinstance(r, np.ndarray) and r.shape != (local, plan.payload_bytes):
+                raise ValueError(f"host {self.host}: a received payload of shape {r.shape}; "
+                                 f"version {step} needs ({local}, {plan.payload_bytes}) "
+                                 f"(local devices, payload bytes)")
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, version)
             if self._over_budget():  # the step moved it; nothing is written
@@ -468,7 +478,8 @@ class InMemoryCheckpointer:
             self._needs[step] = (tuple(meta["needed"]), bool(meta["complete"]))
         self._last_statuses = statuses
         # Start the device-to-host copies now; the writers read them.
-        own, *received = [self._to_host(a) for a in (own, *received)]
+        own, *received = [a if isinstance(a, np.ndarray) else self._to_host(a)
+                          for a in (own, *received)]
         skipped = False
         wait = self.options.writer_timeout_s
         if self.options.max_wait_s is not None:
@@ -635,6 +646,14 @@ class InMemoryCheckpointer:
         self.store.close()
         return StoreRelease(keep, {o: v for o, v in versions.items() if v}, held,
                             max(before - held, 0))
+
+
+def _host_rows(payload: Any) -> list[np.ndarray]:
+    """This host's rows of a payload: views of a [devices, n] array's local
+    buffers (the writer copies them into the store), or a numpy array's rows."""
+    if isinstance(payload, np.ndarray):
+        return list(payload)
+    return local_rows(payload, copy=False)
 
 
 def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:

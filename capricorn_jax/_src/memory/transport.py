@@ -232,9 +232,14 @@ class Transport:
         return self._serve[perm](jax.make_array_from_process_local_data(self.rows, rows))
 
 
-def local_rows(array: jax.Array) -> list[np.ndarray]:
-    """This process's rows of a [devices, n] array, in local device order (copies)."""
+def local_rows(array: jax.Array, copy: bool = True) -> list[np.ndarray]:
+    """This process's rows of a [devices, n] array, in local device order:
+    copies, or with ``copy=False`` read-only views of the device buffers where
+    the backend allows (CPU, host memory), valid while ``array`` lives: a
+    writer that copies the rows into its store anyway saves a copy of the
+    version (on this box ~0.8 ms per MB, BUILD_NOTES "Where the CPU goes")."""
     position = {d: p for p, d in enumerate(array.sharding.mesh.devices.flat)}
     rows = sorted((position[s.device], s) for s in array.addressable_shards)
-    return [np.array(s.data)[0] for _, s in rows]
+    read = np.array if copy else np.asarray
+    return [read(s.data)[0] for _, s in rows]
 

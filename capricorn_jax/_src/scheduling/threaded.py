@@ -169,11 +169,17 @@ class ChunkChannel:
         # next all-to-all (pacing to the window).
         self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
 
-    def send(self, version: int, offset: int, rows: np.ndarray) -> None:
-        """Sends ``rows`` [local devices, n] as bytes [offset, offset + n) of ``version``."""
-        rows = np.ascontiguousarray(rows)
-        self.out.sendall(_HEADER.pack(version, offset, rows.shape[1], rows.shape[0]))
-        self.out.sendall(memoryview(rows).cast("B"))
+    def send(self, version: int, offset: int, rows: Sequence[np.ndarray]) -> None:
+        """Sends ``rows`` (one uint8 row of n bytes per local device: a
+        [devices, n] array or views of each device's buffer) as bytes
+        [offset, offset + n) of ``version``; each row goes from its own memory,
+        without a copy when it is contiguous."""
+        lengths = {len(r) for r in rows}
+        if len(lengths) != 1:
+            raise ValueError(f"rows of different lengths {sorted(lengths)}")
+        self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows)))
+        for row in rows:
+            self.out.sendall(memoryview(np.ascontiguousarray(row)).cast("B"))
 
     def receive_into(self, buffers: Callable[[int], np.ndarray]) -> tuple[int, int, int]:
         """Receives one frame into ``buffers(version)``; (version, offset, length)."""
@@ -314,7 +320,7 @@ class ThreadedSender:
             entry, epoch, by_site = job
             try:
                 t0 = entry.t0
-                local = np.stack(local_rows(entry.own))
+                local = local_rows(entry.own, copy=False)  # views of the packed payload
                 entry.times["packed_s"] = time.perf_counter() - t0
                 for site in self.sites_in_order():
                     ranges = by_site.get(site)
@@ -325,7 +331,7 @@ class ThreadedSender:
                         # ended another way) sends at once rather than never.
                         self.marks.wait_open(site, epoch, self.timeout_s)
                     for lo, hi in ranges:
-                        self.channel.send(entry.version, lo, local[:, lo:hi])
+                        self.channel.send(entry.version, lo, [row[lo:hi] for row in local])
                 entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
@@ -398,22 +404,6 @@ class ThreadedSender:
         self._jobs.put(None)
         self.channel.close()
         self._sender.join(5.0)
-
-
-def _local_devices(sharding: Any) -> list[Any]:
-    """This process's devices of ``sharding``'s mesh, in mesh (position) order:
-    local row j of a payload is the j-th (``transport.device_perm``)."""
-    return [d for d in sharding.mesh.devices.flat if d.process_index == jax.process_index()]
-
-
-def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
-    """The [devices, n] array whose local rows (mesh order) are ``rows``."""
-    devices = _local_devices(sharding)
-    if rows.shape[0] != len(devices):
-        raise ValueError(f"{rows.shape[0]} rows for {len(devices)} local devices")
-    shape = (sharding.mesh.size, rows.shape[1])
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [jax.device_put(rows[j:j + 1], d) for j, d in enumerate(devices)])
 
 
 def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:

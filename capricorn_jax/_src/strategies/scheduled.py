@@ -53,7 +53,6 @@ from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_pro
 from capricorn_jax._src.scheduling.threaded import (
     ChunkChannel,
     ThreadedSender,
-    global_rows,
     measure_channel,
     pack_program,
 )
@@ -269,8 +268,7 @@ class ScheduledStrategy(InMemoryStrategy):
         if moved is not None:
             version, payloads, pec_version = moved
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
-                rows = self.sender.wait(version)
-                payloads["received"] = global_rows(rows, payloads["transport"].rows)
+                payloads["received"] = self.sender.wait(version)  # [local devices, bytes]
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
             self._last_saved = version

@@ -1,0 +1,70 @@
+"""launch.cpu_account: CPU time by thread group, and the bench's per-step sums."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from launch import cpu_account
+from launch.bench import cpu_per_step
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _spin(cpu_s: float) -> None:
+    """Burns ``cpu_s`` seconds of this thread's CPU (not wall time)."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_named_thread_s_cpu_lands_in_its_group_and_nowhere_else() -> None:
+    before = cpu_account.sample()
+    done = threading.Event()
+    during: dict = {}
+
+    def writer() -> None:
+        _spin(0.3)
+        during.update(cpu_account.sample())  # sampled while this thread is alive
+        done.set()
+
+    t = threading.Thread(target=writer, name="ckpt-own-writer")
+    t.start()
+    done.wait(60)
+    t.join(60)
+    used = dict(zip(cpu_account.GROUPS, cpu_account.delta(before, during), strict=True))
+    assert used["ckpt_writers"] >= 0.28  # one 10 ms tick of quantization
+    assert used["chunk_sender"] == used["chunk_receiver"] == 0.0
+    # Once the thread has ended, its time moves to "exited", not lost.
+    after = dict(zip(cpu_account.GROUPS, cpu_account.delta(before, cpu_account.sample()),
+                     strict=True))
+    assert after["ckpt_writers"] == 0.0
+    assert after["exited"] >= 0.28
+
+
+def test_the_training_thread_is_main() -> None:
+    before = cpu_account.sample()
+    _spin(0.2)
+    used = dict(zip(cpu_account.GROUPS, cpu_account.delta(before, cpu_account.sample()),
+                    strict=True))
+    assert used["main"] >= 0.18
+
+
+def test_delta_without_samples_is_zeros() -> None:
+    assert cpu_account.delta(None, cpu_account.sample()) == [0.0] * len(cpu_account.GROUPS)
+
+
+def test_cpu_per_step_sums_hosts_and_divides_by_steps() -> None:
+    n = len(cpu_account.GROUPS)
+    host0 = [0.0] * n
+    host1 = [0.0] * n
+    host0[cpu_account.GROUPS.index("main")] = 1.0
+    host1[cpu_account.GROUPS.index("main")] = 0.5
+    host1[cpu_account.GROUPS.index("ckpt_writers")] = 0.25
+    out = cpu_per_step([host0, host1], 10)
+    assert out["main"] == 150.0
+    assert out["ckpt_writers"] == 25.0
+    assert out["total"] == 175.0
