@@ -405,3 +405,31 @@ def test_profiling_options_trigger():
     assert ProfilingOptions("speculative", trigger="drift").cache is None
     with pytest.raises(ValueError, match="trigger"):
         ProfilingOptions("speculative", trigger="sometimes")
+
+
+def test_a_strategys_own_request_profiles_the_next_step_past_the_cache():
+    """capricorn asks for a profile when its windows spilled: the driver
+    profiles the next step even when the trigger and the cache would not."""
+    from capricorn_jax import ProfilingDriver, ProfilingOptions
+
+    class Requesting(_PlanningStrategy):
+        requested = False
+
+        def allow_profile(self, detector, tokens_per_expert):
+            return True
+
+        def profile_requested(self):
+            return self.requested
+
+    strategy = Requesting()
+    driver = ProfilingDriver(object(), strategy, ProfilingOptions("speculative"),
+                             next_factors=lambda m: (1.0,))
+    tpe = np.full((1, 4), 8.0)
+    durations = {(0, "fwd"): 0.01}
+    for step in range(3):  # the tuple profiled twice: the cache answers from then on
+        driver.cache.record((1.0,), step, durations)
+    event = driver._detect(3, (1.0,), {}, tpe, None, False)
+    assert not event["profile_next"] and not event["requested"]
+    strategy.requested = True
+    event = driver._detect(4, (1.0,), {}, tpe, None, False)
+    assert event["profile_next"] and event["requested"] and driver.decision.profile_next

@@ -295,3 +295,24 @@ def test_a_received_payload_of_the_wrong_shape_is_refused_by_name(trainer, tmp_p
         ckpt.save_transferred(1, None, [bad])
     assert ckpt._own_q.unfinished_tasks == 0 and ckpt._rep_q.unfinished_tasks == 0
     ckpt.close()
+
+
+def test_the_status_note_of_host_0_is_agreed_one_save_later(trainer, tmp_path):
+    """A caller's status_note travels in the save's status round; agreed_note is
+    host 0's note of the previous round (no collective of its own)."""
+    import capricorn_jax
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    state = trainer.init_state(0)
+    assert ckpt.agreed_note is None
+    ckpt.status_note = 2003
+    ckpt.save(1, state, {"data": {"step": 1}})
+    assert ckpt.agreed_note is None  # the first round is read by the next save
+    ckpt.status_note = 2004
+    ckpt.save(2, state, {"data": {"step": 2}})
+    assert ckpt.agreed_note == 2003
+    ckpt.save(3, state, {"data": {"step": 3}})
+    assert ckpt.agreed_note == 2004
+    ckpt.close()

@@ -9,6 +9,7 @@ CPU takes it) and in tests/test_strategies.py's path comparison.
 """
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -140,12 +141,28 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
         with boundary_hooks(sender.hook(schedule)):
             lowered = grad.lower(x)
         step = lowered.compile()
+        t_issue = time.perf_counter()
         sender.start(3, own, schedule)
         jax.block_until_ready(step(x))
+        t_done = time.perf_counter()
         received = sender.wait(3)
+        opened = dict(sender.marks.opened_at)
     finally:
         sender.close()
     assert (received == own_np).all()
+    # The closing boundaries are marked too, and each filled window's span runs
+    # from its opening mark (the step's issue for the first) to its closing
+    # one; the tail window closes after the step (no mark): not timed.
+    assert set(opened) == {("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd"), ("b0", "bwd")}
+    order = [opened[s] for s in (("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd"), ("b0", "bwd"))]
+    assert t_issue <= order[0] and order == sorted(order) and order[-1] <= t_done
+    starts = [None, ("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd")]
+    ends = [("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd"), ("b0", "bwd")]
+    assert set(sender.last_spans) == {0, 1, 2, 3}
+    for i, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        begun = sender.last_spans[i] if a is None else opened[b] - opened[a]
+        assert sender.last_spans[i] == begun >= 0.0
+    assert 0.0 <= sender.last_spans[0] <= order[0] - t_issue
     # Every window's frames left after the mark of its site: (b0, fwd)'s window
     # opens at the start, (b1, fwd) at b0's forward mark, head at b1's, (b1,
     # bwd) at b1's backward mark, the tail window at b0's backward mark.

@@ -171,8 +171,15 @@ class InMemoryCheckpointer:
         self.rounds = placement.send_rounds(hosts, options.replicas)
         # Status vector: per owner the newest held version, then the mask of
         # the held ones before it (retention.encode_held), then the store's
-        # KiB, then whether the writers are busy (the cost budget's input).
-        self.status_len = 2 * hosts + 2
+        # KiB, then whether the writers are busy (the cost budget's input),
+        # then the caller's note (``status_note``).
+        self.status_len = 2 * hosts + 3
+        # A small integer the caller wants every host to see: it travels with
+        # this host's status in each save's round; ``agreed_note`` is host 0's,
+        # as of the previous round (the same value on every host). Lets a
+        # strategy agree on a decision without a collective of its own.
+        self.status_note = 0
+        self.agreed_note: int | None = None
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
                                    self.status_len)
         self.pec: PecTier | None = None
@@ -333,7 +340,7 @@ class InMemoryCheckpointer:
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
         busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
-                         self._store_bytes // 1024, busy], np.int64)
+                         self._store_bytes // 1024, busy, int(self.status_note)], np.int64)
 
     def _over_budget(self) -> bool:
         """Whether this version is skipped: under a cost budget, some host's
@@ -524,6 +531,7 @@ class InMemoryCheckpointer:
         per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
         h = self.hosts
         report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
+        self.agreed_note = int(per_host[0, 2 * h + 2])
         held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
                  for o in range(h)} for x in range(h)]
         self._safe = retention.safe_version(held, self.holders, self._safe,

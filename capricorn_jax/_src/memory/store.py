@@ -411,6 +411,10 @@ class HostStore:
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._busy: set[tuple[int, int]] = set()  # slots with a writer
         self._unreadable: set[Path] = set()  # damaged heads already reported
+        # head path -> ((inode, mtime_ns, size), step): a head is renamed into
+        # place whole, so an unchanged identity is the same record; parsing
+        # every head at every commit was most of a writer's Python time.
+        self._head_steps: dict[Path, tuple[tuple[int, int, int], int]] = {}
         self.removed_partials = self._remove_partials()
 
     def _take_lock(self) -> int:
@@ -554,8 +558,14 @@ class HostStore:
             if "head" in kinds:
                 path = self._slot_path(owner, index, "head")
                 try:
-                    head = json.loads(path.read_text())
-                    step = int(head["step"])
+                    st = path.stat()
+                    identity = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    cached = self._head_steps.get(path)
+                    if cached is not None and cached[0] == identity:
+                        step = cached[1]
+                    else:
+                        step = int(json.loads(path.read_text())["step"])
+                        self._head_steps[path] = (identity, step)
                 except FileNotFoundError:
                     continue  # pruned while we listed
                 except (ValueError, KeyError, TypeError):

@@ -398,12 +398,17 @@ class ProfilingDriver:
         gated = decision.profile_next and not self.strategy.allow_profile(self.detector, tpe)
         if gated:
             decision = dataclasses.replace(decision, profile_next=False)
+        # The strategy's own request (capricorn: its windows spilled in the
+        # steps it measured), past the trigger and the cache.
+        requested = not decision.profile_next and self.strategy.profile_requested()
+        if requested:
+            decision = dataclasses.replace(decision, profile_next=True)
         self.decision = decision
         return {
             "event": "detector", "step": step,
             "scores": [None if s == float("inf") else round(s, 5) for s in decision.scores],
             "profile_next": decision.profile_next, "repartition": decision.repartition,
-            "gated": gated,
+            "gated": gated, "requested": requested,
             # Profile cache (None without it): a profile was asked for and the
             # next step's capacity tuple has enough young cached profiles;
             # cache_steps: the steps those profiles were measured at (their

@@ -77,6 +77,7 @@ class WindowMarks:
         self._cond = threading.Condition()
         self._seen: dict[tuple[str, str], set[int]] = {}
         self._open: set[tuple[str, str]] = set()
+        self.opened_at: dict[tuple[str, str], float] = {}  # site -> when it opened
         self._epoch = 0
 
     def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
@@ -86,6 +87,7 @@ class WindowMarks:
             seen.add(device)
             if len(seen) >= self.local_devices and (name, direction) not in self._open:
                 self._open.add((name, direction))
+                self.opened_at[(name, direction)] = time.perf_counter()
                 self._cond.notify_all()
         return np.zeros((), np.float32)
 
@@ -94,6 +96,7 @@ class WindowMarks:
         with self._cond:
             self._seen.clear()
             self._open.clear()
+            self.opened_at = {}
             self._epoch += 1
             self._cond.notify_all()
             return self._epoch
@@ -245,6 +248,8 @@ class _Version:
         self.error: BaseException | None = None
         self.times: dict[str, float] = {}  # seconds since start: packed, sent, received
         self.t0 = time.perf_counter()
+        # window index -> (the site opening it, the site closing it)
+        self.window_sites: dict[int, tuple[Site, Site]] = {}
 
 
 class ThreadedSender:
@@ -276,20 +281,33 @@ class ThreadedSender:
         self._receiver.start()
         self.failure: BaseException | None = None
         self.last_times: dict[str, float] = {}
+        self.last_spans: dict[int, float] = {}
 
     def sites_in_order(self) -> list[Site]:
         """The sites at which windows open, in the order a step passes them."""
         return ([START] + [(b, "fwd") for b in self.boundaries]
                 + [(b, "bwd") for b in reversed(self.boundaries)] + [AFTER])
 
+    def _window_sites(self, schedule: Schedule) -> dict[int, tuple[Site, Site]]:
+        """Window index -> (opening site, closing site: the next one a step
+        passes) of each window with chunks."""
+        order = self.sites_in_order()
+        out = {}
+        for i, (window, chunks) in enumerate(zip(schedule.windows, schedule.chunks,
+                                                 strict=True)):
+            if chunks:
+                site = site_of(window, self.boundaries)
+                out[i] = (site, order[min(order.index(site) + 1, len(order) - 1)])
+        return out
+
     def hook(self, schedule: Schedule) -> ProfileHook:
         """The boundary hook of a step moving ``schedule``: an unordered mark
-        (placed by its data dependency alone) at each boundary that opens a
-        window with chunks, none elsewhere; one per set of such sites, so a
-        re-partition that opens the same windows reuses its compiled step."""
-        sites = frozenset(site_of(w, self.boundaries)
-                          for w, chunks in zip(schedule.windows, schedule.chunks, strict=True)
-                          if chunks) - {START, AFTER}
+        (placed by its data dependency alone) at each boundary that opens or
+        closes a window with chunks (the closing ones time the window:
+        ``last_spans``), none elsewhere; one per set of such sites, so a
+        re-partition that marks the same sites reuses its compiled step."""
+        sites = frozenset(site for pair in self._window_sites(schedule).values()
+                          for site in pair) - {START, AFTER}
         if sites not in self._hooks:
             self._hooks[sites] = ProfileHook(self.mesh, self.marks, sites=sites, ordered=False)
         return self._hooks[sites]
@@ -307,6 +325,7 @@ class ThreadedSender:
         rows = self.marks.local_devices
         entry = _Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
                          [r for rs in by_site.values() for r in rs])
+        entry.window_sites = self._window_sites(schedule)
         with self._lock:
             self._versions[version] = entry
         epoch = self.marks.reset()
@@ -380,7 +399,10 @@ class ThreadedSender:
         chunk arrived and this host's chunks are sent; raises on a failure or
         after the timeout, naming the peer. ``last_times`` then holds the
         version's seconds from ``start``: packed, sent, received, and waited
-        (this call)."""
+        (this call); ``last_spans`` the seconds each window with chunks lasted
+        in the step (window index -> from its opening mark, or the step's
+        issue, to its closing mark; call it after the step, before the next
+        ``start``)."""
         t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -397,6 +419,10 @@ class ThreadedSender:
         with self._lock:
             self._versions.pop(version, None)
         self.last_times = {**entry.times, "waited_s": time.perf_counter() - t_wait}
+        opened = {**self.marks.opened_at, START: entry.t0}  # START: when the step was issued
+        self.last_spans = {i: opened[close] - opened[open_]
+                           for i, (open_, close) in entry.window_sites.items()
+                           if open_ in opened and close in opened}
         return entry.received
 
     def close(self) -> None:

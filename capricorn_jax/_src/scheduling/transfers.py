@@ -211,3 +211,40 @@ def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
         if schedule.window_cost_s(i) > room:
             return True
     return False
+
+
+def window_spills(schedule: Schedule, spans_s: dict[int, float],
+                  profile: LayerProfile | None) -> list[dict[str, Any]]:
+    """What each filled window of a step that moved ``schedule`` really held.
+
+    A window's idle time in the step is the span between the marks of the
+    boundaries that open and close it, less the all-to-all estimate of its
+    segment in ``profile`` (the one the schedule was planned on; 0 without
+    one); its spill is the link time of its chunks beyond that idle time:
+    what the cost model promised and the step did not give (0: the chunks fit).
+
+    Args:
+      schedule: the schedule the step moved.
+      spans_s: window index -> seconds between its opening and closing marks
+        (windows without both marks left out).
+      profile: the LayerProfile the schedule was planned on.
+
+    Returns:
+      One record per window in ``spans_s`` with chunks, in step order:
+      window ("name/direction"), planned_s (the window the schedule assumed),
+      observed_s (idle time measured), chunks_s (its chunks' link time),
+      spill_s.
+    """
+    collective = {} if profile is None else {
+        (seg.name, seg.direction): seg.collective_s or 0.0 for seg in profile.segments}
+    out = []
+    for i in sorted(spans_s):
+        if not schedule.chunks[i]:
+            continue
+        window = schedule.windows[i]
+        idle = max(0.0, spans_s[i] - collective.get((window.name, window.direction), 0.0))
+        cost = schedule.window_cost_s(i)
+        out.append({"window": f"{window.name}/{window.direction}",
+                    "planned_s": round(window.duration_s, 6), "observed_s": round(idle, 6),
+                    "chunks_s": round(cost, 6), "spill_s": round(max(0.0, cost - idle), 6)})
+    return out

@@ -180,6 +180,11 @@ class Strategy(Protocol):
         load (the same answer on every host). Default: always."""
         return True
 
+    def profile_requested(self) -> bool:
+        """Whether the strategy asks for the next step to be profiled, whatever
+        the trigger says (the same answer on every host). Default: never."""
+        return False
+
     def schedule(self) -> Schedule | None:
         """The in-step transfer schedule in force (None: none)."""
         return None

@@ -38,6 +38,7 @@ benchmark, with its own defaults.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import Any
 
@@ -61,6 +62,7 @@ from capricorn_jax._src.scheduling.transfers import (
     average_windows,
     measure_link,
     schedule_at_risk,
+    window_spills,
 )
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
@@ -74,6 +76,12 @@ from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 KINDS = ("gemini", "capricorn")
 CHUNK_PATHS = ("auto", "in_graph", "threaded")
 _channels = itertools.count()  # channel keys: strategies are built in the same order on every host
+SPILL_WINDOW = 4
+"""capricorn, threaded path: the moved versions over which host 0 counts the
+ones in which a window spilled; more than half of them ask for a profile."""
+SPILL_TOLERANCE_S = 0.001
+"""A window spills when its chunks' link time exceeds its measured idle time
+by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
 
 
 def resolve_chunk_path(path: str) -> str:
@@ -131,6 +139,12 @@ class ScheduledStrategy(InMemoryStrategy):
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
+        # capricorn, threaded: whether a window spilled in each of this host's
+        # last moved versions under the schedule in force, and whether the
+        # hosts agreed to profile.
+        self._spills: collections.deque[bool] = collections.deque(maxlen=SPILL_WINDOW)
+        self._wants_profile = False
+        self.spill_requests: list[int] = []  # versions after which it asked for a profile
 
     @staticmethod
     def _channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
@@ -228,12 +242,40 @@ class ScheduledStrategy(InMemoryStrategy):
             if cold:
                 return None
             windows = windows_from_profile(profile)
+            self._wants_profile = False  # a warm profile answers a spill's request
+            self._spills.clear()
         self.transfers.repartition(windows)
         self._planned_on = profile
         self.repartitions.append(step)
         return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
                 "link_bytes_per_s": self.link.bytes_per_s,
                 "windows_s": [round(w.duration_s, 6) for w in windows]}
+
+    def _note_spills(self, windows: list[dict[str, Any]]) -> None:
+        """Counts this host's recent spilled versions into the status note of
+        the save about to run: (schedules so far) * 1000 + spilled versions
+        among the last ``SPILL_WINDOW`` under the schedule in force."""
+        self._spills.append(any(w["spill_s"] > SPILL_TOLERANCE_S for w in windows))
+        self.ckpt.status_note = len(self.repartitions) * 1000 + sum(self._spills)
+
+    def _check_spills(self, version: int) -> None:
+        """capricorn: when host 0's note (agreed through the save's status
+        round, the same on every host, no collective of its own) says a
+        window spilled in most of its last ``SPILL_WINDOW`` moved versions
+        under the schedule in force, the strategy asks the driver for a
+        profile (``profile_requested``) and re-plans on the step's present
+        timing. Gemini keeps its schedule: it only reports the spills."""
+        note = self.ckpt.agreed_note
+        if self.kind != "capricorn" or note is None or self._wants_profile:
+            return
+        if note // 1000 == len(self.repartitions) and note % 1000 > SPILL_WINDOW // 2:
+            self._wants_profile = True
+            self.spill_requests.append(version)
+
+    def profile_requested(self) -> bool:
+        """capricorn: the windows its schedule filled spilled in most of the
+        last checked steps (the same answer on every host)."""
+        return self._wants_profile
 
     def allow_profile(self, detector: DynamicityDetector, tokens_per_expert: np.ndarray) -> bool:
         """capricorn: whether the schedule in force may overflow at this load
@@ -267,8 +309,12 @@ class ScheduledStrategy(InMemoryStrategy):
         events = []
         if moved is not None:
             version, payloads, pec_version = moved
+            windows = None
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
                 payloads["received"] = self.sender.wait(version)  # [local devices, bytes]
+                windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
+                                        self.sender.last_spans, self._planned_on)
+                self._note_spills(windows)
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
             self._last_saved = version
@@ -276,6 +322,8 @@ class ScheduledStrategy(InMemoryStrategy):
             if self.sender is not None:  # threaded: when its chunks went (seconds from start)
                 event["chunk_times_s"] = {k: round(v, 4) for k, v in
                                           self.sender.last_times.items()}
+                event["windows"] = windows
+                self._check_spills(version)
             events.append(event)
         if not will_move:
             self._last_saved = step
@@ -299,4 +347,5 @@ class ScheduledStrategy(InMemoryStrategy):
         return self.transfers.schedule
 
     def schedule_summary(self) -> dict[str, Any] | None:
-        return {**self.transfers.summary(), "repartition_steps": self.repartitions}
+        return {**self.transfers.summary(), "repartition_steps": self.repartitions,
+                "spill_request_versions": self.spill_requests}
