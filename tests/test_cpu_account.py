@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ def test_a_named_thread_s_cpu_lands_in_its_group_and_nowhere_else() -> None:
     during: dict = {}
 
     def writer() -> None:
-        _spin(0.3)
+        _spin(0.5)
         during.update(cpu_account.sample())  # sampled while this thread is alive
         done.set()
 
@@ -35,14 +36,20 @@ def test_a_named_thread_s_cpu_lands_in_its_group_and_nowhere_else() -> None:
     t.start()
     done.wait(60)
     t.join(60)
+    # The OS thread outlives join() by a moment; once it is gone from /proc its
+    # time is the process's only.
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/self/task/{t.native_id}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/self/task/{t.native_id}")
     used = dict(zip(cpu_account.GROUPS, cpu_account.delta(before, during), strict=True))
-    assert used["ckpt_writers"] >= 0.28  # one 10 ms tick of quantization
+    assert used["ckpt_writers"] >= 0.45  # a few 10 ms ticks of quantization
     assert used["chunk_sender"] == used["chunk_receiver"] == 0.0
     # Once the thread has ended, its time moves to "exited", not lost.
     after = dict(zip(cpu_account.GROUPS, cpu_account.delta(before, cpu_account.sample()),
                      strict=True))
     assert after["ckpt_writers"] == 0.0
-    assert after["exited"] >= 0.28
+    assert after["exited"] >= 0.45
 
 
 def test_the_training_thread_is_main() -> None:

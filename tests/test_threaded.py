@@ -163,6 +163,10 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
         begun = sender.last_spans[i] if a is None else opened[b] - opened[a]
         assert sender.last_spans[i] == begun >= 0.0
     assert 0.0 <= sender.last_spans[0] <= order[0] - t_issue
+    # When each window's last frame left, from its opening (the tail window
+    # too: its opening is marked); none before its window opened.
+    assert set(sender.last_sends) == {0, 1, 2, 3, 4}
+    assert all(v >= 0.0 for v in sender.last_sends.values())
     # Every window's frames left after the mark of its site: (b0, fwd)'s window
     # opens at the start, (b1, fwd) at b0's forward mark, head at b1's, (b1,
     # bwd) at b1's backward mark, the tail window at b0's backward mark.

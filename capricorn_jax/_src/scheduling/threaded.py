@@ -6,14 +6,17 @@ costs compute + link time. This path moves a window's chunks *outside* the
 XLA program while the step computes:
 
 * before the step, a jitted program (no collective) packs version t into
-  the payload; the step itself is the plain step plus a mark at every layer
-  boundary, forward and backward (``profiler.ProfileHook``: an ordered host
-  callback per device, tied to the boundary's data);
+  the payload; the step itself is the plain step plus a mark at each layer
+  boundary that opens or closes a window holding chunks
+  (``profiler.ProfileHook``: an unordered host callback per device, tied to
+  the boundary's data, so placed by that dependency alone);
 * a mark on every local device of a boundary opens the windows whose site it
   is (``executor.site_of``); the sender thread sends each window's ranges,
   in step order, as soon as its window is open, and the schedule's tail
   after the last window, so each window carries what the partitioner sized
-  to its capacity;
+  to its capacity; the marks' times give each filled window's real length
+  (``last_spans``), which the strategy compares with its plan
+  (``transfers.window_spills``);
 * the bytes go over a TCP connection per replication round (this host to its
   peer), on the address the host's name resolves to: behind shaped links,
   the link the all-to-alls use; a receiver thread writes the peer's frames
@@ -250,6 +253,7 @@ class _Version:
         self.t0 = time.perf_counter()
         # window index -> (the site opening it, the site closing it)
         self.window_sites: dict[int, tuple[Site, Site]] = {}
+        self.site_sent: dict[Site, float] = {}  # when a site's last frame was handed over
 
 
 class ThreadedSender:
@@ -282,6 +286,7 @@ class ThreadedSender:
         self.failure: BaseException | None = None
         self.last_times: dict[str, float] = {}
         self.last_spans: dict[int, float] = {}
+        self.last_sends: dict[int, float] = {}
 
     def sites_in_order(self) -> list[Site]:
         """The sites at which windows open, in the order a step passes them."""
@@ -351,6 +356,7 @@ class ThreadedSender:
                         self.marks.wait_open(site, epoch, self.timeout_s)
                     for lo, hi in ranges:
                         self.channel.send(entry.version, lo, [row[lo:hi] for row in local])
+                    entry.site_sent[site] = time.perf_counter()
                 entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
@@ -401,8 +407,9 @@ class ThreadedSender:
         version's seconds from ``start``: packed, sent, received, and waited
         (this call); ``last_spans`` the seconds each window with chunks lasted
         in the step (window index -> from its opening mark, or the step's
-        issue, to its closing mark; call it after the step, before the next
-        ``start``)."""
+        issue, to its closing mark) and ``last_sends`` when, from its opening,
+        its last frame was handed to the kernel (call it after the step,
+        before the next ``start``)."""
         t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -423,6 +430,9 @@ class ThreadedSender:
         self.last_spans = {i: opened[close] - opened[open_]
                            for i, (open_, close) in entry.window_sites.items()
                            if open_ in opened and close in opened}
+        self.last_sends = {i: entry.site_sent[open_] - opened[open_]
+                           for i, (open_, _) in entry.window_sites.items()
+                           if open_ in opened and open_ in entry.site_sent}
         return entry.received
 
     def close(self) -> None:

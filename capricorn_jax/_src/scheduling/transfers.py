@@ -72,9 +72,9 @@ def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20,
     return fit_link_model(list(sizes), agree_floats(best))
 
 
-def average_windows(profiles: Sequence[LayerProfile],
-                    windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
-    """Mean window per (name, direction) over several profiles, in step order."""
+def _per_window(profiles: Sequence[LayerProfile], windows_of: Callable[[LayerProfile], list[Window]]
+                ) -> tuple[list[tuple[str, str]], dict[tuple[str, str], list[float]]]:
+    """The windows' keys in step order, and each key's durations over ``profiles``."""
     per_key: dict[tuple[str, str], list[float]] = {}
     order: list[tuple[str, str]] = []
     for profile in profiles:
@@ -84,7 +84,24 @@ def average_windows(profiles: Sequence[LayerProfile],
                 per_key[key] = []
                 order.append(key)
             per_key[key].append(w.duration_s)
+    return order, per_key
+
+
+def average_windows(profiles: Sequence[LayerProfile],
+                    windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
+    """Mean window per (name, direction) over several profiles, in step order."""
+    order, per_key = _per_window(profiles, windows_of)
     return [Window(n, d, float(np.mean(per_key[(n, d)]))) for n, d in order]
+
+
+def shortest_windows(profiles: Sequence[LayerProfile],
+                     windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
+    """Shortest window per (name, direction) over several profiles, in step
+    order: a plan that holds if the step is as fast as the fastest of them (a
+    profile that caught a slow step only lengthens windows, so it cannot
+    overfill one)."""
+    order, per_key = _per_window(profiles, windows_of)
+    return [Window(n, d, float(min(per_key[(n, d)]))) for n, d in order]
 
 
 class ScheduledTransfers:
@@ -214,26 +231,34 @@ def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
 
 
 def window_spills(schedule: Schedule, spans_s: dict[int, float],
-                  profile: LayerProfile | None) -> list[dict[str, Any]]:
+                  profile: LayerProfile | None,
+                  sends_s: dict[int, float] | None = None) -> list[dict[str, Any]]:
     """What each filled window of a step that moved ``schedule`` really held.
 
     A window's idle time in the step is the span between the marks of the
     boundaries that open and close it, less the all-to-all estimate of its
     segment in ``profile`` (the one the schedule was planned on; 0 without
-    one); its spill is the link time of its chunks beyond that idle time:
-    what the cost model promised and the step did not give (0: the chunks fit).
+    one). Two measures of its overflow: ``spill_s``, the link time of its
+    chunks (the link model's) beyond that idle time, i.e. what the cost model
+    promised and the step did not give; and, with ``sends_s``, ``late_s``,
+    how long after the window's closing mark its last byte was handed to the
+    kernel (measured, no model: the link's real rate and its sharing with
+    the step's own traffic included).
 
     Args:
       schedule: the schedule the step moved.
       spans_s: window index -> seconds between its opening and closing marks
         (windows without both marks left out).
       profile: the LayerProfile the schedule was planned on.
+      sends_s: window index -> seconds from its opening mark until its last
+        frame was sent (None: not measured).
 
     Returns:
       One record per window in ``spans_s`` with chunks, in step order:
-      window ("name/direction"), planned_s (the window the schedule assumed),
-      observed_s (idle time measured), chunks_s (its chunks' link time),
-      spill_s.
+      window ("name/direction"), planned_s (the window the schedule was
+      partitioned into: measured x the safety margin), observed_s (idle time
+      measured), chunks_s (its chunks' link time, modelled), spill_s, and
+      with ``sends_s`` sent_s and late_s.
     """
     collective = {} if profile is None else {
         (seg.name, seg.direction): seg.collective_s or 0.0 for seg in profile.segments}
@@ -244,7 +269,11 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
         window = schedule.windows[i]
         idle = max(0.0, spans_s[i] - collective.get((window.name, window.direction), 0.0))
         cost = schedule.window_cost_s(i)
-        out.append({"window": f"{window.name}/{window.direction}",
-                    "planned_s": round(window.duration_s, 6), "observed_s": round(idle, 6),
-                    "chunks_s": round(cost, 6), "spill_s": round(max(0.0, cost - idle), 6)})
+        record = {"window": f"{window.name}/{window.direction}",
+                  "planned_s": round(window.duration_s, 6), "observed_s": round(idle, 6),
+                  "chunks_s": round(cost, 6), "spill_s": round(max(0.0, cost - idle), 6)}
+        if sends_s is not None and i in sends_s:
+            record["sent_s"] = round(sends_s[i], 6)
+            record["late_s"] = round(max(0.0, sends_s[i] - spans_s[i]), 6)
+        out.append(record)
     return out

@@ -7,7 +7,8 @@ packs it and moves its chunks at the layer boundaries the schedule names
 profiles (``partitioner.windows_from_profile``): gemini builds it once from
 the warm profiles of its first ``first_n`` profiled steps (Gemini profiles
 the first iterations and assumes the timeline stays constant) and keeps it;
-capricorn re-partitions from every new warm profile, so the chunks follow the
+capricorn re-partitions from every new warm profile (each window the shortest
+it had in its last ``PLAN_PROFILES`` warm profiles), so the chunks follow the
 experts' load. Under PEC (``gemini_pec``/``capricorn_pec``: the checkpointer
 has PEC options) each version is decided when its step starts, and only its
 K experts per layer move, on a schedule of their own payload.
@@ -27,11 +28,19 @@ never moved twice: ``save`` defers version t when step t will move it, and
 saves it now otherwise. ``finish`` saves the last state, which no later step
 moves.
 
+On the threaded path each moved version's event reports, per filled window,
+the idle time the step gave it against the plan (``transfers.window_spills``);
+capricorn asks for a profile when its windows spilled in most of host 0's
+last ``SPILL_WINDOW`` moved versions (agreed through the checkpointer's status
+round), so a schedule planned on slower or faster steps than today's is
+re-planned; gemini keeps its schedule and only reports the spills.
+
 Design choice: the strategy does not decide which steps are profiled; the
 profiling driver (``profiling.policy.ProfilingDriver``) does, for every
-strategy alike, and hands this one its profiles (``on_profile``) and asks its
+strategy alike, and hands this one its profiles (``on_profile``), asks its
 gate (``allow_profile``: capricorn profiles on the detector's word only when
-the schedule in force may overflow at the new load). Alternative not taken
+the schedule in force may overflow at the new load) and its own request
+(``profile_requested``: the spills above). Alternative not taken
 (the previous state): a second profiling loop inside this class for the
 benchmark, with its own defaults.
 """
@@ -62,6 +71,7 @@ from capricorn_jax._src.scheduling.transfers import (
     average_windows,
     measure_link,
     schedule_at_risk,
+    shortest_windows,
     window_spills,
 )
 from capricorn_jax._src.strategies.base import (
@@ -76,12 +86,17 @@ from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 KINDS = ("gemini", "capricorn")
 CHUNK_PATHS = ("auto", "in_graph", "threaded")
 _channels = itertools.count()  # channel keys: strategies are built in the same order on every host
+PLAN_PROFILES = 3
+"""capricorn plans on the shortest of each window over its last this many warm
+profiles: one profile is one noisy sample, and on this box a profile that
+caught a slow step (1.3-1.7x the others) planned the whole version into one
+window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
 SPILL_WINDOW = 4
 """capricorn, threaded path: the moved versions over which host 0 counts the
 ones in which a window spilled; more than half of them ask for a profile."""
 SPILL_TOLERANCE_S = 0.001
-"""A window spills when its chunks' link time exceeds its measured idle time
-by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
+"""A window spills when its chunks' modelled link time exceeds its measured
+idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
 
 
 def resolve_chunk_path(path: str) -> str:
@@ -143,6 +158,7 @@ class ScheduledStrategy(InMemoryStrategy):
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
         self._spills: collections.deque[bool] = collections.deque(maxlen=SPILL_WINDOW)
+        self._recent: collections.deque[LayerProfile] = collections.deque(maxlen=PLAN_PROFILES)
         self._wants_profile = False
         self.spill_requests: list[int] = []  # versions after which it asked for a profile
 
@@ -241,7 +257,8 @@ class ScheduledStrategy(InMemoryStrategy):
         else:
             if cold:
                 return None
-            windows = windows_from_profile(profile)
+            self._recent.append(profile)
+            windows = shortest_windows(list(self._recent), windows_from_profile)
             self._wants_profile = False  # a warm profile answers a spill's request
             self._spills.clear()
         self.transfers.repartition(windows)
@@ -255,6 +272,9 @@ class ScheduledStrategy(InMemoryStrategy):
         """Counts this host's recent spilled versions into the status note of
         the save about to run: (schedules so far) * 1000 + spilled versions
         among the last ``SPILL_WINDOW`` under the schedule in force."""
+        # The modelled spill (a window shorter than planned), not the measured
+        # lateness: a new profile fixes the first; the second also holds the
+        # link model's error, which a profile would not change.
         self._spills.append(any(w["spill_s"] > SPILL_TOLERANCE_S for w in windows))
         self.ckpt.status_note = len(self.repartitions) * 1000 + sum(self._spills)
 
@@ -313,7 +333,8 @@ class ScheduledStrategy(InMemoryStrategy):
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
                 payloads["received"] = self.sender.wait(version)  # [local devices, bytes]
                 windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
-                                        self.sender.last_spans, self._planned_on)
+                                        self.sender.last_spans, self._planned_on,
+                                        self.sender.last_sends)
                 self._note_spills(windows)
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
