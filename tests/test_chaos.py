@@ -3,7 +3,7 @@
 One trial of 2 hosts x 1 device (a reference run and the faulted job), seed
 chosen for a capricorn job with a persistent tier whose host 1 is lost as a
 machine while the persistent tier writes, and a replica writer that stalls;
-the failure during recovery has its own test (test_strategies.py); the full
+the failure during recovery has its own test (test_strategies.py, soak); the full
 soak is documented in BUILD_NOTES (``--trials=N`` on every topology).
 """
 

@@ -149,6 +149,8 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
+@pytest.mark.soak  # CI time (a fresh-clone CI run took 1016 s of 1200 under steal, 2026-12-02);
+# the chaos soak draws failures during recovery too (launch.chaos, BUILD_NOTES "The soak")
 def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
                                                                         reference):
     """Failure during recovery (--fault_plan): host 1 is killed after step 4;
