@@ -450,9 +450,9 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
         ram[name] = allgather_floats([held, float(strategy.bytes_per_step)], job.hosts)
-    none = [0.0] * len(cpu_account.GROUPS)
-    cpu = {name: {"all": allgather_floats(runner.cpu.get(name, none), job.hosts),
-                  "steady": allgather_floats(runner.steady_cpu.get(name, none), job.hosts)}
+    zeros = [0.0] * len(cpu_account.GROUPS)
+    cpu = {name: {"all": allgather_floats(runner.cpu.get(name, zeros), job.hosts),
+                  "steady": allgather_floats(runner.steady_cpu.get(name, zeros), job.hosts)}
            for name in strategies}
     schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps,
                         "cache_replan_steps": drivers[name].cache_replans}

@@ -421,7 +421,13 @@ class InMemoryCheckpointer:
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
-        plan = self.plan if version is None else version.plan
+        # The plan the payloads were packed with: the version's; without one,
+        # the full plan (under PEC its full-version program's, as ``version``
+        # below will be: checked before the PEC tier records anything).
+        if version is not None:
+            plan = version.plan
+        else:
+            plan = self.plan if self.pec is None else self.pec.transport(None).plan
         local = len(plan.host_positions(self.host))
         for r in received:
             if isinstance(r, np.ndarray) and r.shape != (local, plan.payload_bytes):
