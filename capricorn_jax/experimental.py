@@ -12,13 +12,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store import (
+    HostStore,
+    committed_steps,
+    mount_point,
+    remove_unused,
+    store_in_use,
+    tree_bytes,
+)
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
+from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
 from capricorn_jax._src.profiling.profiler import measure_overhead
 from capricorn_jax._src.scheduling import timeline
+from capricorn_jax._src.scheduling.partitioner import (
+    LinkModel,
+    Window,
+    partition,
+    scale_windows,
+    windows_from_profile,
+)
 
 
 def distributed_client() -> Any:
@@ -37,6 +52,17 @@ __all__ = [
     "DRIFT_METRICS",
     "TRIGGERS",
     "HostStore",
+    "LinkModel",
+    "Segment",
+    "Window",
+    "committed_steps",
+    "mount_point",
+    "partition",
+    "remove_unused",
+    "scale_windows",
+    "store_in_use",
+    "tree_bytes",
+    "windows_from_profile",
     "ProfileCache",
     "allgather_floats",
     "allgather_json",
