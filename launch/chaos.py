@@ -52,39 +52,53 @@ from typing import Any
 
 from absl import app, flags
 
-from launch.config import PAUSING_POINTS, Fault
+from launch.config import AcceleratorConfig
+from launch.fault_plan import PAUSING_POINTS, Fault
 from launch.netns import LinkError, LinkOptions, check_available
 
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-    """The command's flags (defined when run as a command only: importing this
-    module for its logic must not define flags other launchers define too)."""
-    flags.DEFINE_integer("trials", 10, "Trials to run.")
+# launch.cli_flags groups (and their flags) that chaos takes: each trial's job
+# is a launch.train job of --model and --steps (12 by default), behind the
+# links, on the accelerator.
+SHARED_FLAGS = {"model": ("model",), "data": ("steps", "workdir"), "links": None,
+                "accelerator": None}
+CHAOS_DEFAULTS = {"steps": 12}
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags, defined when run as a command (or by a test on a
+    fresh ``fv``): importing this module for its logic defines none."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, SHARED_FLAGS, CHAOS_DEFAULTS)
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_integer("trials", 10, "Trials to run.", flag_values=fv)
     flags.DEFINE_integer("only_trial", -1,
-                         "Replay this trial index of the seed's draw alone (-1: all trials).")
-    flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).")
-    flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.")
-    flags.DEFINE_integer("steps", 12, "Training steps of each job.")
-    flags.DEFINE_string("model", "tiny", "Model config.")
+                         "Replay this trial index of the seed's draw alone (-1: all trials).",
+                         flag_values=fv)
+    # Not launch.train's --seed (the job's parameters and data): the seed of
+    # the draws (DESIGN.md's contract); the trials' jobs use seed 0.
+    flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).",
+                         flag_values=fv)
+    flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.",
+                        flag_values=fv)
     flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
-                      "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.")
+                      "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.",
+                      flag_values=fv)
     flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
-                      "Strategies drawn from (in-memory ones).")
-    flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one (removed).")
-    flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.")
-    flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.")
+                      "Strategies drawn from (in-memory ones).", flag_values=fv)
+    flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.",
+                       flag_values=fv)
+    flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.",
+                         flag_values=fv)
     flags.DEFINE_boolean("fast_compile", True,
                          "Compile the jobs' steps with LLVM's backend optimizations off and "
                          "share a JAX compilation cache between the jobs (the trials test "
                          "recovery, not speed; the reference runs use the same setting, so "
-                         "losses still compare bit for bit).")
-    flags.DEFINE_float("link_gbps", 0.0,
-                       "Every job's hosts behind shaped links of this many Gbit/s each way "
-                       "(launch.train --link_gbps; needs root); 0 = unshaped loopback.")
-    flags.DEFINE_float("link_latency_ms", 0.0,
-                       "One-way latency between two hosts on the shaped links (netem).")
+                         "losses still compare bit for bit).", flag_values=fv)
+    return fv
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist")
@@ -399,6 +413,7 @@ def main(argv: list[str]) -> int:
                                  f"{','.join(FLAGS.strategies)} runs there (gemini and "
                                  f"capricorn need 2 replicas); add inmem or pec, or drop it")
     try:
+        AcceleratorConfig(accelerator=FLAGS.accelerator, profile=FLAGS.accelerator_profile)
         link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
         if link.shaped:
             check_available(link)

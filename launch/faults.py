@@ -30,7 +30,8 @@ from absl import logging
 
 from capricorn_jax.experimental import HostStore
 from launch import cluster as cluster_lib
-from launch.config import PAUSING_POINTS, CheckpointConfig, Fault, FaultConfig
+from launch.config import CheckpointConfig
+from launch.fault_plan import PAUSING_POINTS, Fault, FaultConfig
 
 
 def pause_marker(workdir: str | Path, host: int) -> Path:

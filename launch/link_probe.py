@@ -97,20 +97,19 @@ def measure_link(mib: float = 8.0, repeats: int = 5) -> dict:
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-    """The command's flags, defined only when run as a command (launch.bench
-    imports ``measure_link`` and has flags of the same names)."""
-    flags.DEFINE_integer("hosts", 2, "Simulated hosts.")
-    flags.DEFINE_integer("devices_per_host", 2, "CPU devices per host.")
-    flags.DEFINE_float("link_gbps", 0.0, "Shaped links of this many Gbit/s (0: loopback).")
-    flags.DEFINE_float("link_latency_ms", 0.0, "One-way latency on the shaped links (netem).")
-    flags.DEFINE_float("mib", 8.0, "MiB per device per transfer.")
-    flags.DEFINE_integer("repeats", 5, "Timed transfers per pattern.")
-    flags.DEFINE_string("json", None, "Write the measurement here.")
-    flags.DEFINE_float("timeout_s", 300.0, "Deadline of the job.")
-    flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
-    flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
-    flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags, defined only when run as a command (or by a test on
+    a fresh ``fv``): launch.bench imports ``measure_link``."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, {"cluster": ("hosts", "devices_per_host", "timeout_s", "process_id",
+                                      "coordinator"),
+                          "links": None, "data": ("workdir",)}, {"timeout_s": 300.0})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_float("mib", 8.0, "MiB per device per transfer.", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "Timed transfers per pattern.", flag_values=fv)
+    flags.DEFINE_string("json", None, "Write the measurement here.", flag_values=fv)
+    return fv
 
 
 def _worker(process_id: int, workdir: Path) -> None:

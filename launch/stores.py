@@ -22,18 +22,23 @@ from absl import app, flags
 from launch import store_admin
 
 
-def define_flags() -> None:
-    """Its absl flags, defined when run as a command only (launch.train defines a
-    --store_root of its own; a test that imports both must not clash)."""
-    flags.DEFINE_string("store_root", store_admin.default_store_root(),
-                        "Base directory of the host RAM stores (launch.train's --store_root).")
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> flags.FlagValues:
+    """Its absl flags, defined when run as a command (or by a test on a fresh
+    ``fv``); --store_root is launch.train's (``launch.cli_flags``)."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, {"checkpoint": ("store_root",)})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
     flags.DEFINE_enum("action", "list", ["list", "prune"],
-                      "list the jobs' stores, or prune them.")
+                      "list the jobs' stores, or prune them.", flag_values=fv)
     flags.DEFINE_string("job", None,
-                        "prune: the job to delete (its directory under --store_root).")
+                        "prune: the job to delete (its directory under --store_root).",
+                        flag_values=fv)
     flags.DEFINE_float("older_than_h", None,
-                       "prune: delete the jobs whose newest file is older than this many hours.")
-    flags.DEFINE_boolean("all", False, "prune: delete every job not in use.")
+                       "prune: delete the jobs whose newest file is older than this many hours.",
+                       flag_values=fv)
+    flags.DEFINE_boolean("all", False, "prune: delete every job not in use.", flag_values=fv)
+    return fv
 
 
 FLAGS = flags.FLAGS

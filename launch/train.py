@@ -24,13 +24,20 @@ from pathlib import Path
 from absl import app, flags, logging
 
 import capricorn_jax
-from launch import faults, persistence, runtime, train_flags
+from launch import cli_flags, faults, persistence, runtime
 from launch.config import Config, FlagError, from_flags
 from launch.metrics import MetricsWriter
 from launch.supervisor import prepare_workdir, supervise
 
 FLAGS = flags.FLAGS
-flags.adopt_module_key_flags(train_flags)  # --help lists them as this module's
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """Defines launch.train's flags (every group of ``launch.cli_flags``) into
+    ``fv``; the command calls it once before parsing, a test on a fresh one."""
+    cli_flags.define(fv, {group: None for group in cli_flags.GROUPS})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)  # --help lists them
+    return fv
 
 
 def _make_strategy(config: Config, trainer, ckpt, host: int) -> capricorn_jax.Strategy:
@@ -274,4 +281,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    define_flags()
     app.run(main)

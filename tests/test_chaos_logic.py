@@ -3,7 +3,7 @@
 import pytest
 
 from launch.chaos import Trial, check_trial, draw_trial, parse_topology
-from launch.config import Fault
+from launch.fault_plan import Fault
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
 STRATEGIES = ["inmem", "gemini", "capricorn", "pec"]
@@ -22,7 +22,7 @@ def test_draws_are_replayable_and_valid():
     """Same (seed, index) -> same trial; every drawn plan is one launch.train
     accepts: steps in order, mid_persist only on a persistent write, a kill
     during recovery only as the last fault, scheduled strategies on 2 replicas."""
-    from launch.config import FaultConfig
+    from launch.fault_plan import FaultConfig
 
     for index in range(300):
         trial = draw_trial(index, 7, TOPOLOGIES, STRATEGIES, 12)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from launch import cpu_account
-from launch.bench import cpu_per_step
+from launch.bench_report import cpu_per_step
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from launch.config import Fault, FaultConfig, FlagError, parse_fault_plan
+from launch.cli_flags import FlagError
+from launch.fault_plan import Fault, FaultConfig, parse_fault_plan
 
 BASE = dict(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",
             kill_point="after_step", corrupt_store=False, stall_host=-1, stall_at_step=-1,

@@ -73,6 +73,7 @@ _CHECK_FLAGS = """
 import json, sys
 from absl import flags
 from launch import config, train
+train.define_flags()
 out = []
 for argv in json.loads(sys.argv[1]):
     flags.FLAGS.unparse_flags()

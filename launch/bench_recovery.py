@@ -1,0 +1,88 @@
+"""launch.bench's recovery measurements, after the timed steps.
+
+In-memory strategies recover from the local RAM store and then from a peer
+(host 1's store wiped); the baselines restore through their own ``restore``,
+disk reads from a dropped page cache where the process may drop it. Every
+function is collective over the bench's hosts. Split from ``launch.bench``
+so that the command module holds the command; alternative not taken: timing
+recovery inside the runner, which would mix restores into the step timings.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def recovery_times(ckpt, job, replicas: int) -> dict:
+    """An in-memory strategy's recovery: from the local store, then from a
+    peer after host 1's store is wiped (with peers and replicas > 1)."""
+    import capricorn_jax
+    from capricorn_jax.experimental import allgather_floats
+
+    ckpt.wait_until_finished(120)
+    out = {}
+    local = capricorn_jax.recover(ckpt)
+    out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved,
+                    "tiers": local.tiers}
+    if job.hosts > 1 and replicas > 1:
+        if job.host == 1:
+            ckpt.store.wipe()
+        allgather_floats([0.0], job.hosts)  # barrier: the wipe is done before anyone scans
+        peer = capricorn_jax.recover(ckpt)
+        out["peer"] = {"seconds": peer.seconds, "bytes_moved": peer.bytes_moved,
+                       "tiers": peer.tiers}
+    return out
+
+
+def _drop_page_cache(job) -> bool:
+    """Drops this machine's page cache (host 0; root only), so that a restore
+    from disk reads the disk; whether it could (collective)."""
+    from capricorn_jax.experimental import allgather_floats
+
+    done = 0.0
+    if job.host == 0:
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            done = 1.0
+        except OSError:
+            pass
+    return bool(allgather_floats([done], job.hosts)[0][0])
+
+
+def _timed_restore(strategy, job, cold: bool) -> dict:
+    """Restores ``strategy``'s newest version (collective): the slowest host's
+    seconds, the tier, and whether the page cache was dropped first."""
+    from capricorn_jax.experimental import allgather_floats
+
+    dropped = _drop_page_cache(job) if cold else False
+    allgather_floats([0.0], job.hosts)  # everyone starts together
+    t0 = time.perf_counter()
+    recovered = strategy.restore()
+    seconds = time.perf_counter() - t0
+    slowest = max(x[0] for x in allgather_floats([seconds], job.hosts))
+    if recovered is None:
+        raise RuntimeError(f"{strategy.name}: nothing to restore after the benchmark")
+    return {"seconds": slowest, "bytes_moved": recovered.bytes_moved or 0,
+            "tiers": recovered.tiers, "step": recovered.step, "cold_cache": dropped}
+
+
+def baseline_recovery(name: str, strategy, job) -> dict:
+    """Recovery per tier of a baseline (its own restore), on the same state as
+    the in-memory strategies'. Disk reads start from a dropped page cache
+    when the process may drop it (``cold_cache``)."""
+    import shutil
+
+    if name == "orbax_emergency":
+        out = {}
+        if strategy.local_tier:
+            out["local"] = _timed_restore(strategy, job, cold=False)
+            shutil.rmtree(strategy.local, ignore_errors=True)  # every host's RAM tier lost
+            strategy.local.mkdir(parents=True)
+            strategy.manager.reload()
+        out["persistent"] = _timed_restore(strategy, job, cold=True)
+        return out
+    disk = name == "blocking_disk"
+    return {"disk" if disk else "local": _timed_restore(strategy, job, cold=disk)}

@@ -1,0 +1,169 @@
+"""launch.bench's report: the measured steps summarized, as a table and a chart.
+
+``summarize`` turns the raw samples that host 0 of a bench run collects into
+the per-strategy numbers of the DESIGN.md JSON contract (median, spread,
+ratio to ``none``, bytes, RAM, commit accounting); ``markdown`` and ``plot``
+show them. Pure functions of the raw record (no flags, no JAX), so that the
+report can be rebuilt and tested from a saved record. Split from
+``launch.bench``, which runs the measurement; alternative not taken: one
+module for measuring and reporting, which had grown past what a reader holds.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from launch import cpu_account
+from launch.metrics import different_work
+from launch.strategies import IN_MEMORY
+
+# Bench-only rows: a strategy on other media or another chunk path (name ->
+# the strategy it runs).
+VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
+            "capricorn_in_graph": "capricorn"}
+
+
+def summarize(raw: dict) -> dict:
+    """The DESIGN.md JSON: per strategy median, spread, ratio, bytes, RAM.
+
+    Raises RuntimeError when two strategies trained different work: a step
+    whose losses differ between strategies (a checkpoint must not change
+    training; every strategy replays the same steps from the same state)."""
+    differ = different_work(raw.get("losses", {}))
+    if differ:
+        raise RuntimeError(f"strategies trained different work ({len(differ)} steps differ; "
+                           f"first: {differ[0]})")
+    out = {}
+    for name, steps in raw["samples"].items():
+        if not steps:
+            raise RuntimeError(f"strategy {name}: no measured steps")
+        times = [t for t, _, _ in steps]
+        per_host = raw["ram"][name]
+        out[name] = {
+            "median_step_s": statistics.median(times),
+            "spread_s": _iqr(times),
+            "min_step_s": min(times), "max_step_s": max(times),
+            "samples": len(times), "steps_timed": len(times),
+            "steps_profiled": sum(p for _, p, _ in steps),
+            "steps_compiled": sum(c for _, _, c in steps),
+            "ckpt_bytes_per_step": int(sum(h[1] for h in per_host)),
+            "store_bytes_per_host": [int(h[0]) for h in per_host],
+            # Every timed step in order (blocks of --steps, repetitions interleaved).
+            "step_s": [round(t, 6) for t in times],
+        }
+        if name in raw.get("cpu", {}):
+            steady = sum(not p and not c for _, p, c in steps)
+            out[name]["cpu_ms_per_step"] = cpu_per_step(raw["cpu"][name]["all"], len(times))
+            out[name]["steady_cpu_ms_per_step"] = cpu_per_step(raw["cpu"][name]["steady"],
+                                                               steady)
+        for key, chosen in (("profiled", [t for t, p, _ in steps if p]),
+                            ("compiled", [t for t, _, c in steps if c]),
+                            ("steady", [t for t, p, c in steps if not p and not c])):
+            if chosen:
+                out[name][f"{key}_median_s"] = statistics.median(chosen)
+        a2a = raw.get("a2a", {}).get(name) or []
+        if a2a:
+            q = statistics.quantiles(a2a, n=4) if len(a2a) > 1 else [a2a[0]] * 3
+            out[name].update(a2a_median_s=statistics.median(a2a), a2a_spread_s=q[2] - q[0],
+                             a2a_samples=len(a2a))
+    base = out.get("none", {}).get("median_step_s")
+    steady = out.get("none", {}).get("steady_median_s")
+    for row in out.values():
+        row["ratio"] = row["median_step_s"] / base if base else None
+        row["steady_ratio"] = (row["steady_median_s"] / steady
+                               if steady and "steady_median_s" in row else None)
+    for name, schedule in raw.get("schedules", {}).items():
+        out[name]["schedule"] = schedule
+    for name, recovery in raw.get("recovery", {}).items():
+        out[name]["recovery"] = recovery
+    for name, (saved, skipped) in raw.get("saves", {}).items():
+        if name in out and (VARIANTS.get(name, name) in IN_MEMORY or skipped):
+            out[name]["versions_skipped"] = skipped
+            out[name]["versions_taken"] = (saved - skipped) / saved if saved else None
+    for name in out:  # the steps at which its loss was checked against another strategy's
+        out[name]["steps_compared"] = sum(
+            name in by and len(by) > 1 for by in raw.get("losses", {}).values())
+    for name, commits in raw.get("commits", {}).items():
+        at = {int(v): i for v, i in commits["committed_at"].items()}
+        timed = commits["timed"]
+        lags = [at[v] - i for v, i in timed if v in at]
+        out[name]["versions_committed"] = len(lags) / len(timed) if timed else None
+        out[name]["max_commit_lag"] = max(lags, default=None)
+    return out
+
+
+def cpu_per_step(per_host: list[list[float]], steps: int) -> dict[str, float]:
+    """CPU milliseconds per timed step, summed over the hosts' processes, per
+    ``launch.cpu_account`` group, with their ``total`` (which the box's cores
+    bound: cores x the step's wall time)."""
+    groups = {g: sum(h[i] for h in per_host) * 1e3 / max(steps, 1)
+              for i, g in enumerate(cpu_account.GROUPS)}
+    return {**{g: round(v, 2) for g, v in groups.items()},
+            "total": round(sum(groups.values()), 2)}
+
+
+def _iqr(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+def markdown(results: dict) -> str:
+    """The console table of ``summarize``'s results, with CPU and recovery lines."""
+    lines = ["| strategy | median step, all steps (ms) | spread IQR (ms) | ratio to none | "
+             "steps timed / profiled / compiled | steady state only (ms, ratio) | all-to-all "
+             "(ms, IQR) | ckpt bytes/step (all hosts) | store RAM per host (MB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
+        ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
+        a2a = (f"{r['a2a_median_s'] * 1e3:.1f} ({r['a2a_spread_s'] * 1e3:.1f})"
+               if "a2a_median_s" in r else "-")
+        steady = "-"
+        if "steady_median_s" in r:
+            steady = f"{r['steady_median_s'] * 1e3:.1f}" + (
+                f", {r['steady_ratio']:.3f}" if r.get("steady_ratio") else "")
+        counts = f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']}"
+        if r.get("versions_committed") is not None:
+            # "A version every step" only at 100%; else the share and the lag.
+            name = (f"{name} (committed {r['versions_committed']:.0%}, lag <= "
+                    f"{r['max_commit_lag']} saves)")
+        elif r.get("versions_taken") is not None and r["versions_taken"] < 1:
+            name = f"{name} (a version at {r['versions_taken']:.0%} of steps)"
+        lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
+                     f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
+                     f"{ram} |")
+    for name, r in results.items():
+        for key, label in (("cpu_ms_per_step", "timed step"),
+                           ("steady_cpu_ms_per_step", "steady-state step")):
+            if r.get(key):
+                cpu = r[key]
+                lines.append(f"\n{name}: CPU per {label}, all hosts: {cpu['total']:.0f} ms ("
+                             + ", ".join(f"{g} {cpu[g]:.0f}" for g in cpu_account.GROUPS
+                                         if cpu[g]) + ")")
+    for name, r in results.items():
+        for tier, rec in r.get("recovery", {}).items():
+            cold = " (page cache dropped first)" if rec.get("cold_cache") else ""
+            lines.append(f"\n{name}: recovery from {tier}: {rec['seconds']:.3f} s, "
+                         f"{rec['bytes_moved']:,} bytes between hosts{cold}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    """A bar chart of the median step time per strategy (min-max bars) at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    med = [results[n]["median_step_s"] * 1e3 for n in names]
+    err = [[(results[n]["median_step_s"] - results[n]["min_step_s"]) * 1e3 for n in names],
+           [(results[n]["max_step_s"] - results[n]["median_step_s"]) * 1e3 for n in names]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, med, yerr=err, capsize=4, color="#4c72b0")
+    ax.set_ylabel("median step time (ms), min-max bars")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

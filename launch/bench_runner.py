@@ -1,0 +1,145 @@
+"""launch.bench's runner: steps a job under one strategy at a time, timed.
+
+``Runner`` keeps the trajectory (state, data position, routing maxima) that
+every strategy replays from, times each step and records what a step did
+(profiled, compiled, CPU per launch.cpu_account group, versions committed).
+Split from ``launch.bench`` (the command: flags, workers, the report) so
+that the measurement loop reads on its own; alternative not taken: one
+module for the command and its loop, past the size a reader holds.
+"""
+
+from __future__ import annotations
+
+import time
+
+from launch import cpu_account
+
+
+class Runner:
+    """Steps the job under a given strategy, timing each step."""
+
+    def __init__(self, job, seed: int):
+        import jax
+
+        import capricorn_jax
+        from models.capacity import choose_capacity_factors
+
+        self.job, self.choose = job, choose_capacity_factors
+        self.state = job.trainer.init_state(seed)
+        self.max_routed, self.step = None, 0
+        self.probe = capricorn_jax.CollectiveProbe()
+        # Every XLA compile in this process (a step variant, or a program a
+        # strategy's save compiles, e.g. PEC's packing for a new K): a step
+        # during which one ran is not timed.
+        self.compiles = 0
+        self.saves: dict[str, list[int]] = {}  # strategy -> [versions saved, skipped]
+        # Commit accounting (in-memory strategies): the versions of timed steps
+        # with the strategy's save index, and the save index at which each
+        # version was first reported on every holder of every owner.
+        self.timed_versions: dict[str, list[tuple[int, int]]] = {}
+        self.save_index: dict[str, int] = {}  # saves and status rounds, per strategy
+        # Identical work: step -> {strategy: loss} and {strategy: capacity factors}
+        # of the timed repetitions, where every strategy replays the same steps.
+        self.losses: dict[int, dict[str, float]] = {}
+        self.buckets: dict[int, dict[str, list[float]]] = {}
+        self.record = False
+        self.committed_at: dict[str, dict[int, int]] = {}
+        # strategy -> CPU seconds of this process in its timed steps, per
+        # launch.cpu_account group (sampled outside the timed span); and in
+        # its steady-state steps only (neither profiled nor compiled).
+        self.cpu: dict[str, list[float]] = {}
+        self.steady_cpu: dict[str, list[float]] = {}
+
+        def on_event(event: str, seconds: float, **_) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.compiles += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+
+    def snapshot(self) -> tuple:
+        """The trajectory's position: a copy of the state, the data position,
+        the last step's routing maxima and the step."""
+        import jax
+
+        return (jax.tree.map(lambda x: x.copy(), self.state), self.job.data.state(),
+                self.max_routed, self.step)
+
+    def rewind(self, snapshot: tuple) -> None:
+        """Back to ``snapshot`` (its state copied again: a block donates it)."""
+        import jax
+
+        state, data, max_routed, step = snapshot
+        self.state = jax.tree.map(lambda x: x.copy(), state)
+        self.job.data.restore(data)
+        self.max_routed, self.step = max_routed, step
+
+    def block(self, strategy, driver, n: int, probed: int = 0
+              ) -> tuple[list[tuple[float, bool, bool]], list[float]]:
+        """Runs ``n`` steps under ``strategy`` through its ``driver``; the last
+        ``probed`` of them run the variant with the all-to-all probe
+        (CollectiveProbe) attached.
+
+        Returns:
+          ((seconds, profiled, compiled) of each timed step: unprobed, not the
+           block's first; all-to-all seconds of each warm probed step: the sum
+           of its phases).
+        """
+        import jax
+        import numpy as np
+
+        trainer, times, a2a = self.job.trainer, [], []
+        for i in range(n):
+            hooks = (self.probe,) if i >= n - probed else ()
+            factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
+            compiles = self.compiles
+            cpu_before = cpu_account.sample()
+            t0 = time.perf_counter()
+            batch = trainer.global_batch(self.job.data.next_batch())
+            run = driver.step(self.step, factors, self.state, batch, hooks)
+            self.state, out = run.state, run.metrics
+            loss = float(out["loss"])
+            if self.record:
+                self.losses.setdefault(self.step, {})[strategy.name] = loss
+                self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
+            cached = not run.compiled and run.profile is None and self.compiles == compiles
+            if hooks:
+                jax.block_until_ready(self.state)  # the backward pass's stamps are in
+                phases = self.probe.phase_seconds()
+                if cached and phases:
+                    a2a.append(sum(phases.values()))
+            self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
+            strategy.resume_at(self.step)  # the other strategies ran the steps in between
+            events = strategy.save(self.step + 1, self.state,
+                                   {"data": self.job.data.state(), "max_routed": self.max_routed},
+                                   tokens_per_expert=np.asarray(out["tokens_per_expert"]),
+                                   next_step_profiled=driver.profile_next)
+            count = self.saves.setdefault(strategy.name, [0, 0])
+            count[0] += 1
+            count[1] += any(e.get("skipped") for e in events)
+            index = self.save_index[strategy.name] = self.save_index.get(strategy.name, 0) + 1
+            self.committed(strategy.name, events)
+            if i > 0 and not hooks:
+                self.timed_versions.setdefault(strategy.name, []).append((self.step + 1, index))
+            # Checked after the save: it may compile too (e.g. PEC packing).
+            if i > 0 and not hooks:
+                compiled = run.compiled or self.compiles != compiles
+                times.append((time.perf_counter() - t0, run.profile is not None, compiled))
+                if self.record:  # the timed repetitions, as the step times
+                    used = cpu_account.delta(cpu_before, cpu_account.sample())
+                    _add(self.cpu, strategy.name, used)
+                    if run.profile is None and not compiled:
+                        _add(self.steady_cpu, strategy.name, used)
+            self.step += 1
+        return times, a2a
+
+    def committed(self, name: str, events: list[dict]) -> None:
+        """Notes the versions these events report committed everywhere for the first time."""
+        index = self.save_index.get(name, 0)
+        for event in events:
+            for version in event.get("newly_committed", ()):
+                self.committed_at.setdefault(name, {}).setdefault(version, index)
+
+
+def _add(totals: dict[str, list[float]], name: str, values: list[float]) -> None:
+    total = totals.get(name, [0.0] * len(values))
+    totals[name] = [a + b for a, b in zip(total, values, strict=True)]

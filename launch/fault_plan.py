@@ -1,0 +1,178 @@
+"""Fault injection's configuration: a plan of faults, from the flags.
+
+``FaultConfig`` holds the fault flags (--fault_plan, or the single-fault
+--kill_* flags, a stalled replica writer) and checks them against the job
+(hosts, steps, strategy, replicas, persistent interval); ``Fault`` is one
+fault of a plan, ``parse_fault_plan`` reads --fault_plan. launch.train's
+supervisor (``launch.faults``) and launch.chaos's trials both read plans as
+these values. Split from ``launch.config`` (which builds a ``FaultConfig``
+in ``from_flags``) because the plan is a concept of its own that chaos uses
+without a training configuration. Alternative not taken: the fault fields
+inside the checkpoint options, which a user would then see.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import InitVar
+from pathlib import Path
+
+from launch.cli_flags import FlagError
+from launch.strategies import IN_MEMORY
+
+# Where a fault strikes. The pausing points are exact (the victim waits there
+# for its SIGKILL); at the others the victim says it got there and goes on, so
+# the kill lands somewhere inside the step / the persistent write.
+FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery")
+PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault of a plan: ``hosts`` SIGKILLed together at ``point`` of ``step``.
+
+    Attributes:
+      hosts: the hosts killed (together).
+      step: the training step the point belongs to (after_step, mid_step,
+        mid_replication: that step; mid_persist: the persistent write of the
+        version after it; recovery: ignored, the next recovery).
+      point: one of ``FAULT_POINTS``.
+      mode: "process" (the RAM store survives) or "host" (the victims' stores
+        are wiped: machine loss).
+      corrupt: flip a byte of each victim's newest own version (RAM bit rot).
+      wipe_all: every host's RAM store is lost (the persistent tier, if any,
+        is what remains).
+    """
+
+    hosts: tuple[int, ...]
+    step: int
+    point: str = "after_step"
+    mode: str = "process"
+    corrupt: bool = False
+    wipe_all: bool = False
+
+    def to_json(self) -> dict:
+        return {"hosts": list(self.hosts), "step": self.step, "point": self.point,
+                "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
+
+
+def parse_fault_plan(text: str) -> tuple[Fault, ...]:
+    """A ``--fault_plan``: JSON (or ``@PATH`` of a JSON file), a list of objects
+    with the fields of ``Fault``; raises FlagError naming the bad entry."""
+    import json
+
+    if not text:
+        return ()
+    try:
+        raw = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
+    except (OSError, ValueError) as e:
+        raise FlagError(f"--fault_plan: not a JSON list of faults ({e})") from None
+    if not isinstance(raw, list):
+        raise FlagError(f"--fault_plan: not a JSON list of faults: {text[:80]!r}")
+    plan = []
+    for i, entry in enumerate(raw):
+        try:
+            if not isinstance(entry, dict) or set(entry) - set(Fault.__dataclass_fields__):
+                raise TypeError(f"fields must be among {sorted(Fault.__dataclass_fields__)}")
+            fault = Fault(**{**entry, "hosts": tuple(int(h) for h in entry["hosts"]),
+                             "step": int(entry.get("step", -1))})
+        except (TypeError, KeyError, ValueError) as e:
+            raise FlagError(f"--fault_plan: fault {i} ({entry!r}): {e}") from None
+        plan.append(fault)
+    return tuple(plan)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Fault injection: the fault plan (hosts killed, when, where, how), a
+    stalled replica writer; ``fault_at`` is set by the supervisor.
+
+    The plan is ``--fault_plan`` or, from the single-fault flags, --kill_host
+    at --kill_at_step (again every --kill_every) at --kill_point, with
+    --kill_mode and --corrupt_store. Each fault ends one attempt of the job;
+    all hosts restart and recover before the next fault is armed.
+    """
+
+    kill_host: int
+    kill_at_step: int
+    kill_every: int
+    kill_mode: str
+    kill_point: str
+    corrupt_store: bool
+    stall_host: int
+    stall_at_step: int
+    stall_seconds: float
+    fault_at: str = ""
+    fault_plan: str = ""
+    hosts: InitVar[int]
+    steps: InitVar[int]
+    strategy: InitVar[str]
+    replicas: InitVar[int]
+    persist_every: InitVar[int] = 0
+
+    def __post_init__(self, hosts: int, steps: int, strategy: str, replicas: int,
+                      persist_every: int) -> None:
+        if self.kill_every < 0 or (self.kill_every and self.kill_host < 0):
+            raise FlagError(f"--kill_every={self.kill_every} needs --kill_host and must be >= 0")
+        if self.fault_plan and self.kill_host >= 0:
+            raise FlagError("--fault_plan and --kill_host both describe the faults: give one")
+        if self.kill_host >= 0:
+            if self.kill_host >= hosts:
+                raise FlagError(f"--kill_host={self.kill_host} is not a host (--hosts={hosts})")
+            if not 0 <= self.kill_at_step < steps:
+                raise FlagError(f"--kill_at_step={self.kill_at_step} must be in [0, --steps)")
+        for i, fault in enumerate(self.plan(steps)):
+            self._check(i, fault, hosts, steps, strategy, replicas, persist_every)
+
+    def _check(self, i: int, fault: Fault, hosts: int, steps: int, strategy: str,
+               replicas: int, persist_every: int) -> None:
+        what = f"--fault_plan fault {i}" if self.fault_plan else "--kill_point"
+        if fault.point not in FAULT_POINTS:
+            raise FlagError(f"{what}: point {fault.point!r} is not one of {FAULT_POINTS}")
+        if fault.mode not in ("process", "host"):
+            raise FlagError(f"{what}: mode {fault.mode!r} is not 'process' or 'host'")
+        if not fault.hosts or len(set(fault.hosts)) != len(fault.hosts) or not all(
+                0 <= h < hosts for h in fault.hosts):
+            raise FlagError(f"{what}: hosts {list(fault.hosts)} must be distinct hosts of "
+                            f"--hosts={hosts}")
+        if fault.point != "recovery" and not 0 <= fault.step < steps:
+            raise FlagError(f"{what}: step {fault.step} must be in [0, --steps={steps})")
+        if fault.point == "mid_replication" and strategy not in IN_MEMORY:
+            raise FlagError(f"{what}: mid_replication pauses the in-memory tier's "
+                            f"replication: it needs --ckpt in {', '.join(IN_MEMORY)}")
+        if fault.point == "mid_replication" and replicas < 2:
+            raise FlagError(f"{what}: mid_replication needs --replicas >= 2")
+        if fault.point == "mid_persist" and not (
+                persist_every and (fault.step + 1) % persist_every == 0):
+            raise FlagError(f"{what}: mid_persist at step {fault.step} needs --persist_every "
+                            f"to write version {fault.step + 1} (--persist_every="
+                            f"{persist_every})")
+
+    def plan(self, steps: int) -> tuple[Fault, ...]:
+        """The faults, in the order the attempts meet them."""
+        if self.fault_plan:
+            return parse_fault_plan(self.fault_plan)
+        if self.kill_host < 0:
+            return ()
+        return tuple(Fault((self.kill_host,), s, self.kill_point, self.kill_mode,
+                           self.corrupt_store)
+                     for s in range(self.kill_at_step, steps, self.kill_every or steps))
+
+    def at(self) -> tuple[str, int] | None:
+        """(point, step) where this worker announces itself to the injector, or None."""
+        if not self.fault_at:
+            return None
+        point, step = self.fault_at.split(":")
+        return point, int(step)
+
+    @property
+    def pause_mid_replication_at(self) -> int:
+        """The version whose replicas this worker stops halfway through (-1: none)."""
+        at = self.at()
+        return at[1] + 1 if at is not None and at[0] == "mid_replication" else -1
+
+    def stall(self, host: int) -> tuple[int, float] | None:
+        """(step, seconds) of host ``host``'s replica-writer stall, or None."""
+        if self.stall_host == host and self.stall_at_step >= 0:
+            return self.stall_at_step, self.stall_seconds
+        return None
