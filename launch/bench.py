@@ -57,13 +57,14 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions
-from launch import cluster as cluster_lib
-from launch import cpu_account, runtime
+from launch import runtime
 from launch.bench_recovery import baseline_recovery, recovery_times
 from launch.bench_report import VARIANTS, markdown, plot, summarize
 from launch.bench_runner import Runner
+from launch.cluster import cpu_account
+from launch.cluster import processes as cluster_lib
+from launch.cluster.netns import LinkOptions, links_for
 from launch.config import AcceleratorConfig
-from launch.netns import LinkOptions, links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
@@ -288,7 +289,7 @@ def _machine(raw: dict) -> str:
 
 
 def _run_cluster(workdir: Path) -> int:
-    """The workers' job, behind shaped links with --link_gbps (``launch.netns``)."""
+    """The workers' job, behind shaped links with --link_gbps (``launch.cluster.netns``)."""
     link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
     with links_for("bench", FLAGS.hosts, link) as network:
         return cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,

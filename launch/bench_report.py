@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from launch import cpu_account
+from launch.cluster import cpu_account
 from launch.metrics import different_work
 from launch.strategies import IN_MEMORY
 
@@ -94,7 +94,7 @@ def summarize(raw: dict) -> dict:
 
 def cpu_per_step(per_host: list[list[float]], steps: int) -> dict[str, float]:
     """CPU milliseconds per timed step, summed over the hosts' processes, per
-    ``launch.cpu_account`` group, with their ``total`` (which the box's cores
+    ``launch.cluster.cpu_account`` group, with their ``total`` (which the box's cores
     bound: cores x the step's wall time)."""
     groups = {g: sum(h[i] for h in per_host) * 1e3 / max(steps, 1)
               for i, g in enumerate(cpu_account.GROUPS)}

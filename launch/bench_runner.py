@@ -2,7 +2,7 @@
 
 ``Runner`` keeps the trajectory (state, data position, routing maxima) that
 every strategy replays from, times each step and records what a step did
-(profiled, compiled, CPU per launch.cpu_account group, versions committed).
+(profiled, compiled, CPU per launch.cluster.cpu_account group, versions committed).
 Split from ``launch.bench`` (the command: flags, workers, the report) so
 that the measurement loop reads on its own; alternative not taken: one
 module for the command and its loop, past the size a reader holds.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from launch import cpu_account
+from launch.cluster import cpu_account
 
 
 class Runner:
@@ -45,7 +45,7 @@ class Runner:
         self.record = False
         self.committed_at: dict[str, dict[int, int]] = {}
         # strategy -> CPU seconds of this process in its timed steps, per
-        # launch.cpu_account group (sampled outside the timed span); and in
+        # launch.cluster.cpu_account group (sampled outside the timed span); and in
         # its steady-state steps only (neither profiled nor compiled).
         self.cpu: dict[str, list[float]] = {}
         self.steady_cpu: dict[str, list[float]] = {}

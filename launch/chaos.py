@@ -52,9 +52,9 @@ from typing import Any
 
 from absl import app, flags
 
+from launch.cluster.netns import LinkError, LinkOptions, check_available
 from launch.config import AcceleratorConfig
 from launch.fault_plan import PAUSING_POINTS, Fault
-from launch.netns import LinkError, LinkOptions, check_available
 
 FLAGS = flags.FLAGS
 

@@ -37,8 +37,8 @@ from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
 from launch import runtime
 from launch.cli_flags import FlagError
+from launch.cluster.netns import LinkOptions
 from launch.fault_plan import FaultConfig
-from launch.netns import LinkOptions
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from models.config import CONFIGS, ModelConfig, get_config
 

@@ -91,7 +91,7 @@ def measure_link(mib: float = 8.0, repeats: int = 5) -> dict:
 #
 #   python -m launch.link_probe --hosts=2 --devices_per_host=2 --link_gbps=0.4 --json=link.json
 #
-# Starts the simulated hosts (behind shaped links with --link_gbps, launch.netns),
+# Starts the simulated hosts (behind shaped links with --link_gbps, launch.cluster.netns),
 # runs measure_link in each and prints one line; exits non-zero on a failure.
 
 FLAGS = flags.FLAGS
@@ -123,9 +123,9 @@ def _worker(process_id: int, workdir: Path) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
-    from launch import cluster as cluster_lib
     from launch import runtime
-    from launch.netns import LinkOptions
+    from launch.cluster import processes as cluster_lib
+    from launch.cluster.netns import LinkOptions
 
     try:
         link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)

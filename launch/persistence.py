@@ -24,7 +24,7 @@ from typing import Any
 
 from absl import logging
 
-from launch import faults as faults_lib
+from launch.cluster import faults as faults_lib
 from launch.config import CheckpointConfig, Config
 from launch.metrics import MetricsWriter
 

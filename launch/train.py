@@ -24,10 +24,11 @@ from pathlib import Path
 from absl import app, flags, logging
 
 import capricorn_jax
-from launch import cli_flags, faults, persistence, runtime
+from launch import cli_flags, persistence, runtime
+from launch.cluster import faults
+from launch.cluster.supervisor import prepare_workdir, supervise
 from launch.config import Config, FlagError, from_flags
 from launch.metrics import MetricsWriter
-from launch.supervisor import prepare_workdir, supervise
 
 FLAGS = flags.FLAGS
 

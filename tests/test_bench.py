@@ -77,7 +77,7 @@ def test_bench_reports_every_strategy(tmp_path):
     assert all(row["a2a_samples"] == 4 and row["a2a_median_s"] > 0 for row in result.values())
     assert result["inmem"]["ckpt_bytes_per_step"] > 0
     assert result["blocking"]["ckpt_bytes_per_step"] > 0
-    # CPU per timed step by thread group (launch.cpu_account), both hosts summed:
+    # CPU per timed step by thread group (launch.cluster.cpu_account), both hosts summed:
     # every total is its groups' sum; inmem's store writers worked in its steps
     # (another strategy's block may also see a lagging writer finish); no
     # strategy here has a chunk sender.

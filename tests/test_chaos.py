@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from launch.chaos import draw_trial, parse_topology
-from launch.netns import stale_namespaces
+from launch.cluster.netns import stale_namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
 pytestmark = pytest.mark.slow

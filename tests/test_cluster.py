@@ -1,11 +1,11 @@
-"""launch.cluster: the simulated cluster's processes (CPU pinning)."""
+"""launch.cluster.processes: the simulated cluster's processes (CPU pinning)."""
 
 import os
 import sys
 
 import pytest
 
-from launch import cluster as cluster_lib
+from launch.cluster import processes as cluster_lib
 
 
 def test_cpu_sets_split_this_process_cpus_round_robin():
@@ -56,7 +56,7 @@ def test_run_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
     marker = f"sleeping-host-{tmp_path.name}"
     script = (
         "import sys\n"
-        "from launch import cluster as c\n"
+        "from launch.cluster import processes as c\n"
         # The marker is assembled here so that only the host's command line holds it.
         f"marker = 'sleeping-' + '{marker[len('sleeping-'):]}'\n"
         "cl = c.LocalCluster(lambda h: ['-c', 'import time; time.sleep(120)', marker], 1, 1)\n"

@@ -1,4 +1,4 @@
-"""launch.cpu_account: CPU time by thread group, and the bench's per-step sums."""
+"""launch.cluster.cpu_account: CPU time by thread group, and the bench's per-step sums."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from launch import cpu_account
 from launch.bench_report import cpu_per_step
+from launch.cluster import cpu_account
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

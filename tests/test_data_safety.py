@@ -13,9 +13,9 @@ import types
 
 import pytest
 
+from launch.cluster.console import Console
+from launch.cluster.supervisor import prepare_workdir
 from launch.config import CheckpointConfig
-from launch.console import Console
-from launch.supervisor import prepare_workdir
 from models.config import get_config
 from tests.helpers import assert_no_orphans, run_train
 

@@ -74,7 +74,7 @@ def test_hosts_lost_together_die_when_the_first_reaches_its_point(tmp_path):
     """A fault of several hosts strikes them all at once when one of them
     reached its point (the soak found a victim that never reaches it: its
     busy replica writer dropped the version's replicas, and the job hung)."""
-    from launch.faults import FaultInjector, pause_marker
+    from launch.cluster.faults import FaultInjector, pause_marker
 
     class Cluster:
         killed: list[int] = []

@@ -343,7 +343,7 @@ def test_pec_argument_errors(trainer, tmp_path):
 def test_two_processes_restore_pec_versions_from_a_peer(tmp_path):
     """Two real hosts (2 devices each, ep4), replicas=2, K=2: host 1's store is
     wiped, so its expert copies (four versions) come from host 0's replicas."""
-    from launch.cluster import free_port
+    from launch.cluster.processes import free_port
 
     env = child_env(2)
     port = free_port()

@@ -1,4 +1,4 @@
-"""Shaped links (launch.netns): each simulated host in its own network namespace.
+"""Shaped links (launch.cluster.netns): each simulated host in its own network namespace.
 
 These tests create real namespaces, veths and tc qdiscs, so they need root and
 iproute2; elsewhere they are skipped with that reason (and the launcher itself
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launch import netns
+from launch.cluster import netns
 from tests.helpers import ROOT, assert_no_orphans, child_env, run_train
 
 needs_root = pytest.mark.skipif(

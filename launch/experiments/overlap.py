@@ -5,7 +5,7 @@
 The question behind the scheduled strategies on the simulated cluster: a step
 that moves a window's worth of chunks should cost about max(compute, link
 time), not their sum. Two simulated hosts (``--devices_per_host`` CPU devices
-each, behind shaped links with ``--link_gbps``, ``launch.netns``) measure, each
+each, behind shaped links with ``--link_gbps``, ``launch.cluster.netns``) measure, each
 repetition starting at a barrier and ending when the slower host is done:
 
 - ``compute``: a jitted chain of ``--matmuls`` float32 products of
@@ -41,9 +41,9 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from launch import cluster as cluster_lib
 from launch import runtime
-from launch.netns import LinkOptions
+from launch.cluster import processes as cluster_lib
+from launch.cluster.netns import LinkOptions
 
 FLAGS = flags.FLAGS
 HOSTS = 2

@@ -56,8 +56,8 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from launch import cluster as cluster_lib
 from launch import runtime
+from launch.cluster import processes as cluster_lib
 
 FLAGS = flags.FLAGS
 

@@ -228,10 +228,10 @@ class ShapedNetwork:
         check_available(self.options)
         self.stale_removed = remove_stale()
         self._guardian = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from launch.netns import _guard; "
+            [sys.executable, "-c", "import sys; from launch.cluster.netns import _guard; "
              "_guard(sys.argv[1])", self.job],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
+            start_new_session=True, cwd=Path(__file__).resolve().parents[2])
         try:
             self._build()
         except BaseException:

@@ -55,7 +55,7 @@ _LEVELS = {"W": "WARNING: ", "E": "ERROR: ", "F": "FATAL: "}
 
 def _project_files() -> frozenset[str]:
     """Base names of this project's Python modules (launch/, models/, capricorn_jax/)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return frozenset(p.name for d in ("launch", "models", "capricorn_jax")
                      for p in (root / d).rglob("*.py"))
 

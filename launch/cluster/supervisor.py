@@ -2,9 +2,9 @@
 
 With ``--hosts=H`` on CPU the process a user starts is the supervisor: it
 starts H workers (this same command line plus ``--process_id`` and the
-coordinator's address, ``launch.cluster``), restarts all of them after each
-injected kill (``launch.faults``), shows the job's console
-(``launch.console``) and prints a summary at the end.
+coordinator's address, ``launch.cluster.processes``), restarts all of them after each
+injected kill (``launch.cluster.faults``), shows the job's console
+(``launch.cluster.console``) and prints a summary at the end.
 
 Nothing is deleted behind the user's back: a WORKDIR that holds checkpoints
 (WORKDIR/checkpoints, the job's RAM stores under --store_root) is resumed
@@ -28,12 +28,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch import cluster as cluster_lib
+from launch.cluster import processes as cluster_lib
+from launch.cluster.console import Console
+from launch.cluster.faults import FaultInjector
+from launch.cluster.netns import ShapedNetwork, links_for
 from launch.config import CheckpointConfig, Config
-from launch.console import Console
-from launch.faults import FaultInjector
 from launch.metrics import read_metrics, summarize
-from launch.netns import ShapedNetwork, links_for
 
 # Flags the fault injector sets per worker; never passed through from the command line.
 _INTERNAL_FLAGS = ("--fault_at",)
@@ -130,7 +130,7 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     """Runs the simulated cluster (restarting it after an injected failure); its exit code.
 
     ``argv``: the flags this process was started with, passed on to the workers.
-    With ``--link_gbps`` the hosts run behind shaped links (``launch.netns``),
+    With ``--link_gbps`` the hosts run behind shaped links (``launch.cluster.netns``),
     set up before the first attempt and removed however the job ends.
     """
     with links_for("train", config.cluster.hosts, config.cluster.link) as network:

@@ -4,7 +4,7 @@ The supervisor starts one process per simulated host, each with its own CPU
 device count, and passes it the coordinator address (127.0.0.1, a free port)
 and its process id. It hands every line a host prints to ``on_line`` (by
 default: printed with a ``[host i]`` prefix; launch.train filters them,
-``launch.console``), and ends the whole job when any host fails (a jax.distributed job
+``launch.cluster.console``), and ends the whole job when any host fails (a jax.distributed job
 cannot go on without one of its processes), when a deadline passes, or on
 SIGINT/SIGTERM. No orphans: every child gets PR_SET_PDEATHSIG=SIGKILL, so it
 dies with the supervisor even when the supervisor is SIGKILLed, and the
@@ -90,7 +90,7 @@ class LocalCluster:
         exited), after its last ``on_line``.
       command_prefix: if given, host i's process runs under
         ``command_prefix(i)`` (``ip netns exec NS``: its own shaped link,
-        ``launch.netns``).
+        ``launch.cluster.netns``).
       cpu_sets: if given, host i's process (and its XLA thread pools, which
         size themselves from the affinity) runs on ``cpu_sets[i % len]`` only:
         a quieter simulation, each host on its own cores instead of every
@@ -255,7 +255,7 @@ def scratch_dir(path: str | None, prefix: str) -> Path:
 
 def coordinator_address(network=None) -> str:
     """Where the jax.distributed coordinator (host 0) listens: 127.0.0.1, or
-    host 0's address on its shaped link (``network``: a ``launch.netns.ShapedNetwork``)."""
+    host 0's address on its shaped link (``network``: a ``launch.cluster.netns.ShapedNetwork``)."""
     host = "127.0.0.1" if network is None else network.address(0)
     return f"{host}:{free_port()}"
 
@@ -268,7 +268,7 @@ def run_workers(module: str, argv: Sequence[str], hosts: int, devices_per_host: 
     ``argv`` (less ``internal``) and ``--workdir=workdir`` (a tool's scratch
     folder, where the workers leave their results), until every host exits
     or ``timeout_s`` passes; the job's exit code (``run``). ``network``: an
-    open ``launch.netns.ShapedNetwork`` the hosts run behind; ``on_line``: as
+    open ``launch.cluster.netns.ShapedNetwork`` the hosts run behind; ``on_line``: as
     ``LocalCluster``'s."""
     coordinator = coordinator_address(network)
     cluster = LocalCluster(
@@ -284,12 +284,12 @@ def run_tool_workers(tool: str, module: str, argv: Sequence[str], hosts: int,
                      result_name: str) -> dict:
     """A measuring tool's job: its workers (``run_workers``, their chatter
     filtered by the console) behind the links ``link`` asks for
-    (``launch.netns.links_for``); the JSON host 0 left in ``workdir/result_name``.
+    (``launch.cluster.netns.links_for``); the JSON host 0 left in ``workdir/result_name``.
     When a host fails or left nothing: ``tool: error: ...`` and the job's exit code."""
     import json
 
-    from launch.console import Console
-    from launch.netns import links_for
+    from launch.cluster.console import Console
+    from launch.cluster.netns import links_for
 
     with links_for(tool, hosts, link) as network:
         code = run_workers(module, argv, hosts, devices_per_host, workdir, timeout_s,

@@ -29,7 +29,7 @@ from pathlib import Path
 from absl import logging
 
 from capricorn_jax.experimental import HostStore
-from launch import cluster as cluster_lib
+from launch.cluster import processes as cluster_lib
 from launch.config import CheckpointConfig
 from launch.fault_plan import PAUSING_POINTS, Fault, FaultConfig
 
