@@ -214,6 +214,9 @@ class InMemoryCheckpointer:
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
         self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
+        # Set by the caller (pinned.SlotCopier) to copy own versions straight
+        # into their slots; None: the host copy (``_to_host``) then the writers'.
+        self.copier = None
         self._write_pool = concurrent.futures.ThreadPoolExecutor(
             options.write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [
@@ -239,17 +242,45 @@ class InMemoryCheckpointer:
             finally:
                 q.task_done()
 
-    def _write_version(self, owner: int, step: int, rows: list[np.ndarray], plan: PackPlan,
-                       pec_meta: dict | None, pause_halfway: bool = False) -> None:
+    def _copy_into_slot(self, step: int, own: jax.Array, plan: PackPlan) -> _InSlot:
+        """Takes the own version's slot and starts the copier's copy of this
+        host's device rows into it (training thread; the copy is asynchronous
+        on an accelerator)."""
+        position = {d: p for p, d in enumerate(own.sharding.mesh.devices.flat)}
+        rows = [s.data for _, s in sorted((position[s.device], s)
+                                          for s in own.addressable_shards)]
+        writer = self.store.begin(self.host, step, len(rows) * plan.payload_bytes)
+        try:
+            self.copier.copy(rows, writer.slot.view, plan.payload_bytes)
+        except BaseException:
+            writer.abort()
+            raise
+        return _InSlot(writer, len(rows))
+
+    def _write_version(self, owner: int, step: int, rows: list[np.ndarray] | _InSlot,
+                       plan: PackPlan, pec_meta: dict | None,
+                       pause_halfway: bool = False) -> None:
         self._remove_doomed(owner)
-        # Sized once; row j at j * payload, its chunks back to back, so a reader
-        # copies a whole row at once (store.read_span_into).
-        writer = self.store.begin(owner, step, len(rows) * plan.payload_bytes)
-        names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
+        if isinstance(rows, _InSlot):  # the bytes are (being) copied into the slot
+            writer = rows.writer
+            self.copier.wait()
+            names = [(j, k) for j in range(rows.rows) for k in range(plan.num_chunks)]
+            rows = [writer.slot.view[j * plan.payload_bytes:(j + 1) * plan.payload_bytes]
+                    for j in range(rows.rows)]
+            in_slot = True
+        else:
+            # Sized once; row j at j * payload, its chunks back to back, so a
+            # reader copies a whole row at once (store.read_span_into).
+            writer = self.store.begin(owner, step, len(rows) * plan.payload_bytes)
+            names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
+            in_slot = False
 
         def write(name: tuple[int, int]) -> None:
             j, k = name
             lo, hi = plan.chunk_range(k)
+            if in_slot:  # checksummed in place, on the pool's thread
+                writer.adopt_chunk(f"d{j}.c{k}", j * plan.payload_bytes + lo, hi - lo)
+                return
             writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]),
                                offset=j * plan.payload_bytes + lo)
 
@@ -490,9 +521,14 @@ class InMemoryCheckpointer:
         if meta is not None:
             self._needs[step] = (tuple(meta["needed"]), bool(meta["complete"]))
         self._last_statuses = statuses
-        # Start the device-to-host copies now; the writers read them.
-        own, *received = [a if isinstance(a, np.ndarray) else self._to_host(a)
-                          for a in (own, *received)]
+        # Start the device-to-host copies now; the writers read them. With a
+        # copier (pinned.SlotCopier) this host's own rows go straight into a
+        # slot taken now; its writer waits for the copy and checksums in place.
+        if self.copier is not None and not isinstance(own, np.ndarray):
+            own = self._copy_into_slot(step, own, plan)
+        else:
+            own = own if isinstance(own, np.ndarray) else self._to_host(own)
+        received = [a if isinstance(a, np.ndarray) else self._to_host(a) for a in received]
         skipped = False
         wait = self.options.writer_timeout_s
         if self.options.max_wait_s is not None:
@@ -508,6 +544,9 @@ class InMemoryCheckpointer:
         except queue.Full:
             with self._lock:
                 self._own_queued.discard(step)
+            if isinstance(own, _InSlot):  # the copy must land before the slot is free
+                self.copier.wait()
+                own.writer.abort()
             skipped = True
             log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
                         wait, step)
@@ -662,9 +701,19 @@ class InMemoryCheckpointer:
                             max(before - held, 0))
 
 
-def _host_rows(payload: Any) -> list[np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class _InSlot:
+    """An own version whose rows a copier is putting into ``writer``'s slot."""
+
+    writer: Any  # store.VersionWriter
+    rows: int
+
+
+def _host_rows(payload: Any) -> list[np.ndarray] | _InSlot:
     """This host's rows of a payload: views of a [devices, n] array's local
     buffers (the writer copies them into the store), or a numpy array's rows."""
+    if isinstance(payload, _InSlot):
+        return payload
     if isinstance(payload, np.ndarray):
         return list(payload)
     return local_rows(payload, copy=False)

@@ -86,6 +86,8 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
+from capricorn_jax._src.memory.pinned import SlotRegistry, align_up
+
 log = logging.getLogger("capricorn_jax")
 _SLOT = re.compile(r"^slot(\d+)\.(data|head|writing)$")
 _ALIGN = 64  # chunk offsets: aligned for the CPU client's zero-copy wrap
@@ -278,6 +280,15 @@ class _Slot:
             self._map()
 
     def _map(self) -> None:
+        registry = getattr(self._store, "registry", None)
+        if registry is not None and self.capacity == align_up(self.capacity):
+            # 2 MiB-aligned, registered with the GPU runtime once (a slot another
+            # store object grew to an unaligned size is mapped plainly)
+            aligned = registry.map_file(self._file.fileno(), self.capacity)
+            registry.register(aligned)
+            self._maps.append(aligned)  # kept mapped (views may outlive close) until exit
+            self.view = aligned.view[:self.capacity]
+            return
         m = mmap.mmap(self._file.fileno(), self.capacity)
         self._maps.append(m)  # earlier maps stay alive while views of them may exist
         self.view = np.frombuffer(m, np.uint8)
@@ -290,6 +301,8 @@ class _Slot:
         """
         if nbytes <= self.capacity:
             return
+        if getattr(self._store, "registry", None) is not None:
+            nbytes = align_up(nbytes)  # whole huge pages, as the aligned mapping covers
         old, delta, fd = self.capacity, nbytes - self.capacity, self._file.fileno()
         if self._store is not None:
             self._store._reserve(nbytes, delta, self.path)
@@ -321,6 +334,8 @@ class _Slot:
     def close(self) -> None:
         self.view = np.zeros(0, np.uint8)
         for m in self._maps:
+            if not isinstance(m, mmap.mmap):
+                continue  # an aligned mapping: the registry unmaps it (SlotRegistry.close)
             try:
                 m.close()
             except BufferError:  # a caller still holds a view; the GC closes it
@@ -369,6 +384,24 @@ class VersionWriter:
         np.copyto(dst, src)
         self.chunks[name]["crc32c"] = checksum(dst)
 
+    def adopt_chunk(self, name: str, offset: int, nbytes: int) -> None:
+        """Records a chunk whose bytes a device copy already put in the slot at
+        ``offset`` (``pinned.SlotCopier``, after its ``wait``), checksumming
+        them in place: the CRC32C runs on the calling thread (a writer pool's),
+        never the copy's issuer. Same rules as ``write_chunk``."""
+        if "/" in name or offset < 0 or nbytes < 0:
+            raise ValueError(f"bad chunk {name!r} at {offset} ({nbytes} bytes)")
+        with self._lock:
+            if name in self.chunks:
+                raise ValueError(f"chunk {name!r} written twice")
+            if offset + nbytes > self.slot.capacity:
+                raise ValueError(f"chunk {name!r} [{offset}, {offset + nbytes}) is beyond the "
+                                 f"slot's {self.slot.capacity} bytes")
+            self._next = max(self._next, _round_up(offset + nbytes))
+            self.chunks[name] = {"offset": offset, "nbytes": int(nbytes)}
+            view = self.slot.view
+        self.chunks[name]["crc32c"] = checksum(view[offset:offset + nbytes])
+
     def commit(self, meta: dict[str, Any]) -> Path:
         """Writes the head last (temporary name, renamed into place); returns its path."""
         head = {"owner": self.owner, "step": self.step, "generation": time.time_ns(),
@@ -398,14 +431,19 @@ class HostStore:
       root: this (job, host)'s directory; created if missing.
       limit: the bound on every store under ``limit.shared_root`` (checked
         when a slot grows); None: only the RAM disk's own space bounds it.
+      registry: maps each slot 2 MiB-aligned, sized in whole huge pages, and
+        registers it with the GPU runtime (``pinned.SlotRegistry``); None:
+        plain ``mmap``.
 
     Holds a shared ``flock`` on ``root/.lock`` until ``close`` (module
     docstring, Lifecycle).
     """
 
-    def __init__(self, root: str | os.PathLike, *, limit: StoreLimit | None = None):
+    def __init__(self, root: str | os.PathLike, *, limit: StoreLimit | None = None,
+                 registry: SlotRegistry | None = None):
         self.root = Path(root).resolve()
         self.limit = limit
+        self.registry = registry  # maps (and registers) slots: pinned.SlotRegistry
         self._lock_fd: int | None = self._take_lock()
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, int], _Slot] = {}

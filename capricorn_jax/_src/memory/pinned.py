@@ -1,0 +1,491 @@
+"""The device-to-host copy into the arena: registered slots and the copy path.
+
+A version's payload rows (one per local device, the leaves packed back to back
+on the device by ``Transport.pack_local``) must reach the host store's slot
+with no host memcpy. Three parts:
+
+* ``SlotRegistry.map_file`` maps a slot file at a 2 MiB-aligned address, its
+  length rounded up to 2 MiB, with ``madvise(MADV_HUGEPAGE)`` where the
+  kernel's transparent huge pages allow it for that mapping (``hugepage_modes``:
+  anonymous memory and shmem are separate switches; a tmpfs slot gets huge
+  pages only with ``shmem_enabled`` at ``advise`` or above). ``register``
+  registers a mapping with the GPU runtime once (``Client.dma_map(addr, size)``,
+  jaxlib 0.10), so device-to-host DMA lands in it directly; the cost is timed.
+* ``choose_copy_path``: a pure decision over the backend's capabilities
+  (``BackendCaps``, probed by ``probe_backend``) naming one of
+
+  - ``aliased_output``: the slot is viewed as a ``pinned_host`` array
+    (``jax.dlpack.from_dlpack`` of a ``kDLCUDAHost`` view) and written by the
+    step program as an aliased (donated) output: no copy outside the program;
+  - ``async_copy``: ``cudaMemcpyAsync`` from the device buffer into the
+    registered slot on a side stream (libcudart through ctypes), the device
+    array kept alive until the copy's event completes;
+  - ``pinned_pool``: ``jax.device_put`` to ``pinned_host`` (one DMA into XLA's
+    pool), then one host memcpy into the slot: the path before this module;
+  - ``host_plain``: CPU, whose device memory is host memory: one
+    ``numpy.copyto`` per row from the device buffer's zero-copy view.
+
+  The choice is logged once, in one line, with its reason (``log_choice``).
+* ``row_copies``: the byte ranges each copy moves (every byte of every row
+  exactly once, each copy at most ``max_copy_bytes`` so a writer can checksum
+  a copy while the next one runs, and each as large as that allows).
+
+Alternative not taken: registering XLA's own pinned pool and reading versions
+from it, which keeps one extra copy of the state in pinned memory per version
+in flight and still needs a copy into the arena that survives the process.
+Not verifiable without a GPU: whether the runtime honours the donation of an
+externally owned ``pinned_host`` buffer (on CPU an imported buffer is not
+aliased: measured, the output got a fresh buffer), hence the run-time check
+of the slot's address against the output's (``zero_copy``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import logging
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("capricorn_jax")
+
+HUGE_PAGE = 2 << 20
+COPY_PATHS = ("aliased_output", "async_copy", "pinned_pool", "host_plain")
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+_MADV_HUGEPAGE = 14
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def align_up(n: int, alignment: int = HUGE_PAGE) -> int:
+    """``n`` rounded up to a multiple of ``alignment`` (a power of two)."""
+    if n < 0 or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"align_up({n}, {alignment}): need n >= 0 and a power-of-two alignment")
+    return (n + alignment - 1) & ~(alignment - 1)
+
+
+def _selected(text: str) -> str | None:
+    """The bracketed word of a sysfs switch ("always [madvise] never" -> "madvise")."""
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
+def hugepage_modes(root: str | os.PathLike = _THP) -> dict[str, str | None]:
+    """{"anon": mode, "shmem": mode} of transparent huge pages (None: no such switch)."""
+    out: dict[str, str | None] = {}
+    for key, name in (("anon", "enabled"), ("shmem", "shmem_enabled")):
+        try:
+            out[key] = _selected((Path(root) / name).read_text())
+        except OSError:
+            out[key] = None
+    return out
+
+
+def wants_madvise(mode: str | None, shared: bool) -> bool:
+    """Whether ``madvise(MADV_HUGEPAGE)`` gives a mapping huge pages: anonymous
+    memory under "always"/"madvise", shmem (tmpfs slots) under "always",
+    "within_size", "advise" or "force"."""
+    ok = ("always", "within_size", "advise", "force") if shared else ("always", "madvise")
+    return mode in ok
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCaps:
+    """What the backend offers a copy into the arena (``probe_backend``).
+
+    Attributes:
+      platform: "cpu", "gpu", ...
+      pinned_host: the device has a ``pinned_host`` memory.
+      dma_map: "ok" (a region was registered), "unimplemented" (the client
+        refused: CPU) or "absent" (no ``Client.dma_map`` in this jaxlib).
+      dlpack_pinned: a ``kDLCUDAHost`` view imports as a ``pinned_host`` array
+        at the slot's own address.
+      alias_checked: the step program's donated slot view came back as its
+        output at the slot's address (a run-time check; False until made).
+      cudart: libcudart loads (``cudaMemcpyAsync`` is callable).
+    """
+
+    platform: str
+    pinned_host: bool = False
+    dma_map: str = "absent"
+    dlpack_pinned: bool = False
+    alias_checked: bool = False
+    cudart: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPath:
+    """The copy path chosen (one of COPY_PATHS) and why."""
+
+    kind: str
+    reason: str
+
+
+def choose_copy_path(caps: BackendCaps, prefer: str = "auto") -> CopyPath:
+    """The fastest copy path ``caps`` allows (pure; module docstring).
+
+    Args:
+      caps: the backend's capabilities.
+      prefer: "auto", or one of COPY_PATHS to force (an error if ``caps``
+        does not allow it).
+
+    Raises:
+      ValueError: ``prefer`` is unknown or not possible on ``caps`` (naming why).
+    """
+    if prefer != "auto" and prefer not in COPY_PATHS:
+        raise ValueError(f"copy path must be auto or one of {COPY_PATHS}, got {prefer!r}")
+    feasible: dict[str, str] = {}
+    missing: dict[str, str] = {}
+    if caps.platform == "cpu":
+        feasible["host_plain"] = "cpu: device memory is host memory, one copy per row"
+        for k in COPY_PATHS[:3]:
+            missing[k] = "the platform is cpu (no device-to-host DMA)"
+    else:
+        missing["host_plain"] = f"platform {caps.platform}: rows are not host memory"
+        registered = caps.dma_map == "ok"
+        why_not = f"slots not registered with the runtime (dma_map: {caps.dma_map})"
+        if not registered:
+            missing["aliased_output"] = missing["async_copy"] = why_not
+        elif not caps.dlpack_pinned:
+            missing["aliased_output"] = "no pinned_host view of a slot through dlpack"
+        elif not caps.alias_checked:
+            missing["aliased_output"] = "the step's output did not alias the slot view"
+        else:
+            feasible["aliased_output"] = "registered slot viewed as pinned_host, aliased output"
+        if registered and caps.cudart:
+            feasible["async_copy"] = "registered slot, cudaMemcpyAsync on a side stream"
+        elif registered:
+            missing["async_copy"] = "libcudart not loadable"
+        if caps.pinned_host:
+            feasible["pinned_pool"] = "device_put to pinned_host, then one host memcpy"
+        else:
+            missing["pinned_pool"] = "no pinned_host memory on the device"
+    if prefer != "auto":
+        if prefer not in feasible:
+            raise ValueError(f"copy path {prefer!r} is not possible here: {missing[prefer]}")
+        return CopyPath(prefer, "forced: " + feasible[prefer])
+    for kind in COPY_PATHS:
+        if kind in feasible:
+            skipped = [f"{k}: {missing[k]}" for k in COPY_PATHS[:COPY_PATHS.index(kind)]]
+            reason = feasible[kind] + (f" (not {'; '.join(skipped)})" if skipped else "")
+            return CopyPath(kind, reason)
+    return CopyPath("pinned_pool", "no path fits; device_put to the default memory, then a "
+                    "host memcpy (" + "; ".join(f"{k}: {v}" for k, v in missing.items()) + ")")
+
+
+def log_choice(path: CopyPath, caps: BackendCaps) -> str:
+    """Logs the choice in one line; returns the line."""
+    line = f"checkpoint copy path: {path.kind} on {caps.platform}: {path.reason}"
+    log.info(line)
+    return line
+
+
+def row_copies(rows: int, payload_bytes: int, max_copy_bytes: int,
+               row_stride: int | None = None) -> list[tuple[int, int, int, int]]:
+    """The copies that move ``rows`` payload rows into a slot.
+
+    Args:
+      rows: local device rows.
+      payload_bytes: bytes of one row.
+      max_copy_bytes: the largest copy (> 0).
+      row_stride: where row j starts in the slot (j * row_stride); default
+        ``payload_bytes`` (rows back to back, as the checkpointer writes).
+
+    Returns:
+      (row, lo, hi, slot_offset) per copy: row ``row``'s bytes [lo, hi) go to
+      ``slot_offset``; every byte of every row once, in order, each copy at
+      most ``max_copy_bytes`` and a row split into equal parts (the fewest).
+    """
+    if rows < 0 or payload_bytes < 0 or max_copy_bytes <= 0:
+        raise ValueError(f"row_copies({rows}, {payload_bytes}, {max_copy_bytes}): need rows, "
+                         f"payload_bytes >= 0 and max_copy_bytes > 0")
+    stride = payload_bytes if row_stride is None else row_stride
+    if stride < payload_bytes:
+        raise ValueError(f"row_stride {stride} < payload_bytes {payload_bytes}: rows overlap")
+    out = []
+    parts = max(1, -(-payload_bytes // max_copy_bytes))
+    size = -(-payload_bytes // parts) if payload_bytes else 0
+    for j in range(rows):
+        for lo in range(0, payload_bytes, size or 1):
+            hi = min(lo + size, payload_bytes)
+            out.append((j, lo, hi, j * stride + lo))
+    return out
+
+
+# ----------------------------------------------------------------- mapping
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+class AlignedMapping:
+    """A file mapped shared at a ``HUGE_PAGE``-aligned address (``SlotRegistry.map_file``).
+
+    Attributes:
+      address: the mapping's first byte (a multiple of HUGE_PAGE).
+      size: its length (a multiple of HUGE_PAGE).
+      view: a uint8 numpy view of the whole mapping.
+      huge: whether ``madvise(MADV_HUGEPAGE)`` was applied and accepted.
+    """
+
+    def __init__(self, libc: ctypes.CDLL, address: int, size: int, huge: bool):
+        self._libc, self.address, self.size, self.huge = libc, address, size, huge
+        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))
+        self.registered = False
+
+    def close(self) -> None:
+        """Unmaps (the caller drops every view first: they point into the mapping)."""
+        if self.size:
+            self.view = np.zeros(0, np.uint8)
+            self._libc.munmap(self.address, self.size)
+            self.size = 0
+
+
+class SlotRegistry:
+    """Maps slot files 2 MiB-aligned and registers them with the GPU runtime once.
+
+    Args:
+      client: the backend's client (``jax.devices()[0].client``); None: no
+        registration (mapping only).
+      thp_root: the transparent-huge-page sysfs folder (tests point it elsewhere).
+
+    ``registration_s`` and ``registered_bytes`` add up what ``register`` cost.
+    """
+
+    def __init__(self, client: Any = None, thp_root: str | os.PathLike = _THP):
+        self.client = client
+        self.modes = hugepage_modes(thp_root)
+        self._libc = _libc()
+        self.registration_s = 0.0
+        self.registered_bytes = 0
+        self.dma_map = "absent" if client is None or not hasattr(client, "dma_map") else "ok"
+        self._mappings: list[AlignedMapping] = []
+
+    def map_file(self, fd: int, nbytes: int) -> AlignedMapping:
+        """Maps ``align_up(nbytes)`` bytes of file ``fd`` (already that long) shared,
+        at a HUGE_PAGE-aligned address; advises huge pages where they apply."""
+        size = align_up(max(nbytes, 1))
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"file of {os.fstat(fd).st_size} bytes; the mapping needs {size}: "
+                             f"grow it to align_up(nbytes) first")
+        libc = self._libc
+        prot_rw, prot_none = mmap.PROT_READ | mmap.PROT_WRITE, 0
+        anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        # Reserve size + one huge page, then map the file over its aligned part.
+        base = libc.mmap(None, size + HUGE_PAGE, prot_none, anon, -1, 0)
+        if base in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap reserve of {size + HUGE_PAGE} bytes failed")
+        aligned = align_up(base)
+        addr = libc.mmap(aligned, size, prot_rw, mmap.MAP_SHARED | 0x10, fd, 0)  # MAP_FIXED
+        if addr in (None, _MAP_FAILED) or addr != aligned:
+            err = ctypes.get_errno()
+            libc.munmap(base, size + HUGE_PAGE)
+            raise OSError(err, f"mmap of {size} bytes at {aligned:#x} failed")
+        if aligned > base:
+            libc.munmap(base, aligned - base)
+        tail = base + size + HUGE_PAGE - (aligned + size)
+        if tail:
+            libc.munmap(aligned + size, tail)
+        huge = False
+        if wants_madvise(self.modes.get("shmem"), shared=True):
+            huge = libc.madvise(aligned, size, _MADV_HUGEPAGE) == 0
+        mapping = AlignedMapping(libc, aligned, size, huge)
+        self._mappings.append(mapping)
+        return mapping
+
+    def register(self, mapping: AlignedMapping) -> bool:
+        """Registers ``mapping`` with the runtime (once); False where the client
+        cannot (``dma_map`` absent or unimplemented: recorded in ``dma_map``)."""
+        if mapping.registered:
+            return True
+        if self.dma_map != "ok":
+            return False
+        t0 = time.perf_counter()
+        try:
+            self.client.dma_map(mapping.address, mapping.size)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises JaxRuntimeError
+            if "UNIMPLEMENTED" not in str(e):
+                raise
+            self.dma_map = "unimplemented"
+            return False
+        self.registration_s += time.perf_counter() - t0
+        self.registered_bytes += mapping.size
+        mapping.registered = True
+        return True
+
+    def unregister(self, mapping: AlignedMapping) -> None:
+        """Undoes ``register`` (before unmapping)."""
+        if mapping.registered:
+            self.client.dma_unmap(mapping.address)
+            mapping.registered = False
+
+    def close(self) -> None:
+        """Unregisters and unmaps every mapping made."""
+        for m in self._mappings:
+            self.unregister(m)
+            m.close()
+        self._mappings.clear()
+
+
+# ----------------------------------------------------------------- probing
+class PinnedView:
+    """A numpy view presented to ``jax.dlpack.from_dlpack`` as CUDA host memory."""
+
+    KDL_CUDA_HOST = 3
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (self.KDL_CUDA_HOST, 0)
+
+
+def slot_array(view: np.ndarray, device: Any, pinned: bool) -> Any:
+    """The slot bytes ``view`` as a jax array without a copy: a ``pinned_host``
+    array on an accelerator (``pinned``), the device's own array on CPU.
+
+    Raises:
+      ValueError: the import would copy (the view is not aligned, ...).
+    """
+    import jax
+
+    src = PinnedView(view) if pinned else view
+    arr = jax.dlpack.from_dlpack(src, copy=False)
+    if zero_copy(arr, view) is False:
+        raise ValueError(f"from_dlpack copied the slot view at {view.ctypes.data:#x}")
+    return arr
+
+
+def buffer_address(array: Any) -> int | None:
+    """The address of a single-device jax array's buffer (None where unknown)."""
+    try:
+        return int(array.addressable_data(0).unsafe_buffer_pointer())
+    except Exception:  # noqa: BLE001 - not every buffer exposes a pointer
+        return None
+
+
+def zero_copy(array: Any, view: np.ndarray) -> bool | None:
+    """Whether ``array``'s buffer is ``view``'s bytes (None: address unknown)."""
+    addr = buffer_address(array)
+    return None if addr is None else addr == view.ctypes.data
+
+
+def _cudart() -> ctypes.CDLL | None:
+    names = [ctypes.util.find_library("cudart"), "libcudart.so.12", "libcudart.so"]
+    try:
+        import nvidia.cuda_runtime as rt  # the pip wheel jax[cuda12] installs
+
+        names.insert(0, str(Path(list(rt.__path__)[0]) / "lib" / "libcudart.so.12"))
+    except ImportError:
+        pass
+    for name in names:
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def probe_backend(device: Any, registry: SlotRegistry | None = None,
+                  probe_view: np.ndarray | None = None) -> BackendCaps:
+    """The capabilities of ``device``'s backend (``registry``'s registration
+    result and a dlpack import of ``probe_view``, a registered slot, where given)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    dma = registry.dma_map if registry is not None else (
+        "ok" if hasattr(device.client, "dma_map") else "absent")
+    if device.platform == "cpu":
+        return BackendCaps("cpu", "pinned_host" in kinds, "unimplemented" if dma == "ok" else dma)
+    dl = False
+    if probe_view is not None and "pinned_host" in kinds:
+        try:
+            arr = slot_array(probe_view, device, pinned=True)
+            dl = getattr(arr.sharding, "memory_kind", None) == "pinned_host"
+        except Exception as e:  # noqa: BLE001 - any failure means: not available
+            log.info("no pinned_host view of a slot through dlpack: %s", e)
+    return BackendCaps(device.platform, "pinned_host" in kinds, dma, dl, False,
+                       _cudart() is not None)
+
+
+# ----------------------------------------------------------------- copying
+class SlotCopier:
+    """Copies payload rows into a slot by the chosen path (``copy``), then
+    ``wait`` returns when the bytes are in the slot.
+
+    Args:
+      path: the CopyPath chosen.
+      max_copy_bytes: the largest single copy (``row_copies``).
+    """
+
+    def __init__(self, path: CopyPath, max_copy_bytes: int = 256 << 20):
+        if path.kind == "aliased_output":
+            raise ValueError("aliased_output is written by the step program (slot_array); "
+                             "SlotCopier does the other paths")
+        self.path, self.max_copy_bytes = path, max_copy_bytes
+        # Device arrays alive until their copies complete (a raw pointer holds
+        # no reference), per copy() call; wait() drops those issued before it.
+        self._keep: list[list[Any]] = []
+        self._lock = threading.Lock()
+        self._rt = _cudart() if path.kind == "async_copy" else None
+        self._stream = ctypes.c_void_p()
+        if self._rt is not None and self._rt.cudaStreamCreateWithFlags(
+                ctypes.byref(self._stream), 1) != 0:  # cudaStreamNonBlocking
+            raise RuntimeError("cudaStreamCreateWithFlags failed")
+
+    def copy(self, rows: list[Any], slot: np.ndarray, payload_bytes: int) -> None:
+        """Starts copying ``rows`` (device arrays of one row each, or numpy rows)
+        into ``slot`` at j * payload_bytes."""
+        copies = row_copies(len(rows), payload_bytes, self.max_copy_bytes)
+        if slot.size < len(rows) * payload_bytes:
+            raise ValueError(f"slot of {slot.size} bytes; {len(rows)} rows of "
+                             f"{payload_bytes} need {len(rows) * payload_bytes}")
+        kind = self.path.kind
+        if kind == "async_copy":
+            for j, lo, hi, off in copies:
+                src = buffer_address(rows[j])
+                if src is None:
+                    raise ValueError(f"row {j} exposes no device pointer")
+                rows[j].block_until_ready()  # the producer's stream is not ours
+                rc = self._rt.cudaMemcpyAsync(ctypes.c_void_p(slot.ctypes.data + off),
+                                              ctypes.c_void_p(src + lo),
+                                              ctypes.c_size_t(hi - lo), 2, self._stream)
+                if rc != 0:
+                    raise RuntimeError(f"cudaMemcpyAsync of row {j} [{lo}, {hi}) failed: {rc}")
+            with self._lock:  # after every copy is issued: a wait() that sees it covers them
+                self._keep.append(list(rows))
+            return
+        if kind == "pinned_pool":
+            import jax
+
+            rows = [jax.device_put(r, r.sharding.with_memory_kind("pinned_host"))
+                    if not isinstance(r, np.ndarray) else r for r in rows]
+        for j, lo, hi, off in copies:
+            src = np.asarray(rows[j]).reshape(-1).view(np.uint8)
+            np.copyto(slot[off:off + hi - lo], src[lo:hi])
+
+    def wait(self) -> None:
+        """Returns when every started copy is in the slot."""
+        with self._lock:
+            issued = len(self._keep)
+        if self._rt is not None and issued:
+            if self._rt.cudaStreamSynchronize(self._stream) != 0:
+                raise RuntimeError("cudaStreamSynchronize failed")
+        with self._lock:
+            del self._keep[:issued]
