@@ -404,7 +404,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     from capricorn_jax.experimental import allgather_floats
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
+    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id,
+                             single_process="orbax_emergency" in FLAGS.strategies)
     overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
     if FLAGS.global_batch:
         overrides["global_batch"] = FLAGS.global_batch
