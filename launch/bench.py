@@ -59,8 +59,7 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions, ProfilingOptions
 from capricorn_jax.experimental import TRIGGERS
 from launch import cluster as cluster_lib
-from launch import cpu_account
-from launch import runtime
+from launch import cpu_account, runtime
 from launch.metrics import different_work
 from launch.netns import LinkOptions, links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE

@@ -47,7 +47,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Output folder (summary.json, the parts' logs).")
 flags.DEFINE_enum("platform", "gpu", ["gpu", "cpu"], "gpu: the real run; cpu: the dry run.")
 flags.DEFINE_string("part", "", "Internal: run one part in this process.")
-flags.DEFINE_string("store_root", "", "RAM disk for the stores; default /dev/shm/capricorn_gpu_bench.")
+flags.DEFINE_string("store_root", "", "RAM disk for the stores; default: a new folder in /dev/shm.")
 
 PARTS = ("env", "arena", "schedule", "bench_small", "bench_big", "recovery")
 STRATEGIES = "none,inmem,pec,orbax_async,orbax_emergency"

@@ -24,7 +24,7 @@ def test_cpu_step_places_every_window_after_its_tie_and_before_its_layer_ends(cp
     assert [(s.window, s.group) for s in specs] == [
         (("block0", "fwd"), "outside"), (("block1", "fwd"), "fwd"), (("head", "fwd"), "fwd"),
         (("block1", "bwd"), "bwd"), (("tail", "bwd"), "bwd"), (AFTER, "outside")]
-    checks = hs.check_windows(compiled.as_text(), specs)
+    checks = hs.check_windows(compiled.as_text(), specs, hs.layer_order(boundaries))
     assert len(checks) == sum(len(c) for c in sender.sites.values())
     assert all(c.after_tie and c.placed for c in checks), checks
     assert all(c.overlapped is None for c in checks)  # XLA:CPU: synchronous permutes

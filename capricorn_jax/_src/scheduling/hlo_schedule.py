@@ -21,7 +21,7 @@ module parses that text (pure functions over a string) and checks, per window:
 A layer's first instruction is no guide (XLA schedules weight-only work such
 as casts early, measured: block 1's first forward instruction came before
 block 0's last), so placement is judged by dependencies and by the layer's
-last instruction.
+end: its last instruction the next layer depends on (``layer_ends``).
 
 A layer's compute is every instruction whose ``op_name`` carries the layer's
 scope under the differentiated model: ``.../jvp(Model)/block1/...`` forward,
@@ -155,8 +155,10 @@ def permutes(instrs: list[Instr]) -> list[Permute]:
     starts: dict[str, Instr] = {}
     out = []
     for ins in instrs:
+        # A combined permute (XLA's combiner merged several) counts once per operand.
         if ins.opcode == "collective-permute":
-            out.append(Permute(ins.index, ins.index, _group(ins.op_name), False))
+            out += [Permute(ins.index, ins.index, _group(ins.op_name), False)] * max(
+                1, len(ins.operands))
         elif ins.opcode == "collective-permute-start":
             starts[ins.name] = ins
         elif ins.opcode == "collective-permute-done":
@@ -164,7 +166,8 @@ def permutes(instrs: list[Instr]) -> list[Permute]:
             if start is None:
                 raise ValueError(f"{ins.name}: collective-permute-done of no start "
                                  f"(operands {ins.operands})")
-            out.append(Permute(start.index, ins.index, _group(start.op_name), True))
+            out += [Permute(start.index, ins.index, _group(start.op_name), True)] * max(
+                1, len(start.operands))
     if starts:
         raise ValueError(f"collective-permute-start without a done: {sorted(starts)}")
     return sorted(out, key=lambda p: p.start)
@@ -221,18 +224,59 @@ def _ancestors(instrs: list[Instr]) -> list[int]:
     return anc
 
 
-def check_windows(hlo_text: str, specs: Iterable[WindowSpec]) -> list[WindowCheck]:
+def layer_ends(instrs: list[Instr], order: list[Layer]) -> dict[Layer, int]:
+    """Where each layer of ``order`` (execution order) ends: the first
+    instruction of the next layer that consumes its compute (the layer's
+    output is in use from there on). Its own last instruction is no guide:
+    XLA:GPU fuses forward ops recomputed in the backward pass under the
+    forward op's name, so a forward layer's name reaches into the backward
+    pass. The last layer of ``order`` ends at its last instruction."""
+    anc = _ancestors(instrs)
+    members = _members(instrs)
+    ends = {}
+    for i, layer in enumerate(order):
+        if layer not in members:
+            continue
+        mine = members[layer]
+        ends[layer] = mine.bit_length() - 1
+        nxt = members.get(order[i + 1], 0) if i + 1 < len(order) else 0
+        while nxt:
+            low = nxt & -nxt
+            k = low.bit_length() - 1
+            if anc[k] & mine:
+                ends[layer] = k
+                break
+            nxt ^= low
+    return ends
+
+
+def _members(instrs: list[Instr]) -> dict[Layer, int]:
+    """{layer: bitset of its compute instructions}."""
+    spans = layer_spans(instrs)
+    out: dict[Layer, int] = {}
+    for ins in instrs:
+        layer = layer_of(ins.op_name)
+        if layer in spans and ins.opcode not in _FREE \
+                and not ins.opcode.startswith("collective-permute"):
+            out[layer] = out.get(layer, 0) | (1 << ins.index)
+    return out
+
+
+def check_windows(hlo_text: str, specs: Iterable[WindowSpec],
+                  order: list[Layer] | None = None) -> list[WindowCheck]:
     """Checks every window's permutes in the scheduled module ``hlo_text``.
 
     ``after_tie``: the permute depends (through its operands) on compute of
     the tie layer, i.e. the tie survived compilation; ``placed``: it is
-    issued before the last instruction of its layer; ``overlapped``
+    issued before its layer ends (its output, ``layer_ends``); ``overlapped``
     (asynchronous form): some of the layer's compute is scheduled between its
     start and its done, and the done comes after the layer's last instruction.
 
     Args:
       specs: the windows in schedule order (within a group, the order their
         permutes are issued in).
+      order: the layers in execution order (``layer_order``): a layer then
+        ends at its output (``layer_ends``); None: at its last instruction.
 
     Raises:
       ValueError: the module's permutes do not match ``specs`` (per group
@@ -241,11 +285,9 @@ def check_windows(hlo_text: str, specs: Iterable[WindowSpec]) -> list[WindowChec
     instrs = entry_instructions(hlo_text)
     spans = layer_spans(instrs)
     anc = _ancestors(instrs)
-    members: dict[Layer, int] = {}
-    for ins in instrs:
-        layer = layer_of(ins.op_name)
-        if layer in spans and ins.opcode not in _FREE:
-            members[layer] = members.get(layer, 0) | (1 << ins.index)
+    members = _members(instrs)
+    ends = {layer: last for layer, (_, last) in spans.items()}
+    ends.update(layer_ends(instrs, order or []))
     found: dict[str, list[Permute]] = {}
     for p in permutes(instrs):
         found.setdefault(p.group, []).append(p)
@@ -267,11 +309,11 @@ def check_windows(hlo_text: str, specs: Iterable[WindowSpec]) -> list[WindowChec
             p = found[s.group][taken[s.group]]
             taken[s.group] += 1
             after_tie = s.tie is None or bool(anc[p.start] & members[s.tie])
-            placed = s.layer is None or p.start < spans[s.layer][1]
+            placed = s.layer is None or p.start < ends[s.layer]
             overlapped = None
             if p.asynchronous and s.layer is not None:
                 between = ((1 << p.done) - 1) & ~((1 << (p.start + 1)) - 1)
-                overlapped = bool(members[s.layer] & between) and p.done > spans[s.layer][1]
+                overlapped = bool(members[s.layer] & between) and p.done > ends[s.layer]
             out.append(WindowCheck(s.window, p.start, p.done, after_tie, placed, overlapped))
     return out
 
@@ -286,6 +328,11 @@ def summary(checks: list[WindowCheck]) -> dict:
         "ok": all(c.ok for c in checks),
         "failed": [dataclasses.asdict(c) for c in checks if not c.ok],
     }
+
+
+def layer_order(boundaries: list[str]) -> list[Layer]:
+    """The layers in execution order: forward, then backward in reverse."""
+    return [(b, "fwd") for b in boundaries] + [(b, "bwd") for b in reversed(boundaries)]
 
 
 def window_specs(schedule: Schedule, boundaries: list[str]) -> list[WindowSpec]:

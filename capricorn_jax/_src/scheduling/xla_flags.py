@@ -39,6 +39,7 @@ log = logging.getLogger("capricorn_jax")
 OVERLAP_FLAGS = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_highest_priority_async_stream": "true",
+    "xla_gpu_collective_permute_combine_threshold_bytes": "0",
 }
 
 
