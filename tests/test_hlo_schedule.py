@@ -106,12 +106,18 @@ def test_async_permute_around_its_layer_is_overlapped():
 
 @pytest.mark.parametrize("order,overlapped,placed", [
     (BASE + ["start", "done", "a1", "b1", "c1"], False, True),  # done before the layer
-    (BASE + ["start", "a1", "b1", "done", "c1"], False, True),  # done before its end
     (BASE + ["a1", "b1", "c1", "start", "done"], False, False),  # issued after the layer
 ])
 def test_async_permute_not_overlapping_its_layer_is_reported(order, overlapped, placed):
     [check] = hs.check_windows(_gpu_module(order), SPEC)
     assert check.overlapped is overlapped and check.placed is placed and not check.ok
+
+
+def test_async_permute_closed_inside_its_layer_still_overlaps_it():
+    """XLA:GPU closes a permute before the layer's next collective: part of
+    the layer ran while it moved, which is what the window is for."""
+    [check] = hs.check_windows(_gpu_module(BASE + ["start", "a1", "b1", "done", "c1"]), SPEC)
+    assert (check.placed, check.overlapped, check.ok) == (True, True, True)
 
 
 def test_a_done_without_its_start_is_an_error():
