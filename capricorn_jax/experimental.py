@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from capricorn_jax._src.memory import pinned
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
 from capricorn_jax._src.profiling.profiler import measure_overhead
-from capricorn_jax._src.scheduling import timeline
+from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
 
 
 def distributed_client() -> Any:
@@ -41,6 +42,9 @@ __all__ = [
     "allgather_floats",
     "allgather_json",
     "distributed_client",
+    "hlo_schedule",
     "measure_overhead",
+    "pinned",
     "timeline",
+    "xla_flags",
 ]

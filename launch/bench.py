@@ -57,7 +57,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions, ProfilingOptions
-from capricorn_jax.experimental import TRIGGERS
+from capricorn_jax.experimental import TRIGGERS, xla_flags
 from launch import cluster as cluster_lib
 from launch import cpu_account, runtime
 from launch.metrics import different_work
@@ -691,6 +691,7 @@ def main(argv: list[str]) -> None:
 
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
     if FLAGS.platform == "gpu":
+        xla_flags.set_overlap_flags()  # before the GPU backend starts
         if FLAGS.hosts != 1 or FLAGS.replicas != 1:
             print("bench: error: --platform=gpu runs in this process: --hosts=1 --replicas=1",
                   file=sys.stderr)

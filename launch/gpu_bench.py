@@ -44,10 +44,16 @@ from pathlib import Path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "Output folder (summary.json, the parts' logs).")
-flags.DEFINE_enum("platform", "gpu", ["gpu", "cpu"], "gpu: the real run; cpu: the dry run.")
-flags.DEFINE_string("part", "", "Internal: run one part in this process.")
-flags.DEFINE_string("store_root", "", "RAM disk for the stores; default: a new folder in /dev/shm.")
+
+
+def define_flags() -> None:
+    """The command's flags, defined only when run as a command (as launch.bench)."""
+    flags.DEFINE_string("out", None, "Output folder (summary.json, the parts' logs).")
+    flags.DEFINE_enum("platform", "gpu", ["gpu", "cpu"], "gpu: the real run; cpu: the dry run.")
+    flags.DEFINE_string("part", "", "Internal: run one part in this process.")
+    flags.DEFINE_string("store_root", "",
+                        "RAM disk for the stores; default: a new folder in /dev/shm.")
+
 
 PARTS = ("env", "arena", "schedule", "bench_small", "bench_big", "recovery")
 STRATEGIES = "none,inmem,pec,orbax_async,orbax_emergency"
@@ -105,10 +111,9 @@ def h100_target() -> str:
 
 # ----------------------------------------------------------------- parts
 def part_env(platform: str, out: Path) -> dict:
-    from capricorn_jax._src.memory.pinned import hugepage_modes
-    from capricorn_jax._src.scheduling.xla_flags import set_overlap_flags
+    from capricorn_jax.experimental import pinned, xla_flags
 
-    problems = set_overlap_flags()
+    problems = xla_flags.set_overlap_flags()
     import flax
     import jax
     import optax
@@ -119,28 +124,28 @@ def part_env(platform: str, out: Path) -> dict:
             "orbax": ocp.__version__, "platform": d.platform, "device_kind": d.device_kind,
             "devices": len(jax.devices()),
             "memory_kinds": sorted(m.kind for m in d.addressable_memories()),
-            "hugepages": hugepage_modes(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "hugepages": pinned.hugepage_modes(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "xla_flag_problems": problems}
 
 
 def _alias_check(jax, np, dev, view) -> dict:
     """A slot viewed as a jax array (no copy) and donated to a program whose
     output is the slot's bytes: where the output landed."""
-    from capricorn_jax._src.memory.pinned import slot_array, zero_copy
+    from capricorn_jax.experimental import pinned
 
-    pinned = dev.platform != "cpu"
+    accelerator = dev.platform != "cpu"
     out = {"import_zero_copy": None, "output_aliases_slot": None, "bytes_landed": None}
     try:
-        arr = slot_array(view, dev, pinned)
+        arr = pinned.slot_array(view, dev, accelerator)
     except Exception as e:  # noqa: BLE001 - recorded: the check's answer is "no"
         out["error"] = f"{type(e).__name__}: {e}"[:300]
         return out
-    out["import_zero_copy"] = zero_copy(arr, view)
+    out["import_zero_copy"] = pinned.zero_copy(arr, view)
     src = jax.device_put(np.arange(view.size, dtype=np.uint32).astype(np.uint8), dev)
     program = jax.jit(lambda dst, s: s, donate_argnums=0, out_shardings=arr.sharding)
     result = program(arr, src)
     result.block_until_ready()
-    out["output_aliases_slot"] = zero_copy(result, view)
+    out["output_aliases_slot"] = pinned.zero_copy(result, view)
     out["bytes_landed"] = bool(np.array_equal(view, np.asarray(src)))
     return out
 
@@ -149,42 +154,33 @@ def part_arena(platform: str, out: Path, store_root: Path) -> dict:
     import jax
     import numpy as np
 
-    from capricorn_jax._src.memory.pinned import (
-        SlotCopier,
-        SlotRegistry,
-        choose_copy_path,
-        log_choice,
-        probe_backend,
-    )
-    from capricorn_jax._src.memory.store import HostStore
+    from capricorn_jax.experimental import HostStore, pinned
 
     sizes = SIZES[platform]
     dev = jax.devices()[0]
     nbytes = sizes.arena_mib << 20
-    registry = SlotRegistry(dev.client)
+    registry = pinned.SlotRegistry(dev.client)
     store = HostStore(store_root / "arena", registry=registry)
     writer = store.begin(0, 1, nbytes)
     view = writer.slot.view[:nbytes]
     mapping = writer.slot._maps[-1]
-    caps = probe_backend(dev, registry, probe_view=view[: 2 << 20])
+    caps = pinned.probe_backend(dev, registry, probe_view=view[: 2 << 20])
     alias = _alias_check(jax, np, dev, view[: 2 << 20])
     caps = dataclasses.replace(caps, alias_checked=alias["output_aliases_slot"] is True)
-    path = choose_copy_path(caps)
-    line = log_choice(path, caps)
+    path = pinned.choose_copy_path(caps)
+    line = pinned.log_choice(path, caps)
     src = jax.device_put(np.random.default_rng(0).integers(0, 256, (1, nbytes), np.uint8), dev)
     src.block_until_ready()
     times = []
     if path.kind == "aliased_output":
-        from capricorn_jax._src.memory.pinned import slot_array
-
         program = jax.jit(lambda dst, s: s.reshape(-1), donate_argnums=0)
         for _ in range(sizes.repeats):
-            dst = slot_array(view, dev, True)
+            dst = pinned.slot_array(view, dev, True)
             t0 = time.perf_counter()
             program(dst, src).block_until_ready()
             times.append(time.perf_counter() - t0)
     else:
-        copier = SlotCopier(path)
+        copier = pinned.SlotCopier(path)
         for _ in range(sizes.repeats):
             t0 = time.perf_counter()
             copier.copy([src], view, nbytes)
@@ -238,7 +234,7 @@ def _scheduled(devices, jax, np):
 
 
 def _check(traced, schedule, boundaries, platform: str) -> dict:
-    from capricorn_jax._src.scheduling import hlo_schedule as hs
+    from capricorn_jax.experimental import hlo_schedule as hs
 
     t0 = time.perf_counter()
     compiled = traced.lower(lowering_platforms=(platform,)).compile()
@@ -250,9 +246,9 @@ def _check(traced, schedule, boundaries, platform: str) -> dict:
 
 
 def part_schedule(platform: str, out: Path) -> dict:
-    from capricorn_jax._src.scheduling.xla_flags import set_overlap_flags
+    from capricorn_jax.experimental import xla_flags
 
-    problems = set_overlap_flags()
+    problems = xla_flags.set_overlap_flags()
     import jax
     import numpy as np
 
@@ -447,4 +443,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -24,6 +24,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 import capricorn_jax
+from capricorn_jax.experimental import xla_flags
 from launch import faults, persistence, runtime, train_flags
 from launch.config import Config, FlagError, from_flags
 from launch.metrics import MetricsWriter
@@ -266,6 +267,7 @@ def main(argv: list[str]) -> None:
     if config.cluster.process_id >= 0:
         runtime.exit_now_on_failure(train_worker, config, config.cluster.process_id)
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
+        xla_flags.set_overlap_flags()  # before the GPU backend starts
         prepare_workdir(config)
         train_worker(config, 0)
     else:

@@ -16,7 +16,8 @@ def test_missing_flags_are_added_and_the_users_settings_kept():
     assert xla_flags.parse_xla_flags(new) == {
         "xla_force_host_platform_device_count": "4",
         "xla_gpu_enable_latency_hiding_scheduler": "true",
-        "xla_gpu_enable_highest_priority_async_stream": "true"}
+        "xla_gpu_enable_highest_priority_async_stream": "true",
+        "xla_gpu_collective_permute_combine_threshold_bytes": "0"}
     assert problems == []
     new, problems = xla_flags.with_overlap_flags("--xla_gpu_enable_latency_hiding_scheduler=false")
     assert "--xla_gpu_enable_latency_hiding_scheduler=false" in new.split()
@@ -37,7 +38,7 @@ def test_settings_that_serialize_the_permutes_are_named(extra, problem):
 def test_after_the_backend_started_it_only_reports():
     env = {"XLA_FLAGS": "--a=1"}
     problems = xla_flags.set_overlap_flags(env, started=True)
-    assert env == {"XLA_FLAGS": "--a=1"} and len(problems) == 2
+    assert env == {"XLA_FLAGS": "--a=1"} and len(problems) == 3
     assert all("backend started before" in p for p in problems)
     assert xla_flags.set_overlap_flags(env, started=False) == []
     assert xla_flags.overlap_problems(xla_flags.parse_xla_flags(env["XLA_FLAGS"])) == []

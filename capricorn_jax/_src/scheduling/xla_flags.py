@@ -12,6 +12,11 @@ communication stream while the next layer computes. Two settings decide it:
 * ``--xla_gpu_enable_highest_priority_async_stream=true``: the collectives'
   stream gets the highest priority, so a long layer's kernels do not starve
   the permute's kernel.
+* ``--xla_gpu_collective_permute_combine_threshold_bytes=0``: no combining of
+  permutes. Measured on an sm_90 compile of the in-graph step without a GPU
+  (``launch/gpu_bench.py``, schedule part): with XLA's default, ten of the
+  twelve chunks' permutes became one combined permute after the backward
+  pass, every window lost.
 
 and two must not be undone by the user's own flags:
 ``--xla_gpu_disable_async_collectives`` must not list COLLECTIVEPERMUTE (that

@@ -59,6 +59,7 @@ from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
+from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
 from capricorn_jax._src.scheduling.threaded import (
     ChunkChannel,
@@ -104,7 +105,9 @@ def resolve_chunk_path(path: str) -> str:
     if path not in CHUNK_PATHS:
         raise ValueError(f"chunk_path must be one of {CHUNK_PATHS}, got {path!r}")
     if path == "auto":
-        return "in_graph" if jax.default_backend() == "gpu" else "threaded"
+        path = "in_graph" if jax.default_backend() == "gpu" else "threaded"
+    if path == "in_graph" and jax.default_backend() == "gpu":
+        xla_flags.set_overlap_flags()  # the backend started: checks, warns what is missing
     return path
 
 
