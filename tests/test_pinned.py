@@ -262,3 +262,17 @@ def test_slot_imports_as_a_jax_array_without_a_copy(tmp_path):
     del arr
     registry.close()
     assert not os.path.exists(tmp_path / "missing")
+
+
+def test_copies_run_off_the_caller_and_their_errors_reach_wait():
+    copier = SlotCopier(CopyPath("host_plain", "test"), max_copy_bytes=64)
+    slot = np.zeros(256, np.uint8)
+    copier.copy([np.arange(100, dtype=np.uint8)], slot, 128)  # a row shorter than its payload
+    with pytest.raises(ValueError):
+        copier.wait()
+    copier.copy([np.full(128, 3, np.uint8), np.full(128, 4, np.uint8)], slot, 128)
+    copier.wait()
+    np.testing.assert_array_equal(slot, np.repeat([3, 4], 128).astype(np.uint8))
+    with pytest.raises(ValueError, match="need 384"):
+        copier.copy([slot[:128]] * 3, slot, 128)
+    copier.close()

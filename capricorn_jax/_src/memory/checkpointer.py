@@ -622,6 +622,8 @@ class InMemoryCheckpointer:
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_until_finished(timeout_s)
+        if self.copier is not None:
+            self.copier.close()
         for owner in list(self._doomed):
             self._remove_doomed(owner)
         for q in (self._own_q, self._rep_q):

@@ -41,6 +41,7 @@ of the slot's address against the output's (``zero_copy``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import dataclasses
@@ -426,8 +427,16 @@ def probe_backend(device: Any, registry: SlotRegistry | None = None,
 
 # ----------------------------------------------------------------- copying
 class SlotCopier:
-    """Copies payload rows into a slot by the chosen path (``copy``), then
-    ``wait`` returns when the bytes are in the slot.
+    """Copies payload rows into a slot by the chosen path, on its own thread:
+    ``copy`` returns at once (the caller is the training thread), ``wait``
+    returns when every copy started so far is in its slot.
+
+    The thread waits for each row to be computed (``block_until_ready``), then
+    copies it: ``cudaMemcpyAsync`` on a side stream (``async_copy``, the device
+    arrays kept alive until the stream is synchronized: a raw pointer holds no
+    reference), ``device_put`` to ``pinned_host`` then one host copy
+    (``pinned_pool``), or one host copy from the row's zero-copy view
+    (``host_plain``).
 
     Args:
       path: the CopyPath chosen.
@@ -439,23 +448,34 @@ class SlotCopier:
             raise ValueError("aliased_output is written by the step program (slot_array); "
                              "SlotCopier does the other paths")
         self.path, self.max_copy_bytes = path, max_copy_bytes
-        # Device arrays alive until their copies complete (a raw pointer holds
-        # no reference), per copy() call; wait() drops those issued before it.
-        self._keep: list[list[Any]] = []
+        self._keep: list[list[Any]] = []  # device rows of issued async copies
+        self._futures: list[concurrent.futures.Future] = []
         self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt-slot-copy")
         self._rt = _cudart() if path.kind == "async_copy" else None
         self._stream = ctypes.c_void_p()
-        if self._rt is not None and self._rt.cudaStreamCreateWithFlags(
-                ctypes.byref(self._stream), 1) != 0:  # cudaStreamNonBlocking
-            raise RuntimeError("cudaStreamCreateWithFlags failed")
+        if path.kind == "async_copy":
+            if self._rt is None:
+                raise RuntimeError("async_copy: libcudart could not be loaded")
+            if self._rt.cudaStreamCreateWithFlags(ctypes.byref(self._stream), 1) != 0:
+                raise RuntimeError("cudaStreamCreateWithFlags failed")  # 1: non-blocking
 
     def copy(self, rows: list[Any], slot: np.ndarray, payload_bytes: int) -> None:
-        """Starts copying ``rows`` (device arrays of one row each, or numpy rows)
-        into ``slot`` at j * payload_bytes."""
-        copies = row_copies(len(rows), payload_bytes, self.max_copy_bytes)
+        """Starts copying ``rows`` (device arrays of one row each, or numpy
+        rows) into ``slot`` at j * payload_bytes.
+
+        Raises:
+          ValueError: the slot is too small for the rows (nothing started).
+        """
         if slot.size < len(rows) * payload_bytes:
             raise ValueError(f"slot of {slot.size} bytes; {len(rows)} rows of "
                              f"{payload_bytes} need {len(rows) * payload_bytes}")
+        future = self._pool.submit(self._copy, list(rows), slot, payload_bytes)
+        with self._lock:
+            self._futures.append(future)
+
+    def _copy(self, rows: list[Any], slot: np.ndarray, payload_bytes: int) -> None:
+        copies = row_copies(len(rows), payload_bytes, self.max_copy_bytes)
         kind = self.path.kind
         if kind == "async_copy":
             for j, lo, hi, off in copies:
@@ -468,24 +488,40 @@ class SlotCopier:
                                               ctypes.c_size_t(hi - lo), 2, self._stream)
                 if rc != 0:
                     raise RuntimeError(f"cudaMemcpyAsync of row {j} [{lo}, {hi}) failed: {rc}")
-            with self._lock:  # after every copy is issued: a wait() that sees it covers them
-                self._keep.append(list(rows))
+            with self._lock:
+                self._keep.append(rows)
             return
         if kind == "pinned_pool":
             import jax
 
-            rows = [jax.device_put(r, r.sharding.with_memory_kind("pinned_host"))
-                    if not isinstance(r, np.ndarray) else r for r in rows]
+            rows = [r if isinstance(r, np.ndarray) else
+                    jax.device_put(r, r.sharding.with_memory_kind("pinned_host")) for r in rows]
         for j, lo, hi, off in copies:
             src = np.asarray(rows[j]).reshape(-1).view(np.uint8)
             np.copyto(slot[off:off + hi - lo], src[lo:hi])
 
     def wait(self) -> None:
-        """Returns when every started copy is in the slot."""
+        """Returns when every copy started before the call is in its slot.
+
+        Raises:
+          The first error of those copies.
+        """
         with self._lock:
-            issued = len(self._keep)
-        if self._rt is not None and issued:
-            if self._rt.cudaStreamSynchronize(self._stream) != 0:
-                raise RuntimeError("cudaStreamSynchronize failed")
-        with self._lock:
-            del self._keep[:issued]
+            futures = list(self._futures)
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            with self._lock:
+                self._futures = [f for f in self._futures if f not in futures]
+                issued = len(self._keep)
+            if self._rt is not None and issued:
+                if self._rt.cudaStreamSynchronize(self._stream) != 0:
+                    raise RuntimeError("cudaStreamSynchronize failed")
+            with self._lock:
+                del self._keep[:issued]
+
+    def close(self) -> None:
+        """Waits for the copies, then stops the thread."""
+        self.wait()
+        self._pool.shutdown(wait=True)
