@@ -6,12 +6,13 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 
 import capricorn_jax
 from capricorn_jax._src.memory import store as store_module
 from capricorn_jax._src.memory.host_arrays import global_arrays
 from capricorn_jax._src.memory.packing import unpack
-from capricorn_jax._src.memory.pinned import SlotCopier, choose_copy_path, probe_backend
+from capricorn_jax._src.memory.pinned import arena_copier
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal
@@ -21,10 +22,11 @@ def test_own_versions_land_in_their_slots_and_are_checksummed_off_the_caller(tmp
                                                                              monkeypatch):
     trainer = Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
     opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
-                                         chunk_bytes=100_000)
+                                         chunk_bytes=100_000, arena_copy="host_plain")
     ckpt = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    ckpt.copier = SlotCopier(choose_copy_path(probe_backend(jax.devices()[0])))
+    assert ckpt.copier.path.kind == "host_plain"
+    assert ckpt.store.registry.dma_map == "unimplemented"  # CPU: slots mapped, not registered
     threads = []
     real = store_module.checksum
     monkeypatch.setattr(store_module, "checksum",
@@ -56,3 +58,16 @@ def test_own_versions_land_in_their_slots_and_are_checksummed_off_the_caller(tmp
         assert_trees_equal(restored, expected[v])
         assert ckpt.store.manifest(0, v)["host_state"] == {"data": {"step": v}}
     ckpt.close()
+
+
+def test_arena_copy_setting_on_cpu():
+    device = jax.devices()[0]
+    assert arena_copier("auto", device) == (None, None)
+    assert arena_copier("off", device) == (None, None)
+    registry, copier = arena_copier("host_plain", device)
+    assert copier.path.kind == "host_plain" and registry.dma_map == "unimplemented"
+    copier.close()
+    with pytest.raises(ValueError, match="async_copy.*not possible here"):
+        arena_copier("async_copy", device)
+    with pytest.raises(ValueError, match="arena_copy must be"):
+        capricorn_jax.InMemoryOptions(store_root="/tmp/x", job="j", arena_copy="dma")

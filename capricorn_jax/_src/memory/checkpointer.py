@@ -69,6 +69,7 @@ from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
 from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
+from capricorn_jax._src.memory.pinned import arena_copier
 from capricorn_jax._src.memory.store import HostStore, StoreLimit
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.partial.leaves import MoEShape
@@ -159,8 +160,11 @@ class InMemoryCheckpointer:
         self.options, self.mesh, self.host, self.hosts = options, mesh, host, hosts
         self.abstract_state, self.state_shardings = abstract_state, state_shardings
         limit = StoreLimit.fraction_of(options.store_root, options.max_store_fraction)
+        # Own versions copied straight into registered slots (pinned.SlotCopier),
+        # or None: the host copy (``_to_host``) then the writers' copy.
+        registry, self.copier = arena_copier(options.arena_copy, mesh.devices.flat[0])
         self.store = HostStore(Path(options.store_root) / options.job / f"host{host}",
-                               limit=limit)
+                               limit=limit, registry=registry)
         self._closed = False
         if self.store.removed_partials:
             log.warning("host %d: removed partial versions %s", host, self.store.removed_partials)
@@ -214,9 +218,6 @@ class InMemoryCheckpointer:
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
         self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
-        # Set by the caller (pinned.SlotCopier) to copy own versions straight
-        # into their slots; None: the host copy (``_to_host``) then the writers'.
-        self.copier = None
         self._write_pool = concurrent.futures.ThreadPoolExecutor(
             options.write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [

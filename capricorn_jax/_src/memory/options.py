@@ -69,6 +69,12 @@ class InMemoryOptions:
         disk's free space, raises ``StoreFullError`` naming the command that
         lists and prunes stores. Checked when a slot grows only (a version's slot
         is reused afterwards). In (0, 1].
+      arena_copy: how this host's own version reaches its slot
+        (``pinned.arena_copier``): "auto" (accelerators: slots registered
+        with the runtime, then an asynchronous copy straight into the slot
+        where the backend allows it; CPU: as "off"), "off" (the writers copy
+        from the host copy), or a path forced: "async_copy", "pinned_pool",
+        "host_plain".
     """
 
     store_root: str
@@ -85,8 +91,12 @@ class InMemoryOptions:
     host_memory_kind: str = "auto"
     write_threads: int = 4
     max_store_fraction: float = 0.8
+    arena_copy: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.arena_copy not in ("auto", "off", "async_copy", "pinned_pool", "host_plain"):
+            raise ValueError(f"arena_copy must be auto, off, async_copy, pinned_pool or "
+                             f"host_plain, got {self.arena_copy!r}")
         if not 0 < self.max_store_fraction <= 1:
             raise ValueError(f"max_store_fraction must be in (0, 1], got "
                              f"{self.max_store_fraction}")

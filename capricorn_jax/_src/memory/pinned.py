@@ -307,6 +307,25 @@ class SlotRegistry:
         self._mappings.append(mapping)
         return mapping
 
+    def probe(self) -> str:
+        """Registers and unregisters a scratch huge page once, so ``dma_map``
+        says whether registration works here before any slot exists."""
+        if self.dma_map != "ok":
+            return self.dma_map
+        scratch = mmap.mmap(-1, HUGE_PAGE)
+        view = np.frombuffer(scratch, np.uint8)
+        try:
+            self.client.dma_map(view.ctypes.data, HUGE_PAGE)
+            self.client.dma_unmap(view.ctypes.data)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises JaxRuntimeError
+            if "UNIMPLEMENTED" not in str(e):
+                raise
+            self.dma_map = "unimplemented"
+        finally:
+            del view
+            scratch.close()
+        return self.dma_map
+
     def register(self, mapping: AlignedMapping) -> bool:
         """Registers ``mapping`` with the runtime (once); False where the client
         cannot (``dma_map`` absent or unimplemented: recorded in ``dma_map``)."""
@@ -525,3 +544,33 @@ class SlotCopier:
         """Waits for the copies, then stops the thread."""
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+ARENA_COPY = ("auto", "off", "async_copy", "pinned_pool", "host_plain")
+
+
+def arena_copier(setting: str, device: Any) -> tuple[SlotRegistry | None, SlotCopier | None]:
+    """The registry and copier the checkpointer uses for ``InMemoryOptions.arena_copy``.
+
+    Args:
+      setting: "off" (none: the writers copy from the host copy, as before);
+        "auto" (on accelerators: the fastest path ``probe_backend`` allows
+        outside the step program; on CPU "off", whose writers already copy
+        from the device buffers' own memory); or a path of ARENA_COPY to force.
+      device: a device of the mesh.
+
+    Raises:
+      ValueError: ``setting`` is unknown, or forces a path not possible here.
+    """
+    if setting not in ARENA_COPY:
+        raise ValueError(f"arena_copy must be one of {ARENA_COPY}, got {setting!r}")
+    if setting == "off" or (setting == "auto" and device.platform == "cpu"):
+        return None, None
+    registry = SlotRegistry(device.client)
+    registry.probe()
+    # No slot view is probed: the aliased output needs the step program to
+    # write the slot, which this copier does not do.
+    caps = probe_backend(device, registry)
+    path = choose_copy_path(caps, setting)
+    log_choice(path, caps)
+    return registry, SlotCopier(path)
