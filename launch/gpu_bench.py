@@ -169,7 +169,8 @@ def part_arena(platform: str, out: Path, store_root: Path) -> dict:
     caps = dataclasses.replace(caps, alias_checked=alias["output_aliases_slot"] is True)
     path = pinned.choose_copy_path(caps)
     line = pinned.log_choice(path, caps)
-    src = jax.device_put(np.random.default_rng(0).integers(0, 256, (1, nbytes), np.uint8), dev)
+    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), np.uint8).reshape(1, -1)
+    src = jax.device_put(data, dev)
     src.block_until_ready()
     times = []
     if path.kind == "aliased_output":
@@ -356,9 +357,9 @@ def _child_env(platform: str, name: str) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-        if name == "schedule":  # the executor tests' two hosts of two devices
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                                " --xla_force_host_platform_device_count=4").strip()
+    if name == "schedule":  # the executor tests' two hosts of two devices, on the CPU client
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            " --xla_force_host_platform_device_count=4").strip()
     return env
 
 
