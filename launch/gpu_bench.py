@@ -368,7 +368,8 @@ def drive(platform: str, out: Path, store_root: Path) -> int:
     (out / "parts").mkdir(exist_ok=True)
     summary: dict = {"platform": platform, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                  time.gmtime()),
-                     "command": " ".join(sys.argv), "parts": {}}
+                     "command": f"bash launch/gpu_bench.sh OUT --platform={platform}",
+                     "parts": {}}
     t_start = time.monotonic()
     for name in PARTS:
         limit = SIZES[platform].limits[name]
