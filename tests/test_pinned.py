@@ -123,16 +123,35 @@ def test_cpu_client_refuses_registration_and_the_registry_says_so(tmp_path):
     registry.close()
 
 
-def test_other_registration_errors_are_raised(tmp_path):
-    registry = SlotRegistry(FakeClient(error="INTERNAL: cuMemHostRegister failed"))
-    with pytest.raises(RuntimeError, match="cuMemHostRegister"):
-        HostStore(tmp_path / "h0", registry=registry).begin(0, 1, 10)
+def test_a_failed_registration_is_logged_and_the_slot_still_works(tmp_path, caplog):
+    client = FakeClient(error="INTERNAL: cuMemHostRegister failed")
+    registry = SlotRegistry(client)
+    store = HostStore(tmp_path / "h0", registry=registry)
+    w = store.begin(0, 1, 10)
+    w.write_chunk("d0.c0", b"abc")
+    w.commit({})
+    assert bytes(store.read_chunk(0, 1, "d0.c0")) == b"abc"
+    assert registry.dma_map == "failed" and registry.registered_bytes == 0
+    assert "cuMemHostRegister failed" in caplog.text
+    caps = BackendCaps("gpu", True, registry.dma_map, True, True, True)
+    assert choose_copy_path(caps).kind == "pinned_pool"
+    store.close()
+    registry.close()
+    assert client.unmapped == []
+
+
+def test_probe_says_whether_registration_works():
+    assert SlotRegistry(FakeClient()).probe() == "ok"
+    assert SlotRegistry(FakeClient(error="UNIMPLEMENTED: no")).probe() == "unimplemented"
+    assert SlotRegistry(FakeClient(error="INTERNAL: no")).probe() == "failed"
+    assert SlotRegistry(None).probe() == "absent"
 
 
 # ----------------------------------------------------------- the decision
 caps_strategy = st.builds(
     BackendCaps, platform=st.sampled_from(["cpu", "gpu", "tpu"]), pinned_host=st.booleans(),
-    dma_map=st.sampled_from(["ok", "unimplemented", "absent"]), dlpack_pinned=st.booleans(),
+    dma_map=st.sampled_from(["ok", "unimplemented", "failed", "absent"]),
+    dlpack_pinned=st.booleans(),
     alias_checked=st.booleans(), cudart=st.booleans())
 
 

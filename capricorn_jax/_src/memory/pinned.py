@@ -106,7 +106,8 @@ class BackendCaps:
       platform: "cpu", "gpu", ...
       pinned_host: the device has a ``pinned_host`` memory.
       dma_map: "ok" (a region was registered), "unimplemented" (the client
-        refused: CPU) or "absent" (no ``Client.dma_map`` in this jaxlib).
+        refused: CPU), "failed" (the runtime returned another error: logged)
+        or "absent" (no ``Client.dma_map`` in this jaxlib).
       dlpack_pinned: a ``kDLCUDAHost`` view imports as a ``pinned_host`` array
         at the slot's own address.
       alias_checked: the step program's donated slot view came back as its
@@ -318,9 +319,7 @@ class SlotRegistry:
             self.client.dma_map(view.ctypes.data, HUGE_PAGE)
             self.client.dma_unmap(view.ctypes.data)
         except Exception as e:  # noqa: BLE001 - jaxlib raises JaxRuntimeError
-            if "UNIMPLEMENTED" not in str(e):
-                raise
-            self.dma_map = "unimplemented"
+            self._refused(e)
         finally:
             del view
             scratch.close()
@@ -328,7 +327,7 @@ class SlotRegistry:
 
     def register(self, mapping: AlignedMapping) -> bool:
         """Registers ``mapping`` with the runtime (once); False where the client
-        cannot (``dma_map`` absent or unimplemented: recorded in ``dma_map``)."""
+        cannot (``dma_map`` absent, unimplemented or failed: ``_refused``)."""
         if mapping.registered:
             return True
         if self.dma_map != "ok":
@@ -337,14 +336,24 @@ class SlotRegistry:
         try:
             self.client.dma_map(mapping.address, mapping.size)
         except Exception as e:  # noqa: BLE001 - jaxlib raises JaxRuntimeError
-            if "UNIMPLEMENTED" not in str(e):
-                raise
-            self.dma_map = "unimplemented"
+            self._refused(e)
             return False
         self.registration_s += time.perf_counter() - t0
         self.registered_bytes += mapping.size
         mapping.registered = True
         return True
+
+    def _refused(self, error: Exception) -> None:
+        """A registration failed: "unimplemented" (the platform has none, CPU)
+        or "failed" (logged with the runtime's error); no slot is registered
+        after it, and the copy path falls back to one needing none. A failure
+        costs speed, never the checkpoint, hence no exception."""
+        if "UNIMPLEMENTED" in str(error):
+            self.dma_map = "unimplemented"
+            return
+        self.dma_map = "failed"
+        log.warning("registering a store slot with the runtime failed (%s); slots stay "
+                    "unregistered", str(error)[:300])
 
     def unregister(self, mapping: AlignedMapping) -> None:
         """Undoes ``register`` (before unmapping)."""
@@ -572,5 +581,14 @@ def arena_copier(setting: str, device: Any) -> tuple[SlotRegistry | None, SlotCo
     # write the slot, which this copier does not do.
     caps = probe_backend(device, registry)
     path = choose_copy_path(caps, setting)
+    try:
+        copier = SlotCopier(path)
+    except RuntimeError as e:  # the CUDA runtime refused a stream: the next path down
+        if setting != "auto" or path.kind != "async_copy":
+            raise
+        caps = dataclasses.replace(caps, cudart=False)
+        path = choose_copy_path(caps)
+        path = CopyPath(path.kind, f"{path.reason}; async_copy failed: {e}")
+        copier = SlotCopier(path)
     log_choice(path, caps)
-    return registry, SlotCopier(path)
+    return registry, copier
