@@ -57,9 +57,9 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions, ProfilingOptions
-from capricorn_jax.experimental import TRIGGERS, xla_flags
+from capricorn_jax.experimental import TRIGGERS, moe_durations, xla_flags
 from launch import cluster as cluster_lib
-from launch import cpu_account, runtime
+from launch import cpu_account, runtime, step_stats
 from launch.metrics import different_work
 from launch.netns import LinkOptions, links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
@@ -80,6 +80,9 @@ def define_flags() -> None:
     """The command's flags, defined only when run as a command: a test or
     another launcher importing this module for its logic must not define
     flags of the same names twice."""
+    from launch import accelerator
+
+    accelerator.define_flags()
     flags.DEFINE_list("strategies", ["none", "inmem"],
                       f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
                       f"(blocking writing to the scratch directory's disk instead of the RAM disk).")
@@ -230,6 +233,11 @@ class _Runner:
         # its steady-state steps only (neither profiled nor compiled).
         self.cpu: dict[str, list[float]] = {}
         self.steady_cpu: dict[str, list[float]] = {}
+        # strategy -> per timed step, seconds the training thread spent in the
+        # step call and in the strategy's save (launch.step_stats.blocked);
+        # and the emulated windows' check records (step_stats.emulation_errors).
+        self.blocked: dict[str, list[dict[str, float]]] = {}
+        self.emulation: dict[str, list[dict]] = {}
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -279,6 +287,7 @@ class _Runner:
             run = driver.step(self.step, factors, self.state, batch, hooks)
             self.state, out = run.state, run.metrics
             loss = float(out["loss"])
+            t_stepped = time.perf_counter()
             if self.record:
                 self.losses.setdefault(self.step, {})[strategy.name] = loss
                 self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
@@ -294,6 +303,11 @@ class _Runner:
                                    {"data": self.job.data.state(), "max_routed": self.max_routed},
                                    tokens_per_expert=np.asarray(out["tokens_per_expert"]),
                                    next_step_profiled=driver.profile_next)
+            t_saved = time.perf_counter()
+            if run.profile is not None and trainer.emulation is not None and self.record:
+                self.emulation.setdefault(strategy.name, []).extend(step_stats.emulation_errors(
+                    trainer.emulation, moe_durations(run.profile, trainer.moe_layers),
+                    np.asarray(out["tokens_per_expert"]), trainer.moe_layers))
             count = self.saves.setdefault(strategy.name, [0, 0])
             count[0] += 1
             count[1] += any(e.get("skipped") for e in events)
@@ -305,6 +319,9 @@ class _Runner:
             if i > 0 and not hooks:
                 compiled = run.compiled or self.compiles != compiles
                 times.append((time.perf_counter() - t0, run.profile is not None, compiled))
+                if self.record:
+                    self.blocked.setdefault(strategy.name, []).append(
+                        {"step": t_stepped - t0, "save": t_saved - t_stepped})
                 if self.record:  # the timed repetitions, as the step times
                     used = cpu_account.delta(cpu_before, cpu_account.sample())
                     _add(self.cpu, strategy.name, used)
@@ -411,7 +428,8 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     total_steps = ((FLAGS.warmup + FLAGS.steps * FLAGS.reps + FLAGS.a2a_steps * (FLAGS.reps + 1))
                    * len(FLAGS.strategies))
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
-                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
+                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed,
+                            FLAGS.accelerator, FLAGS.accelerator_profile)
     link = None
     if FLAGS.link_probe_mib > 0 and job.hosts > 1:
         from launch.link_probe import measure_link
@@ -473,6 +491,9 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
+                  "blocked": runner.blocked, "emulation_checks": runner.emulation,
+                  "emulation": (None if job.trainer.emulation is None
+                                else job.trainer.emulation.profile),
                   "device_kind": (None if jax.devices()[0].platform == "cpu"
                                   else f"{jax.device_count()}x {jax.devices()[0].device_kind}"),
                   "commits": {name: {"timed": runner.timed_versions.get(name, []),
@@ -503,6 +524,8 @@ def summarize(raw: dict) -> dict:
         out[name] = {
             "median_step_s": statistics.median(times),
             "spread_s": _iqr(times),
+            **step_stats.distribution(times),
+            **step_stats.blocked(raw.get("blocked", {}).get(name, [])),
             "min_step_s": min(times), "max_step_s": max(times),
             "samples": len(times), "steps_timed": len(times),
             "steps_profiled": sum(p for _, p, _ in steps),
@@ -535,6 +558,9 @@ def summarize(raw: dict) -> dict:
                                if steady and "steady_median_s" in row else None)
     for name, schedule in raw.get("schedules", {}).items():
         out[name]["schedule"] = schedule
+    for name, records in raw.get("emulation_checks", {}).items():
+        out[name]["emulation_check"] = step_stats.error_summary(records)
+        out[name]["emulation_windows"] = records
     for name, recovery in raw.get("recovery", {}).items():
         out[name]["recovery"] = recovery
     for name, (saved, skipped) in raw.get("saves", {}).items():
@@ -601,6 +627,16 @@ def _run_cluster(workdir: Path) -> int:
         return cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,
                                        FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
                                        network=network)
+
+
+def _link_idle_share(results: dict, link: dict) -> float | None:
+    """R of this run: the largest version any strategy sends per host, over the
+    measured one-way link rate (else the requested one) and none's idle link."""
+    none = results.get("none", {})
+    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / FLAGS.hosts
+    rate = link.get("one_way_gbps") or (FLAGS.link_gbps or None)
+    return step_stats.link_idle_share(per_host, rate, none.get("median_step_s"),
+                                      none.get("a2a_median_s"))
 
 
 def _link_record(measured: dict | None) -> dict:
@@ -714,6 +750,17 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     print(markdown(results))
     link = _link_record(raw.get("link"))
+    share = _link_idle_share(results, link)
+    emulated = raw.get("emulation")
+    if emulated:
+        checks = {n: r["emulation_check"] for n, r in results.items() if r.get("emulation_check")}
+        print(f"emulated accelerator: profile {emulated}; layer windows against the waits: "
+              + (", ".join(f"{n} median |error| {c['median_abs_error']:.1%} over "
+                           f"{c['windows']} windows" for n, c in checks.items())
+                 or "no profiled step"))
+    print("R (version link time / idle link time per step): "
+          + (f"{share:.2f}" if share is not None else "unknown (needs --link_gbps and none's "
+             "all-to-all time)"))
     print(f"link: {link['describe']}" + (
         f"; measured one way {link['one_way_gbps']:.3f} Gbit/s, exchange "
         f"{link['exchange_gbps']:.3f} Gbit/s per host ({link['mib']:g} MiB per device)"
@@ -729,6 +776,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({
             "strategies": results, "config": config, "bandwidth": bandwidth, "link": link,
+            "link_idle_share": share, "accelerator": FLAGS.accelerator,
+            "accelerator_profile": emulated,
             # step -> strategy -> capacity factors
             "buckets": raw.get("buckets", {}), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python -m launch.bench",

@@ -34,7 +34,7 @@ from absl import flags
 
 from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
-from launch import runtime
+from launch import accelerator, runtime
 from launch.netns import LinkOptions
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from models.config import CONFIGS, ModelConfig, get_config
@@ -108,6 +108,8 @@ class TrainConfig:
     resume: bool
     fresh: bool = False
     verbose: bool = False
+    accelerator: str = "none"
+    accelerator_profile: str = ""
     cluster: InitVar[ClusterConfig]
 
     def __post_init__(self, cluster: ClusterConfig) -> None:
@@ -133,6 +135,10 @@ class TrainConfig:
             if cfg.global_batch % devices:
                 raise FlagError(
                     f"--global_batch={cfg.global_batch} not divisible by {devices} devices")
+        try:
+            accelerator.check(self.accelerator, self.accelerator_profile)
+        except ValueError as err:
+            raise FlagError(str(err)) from None
         if not self.workdir:
             raise FlagError("--workdir is required")
         try:
@@ -559,7 +565,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,
         expert_parallel=fv.expert_parallel, learning_rate=fv.learning_rate,
         warmup_steps=fv.warmup_steps, log_every=fv.log_every, eval_sequences=fv.eval_sequences,
-        resume=fv.resume, fresh=fv.fresh, verbose=fv.verbose, cluster=cluster)
+        resume=fv.resume, fresh=fv.fresh, verbose=fv.verbose, accelerator=fv.accelerator,
+        accelerator_profile=fv.accelerator_profile, cluster=cluster)
     profile = ProfileConfig(
         profile=fv.profile, first_n=fv.profile_first_n, drift_threshold=fv.drift_threshold,
         drift_metric=fv.drift_metric, cache_max_age=fv.profile_cache_max_age,

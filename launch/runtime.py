@@ -56,8 +56,9 @@ class Job:
 
 def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int,
               learning_rate: float, warmup_steps: int, workload: str, shift_every: int,
-              seed: int) -> Job:
-    """The model, mesh, trainer and this host's data iterator."""
+              seed: int, accelerator: str = "none", accelerator_profile: str = "") -> Job:
+    """The model, mesh, trainer and this host's data iterator (``accelerator``:
+    launch.accelerator's flags)."""
     import jax
 
     from launch.data import Corpus, DataIterator, DataOptions
@@ -67,7 +68,10 @@ def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int
     devices = jax.devices()
     mesh = make_mesh(expert_parallel(expert_parallel_flag, cfg.num_experts, len(devices)),
                      devices)
-    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps))
+    from launch import accelerator as accel
+
+    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps),
+                      accel.emulation(accelerator, accelerator_profile, cfg))
     host, hosts = jax.process_index(), jax.process_count()
     options = DataOptions(seq_len=cfg.seq_len, batch_per_host=cfg.global_batch // hosts,
                           workload=workload, shift_every=shift_every, seed=seed)

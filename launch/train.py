@@ -104,7 +104,8 @@ def train_worker(config: Config, process_id: int) -> None:
     persistence.quiet_orbax_info()
     runtime.init_distributed(config.cluster.hosts, config.cluster.coordinator, process_id)
     job = runtime.build_job(t.model, t.overrides, t.expert_parallel, t.steps, t.learning_rate,
-                            t.warmup_steps, t.workload, t.shift_every, t.seed)
+                            t.warmup_steps, t.workload, t.shift_every, t.seed,
+                            t.accelerator, t.accelerator_profile)
     cfg, mesh, trainer, data = job.cfg, job.mesh, job.trainer, job.data
     host, num_hosts = job.host, job.hosts
     metrics = MetricsWriter(t.metrics_path, enabled=host == 0)

@@ -185,3 +185,7 @@ flags.DEFINE_float("timeout_s", 3600.0, "Deadline of the whole job; hosts are st
 flags.DEFINE_integer("process_id", -1,
                      "Internal: this worker's host index (set by the supervisor).")
 flags.DEFINE_string("coordinator", "", "Internal: jax.distributed coordinator address.")
+
+from launch import accelerator as _accelerator  # noqa: E402
+
+_accelerator.define_flags()
