@@ -17,7 +17,6 @@ from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.profiling.layer_profile import moe_durations
 from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
 from capricorn_jax._src.profiling.profiler import measure_overhead
 from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
@@ -45,7 +44,6 @@ __all__ = [
     "distributed_client",
     "hlo_schedule",
     "measure_overhead",
-    "moe_durations",
     "pinned",
     "timeline",
     "xla_flags",

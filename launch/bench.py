@@ -57,7 +57,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions, ProfilingOptions
-from capricorn_jax.experimental import TRIGGERS, moe_durations, xla_flags
+from capricorn_jax.experimental import TRIGGERS, xla_flags
 from launch import cluster as cluster_lib
 from launch import cpu_account, runtime, step_stats
 from launch.metrics import different_work
@@ -306,7 +306,7 @@ class _Runner:
             t_saved = time.perf_counter()
             if run.profile is not None and trainer.emulation is not None and self.record:
                 self.emulation.setdefault(strategy.name, []).extend(step_stats.emulation_errors(
-                    trainer.emulation, moe_durations(run.profile, trainer.moe_layers),
+                    trainer.emulation, run.profile.segments,
                     np.asarray(out["tokens_per_expert"]), trainer.moe_layers))
             count = self.saves.setdefault(strategy.name, [0, 0])
             count[0] += 1

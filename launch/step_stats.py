@@ -40,29 +40,36 @@ def blocked(parts: Sequence[dict[str, float]]) -> dict:
     return {"blocked_ms_per_step": means.get("save", 0.0), "blocked_ms": means}
 
 
-def emulation_errors(emulation, durations: dict[tuple[int, str], float],
-                     tokens_per_expert, moe_layers: Sequence[int]) -> list[dict]:
-    """One record per measured MoE window: expected (the emulated wait at the
-    step's load) and measured milliseconds, and the relative error.
+def emulation_errors(emulation, segments, tokens_per_expert,
+                     moe_layers: Sequence[int]) -> list[dict]:
+    """One record per MoE layer window of a profile: expected (the emulated
+    wait at the step's load) and measured milliseconds, and the relative error.
 
-    The expert part's scale is the busiest expert's tokens over the balanced
-    share, from the step's global counts: exact where every device sends to
-    every expert's device (one data row), an estimate otherwise.
+    ``segments``: the profile's segments (``LayerProfile.segments``); the
+    window of layer i is the segment named ``block{i}`` in each direction
+    (forward: closing at its boundary; backward: opening there). The backward
+    ``tail`` segment is left out: it holds the first layer's backward AND the
+    optimizer update. The expert part's scale is the busiest expert's tokens
+    over the balanced share, from the step's global counts: exact where every
+    device sends to every expert's device (one data row), an estimate otherwise.
     """
     out = []
-    for (k, direction), seconds in sorted(durations.items()):
-        layer = moe_layers[k]
+    moe = list(moe_layers)
+    for seg in segments:
+        if not seg.name.startswith("block") or int(seg.name[5:]) not in moe:
+            continue
+        layer = int(seg.name[5:])
         times = emulation.layers[layer]
-        counts = [float(c) for c in tokens_per_expert[k]]
+        counts = [float(c) for c in tokens_per_expert[moe.index(layer)]]
         total = sum(counts)
         scale = max(counts) / (total / len(counts)) if total else 0.0
-        if direction == "fwd":
+        if seg.direction == "fwd":
             expected = times.dense_fwd_ms + times.expert_fwd_ms * scale
         else:
             expected = times.dense_bwd_ms + times.expert_bwd_ms * scale
-        measured = seconds * 1e3
-        out.append({"layer": layer, "direction": direction, "expected_ms": round(expected, 3),
-                    "measured_ms": round(measured, 3),
+        measured = seg.duration_s * 1e3
+        out.append({"layer": layer, "direction": seg.direction,
+                    "expected_ms": round(expected, 3), "measured_ms": round(measured, 3),
                     "error": round((measured - expected) / expected, 4) if expected else None})
     return out
 
