@@ -10,7 +10,7 @@ ratio of each strategy's median step (every timed step) to ``none``'s, marks
 for strategies that did not take or commit a version every step, the runs'
 commands, dates and machine, and the recovery times per tier;
 ``tests/test_configs.py`` checks the README against the JSONs in
-``launch/results/``.
+``results/``.
 Alternative not taken: hand-kept tables (the model table's `small` row once
 showed a config two changes old; the headline once mixed two machines' runs).
 """

@@ -81,11 +81,11 @@ def test_readme_model_table_is_the_generated_one():
 
 def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
     # The README headline is the generator's output for the bench JSONs kept in
-    # launch/results/, verbatim: no hand-copied ratio, no run mixed in from elsewhere.
+    # results/, verbatim: no hand-copied ratio, no run mixed in from elsewhere.
     from launch.tables import headline_table
 
     root = Path(__file__).resolve().parent.parent
-    docs = [json.loads((root / "launch" / "results" / f"bench_{w}.json").read_text())
+    docs = [json.loads((root / "results" / f"bench_{w}.json").read_text())
             for w in ("steady", "dynamic")]
     assert [d["config"]["workload"] for d in docs] == ["steady", "dynamic"]
     for d in docs:
