@@ -76,11 +76,22 @@ def reference(tmp_path_factory, cache):
     return losses
 
 
-# CI runs capricorn and pec through a kill (the in-memory tier's own kill and
-# recovery run in test_recovery.py, orbax_async's restore in the bench test,
-# pec's kill and restore in test_pec_after_a_machine_loss_persists_the_next_steps);
-# the others run with the soak marker (pytest -m soak).
-SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking", "inmem", "orbax_async", "pec",
+# What CI runs, by strategy family and fault class (the soak marker holds
+# repeats and long variants only: pytest -m soak):
+#   baseline  blocking: a process kill (here)
+#   inmem     inmem: a process kill (here); a machine loss (test_recovery.py
+#             test_kill_resumes_from_memory_bitwise[host-peer])
+#   scheduled capricorn: a machine loss, the replica moved in the step
+#             (test_capricorn_machine_loss_...[threaded]); gemini: two hosts
+#             killed at once (test_two_hosts_killed_at_once_...)
+#   pec       a machine loss mid-step, then persistent steps
+#             (test_pec_after_a_machine_loss_persists_the_next_steps)
+#   faults    kill during recovery (test_a_host_lost_while_the_job_recovers_...),
+#             mid-step (the pec test above), mid-persist (tests/test_chaos.py's
+#             trial), mid-replication, every RAM store lost, corrupted chunk,
+#             stalled writer (tests/test_recovery.py), machine loss (above)
+# The other strategies' kill runs are soak variants of these.
+SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "orbax_async", "pec",
                    "capricorn")  # capricorn: its machine-loss test below reads the replica
 
 
@@ -149,8 +160,6 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
-@pytest.mark.soak  # CI time (a fresh-clone CI run took 1016 s of 1200 under steal, 2026-12-02);
-# the chaos soak draws failures during recovery too (launch.chaos, BUILD_NOTES "The soak")
 def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
                                                                         reference):
     """Failure during recovery (--fault_plan): host 1 is killed after step 4;
@@ -170,6 +179,21 @@ def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path,
     # Version 5 when host 1's replica of it was written before the first kill, else 4.
     assert KILL_AT <= recovery["step"] <= KILL_AT + 1
     assert recovery["tiers"] == ["peer", "local"] and recovery["bytes_moved"] > 0
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
+        range(recovery["step"], STEPS))
+
+
+def test_two_hosts_killed_at_once_recover_from_their_own_stores(tmp_path, cache, reference):
+    """Two hosts at once (--fault_plan): both processes of a gemini job are
+    SIGKILLed after step 4; the restarted job restores every host from the RAM
+    stores (its own, or a peer's replica where the kill caught its own copy
+    of the agreed version unwritten), and every loss is the uninterrupted run's."""
+    plan = '[{"hosts": [0, 1], "step": 4}]'
+    records = _train(tmp_path, cache, "--ckpt=gemini", *EXTRA["gemini"], f"--fault_plan={plan}")
+    (recovery,) = _events(records, "recovery")
+    assert set(recovery["tiers"]) <= {"local", "peer"}
+    assert KILL_AT <= recovery["step"] <= KILL_AT + 1
     assert _losses(records) == reference
     assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
         range(recovery["step"], STEPS))
