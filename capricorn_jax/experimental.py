@@ -20,6 +20,29 @@ from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
 from capricorn_jax._src.profiling.profiler import measure_overhead
 from capricorn_jax._src.scheduling import timeline
 
+# The planner (``launch.plan``) replays these decisions over a simulated cluster.
+from capricorn_jax._src.memory.placement import holders as placement_holders
+from capricorn_jax._src.memory.retention import versions_to_keep, whole_versions
+from capricorn_jax._src.partial.plans import version_needs
+from capricorn_jax._src.partial.selection import DynamicK, version_mask
+from capricorn_jax._src.partial.tracker import PltTracker
+from capricorn_jax._src.profiling.layer_profile import Segment
+from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N, should_profile
+from capricorn_jax._src.scheduling.partitioner import (
+    LinkModel,
+    Schedule,
+    Window,
+    partition,
+    scale_windows,
+    windows_from_profile,
+)
+from capricorn_jax._src.scheduling.transfers import (
+    average_windows,
+    schedule_at_risk,
+    shortest_windows,
+)
+from capricorn_jax._src.strategies.scheduled import PLAN_PROFILES
+
 
 def distributed_client() -> Any:
     """The jax.distributed key-value client of this process (None before
@@ -43,4 +66,25 @@ __all__ = [
     "distributed_client",
     "measure_overhead",
     "timeline",
+    # the planner's
+    "DEFAULT_FIRST_N",
+    "DynamicK",
+    "LinkModel",
+    "PLAN_PROFILES",
+    "PltTracker",
+    "Schedule",
+    "Segment",
+    "Window",
+    "average_windows",
+    "partition",
+    "placement_holders",
+    "scale_windows",
+    "schedule_at_risk",
+    "shortest_windows",
+    "should_profile",
+    "version_mask",
+    "version_needs",
+    "versions_to_keep",
+    "whole_versions",
+    "windows_from_profile",
 ]
