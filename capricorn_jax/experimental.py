@@ -12,22 +12,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
-from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
-from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
-from capricorn_jax._src.profiling.profiler import measure_overhead
-from capricorn_jax._src.scheduling import timeline
-
-# The planner (``launch.plan``) replays these decisions over a simulated cluster.
+# The planner (``launch.plan``) also replays the library's decisions over a
+# simulated cluster: placement, retention, PEC selection, profiling policy,
+# partitioner (the names after ``timeline`` in ``__all__``).
 from capricorn_jax._src.memory.placement import holders as placement_holders
 from capricorn_jax._src.memory.retention import versions_to_keep, whole_versions
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.partial.plans import version_needs
 from capricorn_jax._src.partial.selection import DynamicK, version_mask
 from capricorn_jax._src.partial.tracker import PltTracker
+from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
+from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.profiling.layer_profile import Segment
-from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N, should_profile
+from capricorn_jax._src.profiling.policy import (
+    CAPACITY_CACHE,
+    DEFAULT_FIRST_N,
+    TRIGGERS,
+    should_profile,
+)
+from capricorn_jax._src.profiling.profiler import measure_overhead
+from capricorn_jax._src.scheduling import timeline
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,

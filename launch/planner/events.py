@@ -68,18 +68,26 @@ class Link:
         share = self.rate / len(self.active)
         return self.sim.now + min(f.remaining for f in self.active) / share
 
-    def advance(self, dt: float) -> list[Flow]:
-        """Moves the active flows' bytes over ``dt`` seconds; returns the finished."""
-        if not self.active or dt <= 0:
+    def advance(self, dt: float, completes: bool) -> list[Flow]:
+        """Moves the active flows' bytes over ``dt`` seconds; returns the finished.
+
+        ``completes``: ``dt`` ends at this link's next completion, so the
+        flows with the least bytes left finish now whatever the rounding left
+        of them (else a remainder below the clock's resolution never would).
+        """
+        if not self.active:
             return []
         share = self.rate / len(self.active)
-        self.log.append((self.sim.now, self.sim.now + dt, share * len(self.active)))
+        least = min(f.remaining for f in self.active)
+        if dt > 0:
+            self.log.append((self.sim.now, self.sim.now + dt, share * len(self.active)))
         done = []
         for f in self.active:
-            moved = min(f.remaining, share * dt)
+            moved = min(f.remaining, share * max(dt, 0.0))
             f.remaining -= moved
             self.bytes_out[f.tag] = self.bytes_out.get(f.tag, 0.0) + moved
-            if f.remaining <= _EPS * max(1.0, f.nbytes):
+            last = completes and f.remaining + moved <= least * (1 + 1e-9)
+            if last or f.remaining <= _EPS * max(1.0, f.nbytes):
                 self.bytes_out[f.tag] += f.remaining
                 f.remaining = 0.0
                 done.append(f)
@@ -119,7 +127,7 @@ class Sim:
                 return
             finished = []
             for link in self.links:
-                finished += link.advance(t - self.now)
+                finished += link.advance(t - self.now, link.next_completion() <= t)
             self.now = t
             for f in finished:
                 if f.on_done is not None:

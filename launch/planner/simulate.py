@@ -29,7 +29,8 @@ The strategies' decisions are the library's own, called here:
   ``PLAN_PROFILES``). A profiled step moves no chunks (its version leaves
   after it, as ``inmem``), as in ``strategies.scheduled``.
 * RAM per host: the versions ``retention.versions_to_keep`` keeps (PEC: with
-  ``plans.version_needs`` of each version's tracker) x (own + m-1 replicas).
+  ``plans.version_needs`` of each version's tracker) x the owners whose
+  versions host 0 holds under Gemini's placement (``placement.holders``).
 
 Not modelled (assumed free): the device-to-host copy, profiling's own cost,
 compiles, the spill-triggered re-profile of the threaded path, and the
@@ -94,7 +95,8 @@ def segments(sc: Scenario, load: np.ndarray) -> list[tuple[str, str, float, floa
                 compute = layer.dense_fwd_s + layer.expert_fwd_s_per_token * peak
             else:
                 compute = layer.dense_bwd_s + layer.expert_bwd_s_per_token * peak
-            out.append((layer.name, direction, compute, layer.a2a_bytes_per_token * routed_per_host))
+            nbytes = layer.a2a_bytes_per_token * routed_per_host
+            out.append((layer.name, direction, compute, nbytes))
     return out
 
 
@@ -157,7 +159,7 @@ class _Run:
     def __init__(self, sc: Scenario, strategy: str, load: np.ndarray) -> None:
         self.sc, self.strategy, self.load = sc, strategy, load
         self.kind = strategy.removesuffix("_pec")
-        self.pec = strategy in ("pec", "capricorn_pec")
+        self.pec = strategy in ("pec", "capricorn_pec") and load.shape[1] > 0
         opts = sc.options
         self.sim = Sim()
         self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send")
@@ -351,7 +353,9 @@ def _ram_per_host(run: _Run) -> float:
     else:
         kept = ex.versions_to_keep(ex.whole_versions(held), safe, run.sc.options.window)
     del newest
-    return sum(run.version_bytes[v] for v in kept) * run.sc.options.replicas
+    hosts, m = run.sc.cluster.hosts, run.sc.options.replicas
+    owners_held = sum(1 for holders in ex.placement_holders(hosts, m) if 0 in holders)
+    return sum(run.version_bytes[v] for v in kept) * owners_held
 
 
 def simulate(sc: Scenario, strategy: str, shares: np.ndarray) -> dict[str, Any]:

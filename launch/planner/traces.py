@@ -38,7 +38,7 @@ def _skewed(rng: np.random.Generator, layers: int, experts: int) -> np.ndarray:
 
 def synthetic(kind: str, steps: int, layers: int, experts: int, seed: int = 0, *,
               early_steps: int = 100, spike_prob: float = 0.2, drift_per_1k: float = 0.015,
-              jump_every: int = 500) -> np.ndarray:
+              jump_every: int = 5000) -> np.ndarray:
     """A synthetic trace of shares [steps, layers, experts] (module docstring).
 
     Args:
@@ -47,16 +47,18 @@ def synthetic(kind: str, steps: int, layers: int, experts: int, seed: int = 0, *
       seed: the RNG seed.
       early_steps: dynamic: length of the early phase.
       spike_prob: dynamic, early phase: per layer and step, the chance that
-        one expert starts a swing of its load by a factor in [1/16, 16] spread
-        over 3 steps.
+        one expert (not already swinging) starts a swing of its load by a
+        factor in [1/16, 16] spread over 3 steps.
       drift_per_1k: dynamic, late phase: total-variation drift of a layer's
         shares per 1000 steps.
       jump_every: dynamic: mean steps between regime jumps of one layer.
     """
     if kind not in KINDS:
         raise ValueError(f"trace kind must be one of {KINDS}, got {kind!r}")
-    if steps < 1 or layers < 1 or experts < 2:
+    if steps < 1 or layers < 0 or experts < 2:
         raise ValueError(f"trace shape: steps={steps}, layers={layers}, experts={experts}")
+    if layers == 0:  # a dense model: no expert load
+        return np.zeros((steps, 0, experts))
     rng = np.random.default_rng(seed)
     shares = _skewed(rng, layers, experts)
     out = np.empty((steps, layers, experts))
@@ -65,10 +67,12 @@ def synthetic(kind: str, steps: int, layers: int, experts: int, seed: int = 0, *
         if kind == "dynamic":
             logits = np.log(shares)
             if t < early_steps:
+                swinging = {(layer, e) for layer, e, _, _ in swings}
                 for layer in range(layers):
-                    if rng.random() < spike_prob:
+                    e = int(rng.integers(experts))
+                    if rng.random() < spike_prob and (layer, e) not in swinging:
                         factor = 16.0 ** rng.uniform(-1, 1)
-                        swings.append((layer, int(rng.integers(experts)), factor ** (1 / 3), 3))
+                        swings.append((layer, e, factor ** (1 / 3), 3))
             else:
                 # Per-step logit noise sized for ~drift_per_1k TV over 1K steps.
                 logits += rng.normal(0, drift_per_1k * 2.5 / np.sqrt(1000), logits.shape)
