@@ -24,7 +24,7 @@ from capricorn_jax._src.partial.selection import DynamicK, version_mask
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.profiling.layer_profile import Segment
+from capricorn_jax._src.profiling.layer_profile import Segment, moe_durations
 from capricorn_jax._src.profiling.policy import (
     CAPACITY_CACHE,
     DEFAULT_FIRST_N,
@@ -81,6 +81,7 @@ __all__ = [
     "Segment",
     "Window",
     "average_windows",
+    "moe_durations",
     "partition",
     "placement_holders",
     "scale_windows",

@@ -80,7 +80,7 @@ def scenario_from(fv: flags.FlagValues) -> tuple[Scenario, str, tuple[str, ...]]
     cluster = sc.cluster
     for name in ("hosts", "devices_per_host", "link_gbps", "host_ram_gb"):
         if fv[name].value is not None and fv.preset != "none":
-            cluster = dataclasses.replace(cluster, **{name: fv[name].value})
+            cluster = dataclasses.replace(cluster, **{name: fv[name].value})  # type: ignore[arg-type]
             notes += (f"--{name}={fv[name].value} replaces the preset's",)
     model = sc.model
     if fv.state_gb_per_host is not None:
@@ -92,7 +92,7 @@ def scenario_from(fv: flags.FlagValues) -> tuple[Scenario, str, tuple[str, ...]]
     options = sc.options
     for name in ("replicas", "pec_k", "budget_s"):
         if fv[name].value is not None:
-            options = dataclasses.replace(options, **{name: fv[name].value})
+            options = dataclasses.replace(options, **{name: fv[name].value})  # type: ignore[arg-type]
     failure = FailureModel(mtbf_h=fv.mtbf_h)
     return Scenario(cluster, profile, model, options, failure), kind, notes
 

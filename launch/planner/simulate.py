@@ -168,15 +168,15 @@ class _Run:
         self.moe_layers = sc.profile.moe_layers
         layers, experts = load.shape[1], load.shape[2]
         self.detector = cj.DynamicityDetector(cj.DetectorOptions(threshold=opts.drift_threshold))
-        self.decision = None
+        self.decision: Any = None  # the detector's Decision about the previous step
         if self.pec:
             self.tracker = ex.PltTracker(layers, experts, sc.model.top_k)
             self.dyn = ex.DynamicK(cj.PecOptions(k=opts.pec_k), experts)
             self.k = experts
-        self.schedule = None
+        self.schedule: Any = None
         self._schedules: dict[int, Any] = {}
-        self._windows = None
-        self.planned_on = None
+        self._windows: list[Any] = []
+        self.planned_on: cj.LayerProfile | None = None
         self.profiles: list[cj.LayerProfile] = []
         self.recent: collections.deque = collections.deque(maxlen=ex.PLAN_PROFILES)
         self.partitions: list[int] = []
@@ -231,7 +231,8 @@ class _Run:
         if self.kind != "capricorn":
             return
         if profile is not None:
-            self.detector.record_profile(step, tpe, ex_moe_durations(profile, self.moe_layers))
+            durations = ex.moe_durations(profile, self.moe_layers)
+            self.detector.record_profile(step, tpe, durations)  # type: ignore[arg-type]
         decision = self.detector.observe(step, tpe)
         if decision.profile_next and not ex.schedule_at_risk(
                 self.schedule, self.detector, tpe, self.planned_on, self.moe_layers):
@@ -329,14 +330,6 @@ class _Run:
                 pass  # a skipped PEC version records nothing (``PecTier.skip``)
             return next_step(None)
         self.sender.when_idle(save)
-
-
-def ex_moe_durations(profile: cj.LayerProfile, moe_layers: tuple[int, ...]
-                     ) -> dict[tuple[int, str], float]:
-    """{(MoE layer, direction): seconds} as the detector's cost models take them."""
-    by_name = {f"block{layer}": i for i, layer in enumerate(moe_layers)}
-    return {(by_name[s.name], s.direction): s.duration_s
-            for s in profile.segments if s.name in by_name}
 
 
 def _ram_per_host(run: _Run) -> float:
