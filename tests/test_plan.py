@@ -225,10 +225,10 @@ def test_validation_reads_a_bench_json(tmp_path):
 def test_cli_table_json_and_validation(tmp_path, capsys):
     fixture = tmp_path / "bench.json"
     shutil.copy(DATA / "plan_bench_fixture.json", fixture)
-    out = tmp_path / "plan.json"
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     fv = plan.make_flags()
     fv(["plan", "--preset=gemini_paper", "--steps=25", "--strategies=none,inmem,gemini",
-        f"--json={out}", f"--validate={fixture}"])
+        f"--json={out}", f"--validate={fixture}", f"--plot={png}"])
     doc = plan.run(fv)
     text = capsys.readouterr().out
     assert "validation against" in text and "gemini" in text
@@ -240,6 +240,17 @@ def test_cli_table_json_and_validation(tmp_path, capsys):
                     "versions_skipped", "ram_per_host_gb", "ettr"):
             assert key in row
     assert [r["strategy"] for r in doc["validation"][str(fixture)]] == ["none", "inmem", "gemini"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_unknown_strategy_and_preset():
+    from absl import app
+
+    for args in (["--strategies=none,bogus"], ["--preset=bogus"]):
+        fv = plan.make_flags()
+        fv(["plan", *args])
+        with pytest.raises(app.UsageError, match="bogus"):
+            plan.run(fv)
 
 
 def test_flags_are_not_global():
