@@ -182,7 +182,7 @@ def test_pec_after_a_machine_loss_persists_the_next_steps(tmp_path, cache, refer
     holding its experts' older copies, which the next persistent write (step
     4) reads: the first version after such a recovery carries every expert,
     and steps 4 and 8 commit on both hosts (before the fix the job hung at
-    Orbax's barrier for its 600 s timeout)."""
+    Orbax's barrier for its timeout, then 1200 s)."""
     plan = '[{"hosts": [1], "step": 2, "point": "mid_step", "mode": "host"}]'
     records = _train(tmp_path, cache, "--ckpt=pec", "--pec_k=2", "--nopec_dynamic",
                      "--persist_every=4", f"--fault_plan={plan}")

@@ -96,7 +96,10 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         that have it), or "device", "pinned_host", "unpinned_host".
       read_timeout_s: how long the persistent reader waits for the in-memory
         writer to commit its version, and how long ``save_to_memory`` waits
-        for the reader before starting a newer version.
+        for the reader before starting a newer version. The whole of one
+        persistent write on this host is bounded by ``write_timeout_s``
+        (twice this: the read, then the directory and the files), which
+        ``manager.CheckpointManager`` also gives Orbax as its barrier timeout.
 
     Attributes:
       on_persist: optional hook ``(step, phase)`` called in the background
@@ -198,7 +201,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         if ckpt is None:
             return None
         inventory = {str(o): ckpt.store.versions(o) for o in ckpt.store.owners()}
-        gathered = allgather_json(inventory, ckpt.hosts)
+        gathered = allgather_json(inventory, ckpt.hosts, "the memory tier's versions (restore)")
         decision = choose_version([{int(o): v for o, v in inv.items()} for inv in gathered],
                                   ckpt.hosts)
         return None if decision is None else decision[0]
@@ -208,8 +211,15 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         """Starts writing the persistent tier from the in-memory version; returns at once."""
         return [self._start(directory, args)]
 
+    @property
+    def write_timeout_s(self) -> float:
+        """The bound of one persistent write on this host (read, then write)."""
+        return 2 * self.read_timeout_s
+
     def save(self, directory, args: CapricornSave) -> None:
-        self._start(directory, args).result()
+        """The synchronous save: ``async_save``'s write, waited for (bounded by
+        ``write_timeout_s``; a write still running then raises TimeoutError)."""
+        self._start(directory, args).result(timeout=self.write_timeout_s)
 
     def _start(self, directory, args: CapricornSave) -> _PersistFuture:
         if not isinstance(args, CapricornSave):
@@ -416,8 +426,9 @@ class _PersistFuture:
     def result(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"persistent save of step {self.memory.step} still running after "
-                               f"{timeout}s")
+            raise TimeoutError(f"host {jax.process_index()}: persistent save of step "
+                               f"{self.memory.step} (reading in-memory version {self.memory.step} "
+                               f"and writing its files) still running after {timeout}s")
         if self._error is not None:
             raise self._error
 

@@ -38,8 +38,22 @@ otherwise leave the other hosts waiting for their timeout. A failure
 inside the background write is collected at the next ``save`` (or
 ``wait_until_finished``/``close``), and the primary host removes the
 uncommitted directory. Either way the failure is logged to the
-``capricorn_jax`` logger and appended to ``manager.persistent_errors``. Every
-wait is bounded (``read_timeout_s``, Orbax's ``AsyncOptions.timeout_secs``).
+``capricorn_jax`` logger and appended to ``manager.persistent_errors``.
+
+A step is whole on every host or dropped by every host, within one bound:
+Orbax's commit protocol decides it after the writes. Each host's commit
+future is the handler's write (bounded by ``CapricornHandler.write_timeout_s``);
+then every host meets at Orbax's ``async_write_complete`` barrier, and only
+after it does the primary host commit the step. A host whose write failed (an
+I/O error, its version skipped, the read timed out, a write that hangs) never
+reaches the barrier, so the others time out there and none commits: the step
+is dropped everywhere, each host records the failure, and the next persistent
+step goes on. The bound is Orbax's ``AsyncOptions.timeout_secs``, which this
+manager sets from the handler's ``write_timeout_s`` unless the caller gave
+``async_options`` (Orbax's own default is 1200 s in orbax-checkpoint 0.12.8).
+Alternative not taken: a second agreement of the hosts after the write,
+before the barrier: it would duplicate Orbax's barrier and, run in the
+background thread, interleave with the training thread's agreements.
 
 Design decision: a ``CheckpointManager`` subclass that runs the memory tier on
 every ``save`` call and defers to Orbax's own policy for the disk tier.
@@ -56,6 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -96,6 +111,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     def __init__(self, directory, *args, handler_registry=None, **kwargs):
         self.item, self.handler = _find_handler(handler_registry)
+        if len(args) < 2:  # options not given by position
+            kwargs["options"] = _bounded_options(kwargs.get("options"), self.handler)
         self.persistent_errors: list[dict[str, Any]] = []
         self.last_memory_report: SaveReport | None = None
         self.last_restore: RestoreInfo | None = None
@@ -195,8 +212,8 @@ class CheckpointManager(ocp.CheckpointManager):
         versions of its experts' newest copies); the answers are all-gathered,
         so either every host starts the Orbax save or none does. Without this,
         a host that cannot write fails alone inside Orbax's background save,
-        and the others wait at Orbax's barrier for its timeout (600 s) before
-        the failure is known. Object stores (``gs://``...) have no directory
+        and the others wait at Orbax's barrier for its timeout
+        (``CapricornHandler.write_timeout_s``) before the failure is known. Object stores (``gs://``...) have no directory
         permissions and are not probed.
         """
         mine = ""
@@ -210,7 +227,7 @@ class CheckpointManager(ocp.CheckpointManager):
         if missing:
             mine = (f"host {jax.process_index()}: its store lacks in-memory versions {missing} "
                     f"that version {step} reads")
-        everyone = allgather_json(mine)
+        everyone = allgather_json(mine, what=f"the pre-check of persistent step {step}")
         problems = [x for x in everyone if x]
         if not problems:
             return None
@@ -337,7 +354,8 @@ class CheckpointManager(ocp.CheckpointManager):
             # Every host takes the primary host's view: whether the step is a
             # PEC step, and which steps it may read.
             primary = broadcast_json({"pec": record is not None, "steps": [
-                s for s in self.all_steps() if s <= step]})
+                s for s in self.all_steps() if s <= step]},
+                what=f"the primary host's view of persistent step {step}")
             if primary["pec"] != (record is not None):
                 raise ValueError(f"persistent step {step}: host {jax.process_index()} reads its "
                                  f"PEC record differently from the primary host")
@@ -426,6 +444,16 @@ class RestoreInfo:
     memory_tiers: list[str] | None = None
     bytes_moved: int | None = None
     pec: PecRestore | None = None
+
+
+def _bounded_options(options, handler: CapricornHandler):
+    """``options`` with Orbax's barrier timeout set to the handler's write bound
+    (unless the caller set ``async_options``)."""
+    options = ocp.CheckpointManagerOptions() if options is None else options
+    if options.async_options is not None:
+        return options
+    return dataclasses.replace(options, async_options=ocp.AsyncOptions(
+        timeout_secs=math.ceil(handler.write_timeout_s)))
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:
