@@ -213,8 +213,9 @@ class CheckpointManager(ocp.CheckpointManager):
         so either every host starts the Orbax save or none does. Without this,
         a host that cannot write fails alone inside Orbax's background save,
         and the others wait at Orbax's barrier for its timeout
-        (``CapricornHandler.write_timeout_s``) before the failure is known. Object stores (``gs://``...) have no directory
-        permissions and are not probed.
+        (``CapricornHandler.write_timeout_s``) before the failure is known.
+        Object stores (``gs://``...) have no directory permissions and are
+        not probed.
         """
         mine = ""
         if "://" not in str(self.directory):  # a local or mounted filesystem
