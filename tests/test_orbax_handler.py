@@ -583,11 +583,11 @@ def test_orbax_barrier_timeout_is_the_handlers_write_bound_unless_the_caller_set
         capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1),
         mesh, abstract, shardings, 0, 1)
     handler = capricorn_jax.CapricornHandler(inmem, read_timeout_s=45.5)
-    assert handler.write_timeout_s == 91.0
+    assert handler.write_timeout_s == 91.0 and handler.commit_timeout_s == 182.0
     manager = capricorn_jax.CheckpointManager(
         tmp_path / "a", options=ocp.CheckpointManagerOptions(save_interval_steps=3),
         handler_registry=handler.registry("state"))
-    assert manager._options.async_options.timeout_secs == 91
+    assert manager._options.async_options.timeout_secs == 182
     assert manager._options.save_interval_steps == 3
     manager.close()
     handler = capricorn_jax.CapricornHandler(inmem, read_timeout_s=45.5)

@@ -28,8 +28,8 @@ A timed-out agreement is neither retried nor skipped: the hosts' agreements
 are matched by their order, which a host that gave up can no longer keep, so
 the error propagates and ends the job (the launcher restarts it and recovery
 resumes from the memory tier). The default bound is longer than the
-persistent tier's (``CapricornHandler.write_timeout_s``, also Orbax's barrier
-timeout): a host that failed a persistent write alone waits at the next
+persistent tier's (``CapricornHandler.commit_timeout_s``, also Orbax's
+barrier timeout): a host that failed a persistent write alone waits at the next
 agreement while the others time out at Orbax's barrier, and the job goes on.
 
 Design choice: the key-value store, read with a deadline. Alternatives not
@@ -78,7 +78,7 @@ _state = _State()
 
 def set_timeout(seconds: float) -> None:
     """The bound of every later agreement of this process (all hosts should set
-    the same); it must exceed the persistent tier's write bound (module
+    the same); it must exceed the persistent tier's ``commit_timeout_s`` (module
     docstring)."""
     if not seconds > 0:
         raise ValueError(f"agreement timeout must be positive, got {seconds}")

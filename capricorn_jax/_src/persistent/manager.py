@@ -41,19 +41,21 @@ uncommitted directory. Either way the failure is logged to the
 ``capricorn_jax`` logger and appended to ``manager.persistent_errors``.
 
 A step is whole on every host or dropped by every host, within one bound:
-Orbax's commit protocol decides it after the writes. Each host's commit
-future is the handler's write (bounded by ``CapricornHandler.write_timeout_s``);
-then every host meets at Orbax's ``async_write_complete`` barrier, and only
-after it does the primary host commit the step. A host whose write failed (an
-I/O error, its version skipped, the read timed out, a write that hangs) never
-reaches the barrier, so the others time out there and none commits: the step
-is dropped everywhere, each host records the failure, and the next persistent
-step goes on. The bound is Orbax's ``AsyncOptions.timeout_secs``, which this
-manager sets from the handler's ``write_timeout_s`` unless the caller gave
-``async_options`` (Orbax's own default is 1200 s in orbax-checkpoint 0.12.8).
-Alternative not taken: a second agreement of the hosts after the write,
-before the barrier: it would duplicate Orbax's barrier and, run in the
-background thread, interleave with the training thread's agreements.
+the hosts agree after writing as well as before. Each host's commit future
+is the handler's write (bounded by ``CapricornHandler.write_timeout_s``)
+followed by an exchange of every host's outcome through the
+``jax.distributed`` key-value store (bounded by the same): when one host's
+write failed after the pre-check (an I/O error, its version skipped, the
+read timed out) or did not finish (a hang), every host's commit future fails
+naming it, so no host reaches Orbax's ``async_write_complete`` barrier, the
+primary host does not commit the step, each host records the failure, and
+the next persistent step goes on. Orbax's barrier timeout
+(``AsyncOptions.timeout_secs``) is set from the handler's
+``commit_timeout_s`` unless the caller gave ``async_options`` (Orbax's own
+default is 1200 s in orbax-checkpoint 0.12.8): it bounds the rest. Alternative
+not taken: Orbax's barrier alone: a host that failed never arrives, and the
+others learn it only at the barrier's timeout, with an error that names no
+host.
 
 Design decision: a ``CheckpointManager`` subclass that runs the memory tier on
 every ``save`` call and defers to Orbax's own policy for the disk tier.
@@ -212,8 +214,8 @@ class CheckpointManager(ocp.CheckpointManager):
         versions of its experts' newest copies); the answers are all-gathered,
         so either every host starts the Orbax save or none does. Without this,
         a host that cannot write fails alone inside Orbax's background save,
-        and the others wait at Orbax's barrier for its timeout
-        (``CapricornHandler.write_timeout_s``) before the failure is known.
+        and the others learn it only after their own writes (the handler's
+        outcome exchange), having read and written for nothing.
         Object stores (``gs://``...) have no directory permissions and are
         not probed.
         """
@@ -454,7 +456,7 @@ def _bounded_options(options, handler: CapricornHandler):
     if options.async_options is not None:
         return options
     return dataclasses.replace(options, async_options=ocp.AsyncOptions(
-        timeout_secs=math.ceil(handler.write_timeout_s)))
+        timeout_secs=math.ceil(handler.commit_timeout_s)))
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:
