@@ -576,8 +576,8 @@ def test_restart_takes_the_newest_tier(killed_job, tmp_path):
 
 
 def test_orbax_barrier_timeout_is_the_handlers_write_bound_unless_the_caller_set_it(tmp_path):
-    """A host whose persistent write failed never reaches Orbax's barrier; the
-    others wait there for this timeout (Orbax's own default: 1200 s)."""
+    """Orbax's barrier timeout is the handler's commit bound (its write, then
+    the wait for the other hosts' outcomes), not Orbax's own 1200 s."""
     mesh, shardings, abstract = _mesh_state()
     inmem = capricorn_jax.InMemoryCheckpointer(
         capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1),
