@@ -356,3 +356,20 @@ def test_a_peer_that_dies_mid_window_fails_the_version_naming_it_within_the_boun
             a.start(2, own, _schedule(split=True))
     finally:
         a.close()
+
+
+def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised():
+    class Measured:
+        host = 0
+
+        def __init__(self, *runs):
+            self.runs = list(runs)
+
+        def measure(self, rows):
+            return [1000, 2000], self.runs.pop(0)
+
+    noisy, good = [0.5, 0.1], [0.001, 0.002]
+    link = threaded.measure_channel(Measured(noisy, noisy, good), rows=1)
+    assert link.bytes_per_s == pytest.approx(1e6)
+    with pytest.raises(ValueError, match="times do not grow with size"):
+        threaded.measure_channel(Measured(noisy, noisy, noisy, good), rows=1)
