@@ -285,6 +285,7 @@ class CheckpointConfig:
     chunk_path: str = "auto"
     job: str
     replication_timeout_s: float
+    persist_timeout_s: float = 300.0
     budget_s: float = -1.0
     persist_every: int
     max_to_keep: int
@@ -387,8 +388,14 @@ class CheckpointConfig:
 # Where a fault strikes. The pausing points are exact (the victim waits there
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
-FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery")
+FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
+                "persist_error", "persist_hang")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
+# Faults that kill no host: the victim's persistent write of version step + 1
+# fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
+# on (that step dropped on every host), so such a fault ends no attempt and
+# must be a plan's last.
+PERSIST_FAULTS = frozenset({"persist_error", "persist_hang"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,8 +405,9 @@ class Fault:
     Attributes:
       hosts: the hosts killed (together).
       step: the training step the point belongs to (after_step, mid_step,
-        mid_replication: that step; mid_persist: the persistent write of the
-        version after it; recovery: ignored, the next recovery).
+        mid_replication: that step; mid_persist, persist_error, persist_hang:
+        the persistent write of the version after it; recovery: ignored, the
+        next recovery).
       point: one of ``FAULT_POINTS``.
       mode: "process" (the RAM store survives) or "host" (the victims' stores
         are wiped: machine loss).
@@ -506,9 +514,12 @@ class FaultConfig:
                             f"replication: it needs --ckpt in {', '.join(IN_MEMORY)}")
         if fault.point == "mid_replication" and replicas < 2:
             raise FlagError(f"{what}: mid_replication needs --replicas >= 2")
-        if fault.point == "mid_persist" and not (
+        if fault.point in PERSIST_FAULTS and i != len(self.plan(steps)) - 1:
+            raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
+                            f"must be the plan's last fault")
+        if fault.point in ("mid_persist", *PERSIST_FAULTS) and not (
                 persist_every and (fault.step + 1) % persist_every == 0):
-            raise FlagError(f"{what}: mid_persist at step {fault.step} needs --persist_every "
+            raise FlagError(f"{what}: {fault.point} at step {fault.step} needs --persist_every "
                             f"to write version {fault.step + 1} (--persist_every="
                             f"{persist_every})")
 
@@ -577,7 +588,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         chunk_cap_bytes=fv.chunk_cap_bytes, store_root=fv.store_root,
         chunk_path=fv.chunk_path,
         job=job_name(train.workdir), replication_timeout_s=fv.replication_timeout_s,
-        budget_s=fv.ckpt_budget, persist_every=fv.persist_every, max_to_keep=fv.max_to_keep, pec_k=fv.pec_k,
+        persist_timeout_s=fv.persist_timeout_s, budget_s=fv.ckpt_budget,
+        persist_every=fv.persist_every, max_to_keep=fv.max_to_keep, pec_k=fv.pec_k,
         pec_policy=fv.pec_policy, pec_plt_threshold=fv.pec_plt_threshold,
         pec_dynamic=fv.pec_dynamic, pec_k_persist=fv.pec_k_persist, given=given,
         hosts=cluster.hosts, model=train.model_config, expert_axis=train.expert_axis(cluster))

@@ -78,7 +78,8 @@ class PersistentTier:
 
         self.ocp, self.cj, self.trainer, self.metrics = ocp, capricorn_jax, trainer, metrics
         self.pec = bool(checkpoint.pec_k)
-        self.handler = capricorn_jax.CapricornHandler(ckpt)
+        self.handler = capricorn_jax.CapricornHandler(
+            ckpt, read_timeout_s=checkpoint.persist_timeout_s)
         self.manager = capricorn_jax.CheckpointManager(
             Path(workdir).absolute() / "checkpoints",
             options=ocp.CheckpointManagerOptions(save_interval_steps=checkpoint.persist_every,

@@ -119,6 +119,7 @@ def train_worker(config: Config, process_id: int) -> None:
     if persistent is not None:
         persistent.on_write = lambda v: faults.reached(config.faults, t.workdir, host,
                                                        "mid_persist", v - 1)
+        persistent.handler.on_persist = faults.persistent_write_fault(config.faults, host)
     faults.reached(config.faults, t.workdir, host, "recovery")
     state, start, resumed = persistence.resume(strategy, persistent, metrics, host)
     max_routed = None

@@ -15,8 +15,13 @@ from __future__ import annotations
 from absl import flags
 
 from capricorn_jax import DetectorOptions, ProfilingOptions
-from capricorn_jax.experimental import (CACHE_GRANULARITIES, CAPACITY_CACHE, DRIFT_METRICS,
-                                        TRIGGERS, CacheOptions)
+from capricorn_jax.experimental import (
+                                        CACHE_GRANULARITIES,
+                                        CAPACITY_CACHE,
+                                        DRIFT_METRICS,
+                                        TRIGGERS,
+                                        CacheOptions,
+)
 from launch.store_admin import default_store_root
 from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
@@ -111,6 +116,10 @@ flags.DEFINE_float("ckpt_budget", -1.0,
                    "every step (a save waits for the previous one).")
 flags.DEFINE_float("replication_timeout_s", 30.0,
                    "A version not confirmed by every replica after this is under-replicated.")
+flags.DEFINE_float("persist_timeout_s", 300.0,
+                   "The persistent tier's bound: reading a version from host RAM, then "
+                   "writing it, each at most twice this; a step some host did not write within "
+                   "it is dropped on every host (Orbax's barrier timeout is 4x this).")
 flags.DEFINE_boolean("resume", False,
                      "The default behaviour, accepted for clarity: a WORKDIR that holds "
                      "checkpoints (WORKDIR/checkpoints, the job's RAM stores under --store_root) "
@@ -164,8 +173,11 @@ flags.DEFINE_string("fault_plan", "",
                     "Fault injection, several faults: a JSON list (or @PATH of one) of "
                     "{\"hosts\": [..], \"step\", \"point\" (as --kill_point), \"mode\" "
                     "(process|host), \"corrupt\", \"wipe_all\" (every RAM store lost)}; "
-                    "each fault ends one attempt, all hosts restart and recover. Not with "
-                    "--kill_host.")
+                    "each fault ends one attempt, all hosts restart and recover. The last "
+                    "fault may instead be \"point\": \"persist_error\" or "
+                    "\"persist_hang\": the hosts' persistent write of the version after "
+                    "\"step\" fails with an I/O error, or hangs, there (no kill; that step "
+                    "is dropped on every host). Not with --kill_host.")
 flags.DEFINE_integer("stall_host", -1, "Fault injection: this host's replica writer stalls...")
 flags.DEFINE_integer("stall_at_step", -1, "...at this step...")
 flags.DEFINE_float("stall_seconds", 0.0, "...for this long (a peer that stops answering).")

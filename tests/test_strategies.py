@@ -206,7 +206,7 @@ def test_pec_after_a_machine_loss_persists_the_next_steps(tmp_path, cache, refer
     holding its experts' older copies, which the next persistent write (step
     4) reads: the first version after such a recovery carries every expert,
     and steps 4 and 8 commit on both hosts (before the fix the job hung at
-    Orbax's barrier for its 600 s timeout)."""
+    Orbax's barrier for its timeout, then 1200 s)."""
     plan = '[{"hosts": [1], "step": 2, "point": "mid_step", "mode": "host"}]'
     records = _train(tmp_path, cache, "--ckpt=pec", "--pec_k=2", "--nopec_dynamic",
                      "--persist_every=4", f"--fault_plan={plan}")
@@ -250,3 +250,38 @@ def test_orbax_emergency_restores_its_local_tier_on_a_mesh_with_replicas(tmp_pat
     assert _losses(records) == ref
     assert sorted(int(p.name) for p in (tmp_path / "run" / "w" / "checkpoints").iterdir()
                   if p.name.isdigit())[-1] % 3 == 0  # its persistent tier, every 3 steps
+
+
+@pytest.mark.parametrize("point", ["persist_error", "persist_hang"])
+def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_path, cache,
+                                                                         point):
+    """Host 1's persistent write of version 4 fails with an I/O error (or
+    hangs) after the hosts' pre-check: every host drops step 4 (host 0 names
+    host 1), the job goes on, step 8 is written, and the memory tier commits
+    every version (nothing lost from it)."""
+    plan = json.dumps([{"hosts": [1], "step": 3, "point": point}])
+    root = tmp_path
+    proc = run_train("--hosts=2", "--devices_per_host=1", "--model=tiny", "--steps=12",
+                     "--eval_sequences=0", "--log_every=4", "--ckpt=inmem",
+                     "--persist_every=4", "--persist_timeout_s=5", f"--fault_plan={plan}",
+                     f"--workdir={root / 'w'}", f"--store_root={root / 's'}",
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_no_orphans(str(root / "w"))
+    records = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
+    (error,) = _events(records, "persist_error")
+    assert error["step"] == 4
+    assert "persistent step 4 dropped on every host: host 1: " in error["error"]
+    if point == "persist_error":
+        assert "injected I/O error in host 1's persistent write of version 4" in error["error"]
+    else:
+        assert "host 1: no outcome within 10s" in error["error"]
+    assert {p["step"] for p in _events(records, "persist")} >= {4, 8}
+    committed = sorted(int(p.name) for p in (root / "w" / "checkpoints").iterdir()
+                       if p.name.isdigit())
+    assert 4 not in committed and 8 in committed
+    checkpoints = _events(records, "checkpoint")
+    versions = {v for c in checkpoints for v in c["newly_committed"]}
+    assert set(range(2, 11)) <= versions  # the memory tier went on through step 4
+    assert not [u for c in checkpoints for u in c["under_replicated"]]
+    assert not _events(records, "recovery")

@@ -75,6 +75,10 @@ from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
 
+CONFIRM_ROUNDS = 3
+"""Status rounds, after the first that can confirm a version, before an
+unconfirmed version may be reported under-replicated (with the wall bound)."""
+
 log = logging.getLogger("capricorn_jax")
 
 
@@ -209,7 +213,8 @@ class InMemoryCheckpointer:
         self._safe = -1
         self._reported: set[int] = set()  # versions reported in newly_committed
         self._last_taken = -1  # the newest version this host's writer was given
-        self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
+        self._pending: dict[int, float] = {}  # own step -> its clock's start, until replicated
+        self._rounds_since: dict[int, int] = {}  # own step -> status rounds read since its save
         self._own_queued: set[int] = set()  # own versions handed to the writer, not written yet
         self._last_statuses = None
         self._store_bytes = 0
@@ -590,16 +595,26 @@ class InMemoryCheckpointer:
             self._reported = {v for v in self._reported | everywhere if v >= oldest}
         # per_host[x][o]: newest version of owner o held by host x.
         confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
+        # A version's replication clock starts at the second round read after
+        # its save (a save's own round is gathered before its replicas are
+        # written: the next one is the first its peers can confirm it in), and
+        # it runs out only after CONFIRM_ROUNDS more rounds and
+        # replication_timeout_s: a compile or a restart is one slow round, not
+        # a peer that stopped confirming.
         now = time.monotonic()
-        for step, saved in sorted(self._pending.items()):
+        for step, started in sorted(self._pending.items()):
+            rounds = self._rounds_since[step] = self._rounds_since.get(step, 0) + 1
             if confirmed[self.host] >= step:
-                del self._pending[step]
-            elif now - saved > self.options.replication_timeout_s:
-                del self._pending[step]
+                del self._pending[step], self._rounds_since[step]
+            elif rounds == 2:
+                self._pending[step] = now
+            elif (rounds >= 2 + CONFIRM_ROUNDS
+                  and now - started > self.options.replication_timeout_s):
+                del self._pending[step], self._rounds_since[step]
                 missing = [int(x) for x in self.holders[self.host] if per_host[x][self.host] < step]
                 log.warning("host %d: version %d under-replicated: not confirmed by hosts %s "
-                            "after %.0fs", self.host, step, missing,
-                            self.options.replication_timeout_s)
+                            "in %d status rounds over %.0fs", self.host, step, missing,
+                            rounds - 1, now - started)
                 report.under_replicated.append({"owner": self.host, "step": step,
                                                 "missing": missing})
         return report
