@@ -188,7 +188,8 @@ class InMemoryCheckpointer:
                                    self.status_len)
         self.pec: PecTier | None = None
         if options.pec is not None:
-            self.pec = PecTier(options.pec, model, tokens_per_step, self)
+            self.pec = PecTier(options.pec, model, tokens_per_step, self.abstract_state,
+                               self.transport)
         # Guards _held, _newest and _doomed (the writers commit, the training
         # thread decides removals and reports).
         self._lock = threading.Lock()

@@ -79,6 +79,7 @@ class Transport:
     def __init__(self, plan: PackPlan, mesh: Mesh, state_shardings: Any,
                  rounds: list[dict[int, int]], status_len: int):
         self.plan, self.mesh, self.status_len = plan, mesh, status_len
+        self._state_shardings, self._rounds = state_shardings, rounds
         self.axes = tuple(mesh.axis_names)
         self.rows = NamedSharding(mesh, P(self.axes))
         self.perms = [device_perm(plan, r) for r in rounds]
@@ -97,6 +98,11 @@ class Transport:
             leaves, trailer, status, *gather))
         self._serve: dict[tuple, Any] = {}
         self._gather = None
+
+    def for_plan(self, plan: PackPlan) -> Transport:
+        """A transport of ``plan`` over the same mesh, state and rounds (e.g.
+        the plan of a PEC version with fewer records per device)."""
+        return Transport(plan, self.mesh, self._state_shardings, self._rounds, self.status_len)
 
     def pack_local(self, leaves: list[jax.Array], trailer: jax.Array,
                    gather: jax.Array | None = None) -> jax.Array:

@@ -98,7 +98,7 @@ from capricorn_jax._src.profiling.layer_profile import (
 from capricorn_jax._src.profiling.probe import probe_scalar, time_all_to_all
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.strategies.base import State, TrainStep
+    from capricorn_jax._src.profiling.train_step import State, TrainStep
 
 
 def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str,

@@ -52,7 +52,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.multihost.agree import agree_floats
