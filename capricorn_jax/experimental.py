@@ -11,6 +11,7 @@ tools import private modules (which ties them to the package layout).
 from __future__ import annotations
 
 from capricorn_jax._src.memory import pinned
+from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
 from capricorn_jax._src.memory.placement import send_rounds
 from capricorn_jax._src.memory.store import (
@@ -44,6 +45,7 @@ __all__ = [
     "CAPACITY_CACHE",
     "CacheOptions",
     "DRIFT_METRICS",
+    "FaultHooks",
     "HostStore",
     "InStepSender",
     "LinkModel",

@@ -65,6 +65,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory import placement, retention
+from capricorn_jax._src.memory.hooks import NO_FAULTS, FaultHooks
 from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
@@ -145,12 +146,13 @@ class InMemoryCheckpointer:
       model: the model config (num_experts, top_k, moe_layers); PEC only.
       tokens_per_step: tokens of one training step (global batch x sequence
         length), the PLT's unit; PEC only.
+      hooks: test-only fault injection (``hooks.FaultHooks``); None: none.
     """
 
     def __init__(self, options: InMemoryOptions, mesh, abstract_state: Any,
                  state_shardings: Any, host: int, hosts: int,
                  device_host: list[int] | None = None, *, model: MoEShape | None = None,
-                 tokens_per_step: int = 0):
+                 tokens_per_step: int = 0, hooks: FaultHooks | None = None):
         if options.replicas > hosts:
             raise ValueError(f"replicas={options.replicas} exceeds the {hosts} hosts")
         if options.pec is not None and (model is None or tokens_per_step < 1):
@@ -214,7 +216,7 @@ class InMemoryCheckpointer:
         self._own_queued: set[int] = set()  # own versions handed to the writer, not written yet
         self._last_statuses = None
         self._store_bytes = 0
-        self.on_pause = None
+        self.hooks = NO_FAULTS if hooks is None else hooks
         self._own_q: queue.Queue = queue.Queue(maxsize=1)
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
@@ -287,11 +289,12 @@ class InMemoryCheckpointer:
                                offset=j * plan.payload_bytes + lo)
 
         halves = [names]
-        if pause_halfway and self.on_pause is not None:
+        on_pause = self.hooks.on_pause
+        if pause_halfway and on_pause is not None:
             halves = [names[:len(names) // 2], names[len(names) // 2:]]
         for n, part in enumerate(halves):
-            if n == 1:
-                self.on_pause(step)
+            if n == 1 and on_pause is not None:
+                on_pause(step)
             list(self._write_pool.map(write, part))  # raises the first failed write
         meta = {
             "fingerprint": plan.fingerprint(), "leaves": plan.leaf_table(),
@@ -354,12 +357,12 @@ class InMemoryCheckpointer:
 
     def _write_replicas(self, step: int, received: list, plan: PackPlan,
                         pec_meta: dict | None) -> None:
-        stall = self.options.stall_replica_writer_at
+        stall = self.hooks.stall_replica_writer_at
         if stall is not None and stall[0] == step:
             log.warning("host %d: fault injection: replica writer stalls %.1fs at step %d",
                         self.host, stall[1], step)
             time.sleep(stall[1])
-        pause = self.options.pause_mid_replication_at == step
+        pause = self.hooks.pauses_at(step)
         for owner, array in zip(self.sources, received, strict=True):
             self._write_version(owner, step, _host_rows(array), plan, pec_meta,
                                 pause_halfway=pause)
@@ -559,8 +562,8 @@ class InMemoryCheckpointer:
                 report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
-                if self.options.pause_mid_replication_at == step and self.on_pause is not None:
-                    self.on_pause(step)  # fault injection: the point is here for this version
+                if self.hooks.pauses_at(step) and self.hooks.on_pause is not None:
+                    self.hooks.on_pause(step)  # fault injection: the point is here for this version
         report.step, report.skipped = step, skipped
         report.bytes = plan.payload_bytes * len(plan.host_positions(self.host))
         if version is not None:
