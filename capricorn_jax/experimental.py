@@ -14,8 +14,8 @@ from capricorn_jax._src.memory import pinned
 from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
 from capricorn_jax._src.memory.placement import send_rounds
-from capricorn_jax._src.memory.store import (
-    HostStore,
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store_lifecycle import (
     committed_steps,
     mount_point,
     remove_unused,

@@ -71,7 +71,8 @@ from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
 from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
 from capricorn_jax._src.memory.pinned import arena_copier
-from capricorn_jax._src.memory.store import HostStore, StoreLimit
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store_lifecycle import StoreLimit
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
