@@ -59,8 +59,9 @@ model knows them, the library does not), each one is timed *in isolation*
 (``probe.time_all_to_all``) on the same mesh axis and the layer's
 ``collective_s`` is that estimate (the forward runs the all-to-alls, the
 backward their transposes, the same shapes); ``compute_s`` is the measured
-duration minus it, so waiting for a slower peer counts as compute. Without ``collectives`` both are None. Gradient all-reduces of
-replicated parameters are not split out.
+duration minus it, so waiting for a slower peer counts as compute. Without
+``collectives`` both are None. Gradient all-reduces of replicated parameters
+are not split out.
 
 Caching. ``make_profiled_step`` keeps the variants and the all-to-all timings
 of a trainer in a weak mapping keyed by the trainer, so they live and die
