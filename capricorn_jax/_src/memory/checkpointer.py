@@ -139,6 +139,7 @@ class InMemoryCheckpointer(VersionWriters):
                                    self.status_len)
         self.pec: PecTier | None = None
         if options.pec is not None:
+            assert model is not None  # checked above
             self.pec = PecTier(options.pec, model, tokens_per_step, self.abstract_state,
                                self.transport)
         super().__init__(self.store, host, hosts, sources, self.copier, hooks,
@@ -158,7 +159,7 @@ class InMemoryCheckpointer(VersionWriters):
         self._reported: set[int] = set()  # versions reported in newly_committed
         self._last_taken = -1  # the newest version this host's writer was given
         self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
-        self._last_statuses = None
+        self._last_statuses: Any = None  # the previous round's gathered statuses
         self._store_bytes = 0
         self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
 
@@ -377,6 +378,7 @@ class InMemoryCheckpointer(VersionWriters):
             with self._lock:
                 self._own_queued.discard(step)
             if isinstance(own, _InSlot):  # the copy must land before the slot is free
+                assert self.copier is not None  # an _InSlot comes from _copy_into_slot
                 self.copier.wait()
                 own.writer.abort()
             skipped = True
@@ -394,6 +396,7 @@ class InMemoryCheckpointer(VersionWriters):
         report.step, report.skipped = step, skipped
         report.bytes = plan.payload_bytes * len(plan.host_positions(self.host))
         if version is not None:
+            assert self.pec is not None  # a PecVersion comes from the PEC tier
             report.pec_k, report.pec_plt = version.k, self.pec.plt()
         return report
 

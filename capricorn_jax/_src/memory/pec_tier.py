@@ -89,7 +89,9 @@ class PecTier:
         self.shape = (len(model.moe_layers), model.num_experts)
         self.tokens_per_step = tokens_per_step
         self._transports: dict[int | None, Transport] = {None: full}
-        self.experts = make_pec_plan(full.plan, self.layers, 1).experts  # the expert layout
+        experts = make_pec_plan(full.plan, self.layers, 1).experts  # the expert layout
+        assert experts is not None  # a PEC plan always has one
+        self.experts = experts
         self.ranks = self.experts.ranks
         self.dyn = DynamicK(options, model.num_experts, self.ranks)
         self.tracker = PltTracker(*self.shape, model.top_k)
@@ -102,6 +104,7 @@ class PecTier:
     def transport(self, count: int | None) -> Transport:
         """The program of versions with ``count`` records per device (None: full)."""
         if count not in self._transports:
+            assert count is not None  # the full transport is there from the start
             full = self._transports[None]
             self._transports[count] = full.for_plan(make_pec_plan(full.plan, self.layers, count))
         return self._transports[count]

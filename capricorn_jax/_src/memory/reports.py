@@ -15,6 +15,7 @@ grew the class past the size a reader can hold.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from capricorn_jax._src.memory.store import HostStore
 
@@ -58,7 +59,7 @@ class SaveReport:
     store_bytes: int
     committed: int
     safe_version: int
-    under_replicated: list[dict[str, int]]
+    under_replicated: list[dict[str, Any]]
     skipped: bool
     store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
     interval: int | None = None
@@ -95,8 +96,8 @@ def release_store(store: HostStore, keep: str, safe: int, wanted: set[int]) -> S
             if safe in versions:
                 store.prune(owner, wanted & versions)
     store.drop_free_slots()
-    versions = {o: store.versions(o) for o in store.owners()}
+    left = {o: store.versions(o) for o in store.owners()}
     held = store.bytes_held()
     store.close()
-    return StoreRelease(keep, {o: v for o, v in versions.items() if v}, held,
+    return StoreRelease(keep, {o: v for o, v in left.items() if v}, held,
                         max(before - held, 0))

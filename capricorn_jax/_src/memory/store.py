@@ -236,7 +236,8 @@ class HostStore:
                 # The smallest free slot that fits, else the largest one (grown).
                 sizes = {i: self._slot(owner, i).capacity for i in free}
                 fits = [i for i in free if sizes[i] >= nbytes]
-                index = min(fits, key=sizes.get) if fits else max(free, key=sizes.get)
+                index = (min(fits, key=sizes.__getitem__) if fits
+                         else max(free, key=sizes.__getitem__))
             else:
                 index = max(indices, default=-1) + 1
             self._busy.add((owner, index))

@@ -81,7 +81,7 @@ class StoreLimit:
 def tree_bytes(path: str | os.PathLike) -> int:
     """Bytes of the files under ``path`` (their sizes; 0 if it is missing)."""
     total = 0
-    for directory, _, files in os.walk(path):
+    for directory, _, files in os.walk(os.fspath(path)):
         for name in files:
             try:
                 total += os.stat(os.path.join(directory, name)).st_size

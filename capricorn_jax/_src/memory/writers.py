@@ -97,7 +97,9 @@ class VersionWriters:
         """Takes the own version's slot and starts the copier's copy of this
         host's device rows into it (training thread; the copy is asynchronous
         on an accelerator)."""
-        position = {d: p for p, d in enumerate(own.sharding.mesh.devices.flat)}
+        assert self.copier is not None  # called only with a copier
+        mesh = own.sharding.mesh  # type: ignore[attr-defined]  # a NamedSharding: the transport's
+        position = {d: p for p, d in enumerate(mesh.devices.flat)}
         rows = [s.data for _, s in sorted((position[s.device], s)
                                           for s in own.addressable_shards)]
         writer = self.store.begin(self.host, step, len(rows) * plan.payload_bytes)
@@ -114,6 +116,7 @@ class VersionWriters:
         self._remove_doomed(owner)
         if isinstance(rows, _InSlot):  # the bytes are (being) copied into the slot
             writer = rows.writer
+            assert self.copier is not None  # an _InSlot comes from _copy_into_slot
             self.copier.wait()
             names = [(j, k) for j in range(rows.rows) for k in range(plan.num_chunks)]
             rows = [writer.slot.view[j * plan.payload_bytes:(j + 1) * plan.payload_bytes]
@@ -132,7 +135,7 @@ class VersionWriters:
             if in_slot:  # checksummed in place, on the pool's thread
                 writer.adopt_chunk(f"d{j}.c{k}", j * plan.payload_bytes + lo, hi - lo)
                 return
-            writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]),
+            writer.write_chunk(f"d{j}.c{k}", rows[j][lo:hi].data,
                                offset=j * plan.payload_bytes + lo)
 
         halves = [names]
