@@ -289,6 +289,7 @@ def recover(ckpt: TierReader) -> Recovered | None:
 
 def _pec_meta(ckpt: TierReader, owner: int, step: int) -> dict[str, Any]:
     """A version's PEC record (without its tracker); a full one if saved without PEC."""
+    assert ckpt.pec is not None  # PEC only
     meta = ckpt.store.manifest(owner, step).get("pec")
     if meta is None:
         shape = ckpt.pec.shape
@@ -302,7 +303,7 @@ def _pec_inventories(ckpt: TierReader
                      ) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
     """Every host's verified steps per owner, and every version's PEC record."""
     inventory = _inventory(ckpt)
-    metas = {}
+    metas: dict[int, dict[str, Any]] = {}
     for owner, steps in inventory.items():
         for step in list(steps):
             try:
@@ -327,6 +328,7 @@ def _tracker_at(ckpt: TierReader, inventories: list[dict[int, list[int]]], step:
                 ) -> tuple[PltTracker, list[list[int]] | None]:
     """The tracker and the cumulative assignments saved with version ``step``
     (any host's copy; all are alike); None for counts it does not record."""
+    assert ckpt.pec is not None  # PEC only
     mine = None
     owner = next((o for o, steps in inventories[ckpt.host].items() if step in steps), None)
     if owner is not None:
@@ -341,6 +343,7 @@ def _tracker_at(ckpt: TierReader, inventories: list[dict[int, list[int]]], step:
 
 
 def _recover_pec(ckpt: TierReader) -> Recovered | None:
+    assert ckpt.pec is not None  # PEC only
     start = time.perf_counter()
     inventories, metas = _pec_inventories(ckpt)
     needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
@@ -398,6 +401,7 @@ class PecBlocks:
     """
 
     def __init__(self, ckpt: TierReader, source: np.ndarray):
+        assert ckpt.pec is not None  # PEC only
         self.ckpt, self.source = ckpt, source
         self.experts = ckpt.pec.experts
         self.layer_of = dict(zip(self.experts.leaves, self.experts.layers, strict=True))
