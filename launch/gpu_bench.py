@@ -207,11 +207,17 @@ def part_arena(platform: str, out: Path, store_root: Path) -> dict:
 def _scheduled(devices, jax, np):
     """The executor tests' scheduled step on ``devices`` (4: two hosts of two),
     abstract inputs; returns (traced step, schedule, boundaries)."""
-    from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
-    from capricorn_jax._src.memory.placement import send_rounds
-    from capricorn_jax._src.memory.transport import Transport
-    from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
-    from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+    from capricorn_jax.experimental import (
+        TRAILER_BYTES,
+        InStepSender,
+        LinkModel,
+        Transport,
+        Window,
+        make_plan,
+        partition,
+        scheduled_step,
+        send_rounds,
+    )
     from launch.trainer import OptimizerOptions, Trainer, make_mesh
     from models import get_config
 

@@ -12,18 +12,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.pinned import (
+from capricorn_jax._src.memory.copy_path import (
     COPY_PATHS,
-    HUGE_PAGE,
     BackendCaps,
     CopyPath,
+    choose_copy_path,
+    row_copies,
+)
+from capricorn_jax._src.memory.pinned import (
+    HUGE_PAGE,
     SlotCopier,
     SlotRegistry,
     align_up,
-    choose_copy_path,
     hugepage_modes,
     probe_backend,
-    row_copies,
     slot_array,
     wants_madvise,
     zero_copy,

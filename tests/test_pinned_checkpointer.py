@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.memory import store as store_module
+from capricorn_jax._src.memory import arena as store_module
 from capricorn_jax._src.memory.host_arrays import global_arrays
 from capricorn_jax._src.memory.packing import unpack
 from capricorn_jax._src.memory.pinned import arena_copier

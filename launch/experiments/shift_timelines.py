@@ -54,7 +54,8 @@ def _records(workdir: str) -> list[dict]:
 
 def profile_at(records: list[dict], step: int):
     """The LayerProfile of profiled step ``step`` (the last such event: a rerun's)."""
-    from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
+    from capricorn_jax import LayerProfile
+    from capricorn_jax.experimental import Segment
 
     events = [r for r in records if r.get("event") == "profile" and r["step"] == step]
     if not events:
@@ -68,7 +69,7 @@ def profile_at(records: list[dict], step: int):
 
 def schedule_in_force(records: list[dict], step: int, chunk_cap: int):
     """The schedule a run had in force during step ``step`` (rebuilt), or None."""
-    from capricorn_jax._src.scheduling.partitioner import (
+    from capricorn_jax.experimental import (
         LinkModel,
         Window,
         partition,

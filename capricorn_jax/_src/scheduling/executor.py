@@ -52,7 +52,7 @@ from capricorn_jax._src.profiling.boundary import boundary_hooks
 from capricorn_jax._src.scheduling.partitioner import Schedule, Window
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.strategies.base import TrainStep
+    from capricorn_jax._src.profiling.train_step import TrainStep
 
 START = ("<start>", "fwd")
 AFTER = ("<after>", "bwd")

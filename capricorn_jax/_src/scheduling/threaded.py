@@ -312,7 +312,7 @@ class ChunkChannel:
             for i in range(repeats):
                 errors: list[BaseException] = []
 
-                def receive() -> None:
+                def receive(sink: np.ndarray = sink, errors: list = errors) -> None:
                     try:
                         self.receive_into(lambda _: sink)
                     except BaseException as e:  # noqa: BLE001
