@@ -13,7 +13,6 @@ from __future__ import annotations
 # The planner (``launch.plan``) replays the library's own decisions over a
 # simulated cluster (placement, retention, PEC selection, profiling policy,
 # partitioner): those names are here too.
-
 from capricorn_jax._src.memory import pinned
 from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
