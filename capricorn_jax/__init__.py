@@ -6,6 +6,8 @@ and may change without notice; names that the project's own measurement tools
 need are in ``capricorn_jax.experimental``, with no stability promise.
 """
 
+# ruff: noqa: I001 - the imports are grouped by concept, in the order of __all__.
+
 # The model's one change: mark layer boundaries (profiling and the in-step
 # transfers attach there); all-to-alls may be marked for the collective probe.
 from capricorn_jax._src.profiling.boundary import (
@@ -16,9 +18,10 @@ from capricorn_jax._src.profiling.boundary import (
 )
 
 # The memory tier: a version every step in host RAM and on m-1 peers.
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.recovery import Recovered, recover
+from capricorn_jax._src.memory.reports import SaveReport
 from capricorn_jax._src.memory.store import ChecksumError
 from capricorn_jax._src.partial.selection import PecOptions
 
@@ -28,7 +31,8 @@ from capricorn_jax._src.persistent.manager import CheckpointManager, RestoreInfo
 
 # Strategies: what a training loop drives (save / finish / close / restore),
 # and what the library asks of the caller's trainer.
-from capricorn_jax._src.strategies.base import Strategy, TrainStep
+from capricorn_jax._src.profiling.train_step import TrainStep
+from capricorn_jax._src.strategies.base import Strategy
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
@@ -36,14 +40,10 @@ from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 # that decides which steps run instrumented.
 from capricorn_jax._src.profiling.detector import DetectorOptions, DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
-from capricorn_jax._src.profiling.policy import (
-    ProfilePolicy,
-    ProfilingDriver,
-    ProfilingOptions,
-    StepOutcome,
-)
+from capricorn_jax._src.profiling.policy import ProfilePolicy, ProfilingOptions, StepOutcome
 from capricorn_jax._src.profiling.probe import CollectiveProbe
 from capricorn_jax._src.profiling.profiler import make_profiled_step
+from capricorn_jax._src.strategies.driver import ProfilingDriver
 
 __all__ = [
     # model hook

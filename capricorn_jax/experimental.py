@@ -10,63 +10,103 @@ tools import private modules (which ties them to the package layout).
 
 from __future__ import annotations
 
-from typing import Any
-
-from capricorn_jax._src.memory.store import (
-    HostStore,
+# The planner (``launch.plan``) replays the library's own decisions over a
+# simulated cluster (placement, retention, PEC selection, profiling policy,
+# partitioner): those names are here too.
+from capricorn_jax._src.memory import pinned
+from capricorn_jax._src.memory.hooks import FaultHooks
+from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
+from capricorn_jax._src.memory.placement import holders as placement_holders
+from capricorn_jax._src.memory.placement import send_rounds
+from capricorn_jax._src.memory.retention import versions_to_keep, whole_versions
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store_lifecycle import (
     committed_steps,
     mount_point,
     remove_unused,
     store_in_use,
     tree_bytes,
 )
+from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
+from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.partial.plans import version_needs
+from capricorn_jax._src.partial.selection import DynamicK, version_mask
+from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
-from capricorn_jax._src.profiling.layer_profile import Segment
-from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS
+from capricorn_jax._src.profiling.layer_profile import Segment, moe_durations
+from capricorn_jax._src.profiling.policy import (
+    CAPACITY_CACHE,
+    DEFAULT_FIRST_N,
+    TRIGGERS,
+    should_profile,
+)
 from capricorn_jax._src.profiling.profiler import measure_overhead
-from capricorn_jax._src.scheduling import timeline
+from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
+from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
+    Schedule,
     Window,
     partition,
     scale_windows,
     windows_from_profile,
 )
-
-
-def distributed_client() -> Any:
-    """The jax.distributed key-value client of this process (None before
-    ``jax.distributed.initialize``). JAX keeps it private; measurement tools
-    use it to coordinate their processes outside any collective."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
-
+from capricorn_jax._src.scheduling.transfers import (
+    average_windows,
+    schedule_at_risk,
+    shortest_windows,
+)
+from capricorn_jax._src.strategies.scheduled import PLAN_PROFILES
 
 __all__ = [
-    "CACHE_GRANULARITIES",
-    "CAPACITY_CACHE",
-    "CacheOptions",
-    "DRIFT_METRICS",
-    "TRIGGERS",
-    "HostStore",
-    "LinkModel",
-    "Segment",
-    "Window",
-    "committed_steps",
-    "mount_point",
-    "partition",
-    "remove_unused",
-    "scale_windows",
-    "store_in_use",
-    "tree_bytes",
-    "windows_from_profile",
-    "ProfileCache",
     "allgather_floats",
     "allgather_json",
+    "average_windows",
+    "CACHE_GRANULARITIES",
+    "CacheOptions",
+    "CAPACITY_CACHE",
+    "committed_steps",
+    "DEFAULT_FIRST_N",
     "distributed_client",
+    "DRIFT_METRICS",
+    "DynamicK",
+    "FaultHooks",
+    "hlo_schedule",
+    "HostStore",
+    "InStepSender",
+    "LinkModel",
+    "make_plan",
     "measure_overhead",
+    "moe_durations",
+    "mount_point",
+    "partition",
+    "pinned",
+    "placement_holders",
+    "PLAN_PROFILES",
+    "PltTracker",
+    "ProfileCache",
+    "remove_unused",
+    "scale_windows",
+    "Schedule",
+    "schedule_at_risk",
+    "scheduled_step",
+    "Segment",
+    "send_rounds",
+    "shortest_windows",
+    "should_profile",
+    "store_in_use",
     "timeline",
+    "TRAILER_BYTES",
+    "Transport",
+    "tree_bytes",
+    "TRIGGERS",
+    "version_mask",
+    "version_needs",
+    "versions_to_keep",
+    "whole_versions",
+    "Window",
+    "windows_from_profile",
+    "xla_flags",
 ]

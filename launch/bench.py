@@ -57,7 +57,8 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions
-from launch import runtime
+from capricorn_jax.experimental import xla_flags
+from launch import runtime, step_stats
 from launch.bench_recovery import baseline_recovery, recovery_times
 from launch.bench_report import VARIANTS, markdown, plot, summarize
 from launch.bench_runner import Runner
@@ -184,14 +185,16 @@ def bench_worker(process_id: int, workdir: Path) -> None:
     from capricorn_jax.experimental import allgather_floats
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
+    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id,
+                             single_process="orbax_emergency" in FLAGS.strategies)
     overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
     if FLAGS.global_batch:
         overrides["global_batch"] = FLAGS.global_batch
     total_steps = ((FLAGS.warmup + FLAGS.steps * FLAGS.reps + FLAGS.a2a_steps * (FLAGS.reps + 1))
                    * len(FLAGS.strategies))
     job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
-                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed)
+                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed,
+                            FLAGS.accelerator, FLAGS.accelerator_profile)
     link = None
     if FLAGS.link_probe_mib > 0 and job.hosts > 1:
         from launch.link_probe import measure_link
@@ -253,6 +256,9 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
+                  "blocked": runner.blocked, "emulation_checks": runner.emulation,
+                  "emulation": (None if job.trainer.emulation is None
+                                else job.trainer.emulation.profile),
                   "device_kind": (None if jax.devices()[0].platform == "cpu"
                                   else f"{jax.device_count()}x {jax.devices()[0].device_kind}"),
                   "commits": {name: {"timed": runner.timed_versions.get(name, []),
@@ -297,6 +303,16 @@ def _run_cluster(workdir: Path) -> int:
                                        network=network)
 
 
+def _link_idle_share(results: dict, link: dict) -> float | None:
+    """R of this run: the largest version any strategy sends per host, over the
+    measured one-way link rate (else the requested one) and none's idle link."""
+    none = results.get("none", {})
+    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / FLAGS.hosts
+    rate = link.get("one_way_gbps") or (FLAGS.link_gbps or None)
+    return step_stats.link_idle_share(per_host, rate, none.get("median_step_s"),
+                                      none.get("a2a_median_s"))
+
+
 def _link_record(measured: dict | None) -> dict:
     """The JSON's "link": what was asked for and what the hosts measured."""
     requested = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
@@ -332,6 +348,7 @@ def main(argv: list[str]) -> None:
 
     shutil.rmtree(FLAGS.store_root, ignore_errors=True)
     if FLAGS.platform == "gpu":
+        xla_flags.set_overlap_flags()  # before the GPU backend starts
         if FLAGS.hosts != 1 or FLAGS.replicas != 1:
             print("bench: error: --platform=gpu runs in this process: --hosts=1 --replicas=1",
                   file=sys.stderr)
@@ -354,6 +371,17 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     print(markdown(results))
     link = _link_record(raw.get("link"))
+    share = _link_idle_share(results, link)
+    emulated = raw.get("emulation")
+    if emulated:
+        checks = {n: r["emulation_check"] for n, r in results.items() if r.get("emulation_check")}
+        print(f"emulated accelerator: profile {emulated}; layer windows against the waits: "
+              + (", ".join(f"{n} median |error| {c['median_abs_error']:.1%} over "
+                           f"{c['windows']} windows" for n, c in checks.items())
+                 or "no profiled step"))
+    print("R (version link time / idle link time per step): "
+          + (f"{share:.2f}" if share is not None else "unknown (needs --link_gbps and none's "
+             "all-to-all time)"))
     print(f"link: {link['describe']}" + (
         f"; measured one way {link['one_way_gbps']:.3f} Gbit/s, exchange "
         f"{link['exchange_gbps']:.3f} Gbit/s per host ({link['mib']:g} MiB per device)"
@@ -370,6 +398,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.json:
         Path(FLAGS.json).write_text(json.dumps({
             "strategies": results, "config": config, "bandwidth": bandwidth, "link": link,
+            "link_idle_share": share, "accelerator": FLAGS.accelerator,
+            "accelerator_profile": emulated,
             # step -> strategy -> capacity factors
             "buckets": raw.get("buckets", {}), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python -m launch.bench",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 
+from launch import step_stats
 from launch.cluster import cpu_account
 from launch.metrics import different_work
 from launch.strategies import IN_MEMORY
@@ -42,6 +43,8 @@ def summarize(raw: dict) -> dict:
         out[name] = {
             "median_step_s": statistics.median(times),
             "spread_s": _iqr(times),
+            **step_stats.distribution(times),
+            **step_stats.blocked(raw.get("blocked", {}).get(name, [])),
             "min_step_s": min(times), "max_step_s": max(times),
             "samples": len(times), "steps_timed": len(times),
             "steps_profiled": sum(p for _, p, _ in steps),
@@ -74,6 +77,9 @@ def summarize(raw: dict) -> dict:
                                if steady and "steady_median_s" in row else None)
     for name, schedule in raw.get("schedules", {}).items():
         out[name]["schedule"] = schedule
+    for name, records in raw.get("emulation_checks", {}).items():
+        out[name]["emulation_check"] = step_stats.error_summary(records)
+        out[name]["emulation_windows"] = records
     for name, recovery in raw.get("recovery", {}).items():
         out[name]["recovery"] = recovery
     for name, (saved, skipped) in raw.get("saves", {}).items():

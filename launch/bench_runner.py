@@ -2,7 +2,9 @@
 
 ``Runner`` keeps the trajectory (state, data position, routing maxima) that
 every strategy replays from, times each step and records what a step did
-(profiled, compiled, CPU per launch.cluster.cpu_account group, versions committed).
+(profiled, compiled, CPU per launch.cluster.cpu_account group, versions committed,
+the seconds the training thread was blocked in the step and in the save, the
+emulated accelerator's layer windows against its waits).
 Split from ``launch.bench`` (the command: flags, workers, the report) so
 that the measurement loop reads on its own; alternative not taken: one
 module for the command and its loop, past the size a reader holds.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from launch import step_stats
 from launch.cluster import cpu_account
 
 
@@ -49,6 +52,11 @@ class Runner:
         # its steady-state steps only (neither profiled nor compiled).
         self.cpu: dict[str, list[float]] = {}
         self.steady_cpu: dict[str, list[float]] = {}
+        # strategy -> per timed step, seconds the training thread spent in the
+        # step call and in the strategy's save (launch.step_stats.blocked);
+        # and the emulated windows' check records (step_stats.emulation_errors).
+        self.blocked: dict[str, list[dict[str, float]]] = {}
+        self.emulation: dict[str, list[dict]] = {}
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -98,6 +106,7 @@ class Runner:
             run = driver.step(self.step, factors, self.state, batch, hooks)
             self.state, out = run.state, run.metrics
             loss = float(out["loss"])
+            t_stepped = time.perf_counter()
             if self.record:
                 self.losses.setdefault(self.step, {})[strategy.name] = loss
                 self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
@@ -113,6 +122,11 @@ class Runner:
                                    {"data": self.job.data.state(), "max_routed": self.max_routed},
                                    tokens_per_expert=np.asarray(out["tokens_per_expert"]),
                                    next_step_profiled=driver.profile_next)
+            t_saved = time.perf_counter()
+            if run.profile is not None and trainer.emulation is not None and self.record:
+                self.emulation.setdefault(strategy.name, []).extend(step_stats.emulation_errors(
+                    trainer.emulation, run.profile.segments,
+                    np.asarray(out["tokens_per_expert"]), trainer.moe_layers))
             count = self.saves.setdefault(strategy.name, [0, 0])
             count[0] += 1
             count[1] += any(e.get("skipped") for e in events)
@@ -124,6 +138,9 @@ class Runner:
             if i > 0 and not hooks:
                 compiled = run.compiled or self.compiles != compiles
                 times.append((time.perf_counter() - t0, run.profile is not None, compiled))
+                if self.record:
+                    self.blocked.setdefault(strategy.name, []).append(
+                        {"step": t_stepped - t0, "save": t_saved - t_stepped})
                 if self.record:  # the timed repetitions, as the step times
                     used = cpu_account.delta(cpu_before, cpu_account.sample())
                     _add(self.cpu, strategy.name, used)

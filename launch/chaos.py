@@ -54,7 +54,7 @@ from absl import app, flags
 
 from launch.cluster.netns import LinkError, LinkOptions, check_available
 from launch.config import AcceleratorConfig
-from launch.fault_plan import PAUSING_POINTS, Fault
+from launch.fault_plan import PAUSING_POINTS, PERSIST_FAULTS, Fault
 
 FLAGS = flags.FLAGS
 
@@ -101,8 +101,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     return fv
 
 
-POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist")
+POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
+          "persist_hang")
 PERSIST_EVERY = 4
+PERSIST_HANG_TIMEOUT_S = 10.0
+"""--persist_timeout_s of a trial with a persist_hang fault: the other hosts
+drop the hung step after 2x this, the hung host's Orbax thread after 4x."""
 PEC_K = 2
 
 
@@ -151,6 +155,8 @@ class Trial:
                "--fault_plan=" + json.dumps([f.to_json() for f in self.faults])]
         if self.persist_every:
             out.append(f"--persist_every={self.persist_every}")
+        if any(f.point == "persist_hang" for f in self.faults):
+            out.append(f"--persist_timeout_s={PERSIST_HANG_TIMEOUT_S}")
         if self.pec:
             out += [f"--pec_k={PEC_K}", "--nopec_dynamic"]
         if self.stall is not None:
@@ -191,8 +197,15 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
             faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
                                 rng.choice(["process", "host"])))
             break
-        points = [p for p in POINTS if p != "mid_persist" or persist]
+        points = [p for p in POINTS
+                  if persist or p not in ("mid_persist", *PERSIST_FAULTS)]
         point = rng.choice(points)
+        if point in PERSIST_FAULTS:  # no kill: the plan's last fault, on one host
+            writes = [s for s in range(low, steps - 1 - PERSIST_EVERY)
+                      if (s + 1) % persist == 0]  # a later write shows the job goes on
+            if writes:
+                faults.append(Fault((rng.randrange(topo.hosts),), rng.choice(writes), point))
+            break
         if point == "mid_persist":
             writes = [s for s in range(low, steps - 1) if (s + 1) % persist == 0]
             if not writes:
@@ -234,8 +247,11 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
       strikes: the faults the supervisor reported striking.
     """
     problems: list[str] = []
-    if strikes != len(trial.faults):
-        problems.append(f"{strikes} of {len(trial.faults)} faults struck")
+    kills = [f for f in trial.faults if f.point not in ("recovery", *PERSIST_FAULTS)]
+    killing = len([f for f in trial.faults if f.point not in PERSIST_FAULTS])
+    if strikes != killing:
+        problems.append(f"{strikes} of {killing} faults struck")
+    problems += _persist_fault_problems(trial, records)
     step_records = [r for r in records if "event" not in r]
     seen = {r["step"] for r in step_records}
     # A step trained and checkpointed whose line host 0 was killed before
@@ -264,7 +280,6 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     # kill during recovery logs no recovery; a fault that struck before any
     # version existed neither (the job starts over), so recovery i goes with
     # fault i only when every other fault logged one.
-    kills = [f for f in trial.faults if f.point != "recovery"]
     paired = len(recoveries) == len(kills)
     safe, n, last = -1, 0, -1
     for r in records:
@@ -299,6 +314,22 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
                 "recovery_s": [round(r["seconds"], 3) for r in recoveries],
                 "plt": [r.get("plt") for r in recoveries if "plt" in r]}
     return problems, happened
+
+
+def _persist_fault_problems(trial: Trial, records: list[dict]) -> list[str]:
+    """A persist_error / persist_hang fault: its version's persistent step is
+    dropped (a persist_error event names it) and a later one is written."""
+    out = []
+    for f in trial.faults:
+        if f.point not in PERSIST_FAULTS:
+            continue
+        version = f.step + 1
+        errors = {r.get("step") for r in records if r.get("event") == "persist_error"}
+        if version not in errors:
+            out.append(f"{f.point}: no persist_error for version {version}")
+        if not any(r.get("event") == "persist" and r["step"] > version for r in records):
+            out.append(f"{f.point}: no persistent step started after version {version}")
+    return out
 
 
 def _store_root(scratch: Path) -> Path:
@@ -413,14 +444,21 @@ def main(argv: list[str]) -> int:
                                  f"{','.join(FLAGS.strategies)} runs there (gemini and "
                                  f"capricorn need 2 replicas); add inmem or pec, or drop it")
     try:
-        AcceleratorConfig(accelerator=FLAGS.accelerator, profile=FLAGS.accelerator_profile)
+        accel = AcceleratorConfig(accelerator=FLAGS.accelerator,
+                                  profile=FLAGS.accelerator_profile)
         link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
         if link.shaped:
             check_available(link)
     except (ValueError, LinkError) as e:
         raise app.UsageError(str(e)) from None
-    link_flags = ([f"--link_gbps={link.gbps:g}", f"--link_latency_ms={link.latency_ms:g}"]
-                  if link.shaped else [])
+    # Flags every job of every trial gets (the reference runs' too): the links,
+    # the accelerator.
+    job_flags = ([f"--link_gbps={link.gbps:g}", f"--link_latency_ms={link.latency_ms:g}"]
+                 if link.shaped else [])
+    if accel.accelerator != "none":
+        job_flags.append(f"--accelerator={accel.accelerator}")
+    if accel.profile:
+        job_flags.append(f"--accelerator_profile={accel.profile}")
     scratch = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn-chaos-"))
     scratch.mkdir(parents=True, exist_ok=True)
     references: dict = {}
@@ -431,7 +469,7 @@ def main(argv: list[str]) -> int:
         for i in indices:
             trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
             result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
-                               FLAGS.trial_timeout_s, FLAGS.fast_compile, link_flags)
+                               FLAGS.trial_timeout_s, FLAGS.fast_compile, job_flags)
             results.append(result)
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(

@@ -36,9 +36,12 @@ from capricorn_jax.experimental import (
     TRIGGERS,
     CacheOptions,
 )
+from launch.accelerator import ACCELERATORS
 from launch.store_admin import default_store_root
 from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
+from models.emulation.profile import DEFAULT_PROFILE
+from models.emulation.profile import available as available_profiles
 
 
 class FlagError(ValueError):
@@ -160,6 +163,10 @@ _spec("float", "ckpt_budget", -1.0,
                    "every step (a save waits for the previous one).")
 _spec("float", "replication_timeout_s", 30.0,
                    "A version not confirmed by every replica after this is under-replicated.")
+_spec("float", "persist_timeout_s", 300.0,
+      "The persistent tier's bound: reading a version from host RAM, then writing it, each at "
+      "most twice this; a step some host did not write within it is dropped on every host "
+      "(Orbax's barrier timeout is 4x this).")
 _spec("integer", "persist_every", 0,
       "Steps between the strategy's persistent writes to WORKDIR/checkpoints: the in-memory "
       "strategies' persistent tier (the in-memory version written as a standard Orbax step, in "
@@ -243,19 +250,23 @@ _spec("string", "fault_plan", "",
                     "Fault injection, several faults: a JSON list (or @PATH of one) of "
                     "{\"hosts\": [..], \"step\", \"point\" (as --kill_point), \"mode\" "
                     "(process|host), \"corrupt\", \"wipe_all\" (every RAM store lost)}; "
-                    "each fault ends one attempt, all hosts restart and recover. Not with "
-                    "--kill_host.")
+                    "each fault ends one attempt, all hosts restart and recover. The last "
+                    "fault may instead be \"point\": \"persist_error\" or "
+                    "\"persist_hang\": the hosts' persistent write of the version after "
+                    "\"step\" fails with an I/O error, or hangs, there (no kill; that step "
+                    "is dropped on every host). Not with --kill_host.")
 _spec("integer", "stall_host", -1, "Fault injection: this host's replica writer stalls...")
 _spec("integer", "stall_at_step", -1, "...at this step...")
 _spec("float", "stall_seconds", 0.0, "...for this long (a peer that stops answering).")
 _spec("string", "fault_at", "", "Internal: set by the supervisor (POINT:STEP).")
 
 _in("accelerator")
-_spec("enum", "accelerator", "none", ["none", "emulated"],
-      "none: the devices compute for real; emulated: each layer's compute a wait of the time "
-      "--accelerator_profile gives (not built yet: an error).")
+_spec("enum", "accelerator", "none", list(ACCELERATORS),
+      "none: the model computes on the simulated devices; emulated: each layer's compute is "
+      "a wait of the accelerator profile's duration.")
 _spec("string", "accelerator_profile", "",
-      "--accelerator=emulated: the accelerator profile, a name or a PATH.")
+      f"--accelerator=emulated: a shipped profile ({', '.join(available_profiles())}; "
+      f"default {DEFAULT_PROFILE}) or a profile JSON file.")
 
 GROUPS = tuple(_SPECS)
 

@@ -35,6 +35,7 @@ from absl import flags
 
 from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
+from launch import accelerator as accelerator_lib
 from launch import runtime
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions
@@ -278,6 +279,7 @@ class CheckpointConfig:
     chunk_path: str = "auto"
     job: str
     replication_timeout_s: float
+    persist_timeout_s: float = 300.0
     budget_s: float = -1.0
     persist_every: int
     max_to_keep: int
@@ -381,23 +383,20 @@ class CheckpointConfig:
 class AcceleratorConfig:
     """--accelerator / --accelerator_profile (train, bench, chaos).
 
-    ``none`` (the default) computes on the devices for real. ``emulated`` is
-    reserved for the emulated accelerator and refused until it exists: no
-    stand-in that would report numbers it did not measure.
+    ``none`` (the default) computes on the devices for real. ``emulated`` runs
+    each layer's heavy compute as a wait of the profile's duration
+    (``launch.accelerator``, ``models.emulation``); ``profile`` names a shipped
+    profile or a profile file (checked here, before any process starts).
     """
 
     accelerator: str = "none"
     profile: str = ""
 
     def __post_init__(self) -> None:
-        if self.accelerator not in ("none", "emulated"):
-            raise FlagError(f"--accelerator={self.accelerator!r} is not none or emulated")
-        if self.accelerator == "emulated":
-            raise FlagError("--accelerator=emulated: the emulated accelerator is not built "
-                            "yet; only --accelerator=none runs")
-        if self.profile:
-            raise FlagError(f"--accelerator_profile={self.profile!r} is only used with "
-                            f"--accelerator=emulated")
+        try:
+            accelerator_lib.check(self.accelerator, self.profile)
+        except ValueError as err:
+            raise FlagError(str(err)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,8 +434,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         chunk_cap_bytes=fv.chunk_cap_bytes, store_root=fv.store_root,
         chunk_path=fv.chunk_path,
         job=job_name(train.workdir), replication_timeout_s=fv.replication_timeout_s,
-        budget_s=fv.ckpt_budget, persist_every=fv.persist_every, max_to_keep=fv.max_to_keep,
-        pec_k=fv.pec_k,
+        persist_timeout_s=fv.persist_timeout_s, budget_s=fv.ckpt_budget,
+        persist_every=fv.persist_every, max_to_keep=fv.max_to_keep, pec_k=fv.pec_k,
         pec_policy=fv.pec_policy, pec_plt_threshold=fv.pec_plt_threshold,
         pec_dynamic=fv.pec_dynamic, pec_k_persist=fv.pec_k_persist, given=given,
         hosts=cluster.hosts, model=train.model_config, expert_axis=train.expert_axis(cluster))

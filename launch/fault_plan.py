@@ -23,8 +23,14 @@ from launch.strategies import IN_MEMORY
 # Where a fault strikes. The pausing points are exact (the victim waits there
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
-FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery")
+FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
+                "persist_error", "persist_hang")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
+# Faults that kill no host: the victim's persistent write of version step + 1
+# fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
+# on (that step dropped on every host), so such a fault ends no attempt and
+# must be a plan's last.
+PERSIST_FAULTS = frozenset({"persist_error", "persist_hang"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +40,9 @@ class Fault:
     Attributes:
       hosts: the hosts killed (together).
       step: the training step the point belongs to (after_step, mid_step,
-        mid_replication: that step; mid_persist: the persistent write of the
-        version after it; recovery: ignored, the next recovery).
+        mid_replication: that step; mid_persist, persist_error, persist_hang:
+        the persistent write of the version after it; recovery: ignored, the
+        next recovery).
       point: one of ``FAULT_POINTS``.
       mode: "process" (the RAM store survives) or "host" (the victims' stores
         are wiped: machine loss).
@@ -142,9 +149,12 @@ class FaultConfig:
                             f"replication: it needs --ckpt in {', '.join(IN_MEMORY)}")
         if fault.point == "mid_replication" and replicas < 2:
             raise FlagError(f"{what}: mid_replication needs --replicas >= 2")
-        if fault.point == "mid_persist" and not (
+        if fault.point in PERSIST_FAULTS and i != len(self.plan(steps)) - 1:
+            raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
+                            f"must be the plan's last fault")
+        if fault.point in ("mid_persist", *PERSIST_FAULTS) and not (
                 persist_every and (fault.step + 1) % persist_every == 0):
-            raise FlagError(f"{what}: mid_persist at step {fault.step} needs --persist_every "
+            raise FlagError(f"{what}: {fault.point} at step {fault.step} needs --persist_every "
                             f"to write version {fault.step + 1} (--persist_every="
                             f"{persist_every})")
 

@@ -35,14 +35,21 @@ TIER_ORDER = ("local", "peer", "persistent")
 def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
     """This host's ``capricorn_jax.InMemoryCheckpointer`` for the --ckpt strategy."""
     import capricorn_jax
+    from capricorn_jax.experimental import FaultHooks
 
     ckpt_cfg, faults = config.checkpoint, config.faults
     pause = faults.pause_mid_replication_at if faults.pause_mid_replication_at >= 0 else None
+    workdir = config.train.workdir
+
+    def on_pause(version: int) -> None:  # halfway through the replicas of ``version``
+        faults_lib.reached(faults, workdir, host, "mid_replication", version - 1)
+
+    hooks = FaultHooks(stall_replica_writer_at=faults.stall(host),
+                       pause_mid_replication_at=pause, on_pause=on_pause)
     options = capricorn_jax.InMemoryOptions(
         store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,
         chunk_bytes=ckpt_cfg.chunk_bytes, replication_timeout_s=ckpt_cfg.replication_timeout_s,
         max_wait_s=None if ckpt_cfg.budget_s < 0 else ckpt_cfg.budget_s,
-        stall_replica_writer_at=faults.stall(host), pause_mid_replication_at=pause,
         pec=capricorn_jax.PecOptions(k=ckpt_cfg.pec_k, k_persist=ckpt_cfg.pec_k_persist or None,
                                      policy=ckpt_cfg.pec_policy,
                                      plt_threshold=ckpt_cfg.pec_plt_threshold,
@@ -51,13 +58,7 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
     cfg = trainer.cfg
     ckpt = capricorn_jax.InMemoryCheckpointer(
         options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts,
-        model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
-    workdir = config.train.workdir
-
-    def on_pause(version: int) -> None:  # halfway through the replicas of ``version``
-        faults_lib.reached(faults, workdir, host, "mid_replication", version - 1)
-
-    ckpt.on_pause = on_pause
+        model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len, hooks=hooks)
     return ckpt
 
 
@@ -78,7 +79,8 @@ class PersistentTier:
 
         self.ocp, self.cj, self.trainer, self.metrics = ocp, capricorn_jax, trainer, metrics
         self.pec = bool(checkpoint.pec_k)
-        self.handler = capricorn_jax.CapricornHandler(ckpt)
+        self.handler = capricorn_jax.CapricornHandler(
+            ckpt, read_timeout_s=checkpoint.persist_timeout_s)
         self.manager = capricorn_jax.CheckpointManager(
             Path(workdir).absolute() / "checkpoints",
             options=ocp.CheckpointManagerOptions(save_interval_steps=checkpoint.persist_every,

@@ -19,10 +19,21 @@ def expert_parallel(requested: int, num_experts: int, devices: int) -> int:
     return requested or math.gcd(num_experts, devices)
 
 
-def init_distributed(hosts: int, coordinator: str, process_id: int) -> None:
-    """Joins the jax.distributed job (gloo CPU collectives) when hosts > 1."""
+def init_distributed(hosts: int, coordinator: str, process_id: int,
+                     single_process: bool = False) -> None:
+    """Joins the jax.distributed job (gloo CPU collectives) when hosts > 1;
+    with ``single_process`` a job of one process (Orbax's emergency manager
+    needs a distributed client even on one host), on a free local port."""
     import jax
 
+    if hosts == 1 and single_process:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
+                                   initialization_timeout=120)
     if hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=hosts, process_id=process_id,
@@ -45,8 +56,9 @@ class Job:
 
 def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int,
               learning_rate: float, warmup_steps: int, workload: str, shift_every: int,
-              seed: int) -> Job:
-    """The model, mesh, trainer and this host's data iterator."""
+              seed: int, accelerator: str = "none", accelerator_profile: str = "") -> Job:
+    """The model, mesh, trainer and this host's data iterator (``accelerator``:
+    launch.accelerator's flags)."""
     import jax
 
     from launch.data import Corpus, DataIterator, DataOptions
@@ -56,7 +68,10 @@ def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int
     devices = jax.devices()
     mesh = make_mesh(expert_parallel(expert_parallel_flag, cfg.num_experts, len(devices)),
                      devices)
-    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps))
+    from launch import accelerator as accel
+
+    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps),
+                      accel.emulation(accelerator, accelerator_profile, cfg))
     host, hosts = jax.process_index(), jax.process_count()
     options = DataOptions(seq_len=cfg.seq_len, batch_per_host=cfg.global_batch // hosts,
                           workload=workload, shift_every=shift_every, seed=seed)

@@ -24,6 +24,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 import capricorn_jax
+from capricorn_jax.experimental import xla_flags
 from launch import cli_flags, persistence, runtime
 from launch.cluster import faults
 from launch.cluster.supervisor import prepare_workdir, supervise
@@ -111,7 +112,8 @@ def train_worker(config: Config, process_id: int) -> None:
     persistence.quiet_orbax_info()
     runtime.init_distributed(config.cluster.hosts, config.cluster.coordinator, process_id)
     job = runtime.build_job(t.model, t.overrides, t.expert_parallel, t.steps, t.learning_rate,
-                            t.warmup_steps, t.workload, t.shift_every, t.seed)
+                            t.warmup_steps, t.workload, t.shift_every, t.seed,
+                            config.accelerator.accelerator, config.accelerator.profile)
     cfg, mesh, trainer, data = job.cfg, job.mesh, job.trainer, job.data
     host, num_hosts = job.host, job.hosts
     metrics = MetricsWriter(t.metrics_path, enabled=host == 0)
@@ -125,6 +127,7 @@ def train_worker(config: Config, process_id: int) -> None:
     if persistent is not None:
         persistent.on_write = lambda v: faults.reached(config.faults, t.workdir, host,
                                                        "mid_persist", v - 1)
+        persistent.handler.on_persist = faults.persistent_write_fault(config.faults, host)
     faults.reached(config.faults, t.workdir, host, "recovery")
     state, start, resumed = persistence.resume(strategy, persistent, metrics, host)
     max_routed = None
@@ -274,6 +277,7 @@ def main(argv: list[str]) -> None:
     if config.cluster.process_id >= 0:
         runtime.exit_now_on_failure(train_worker, config, config.cluster.process_id)
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
+        xla_flags.set_overlap_flags()  # before the GPU backend starts
         prepare_workdir(config)
         train_worker(config, 0)
     else:

@@ -70,7 +70,7 @@ class Trainer:
     ``step_with_sender``.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions, emulation=None):
         if cfg.num_experts % mesh.shape[EXPERT]:
             raise ValueError(
                 f"num_experts={cfg.num_experts} not divisible by the expert axis "
@@ -79,7 +79,8 @@ class Trainer:
         if cfg.global_batch % mesh.size:
             raise ValueError(f"global_batch={cfg.global_batch} not divisible by {mesh.size} devices")
         self.cfg, self.mesh = cfg, mesh
-        self.model = GPTMoE(cfg, mesh)
+        self.emulation = emulation  # models.emulation.layers.Emulation, or None
+        self.model = GPTMoE(cfg, mesh, emulation=emulation)
         self.optimizer = make_optimizer(opt)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
         self.replicated = NamedSharding(mesh, P())

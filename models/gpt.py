@@ -37,6 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax import collective_boundary, layer_boundary
 from models.config import ModelConfig, capacity
+from models.emulation import layers as emulated
+from models.emulation.profile import LayerTimes
 from models.routing import combine, dispatch, route
 
 DATA = "data"
@@ -70,14 +72,25 @@ def _experts(buf: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
     return jnp.einsum("gecf,efd->gecd", h, w_out)
 
 
-def _moe_local(x, router, w_in, w_out, *, top_k, cap, num_groups):
+def _emulated_experts(buf, w_in, w_out, times: LayerTimes, balanced: float):
+    """The emulated experts (models.emulation.layers): the wait at this step's
+    load, and the weights applied to one slot per expert so they get gradients."""
+    buf = emulated.experts(buf, times, balanced)
+    return buf + emulated.TOUCH * _experts(buf[..., :1, :], w_in, w_out)
+
+
+def _moe_local(x, router, w_in, w_out, *, top_k, cap, num_groups, times=None):
     """The MoE layer on one device with ``num_groups`` capacity groups."""
     b, s, d = x.shape
     num_experts = w_in.shape[0]
     xg = x.reshape(num_groups, b * s // num_groups, d)
     r = jax.vmap(functools.partial(route, top_k=top_k, capacity=cap))(xg @ router)
     buf = jax.vmap(functools.partial(dispatch, num_experts=num_experts, capacity=cap))(xg, r)
-    y = jax.vmap(combine)(_experts(buf, w_in, w_out), r).reshape(b, s, d)
+    if times is None:
+        y = _experts(buf, w_in, w_out)
+    else:  # [G, E, C, d]: the groups are the sources of one device's experts
+        y = _emulated_experts(buf, w_in, w_out, times, b * s * top_k / num_experts)
+    y = jax.vmap(combine)(y, r).reshape(b, s, d)
     stats = (
         jnp.sum(r.tokens_per_expert, axis=0),
         jnp.sum(r.dropped),
@@ -95,7 +108,8 @@ def _all_to_all(x, name: str, phase: str, axes: tuple[str, ...]):
     return collective_boundary(x, name, f"{phase}.end", axes)
 
 
-def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards, name, axes):
+def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards, name, axes,
+               times=None):
     """shard_map body: one device's tokens, its E/expert_shards experts."""
     b, s, d = x.shape
     xt = x.reshape(b * s, d)
@@ -104,7 +118,10 @@ def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards
         expert_shards, num_experts // expert_shards, cap, d
     )
     buf = _all_to_all(buf, name, "dispatch", axes)  # [source, E_local, C, d]
-    y = _experts(buf, w_in, w_out)
+    if times is None:
+        y = _experts(buf, w_in, w_out)
+    else:  # each local expert's balanced share: top_k/E of every source's tokens
+        y = _emulated_experts(buf, w_in, w_out, times, expert_shards * b * s * top_k / num_experts)
     y = _all_to_all(y, name, "combine", axes)  # [expert shard, E_local, C, d]
     out = combine(y.reshape(num_experts, cap, d), r).reshape(b, s, d)
     stats = (
@@ -123,6 +140,7 @@ class MoEFeedForward(nn.Module):
     cfg: ModelConfig
     mesh: Mesh | None = None
     num_groups: int = 1
+    times: LayerTimes | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, capacity_factor: float) -> tuple[jax.Array, tuple]:
@@ -136,7 +154,7 @@ class MoEFeedForward(nn.Module):
         if self.mesh is None:
             cap = capacity(cfg, b * s // self.num_groups, capacity_factor)
             return _moe_local(x, router, w_in, w_out, top_k=cfg.top_k, cap=cap,
-                              num_groups=self.num_groups)
+                              num_groups=self.num_groups, times=self.times)
         devices = self.mesh.size
         cap = capacity(cfg, b * s // devices, capacity_factor)
         body = functools.partial(
@@ -145,6 +163,7 @@ class MoEFeedForward(nn.Module):
             # The enclosing block's name (the profiler's boundary name), e.g. "block1".
             name=self.scope.path[-2] if len(self.scope.path) > 1 else self.name,
             axes=tuple(self.mesh.axis_names),
+            times=self.times,
         )
         tokens = P(BATCH_AXES)
         experts = P(EXPERT)
@@ -157,12 +176,17 @@ class MoEFeedForward(nn.Module):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    emulated: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         b, s, d = x.shape
         h = self.cfg.n_heads
         init = nn.initializers.normal(0.02)
+        if self.emulated:  # the weights on one position per sequence (models.emulation.layers)
+            qkv = nn.Dense(3 * d, use_bias=False, kernel_init=init, name="qkv")(x[:, :1])
+            out = nn.Dense(d, use_bias=False, kernel_init=init, name="out")(qkv[..., :d])
+            return emulated.TOUCH * jnp.broadcast_to(out, x.shape)
         qkv = nn.Dense(3 * d, use_bias=False, kernel_init=init, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, s, 3 * h, d // h), 3, axis=2)
         mask = nn.make_causal_mask(jnp.ones((b, s), jnp.int32))
@@ -175,22 +199,28 @@ class Block(nn.Module):
     moe: bool
     mesh: Mesh | None = None
     num_groups: int = 1
+    times: LayerTimes | None = None  # emulated accelerator: this layer's profile
 
     @nn.compact
     def __call__(self, x, capacity_factor, deterministic):
         cfg = self.cfg
+        emulate = self.times is not None
         drop = nn.Dropout(cfg.dropout, deterministic=deterministic)
-        x = x + drop(Attention(cfg, name="attn")(nn.LayerNorm(name="ln1")(x)))
+        x = x + drop(Attention(cfg, emulate, name="attn")(nn.LayerNorm(name="ln1")(x)))
+        if emulate:  # the dense part's time: attention (+ the dense FFN below)
+            x = emulated.dense(x, self.times)
         h = nn.LayerNorm(name="ln2")(x)
         stats = None
         if self.moe:
-            h, stats = MoEFeedForward(cfg, self.mesh, self.num_groups, name="moe")(
+            h, stats = MoEFeedForward(cfg, self.mesh, self.num_groups, self.times, name="moe")(
                 h, capacity_factor
             )
         else:
             init = nn.initializers.normal(0.02)
-            h = nn.gelu(nn.Dense(cfg.d_ff, use_bias=False, kernel_init=init, name="fc_in")(h))
-            h = nn.Dense(cfg.d_model, use_bias=False, kernel_init=init, name="fc_out")(h)
+            rows = h[:, :1] if emulate else h
+            f = nn.gelu(nn.Dense(cfg.d_ff, use_bias=False, kernel_init=init, name="fc_in")(rows))
+            f = nn.Dense(cfg.d_model, use_bias=False, kernel_init=init, name="fc_out")(f)
+            h = emulated.TOUCH * jnp.broadcast_to(f, h.shape) if emulate else f
         return x + drop(h), stats
 
 
@@ -202,11 +232,14 @@ class GPTMoE(nn.Module):
       mesh: a (data, expert) mesh for expert parallelism, or None for one device.
       num_groups: capacity groups when ``mesh`` is None (set it to the device
         count to reproduce the expert-parallel layer exactly).
+      emulation: an emulated accelerator (``models.emulation``): every layer's
+        heavy compute becomes a wait of its profile's duration; None computes.
     """
 
     cfg: ModelConfig
     mesh: Mesh | None = None
     num_groups: int = 1
+    emulation: emulated.Emulation | None = None
 
     @nn.compact
     def __call__(
@@ -238,9 +271,9 @@ class GPTMoE(nn.Module):
         collected: list[Any] = []
         for i in range(cfg.n_layers):
             factor = capacity_factors[len(collected)] if cfg.is_moe(i) else 0.0
-            x, stats = Block(cfg, cfg.is_moe(i), self.mesh, self.num_groups, name=f"block{i}")(
-                x, factor, deterministic
-            )
+            times = None if self.emulation is None else self.emulation.layers[i]
+            x, stats = Block(cfg, cfg.is_moe(i), self.mesh, self.num_groups, times,
+                             name=f"block{i}")(x, factor, deterministic)
             if stats is not None:
                 collected.append(stats)
             x = layer_boundary(x, f"block{i}")

@@ -1,6 +1,8 @@
 """Cross-host agreement on one process (the multi-process paths run in the
 recovery, Orbax and training tests, whose hosts agree through them)."""
 
+import contextlib
+
 import numpy as np
 
 from capricorn_jax._src.multihost import agree
@@ -18,3 +20,79 @@ def test_agreed_floats_are_float32_everywhere_and_none_travels():
     got = agree.agree_floats([0.1, None, 3.0])
     assert got == [float(np.float32(0.1)), None, 3.0]
     assert got[0] != 0.1  # host 0 rounds too, so one process decides like many
+
+
+@contextlib.contextmanager
+def _store(hosts: int):
+    """A real jax.distributed key-value service and one connected client per host."""
+    import socket
+    import threading
+
+    from jax._src.lib import _jax
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = _jax.get_distributed_runtime_service(f"127.0.0.1:{port}", hosts)
+    clients = [_jax.get_distributed_runtime_client(f"127.0.0.1:{port}", h, init_timeout=60)
+               for h in range(hosts)]
+    threads = [threading.Thread(target=c.connect) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        yield clients
+    finally:  # every client leaves together (a shutdown barrier), then the service
+        stops = [threading.Thread(target=c.shutdown) for c in clients]
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
+        service.shutdown()
+
+
+def _on_hosts(clients, calls):
+    """Runs calls[h](client h) on a thread per host; host -> result or exception."""
+    import threading
+
+    out = {}
+
+    def run(h):
+        try:
+            out[h] = calls[h](clients[h], h)
+        except BaseException as e:  # noqa: BLE001
+            out[h] = e
+
+    threads = [threading.Thread(target=run, args=(h,)) for h in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_every_host_gets_every_document_in_host_order_agreement_after_agreement():
+    docs = {h: f"doc of {h}" for h in range(3)}
+    with _store(3) as clients:
+        for round_ in range(3):  # numbered agreements: round 2 does not read round 1's keys
+            got = _on_hosts(clients, {h: (lambda c, h, r=round_: agree.exchange(
+                f"{docs[h]} #{r}", 3, "a test", 30, c, h)) for h in range(3)})
+            assert got == {h: [f"doc of {x} #{round_}" for x in range(3)] for h in range(3)}
+
+
+def test_a_host_that_never_answers_is_named_in_a_timeout_and_nobody_hangs():
+    with _store(2) as clients:
+        got = _on_hosts(clients, {0: lambda c, h: agree.exchange("x", 2, "persistent step 7",
+                                                                 0.5, c, h)})
+    error = got[0]
+    assert isinstance(error, agree.AgreementTimeout)
+    assert str(error).startswith("host 0: agreement #1 (persistent step 7): host 1 did not "
+                                 "answer within 0.5s")
+
+
+def test_timeout_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="must be positive, got 0"):
+        agree.set_timeout(0)

@@ -3,7 +3,7 @@
 import pytest
 
 from launch.chaos import Trial, check_trial, draw_trial, parse_topology
-from launch.fault_plan import Fault
+from launch.fault_plan import PERSIST_FAULTS, Fault
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
 STRATEGIES = ["inmem", "gemini", "capricorn", "pec"]
@@ -30,8 +30,14 @@ def test_draws_are_replayable_and_valid():
         topo = trial.topology
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 2
-        kills = [f for f in trial.faults if f.point != "recovery"]
-        assert kills and trial.faults[:len(kills)] == tuple(kills)
+        kills = [f for f in trial.faults if f.point not in ("recovery", *PERSIST_FAULTS)]
+        assert trial.faults[:len(kills)] == tuple(kills)
+        rest = trial.faults[len(kills):]  # one kill during recovery, or one persist fault
+        assert len(rest) <= 1 and (kills or rest[0].point in PERSIST_FAULTS)
+        if rest and rest[0].point in PERSIST_FAULTS:
+            assert len(rest[0].hosts) == 1 and trial.persist_every
+            assert (rest[0].step + 1) % trial.persist_every == 0
+            assert rest[0].step + 1 + trial.persist_every < 12  # a later write follows
         assert [f.step for f in kills] == sorted({f.step for f in kills})
         for f in trial.faults:
             assert len(f.hosts) <= 2 and not (f.corrupt and f.mode == "host")
@@ -44,7 +50,8 @@ def test_draws_are_replayable_and_valid():
                     replicas=topo.replicas, persist_every=trial.persist_every)
     seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
                                                             12).faults}
-    assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery"}
+    assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
+                    "persist_error", "persist_hang"}
 
 
 def _plan_flag(trial):
@@ -144,3 +151,18 @@ def test_a_mid_replication_fault_behind_a_stalled_writer_may_strike_late():
     assert check_trial(stalled, records, REF, 8, strikes=1)[0] == []
     assert check_trial(_trial(fault), records, REF, 8, strikes=1)[0] == [
         "recovery to 8, after the fault at step 4 (mid_replication)"]
+
+
+def test_a_persist_fault_strikes_no_host_and_needs_its_step_dropped_and_a_later_write():
+    trial = _trial(Fault((1,), 3, "persist_error"), persist=4)
+    good = [*_steps(range(8)), {"event": "persist", "step": 4},
+            {"event": "persist_error", "step": 4, "error": "RuntimeError: ..."},
+            {"event": "persist", "step": 8}]
+    assert check_trial(trial, good, REF, 8, strikes=0)[0] == []
+    assert check_trial(trial, good, REF, 8, strikes=1)[0] == ["1 of 0 faults struck"]
+    not_dropped = [r for r in good if r.get("event") != "persist_error"]
+    assert check_trial(trial, not_dropped, REF, 8, strikes=0)[0] == [
+        "persist_error: no persist_error for version 4"]
+    stopped = good[:-1]
+    assert check_trial(trial, stopped, REF, 8, strikes=0)[0] == [
+        "persist_error: no persistent step started after version 4"]

@@ -49,6 +49,11 @@ def test_a_plan_reads_json_and_at_file(tmp_path):
     ('[{"hosts": [1], "step": 2, "mode": "rack"}]', r"^--fault_plan fault 0: mode 'rack'"),
     ('[{"hosts": [1], "step": 1}, {"hosts": [1], "step": 2, "point": "mid_persist"}]',
      r"^--fault_plan fault 1: mid_persist at step 2 needs --persist_every to write version 3"),
+    ('[{"hosts": [1], "step": 3, "point": "persist_error"}, {"hosts": [1], "step": 5}]',
+     r"^--fault_plan fault 0: persist_error kills no host and ends no attempt: it must be the "
+     r"plan's last fault"),
+    ('[{"hosts": [1], "step": 2, "point": "persist_hang"}]',
+     r"^--fault_plan fault 0: persist_hang at step 2 needs --persist_every to write version 3"),
 ])
 def test_a_bad_plan_names_the_fault_and_the_field(plan, message):
     with pytest.raises(FlagError, match=message):
@@ -93,3 +98,19 @@ def test_hosts_lost_together_die_when_the_first_reaches_its_point(tmp_path):
     assert cluster.killed == [2, 3] and injector.fired
     injector.tick()  # once
     assert cluster.killed == [2, 3]
+
+
+def test_a_persist_fault_is_the_plans_last_and_only_its_victim_gets_the_hook():
+    from launch.cluster.faults import persistent_write_fault
+
+    plan = '[{"hosts": [0], "step": 1}, {"hosts": [1], "step": 3, "point": "persist_error"}]'
+    assert FaultConfig(**{**BASE, "fault_plan": plan}).plan(12)[1].point == "persist_error"
+    armed = FaultConfig(**{**BASE, "fault_plan": plan, "fault_at": "persist_error:3"})
+    assert persistent_write_fault(FaultConfig(**{**BASE, "fault_plan": plan}), 1) is None
+    hook = persistent_write_fault(armed, 1)
+    hook(4, "written")  # only once the version is read
+    hook(8, "read")     # only version step + 1
+    with pytest.raises(OSError, match=r"injected I/O error in host 1's persistent write of "
+                                      r"version 4") as error:
+        hook(4, "read")
+    assert error.value.errno == 5

@@ -316,3 +316,62 @@ def test_the_status_note_of_host_0_is_agreed_one_save_later(trainer, tmp_path):
     ckpt.save(3, state, {"data": {"step": 3}})
     assert ckpt.agreed_note == 2004
     ckpt.close()
+
+
+def test_fault_hooks_pause_the_replica_writer_halfway_and_stall_it(trainer, tmp_path, caplog):
+    """The test-only hooks reach the writers: at the pause version the replica
+    writer stops halfway and calls on_pause (here it blocks there, so the
+    next version queues and the one after is dropped, the writer being
+    busy); the stall sleeps before its version's replicas. The options hold
+    no fault field."""
+    import logging
+    import threading
+    import time
+
+    import capricorn_jax
+    from capricorn_jax.experimental import FaultHooks
+
+    assert not {"stall_replica_writer_at", "pause_mid_replication_at"} & {
+        f.name for f in __import__("dataclasses").fields(capricorn_jax.InMemoryOptions)}
+    release, paused = threading.Event(), []
+
+    def on_pause(version):
+        paused.append((version, threading.current_thread().name))
+        release.wait(60)
+
+    hooks = FaultHooks(stall_replica_writer_at=(2, 0.01), pause_mid_replication_at=1,
+                       on_pause=on_pause)
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=2,
+                                         chunk_bytes=4096)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 2,
+        device_host=[0, 0, 1, 1], hooks=hooks)
+    assert ckpt.plan.num_chunks > 1  # so halfway is a point between chunks
+
+    def rows():
+        return np.zeros((2, ckpt.plan.payload_bytes), np.uint8)
+
+    caplog.set_level(logging.WARNING)
+    assert ckpt.save_transferred(1, rows(), [rows()]).dropped_replicas == 0
+    deadline = time.monotonic() + 60
+    while not paused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert paused == [(1, "ckpt-replica-writer")]
+    assert ckpt.save_transferred(2, rows(), [rows()]).dropped_replicas == 0  # queued
+    assert ckpt.save_transferred(3, rows(), [rows()]).dropped_replicas == 1  # writer busy
+    release.set()
+    ckpt.wait_until_finished(60)
+    assert paused == [(1, "ckpt-replica-writer")]
+    assert ckpt.store.versions(1) == [1, 2]
+    assert "replica writer stalls 0.0s at step 2" in caplog.text
+    ckpt.close()
+
+
+def test_fault_hooks_name_a_bad_value():
+    from capricorn_jax.experimental import FaultHooks
+
+    with pytest.raises(ValueError, match="pause_mid_replication_at=3 needs on_pause"):
+        FaultHooks(pause_mid_replication_at=3)
+    with pytest.raises(ValueError, match=r"stall_replica_writer_at must be \(step, seconds >= 0\)"):
+        FaultHooks(stall_replica_writer_at=(1, -1.0))
+    assert not FaultHooks(on_pause=print).pauses_at(3)

@@ -39,12 +39,18 @@ def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
     want = config.AcceleratorConfig(accelerator="none", profile="")
     assert config.from_flags(fv).accelerator == want
     fv = train.define_flags(flags.FlagValues())
-    fv(["train", f"--workdir={tmp_path}", "--accelerator=emulated"])
-    with pytest.raises(config.FlagError, match="--accelerator=emulated: the emulated"):
+    fv(["train", f"--workdir={tmp_path}", "--accelerator=emulated",
+        "--accelerator_profile=h200_gpt_moe_125m_8e"])
+    want = config.AcceleratorConfig(accelerator="emulated", profile="h200_gpt_moe_125m_8e")
+    assert config.from_flags(fv).accelerator == want
+    fv = train.define_flags(flags.FlagValues())
+    fv(["train", f"--workdir={tmp_path}", "--accelerator=emulated", "--accelerator_profile=h100"])
+    with pytest.raises(config.FlagError, match="accelerator profile 'h100' is neither a file"):
         config.from_flags(fv)
     fv = train.define_flags(flags.FlagValues())
     fv(["train", f"--workdir={tmp_path}", "--accelerator_profile=h100"])
-    with pytest.raises(config.FlagError, match="--accelerator_profile='h100' is only used"):
+    with pytest.raises(config.FlagError,
+                       match="--accelerator_profile='h100' needs --accelerator=emulated"):
         config.from_flags(fv)
 
 

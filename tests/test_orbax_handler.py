@@ -573,3 +573,27 @@ def test_restart_takes_the_newest_tier(killed_job, tmp_path):
         assert r["all_steps"] == [4, KILL_STEP + 2]
     # cleanup_tmp_directories removed the killed write's directory.
     assert not any(e.startswith(f"{KILL_STEP}.") for e in os.listdir(tmp_path / "job" / "ckpt"))
+
+
+def test_orbax_barrier_timeout_is_the_handlers_write_bound_unless_the_caller_set_it(tmp_path):
+    """Orbax's barrier timeout is the handler's commit bound (its write, then
+    the wait for the other hosts' outcomes), not Orbax's own 1200 s."""
+    mesh, shardings, abstract = _mesh_state()
+    inmem = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1),
+        mesh, abstract, shardings, 0, 1)
+    handler = capricorn_jax.CapricornHandler(inmem, read_timeout_s=45.5)
+    assert handler.write_timeout_s == 91.0 and handler.commit_timeout_s == 182.0
+    manager = capricorn_jax.CheckpointManager(
+        tmp_path / "a", options=ocp.CheckpointManagerOptions(save_interval_steps=3),
+        handler_registry=handler.registry("state"))
+    assert manager._options.async_options.timeout_secs == 182
+    assert manager._options.save_interval_steps == 3
+    manager.close()
+    handler = capricorn_jax.CapricornHandler(inmem, read_timeout_s=45.5)
+    mine = ocp.AsyncOptions(timeout_secs=7)
+    manager = capricorn_jax.CheckpointManager(
+        tmp_path / "b", options=ocp.CheckpointManagerOptions(async_options=mine),
+        handler_registry=handler.registry("state"))
+    assert manager._options.async_options.timeout_secs == 7
+    manager.close()

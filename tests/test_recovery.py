@@ -203,7 +203,6 @@ def test_pec_repeated_host_loss_assembles_experts_from_several_versions(tmp_path
     assert [r["step"] for r in records if "event" not in r][-1] == 15
 
 
-@pytest.mark.soak  # CI time; the chaos soak draws this fault too (BUILD_NOTES)
 def test_persistent_tier_takes_over_when_every_ram_store_is_lost(tmp_path, reference):
     """Two levels: the memory tier every step, Orbax steps every 4 from host RAM;
     with every host's RAM store gone, --resume restores the newest Orbax step."""
@@ -374,7 +373,6 @@ def test_pec_persistent_tier_assembles_experts_from_several_steps(tmp_path, refe
     assert _disk_steps(tmp_path / "w") == [6, 8]
 
 
-@pytest.mark.soak  # CI time; the chaos soak draws this fault too (BUILD_NOTES)
 def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=1", "--kill_at_step=6",
                            "--kill_mode=process", "--corrupt_store", audit=True)
@@ -385,7 +383,6 @@ def test_corrupted_chunk_is_fetched_from_a_peer(tmp_path, reference):
     assert _losses(records) == reference
 
 
-@pytest.mark.soak  # CI time; the chaos soak draws mid-replication kills (BUILD_NOTES)
 def test_kill_mid_replication(tmp_path, reference):
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=0", "--kill_at_step=5",
                            "--kill_point=mid_replication", "--kill_mode=process")
@@ -395,7 +392,6 @@ def test_kill_mid_replication(tmp_path, reference):
     assert "paused halfway through writing replicas" in proc.stdout
 
 
-@pytest.mark.soak
 def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     # Host 1 holds host 0's replicas; its replica writer stalls for 4 s at step 3.
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--stall_host=1",
@@ -411,7 +407,7 @@ def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     assert HostStore(host1).versions(0)[-1] == 60
 
 
-@pytest.mark.soak  # CI time; the chaos soak draws host losses on 4x1 (BUILD_NOTES "More seeds")
+@pytest.mark.soak  # a long variant of the machine loss CI runs on 2 hosts (test_kill_resumes_...)
 def test_four_hosts_host_loss(tmp_path):
     _, records = _train(tmp_path / "w", tmp_path / "s", "--kill_host=2", "--kill_at_step=4",
                         "--kill_mode=host", hosts=4, devices=1, steps=8, audit=True)

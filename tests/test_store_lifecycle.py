@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.memory import store as store_lib
-from capricorn_jax._src.memory.store import (
-    HostStore,
+from capricorn_jax._src.memory import store_lifecycle as store_lib
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store_lifecycle import (
     StoreFullError,
     StoreLimit,
     committed_steps,
@@ -31,7 +31,7 @@ from capricorn_jax._src.memory.store import (
 )
 from launch import store_admin, stores
 
-# store.py alone (numpy and crc32c; not the package, which imports JAX) in a
+# store_lifecycle.py alone (the standard library; not the package, which imports JAX) in a
 # second process: prints whether it sees the store at argv[2] in use.
 _PROBE = ("import importlib.util, sys; "
           "spec = importlib.util.spec_from_file_location('s', sys.argv[1]); "

@@ -76,11 +76,22 @@ def reference(tmp_path_factory, cache):
     return losses
 
 
-# CI runs capricorn and pec through a kill (the in-memory tier's own kill and
-# recovery run in test_recovery.py, orbax_async's restore in the bench test,
-# pec's kill and restore in test_pec_after_a_machine_loss_persists_the_next_steps);
-# the others run with the soak marker (pytest -m soak).
-SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "blocking", "inmem", "orbax_async", "pec",
+# What CI runs, by strategy family and fault class (the soak marker holds
+# repeats and long variants only: pytest -m soak):
+#   baseline  blocking: a process kill (here)
+#   inmem     inmem: a process kill (here); a machine loss (test_recovery.py
+#             test_kill_resumes_from_memory_bitwise[host-peer])
+#   scheduled capricorn: a machine loss, the replica moved in the step
+#             (test_capricorn_machine_loss_...[threaded]); gemini: two hosts
+#             killed at once (test_two_hosts_killed_at_once_...)
+#   pec       a machine loss mid-step, then persistent steps
+#             (test_pec_after_a_machine_loss_persists_the_next_steps)
+#   faults    kill during recovery (test_a_host_lost_while_the_job_recovers_...),
+#             mid-step (the pec test above), mid-persist (tests/test_chaos.py's
+#             trial), mid-replication, every RAM store lost, corrupted chunk,
+#             stalled writer (tests/test_recovery.py), machine loss (above)
+# The other strategies' kill runs are soak variants of these.
+SOAK_STRATEGIES = ("gemini", "capricorn_pec", "none", "orbax_async", "pec",
                    "capricorn")  # capricorn: its machine-loss test below reads the replica
 
 
@@ -149,8 +160,6 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
-@pytest.mark.soak  # CI time (a fresh-clone CI run took 1016 s of 1200 under steal, 2026-12-02);
-# the chaos soak draws failures during recovery too (launch.chaos, BUILD_NOTES "The soak")
 def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
                                                                         reference):
     """Failure during recovery (--fault_plan): host 1 is killed after step 4;
@@ -175,6 +184,21 @@ def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path,
         range(recovery["step"], STEPS))
 
 
+def test_two_hosts_killed_at_once_recover_from_their_own_stores(tmp_path, cache, reference):
+    """Two hosts at once (--fault_plan): both processes of a gemini job are
+    SIGKILLed after step 4; the restarted job restores every host from the RAM
+    stores (its own, or a peer's replica where the kill caught its own copy
+    of the agreed version unwritten), and every loss is the uninterrupted run's."""
+    plan = '[{"hosts": [0, 1], "step": 4}]'
+    records = _train(tmp_path, cache, "--ckpt=gemini", *EXTRA["gemini"], f"--fault_plan={plan}")
+    (recovery,) = _events(records, "recovery")
+    assert set(recovery["tiers"]) <= {"local", "peer"}
+    assert KILL_AT <= recovery["step"] <= KILL_AT + 1
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)] == list(range(KILL_AT + 1)) + list(
+        range(recovery["step"], STEPS))
+
+
 def test_pec_after_a_machine_loss_persists_the_next_steps(tmp_path, cache, reference):
     """PEC with a persistent tier (found by the soak, seed 1 trial 16): host 1
     is lost as a machine (killed mid-step, its RAM store wiped) in step 2 and
@@ -182,7 +206,7 @@ def test_pec_after_a_machine_loss_persists_the_next_steps(tmp_path, cache, refer
     holding its experts' older copies, which the next persistent write (step
     4) reads: the first version after such a recovery carries every expert,
     and steps 4 and 8 commit on both hosts (before the fix the job hung at
-    Orbax's barrier for its 600 s timeout)."""
+    Orbax's barrier for its timeout, then 1200 s)."""
     plan = '[{"hosts": [1], "step": 2, "point": "mid_step", "mode": "host"}]'
     records = _train(tmp_path, cache, "--ckpt=pec", "--pec_k=2", "--nopec_dynamic",
                      "--persist_every=4", f"--fault_plan={plan}")
@@ -226,3 +250,38 @@ def test_orbax_emergency_restores_its_local_tier_on_a_mesh_with_replicas(tmp_pat
     assert _losses(records) == ref
     assert sorted(int(p.name) for p in (tmp_path / "run" / "w" / "checkpoints").iterdir()
                   if p.name.isdigit())[-1] % 3 == 0  # its persistent tier, every 3 steps
+
+
+@pytest.mark.parametrize("point", ["persist_error", "persist_hang"])
+def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_path, cache,
+                                                                         point):
+    """Host 1's persistent write of version 4 fails with an I/O error (or
+    hangs) after the hosts' pre-check: every host drops step 4 (host 0 names
+    host 1), the job goes on, step 8 is written, and the memory tier commits
+    every version (nothing lost from it)."""
+    plan = json.dumps([{"hosts": [1], "step": 3, "point": point}])
+    root = tmp_path
+    proc = run_train("--hosts=2", "--devices_per_host=1", "--model=tiny", "--steps=12",
+                     "--eval_sequences=0", "--log_every=4", "--ckpt=inmem",
+                     "--persist_every=4", "--persist_timeout_s=5", f"--fault_plan={plan}",
+                     f"--workdir={root / 'w'}", f"--store_root={root / 's'}",
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_no_orphans(str(root / "w"))
+    records = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
+    (error,) = _events(records, "persist_error")
+    assert error["step"] == 4
+    assert "persistent step 4 dropped on every host: host 1: " in error["error"]
+    if point == "persist_error":
+        assert "injected I/O error in host 1's persistent write of version 4" in error["error"]
+    else:
+        assert "host 1: no outcome within 10s" in error["error"]
+    assert {p["step"] for p in _events(records, "persist")} >= {4, 8}
+    committed = sorted(int(p.name) for p in (root / "w" / "checkpoints").iterdir()
+                       if p.name.isdigit())
+    assert 4 not in committed and 8 in committed
+    checkpoints = _events(records, "checkpoint")
+    versions = {v for c in checkpoints for v in c["newly_committed"]}
+    assert set(range(2, 11)) <= versions  # the memory tier went on through step 4
+    assert not [u for c in checkpoints for u in c["under_replicated"]]
+    assert not _events(records, "recovery")

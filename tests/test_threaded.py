@@ -8,6 +8,7 @@ path runs in the kill tests (tests/test_strategies.py, --ckpt=capricorn on
 CPU takes it) and in tests/test_strategies.py's path comparison.
 """
 
+import socket
 import threading
 import time
 
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.profiling.boundary import boundary_hooks, layer_boundary
+from capricorn_jax._src.scheduling import threaded
 from capricorn_jax._src.scheduling.executor import START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.threaded import (
@@ -97,10 +99,71 @@ def test_channel_moves_frames_both_ways_and_refuses_one_that_does_not_fit():
 
 
 def test_channel_to_a_host_that_never_connects_times_out_naming_it():
+    """Host 1 listens (so host 0's connection succeeds) but never connects
+    back: host 0's wait for its source ends at the bound, naming host 1."""
     store = _DictStore()
-    store.key_value_set("capricorn/chunk_channel/t/1", "127.0.0.1:9")  # nothing listens
-    with pytest.raises(OSError):
-        ChunkChannel(0, 1, 1, "t", store, timeout_s=1.0)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        store.key_value_set("capricorn/chunk_channel/t/1",
+                            f"127.0.0.1:{silent.getsockname()[1]}")
+        with pytest.raises(TimeoutError, match=r"^host 0: host 1 did not connect its chunk "
+                                               r"channel within 0.5s"):
+            ChunkChannel(0, 1, 1, "t", store, timeout_s=0.5, address="127.0.0.1")
+
+
+def test_channel_to_a_host_that_does_not_listen_raises():
+    store = _DictStore()
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed now: nothing listens there
+    store.key_value_set("capricorn/chunk_channel/t/1", f"127.0.0.1:{port}")
+    with pytest.raises(ConnectionRefusedError):
+        ChunkChannel(0, 1, 1, "t", store, timeout_s=1.0, address="127.0.0.1")
+
+
+def test_channel_accepts_only_its_jobs_source_host_and_logs_why(caplog):
+    """Two strangers connect to host 0's listener first: one without a hello,
+    one of this job but claiming host 5; both are refused with a logged
+    reason, and host 1 (the source) then gets through."""
+    store = _DictStore()
+    out = {}
+    zero = threading.Thread(target=lambda: out.setdefault(
+        0, ChunkChannel(0, 1, 1, "job-a", store, 10.0, address="127.0.0.1")))
+    zero.start()
+    host, port = store.blocking_key_value_get("capricorn/chunk_channel/job-a/0", 10_000
+                                              ).rsplit(":", 1)
+    strangers = [socket.create_connection((host, int(port))) for _ in range(3)]
+    strangers[0].sendall(b"GET / HTTP/1.0\r\n\r\n")
+    strangers[1].sendall(threaded._HELLO.pack(threaded._MAGIC, 1, 5) + b"job-b")
+    strangers[2].sendall(threaded._HELLO.pack(threaded._MAGIC, 5, 5) + b"job-a")
+    with caplog.at_level("WARNING", logger=threaded.log.name):
+        one = ChunkChannel(1, 0, 0, "job-a", store, 10.0, address="127.0.0.1")
+        zero.join(20)
+    try:
+        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(refusals) == 3
+        assert "not a chunk channel hello (b'GET ')" in refusals[0]
+        assert "another job's token (b'job-b')" in refusals[1]
+        assert "host 5, not this host's source host 1" in refusals[2]
+        one.send(1, 0, np.full((1, 8), 7, np.uint8))
+        got = np.zeros((1, 8), np.uint8)
+        assert out[0].receive_into(lambda v: got) == (1, 0, 8) and (got == 7).all()
+    finally:
+        for s in strangers:
+            s.close()
+        one.close()
+        out[0].close()
+
+
+def test_the_advertised_address_is_the_one_the_coordinator_is_reached_from():
+    assert threaded.job_address("127.0.0.1:1234") == "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # any routed address: this machine's own
+            own = probe.getsockname()[0]
+        except OSError:
+            own = "127.0.0.1"
+    if own.startswith("127."):
+        pytest.skip("no non-loopback address on this machine")
+    assert threaded.job_address(f"{own}:1234") == own  # not a loopback alias
 
 
 def _model(x):
@@ -184,3 +247,129 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     assert START not in site_of_offset.values()
 
 
+
+
+# ------------------------------------------------------------------ failures
+# Two ThreadedSenders (hosts 0 and 1, one device each) over real sockets; no
+# step runs, so the test fires (or withholds) the boundary marks itself.
+
+PAYLOAD = 20_000
+
+
+def _senders(timeout_s):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    a, b = _pair(20.0)
+    return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, timeout_s) for c in (a, b)]
+
+
+def _own(mesh, version, host):
+    data = np.random.default_rng(version * 2 + host).integers(0, 256, (1, PAYLOAD), np.uint8)
+    return data, jax.device_put(data, NamedSharding(mesh, P("x")))
+
+
+def _schedule(split: bool):
+    """Everything in the step's first window (no mark), or half of it in the
+    window the (b0, fwd) mark opens."""
+    if not split:
+        return partition(PAYLOAD, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e9), 4096)
+    windows = [Window("b0", "fwd", 1e-5), Window("b1", "fwd", 1.0)]
+    schedule = partition(PAYLOAD, windows, LinkModel(0.0, 1e9), 4096)
+    assert all(schedule.chunks) and not schedule.tail
+    return schedule
+
+
+def _round(mesh, senders, version, schedule, wait_s=20.0):
+    """Both hosts move ``version``; each gets exactly the other's payload."""
+    data = {}
+    for h, sender in enumerate(senders):
+        data[h], own = _own(mesh, version, h)
+        sender.start(version, own, schedule)
+    for h, sender in enumerate(senders):
+        assert (sender.wait(version, wait_s) == data[1 - h]).all()
+
+
+def test_a_mark_that_never_fires_sends_its_window_at_the_bound_and_the_version_completes():
+    mesh, senders = _senders(timeout_s=0.3)
+    try:
+        _round(mesh, senders, 1, _schedule(split=True))  # (b0, fwd) never marked
+        for s in senders:  # the window was sent, not its span measured
+            assert s.last_spans == {} and s.failure is None
+        _round(mesh, senders, 2, _schedule(split=True))
+    finally:
+        for s in senders:
+            s.close()
+
+
+def test_a_wait_that_times_out_names_the_peer_drops_the_version_and_the_next_goes():
+    mesh, (a, b) = _senders(timeout_s=0.5)
+    try:
+        _, own = _own(mesh, 1, 0)
+        a.start(1, own, _schedule(split=False))  # host 1 never starts version 1
+        with pytest.raises(TimeoutError, match=r"^host 0: version 1: receiving from host 1 did "
+                                               r"not finish within 0.2s"):
+            a.wait(1, 0.2)
+        # Host 1 dropped version 1 after its bound (its frames discarded), and
+        # a late start of it on host 1 finds nothing and times out too.
+        _round(mesh, (a, b), 2, _schedule(split=False))
+        assert a.failure is None and b.failure is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_frame_that_arrives_early_late_or_twice_counts_once():
+    mesh, (a, b) = _senders(timeout_s=5.0)
+    schedule = _schedule(split=False)
+    try:
+        _round(mesh, (a, b), 1, schedule)
+        # Frames of version 1 again, after both finished it: discarded.
+        a.channel.send(1, 0, np.zeros((1, 4096), np.uint8))
+        # Version 2: host 0's first chunk goes twice, and all of host 0's
+        # frames go before host 1 starts the version.
+        data0, own0 = _own(mesh, 2, 0)
+        first = schedule.chunks[0][0]
+        a.channel.send(2, first.start, [data0[0, first.start:first.stop]])
+        a.start(2, own0, schedule)
+        data1, own1 = _own(mesh, 2, 1)
+        b.start(2, own1, schedule)
+        assert (b.wait(2, 20.0) == data0).all() and (a.wait(2, 20.0) == data1).all()
+        _round(mesh, (a, b), 3, schedule)
+        assert a.failure is None and b.failure is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_dies_mid_window_fails_the_version_naming_it_within_the_bound():
+    mesh, (a, b) = _senders(timeout_s=5.0)
+    try:
+        _, own = _own(mesh, 1, 0)
+        a.start(1, own, _schedule(split=True))  # window 0 goes at once
+        b.close()  # host 1 dies before the (b0, fwd) mark opens window 1
+        a.marks.record("b0", "fwd", np.zeros(1, np.float32))
+        with pytest.raises((RuntimeError, TimeoutError),
+                           match=r"^host 0: version 1: (sending to|receiving from) host 1 "):
+            a.wait(1, 20.0)
+        # Nothing of version 1 is handed on, and the channel refuses to go on:
+        # the job restarts (recovery), not a half-replicated next version.
+        with pytest.raises(RuntimeError, match="the chunk channel failed earlier"):
+            a.start(2, own, _schedule(split=True))
+    finally:
+        a.close()
+
+
+def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised():
+    class Measured:
+        host = 0
+
+        def __init__(self, *runs):
+            self.runs = list(runs)
+
+        def measure(self, rows):
+            return [1000, 2000], self.runs.pop(0)
+
+    noisy, good = [0.5, 0.1], [0.001, 0.002]
+    link = threaded.measure_channel(Measured(noisy, noisy, good), rows=1)
+    assert link.bytes_per_s == pytest.approx(1e6)
+    with pytest.raises(ValueError, match="times do not grow with size"):
+        threaded.measure_channel(Measured(noisy, noisy, noisy, good), rows=1)

@@ -11,6 +11,12 @@ Design choice: the victim announces the point and waits. Alternative not
 taken: the supervisor watching the metrics for the step and killing then,
 which races with a fast step (the host may be steps ahead, or done).
 
+``persistent_write_fault`` is the worker's side of the faults that kill no
+host (``persist_error``, ``persist_hang``): a hook inside the victim's
+persistent write of the version, after the hosts' pre-check, that raises an
+I/O error or hangs there (the other hosts must drop the step within their
+bound and go on).
+
 ``audit_store_if_asked`` is a test aid (``CAPRICORN_AUDIT_STORE=1``): the
 worker ends itself if it touches another host's store, since data from peers
 may reach a host only through the transport.
@@ -18,10 +24,12 @@ may reach a host only through the transport.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +39,7 @@ from absl import logging
 from capricorn_jax.experimental import HostStore
 from launch.cluster import processes as cluster_lib
 from launch.config import CheckpointConfig
-from launch.fault_plan import PAUSING_POINTS, Fault, FaultConfig
+from launch.fault_plan import PAUSING_POINTS, PERSIST_FAULTS, Fault, FaultConfig
 
 
 def pause_marker(workdir: str | Path, host: int) -> Path:
@@ -152,6 +160,30 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
     pause_marker(workdir, host).write_text(where)
     if point in PAUSING_POINTS:
         wait_for_kill(host)
+
+
+def persistent_write_fault(config: FaultConfig, host: int
+                           ) -> Callable[[int, str], None] | None:
+    """The ``CapricornHandler.on_persist`` hook of this worker's armed
+    persist_error / persist_hang fault, or None: once version step + 1's bytes
+    are read, the write raises an I/O error, or hangs for good (a daemon
+    thread: the handler's bounds end the wait for it)."""
+    at = config.at()
+    if at is None or at[0] not in PERSIST_FAULTS:
+        return None
+    point, version = at[0], at[1] + 1
+
+    def hook(step: int, phase: str) -> None:
+        if step != version or phase != "read":
+            return
+        logging.warning("host %d: %s in the persistent write of version %d (fault point)",
+                        host, "an I/O error" if point == "persist_error" else "hanging", version)
+        if point == "persist_error":
+            raise OSError(errno.EIO, f"injected I/O error in host {host}'s persistent write "
+                                     f"of version {version}")
+        threading.Event().wait()
+
+    return hook
 
 
 def wait_for_kill(host: int) -> None:

@@ -38,6 +38,9 @@ safe version and the newest ``InMemoryOptions.window`` + 1 after it
 (``retention.versions_to_keep``, the keep rule of every store), so one
 version of every owner survives the loss of any m-1 hosts at any moment.
 
+The writer threads are the base class (``writers.VersionWriters``); the
+reports and the release's work on the store are in ``reports``.
+
 Alternative not taken: a blocking save that returns when every replica is
 written. It is simpler but puts the peer's disk-less write and the slowest
 host on every step's critical path.
@@ -52,11 +55,8 @@ the safe version is also complete and reads only versions every holder holds.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
 import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -65,73 +65,28 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory import placement, retention
+from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.packing import PackPlan, decode_trailer, encode_trailer, make_plan
+from capricorn_jax._src.memory.packing import PackPlan, encode_trailer, make_plan
 from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
-from capricorn_jax._src.memory.store import HostStore, StoreLimit
-from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.memory.pinned import arena_copier
+from capricorn_jax._src.memory.reports import SaveReport, StoreRelease, release_store
+from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store_lifecycle import StoreLimit
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.writers import VersionWriters, _InSlot
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
+
+CONFIRM_ROUNDS = 3
+"""Status rounds, after the first that can confirm a version, before an
+unconfirmed version may be reported under-replicated (with the wall bound)."""
 
 log = logging.getLogger("capricorn_jax")
 
 
-@dataclasses.dataclass(frozen=True)
-class StoreRelease:
-    """What ``InMemoryCheckpointer.release`` did to this host's store.
-
-    ``keep``: "none" (the store was deleted) or "final"; ``versions``: the
-    versions left per owner ({} after "none"); ``bytes_held``: the store's
-    bytes after; ``bytes_freed``: the bytes given back to the RAM disk.
-    """
-
-    keep: str
-    versions: dict[int, list[int]]
-    bytes_held: int
-    bytes_freed: int
-
-
-@dataclasses.dataclass
-class SaveReport:
-    """What one save() knows when it returns (for the ``checkpoint`` event).
-
-    ``committed`` (this host's newest own version committed) and
-    ``safe_version`` (the newest version every holder of every owner holds,
-    ``retention.safe_version``; -1: none) lag the save by the writers'
-    latency: they describe the newest versions confirmed so far, not
-    necessarily ``step``. ``store_bytes`` is this host's store now;
-    ``store_kib_per_host`` every host's, as of the previous save (it travels
-    in the all-gathered statuses). ``skipped``: this version was not taken
-    (the budget skipped it everywhere, or this host's writer was busy past
-    the wait); ``interval``: steps since the previous version this host took
-    (None: skipped, or the first); ``dropped_replicas``: replica copies this
-    save received but did not write (the replica writer was busy);
-    ``newly_committed``: versions the gathered statuses show, for the first
-    time, on every holder of every owner (committed on owners and replicas).
-    """
-
-    step: int
-    bytes: int
-    store_bytes: int
-    committed: int
-    safe_version: int
-    under_replicated: list[dict[str, int]]
-    skipped: bool
-    store_kib_per_host: list[int] = dataclasses.field(default_factory=list)
-    interval: int | None = None
-    dropped_replicas: int = 0
-    newly_committed: list[int] = dataclasses.field(default_factory=list)
-    pec_k: int | None = None
-    pec_plt: float | None = None
-
-    @property
-    def replicated(self) -> int:
-        """``safe_version`` under the name of the ``checkpoint`` event's key."""
-        return self.safe_version
-
-
-class InMemoryCheckpointer:
+class InMemoryCheckpointer(VersionWriters):
     """Per-step in-memory checkpoints with peer replication.
 
     Args:
@@ -144,12 +99,13 @@ class InMemoryCheckpointer:
       model: the model config (num_experts, top_k, moe_layers); PEC only.
       tokens_per_step: tokens of one training step (global batch x sequence
         length), the PLT's unit; PEC only.
+      hooks: test-only fault injection (``hooks.FaultHooks``); None: none.
     """
 
     def __init__(self, options: InMemoryOptions, mesh, abstract_state: Any,
                  state_shardings: Any, host: int, hosts: int,
                  device_host: list[int] | None = None, *, model: MoEShape | None = None,
-                 tokens_per_step: int = 0):
+                 tokens_per_step: int = 0, hooks: FaultHooks | None = None):
         if options.replicas > hosts:
             raise ValueError(f"replicas={options.replicas} exceeds the {hosts} hosts")
         if options.pec is not None and (model is None or tokens_per_step < 1):
@@ -159,15 +115,18 @@ class InMemoryCheckpointer:
         self.options, self.mesh, self.host, self.hosts = options, mesh, host, hosts
         self.abstract_state, self.state_shardings = abstract_state, state_shardings
         limit = StoreLimit.fraction_of(options.store_root, options.max_store_fraction)
+        # Own versions copied straight into registered slots (pinned.SlotCopier),
+        # or None: the host copy (``_to_host``) then the writers' copy.
+        registry, self.copier = arena_copier(options.arena_copy, mesh.devices.flat[0])
         self.store = HostStore(Path(options.store_root) / options.job / f"host{host}",
-                               limit=limit)
+                               limit=limit, registry=registry)
         self._closed = False
         if self.store.removed_partials:
             log.warning("host %d: removed partial versions %s", host, self.store.removed_partials)
         self.plan: PackPlan = make_plan(abstract_state, state_shardings, mesh,
                                         options.chunk_bytes, device_host)
         self.holders = placement.holders(hosts, options.replicas)
-        self.sources = placement.replica_sources(hosts, options.replicas, host)
+        sources = placement.replica_sources(hosts, options.replicas, host)
         self.rounds = placement.send_rounds(hosts, options.replicas)
         # Status vector: per owner the newest held version, then the mask of
         # the held ones before it (retention.encode_held), then the store's
@@ -184,13 +143,11 @@ class InMemoryCheckpointer:
                                    self.status_len)
         self.pec: PecTier | None = None
         if options.pec is not None:
-            self.pec = PecTier(options.pec, model, tokens_per_step, self)
-        # Guards _held, _newest and _doomed (the writers commit, the training
-        # thread decides removals and reports).
-        self._lock = threading.Lock()
-        self._held = {o: set(self.store.versions(o)) for o in self.store.owners()}
-        self._newest = {o: max(self._held.get(o, ()), default=-1) for o in range(hosts)}
-        self._doomed: dict[int, list[int]] = {}  # owner -> versions its writer removes
+            assert model is not None  # checked above
+            self.pec = PecTier(options.pec, model, tokens_per_step, self.abstract_state,
+                               self.transport)
+        super().__init__(self.store, host, hosts, sources, self.copier, hooks,
+                         options.write_threads)
         # PEC: version -> (versions a restore to it reads, complete).
         self._needs: dict[int, tuple[tuple[int, ...], bool]] = {}
         if self.pec is not None:
@@ -205,80 +162,11 @@ class InMemoryCheckpointer:
         self._safe = -1
         self._reported: set[int] = set()  # versions reported in newly_committed
         self._last_taken = -1  # the newest version this host's writer was given
-        self._pending: dict[int, float] = {}  # own step -> time saved, until replicated
-        self._own_queued: set[int] = set()  # own versions handed to the writer, not written yet
-        self._last_statuses = None
+        self._pending: dict[int, float] = {}  # own step -> its clock's start, until replicated
+        self._rounds_since: dict[int, int] = {}  # own step -> status rounds read since its save
+        self._last_statuses: Any = None  # the previous round's gathered statuses
         self._store_bytes = 0
-        self.on_pause = None
-        self._own_q: queue.Queue = queue.Queue(maxsize=1)
-        self._rep_q: queue.Queue = queue.Queue(maxsize=1)
-        self._errors: list[BaseException] = []
         self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
-        self._write_pool = concurrent.futures.ThreadPoolExecutor(
-            options.write_threads, thread_name_prefix="ckpt-chunk-writer")
-        self._threads = [
-            threading.Thread(target=self._run, args=(self._own_q, self._write_own), daemon=True,
-                             name="ckpt-own-writer"),
-            threading.Thread(target=self._run, args=(self._rep_q, self._write_replicas),
-                             daemon=True, name="ckpt-replica-writer"),
-        ]
-        for t in self._threads:
-            t.start()
-
-    # ----- writers (background threads) -----
-    def _run(self, q: queue.Queue, work) -> None:
-        while True:
-            item = q.get()
-            try:
-                if item is None:
-                    return
-                work(*item)
-            except BaseException as e:  # noqa: BLE001 - reported by the next save
-                log.exception("host %d: checkpoint writer failed", self.host)
-                self._errors.append(e)
-            finally:
-                q.task_done()
-
-    def _write_version(self, owner: int, step: int, rows: list[np.ndarray], plan: PackPlan,
-                       pec_meta: dict | None, pause_halfway: bool = False) -> None:
-        self._remove_doomed(owner)
-        # Sized once; row j at j * payload, its chunks back to back, so a reader
-        # copies a whole row at once (store.read_span_into).
-        writer = self.store.begin(owner, step, len(rows) * plan.payload_bytes)
-        names = [(j, k) for j in range(len(rows)) for k in range(plan.num_chunks)]
-
-        def write(name: tuple[int, int]) -> None:
-            j, k = name
-            lo, hi = plan.chunk_range(k)
-            writer.write_chunk(f"d{j}.c{k}", memoryview(rows[j][lo:hi]),
-                               offset=j * plan.payload_bytes + lo)
-
-        halves = [names]
-        if pause_halfway and self.on_pause is not None:
-            halves = [names[:len(names) // 2], names[len(names) // 2:]]
-        for n, part in enumerate(halves):
-            if n == 1:
-                self.on_pause(step)
-            list(self._write_pool.map(write, part))  # raises the first failed write
-        meta = {
-            "fingerprint": plan.fingerprint(), "leaves": plan.leaf_table(),
-            "payload_bytes": plan.payload_bytes, "chunk_bytes": plan.chunk_bytes,
-            "devices": len(rows), "host_state": decode_trailer(plan, rows[0]),
-        }
-        if pec_meta is not None:
-            meta["pec"] = pec_meta
-        writer.commit(meta)
-        with self._lock:
-            self._held.setdefault(owner, set()).add(step)
-            self._newest[owner] = max(self._newest.get(owner, -1), step)
-
-    def _remove_doomed(self, owner: int) -> None:
-        """Removes the versions of ``owner`` decided away (by that owner's writer,
-        so a removal never races a write of the same owner)."""
-        with self._lock:
-            doomed = self._doomed.pop(owner, [])
-        for v in doomed:
-            self.store.remove(owner, v)
 
     def _decide_removals(self) -> None:
         """Marks what each owner's store no longer keeps (training thread, after
@@ -311,25 +199,6 @@ class InMemoryCheckpointer:
                     self.store.remove(owner, v)
                 self._newest[owner] = max(held, default=-1)
             self._reported = {v for v in self._reported if v <= step}
-
-    def _write_own(self, step: int, own, plan: PackPlan, pec_meta: dict | None) -> None:
-        try:
-            self._write_version(self.host, step, _host_rows(own), plan, pec_meta)
-        finally:
-            with self._lock:
-                self._own_queued.discard(step)
-
-    def _write_replicas(self, step: int, received: list, plan: PackPlan,
-                        pec_meta: dict | None) -> None:
-        stall = self.options.stall_replica_writer_at
-        if stall is not None and stall[0] == step:
-            log.warning("host %d: fault injection: replica writer stalls %.1fs at step %d",
-                        self.host, stall[1], step)
-            time.sleep(stall[1])
-        pause = self.options.pause_mid_replication_at == step
-        for owner, array in zip(self.sources, received, strict=True):
-            self._write_version(owner, step, _host_rows(array), plan, pec_meta,
-                                pause_halfway=pause)
 
     # ----- the training thread's API -----
     def status_vector(self) -> np.ndarray:
@@ -490,9 +359,14 @@ class InMemoryCheckpointer:
         if meta is not None:
             self._needs[step] = (tuple(meta["needed"]), bool(meta["complete"]))
         self._last_statuses = statuses
-        # Start the device-to-host copies now; the writers read them.
-        own, *received = [a if isinstance(a, np.ndarray) else self._to_host(a)
-                          for a in (own, *received)]
+        # Start the device-to-host copies now; the writers read them. With a
+        # copier (pinned.SlotCopier) this host's own rows go straight into a
+        # slot taken now; its writer waits for the copy and checksums in place.
+        if self.copier is not None and not isinstance(own, np.ndarray):
+            own = self._copy_into_slot(step, own, plan)
+        else:
+            own = own if isinstance(own, np.ndarray) else self._to_host(own)
+        received = [a if isinstance(a, np.ndarray) else self._to_host(a) for a in received]
         skipped = False
         wait = self.options.writer_timeout_s
         if self.options.max_wait_s is not None:
@@ -508,6 +382,10 @@ class InMemoryCheckpointer:
         except queue.Full:
             with self._lock:
                 self._own_queued.discard(step)
+            if isinstance(own, _InSlot):  # the copy must land before the slot is free
+                assert self.copier is not None  # an _InSlot comes from _copy_into_slot
+                self.copier.wait()
+                own.writer.abort()
             skipped = True
             log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
                         wait, step)
@@ -518,11 +396,12 @@ class InMemoryCheckpointer:
                 report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
-                if self.options.pause_mid_replication_at == step and self.on_pause is not None:
-                    self.on_pause(step)  # fault injection: the point is here for this version
+                if self.hooks.pauses_at(step) and self.hooks.on_pause is not None:
+                    self.hooks.on_pause(step)  # fault injection: the point is here for this version
         report.step, report.skipped = step, skipped
         report.bytes = plan.payload_bytes * len(plan.host_positions(self.host))
         if version is not None:
+            assert self.pec is not None  # a PecVersion comes from the PEC tier
             report.pec_k, report.pec_plt = version.k, self.pec.plt()
         return report
 
@@ -550,30 +429,29 @@ class InMemoryCheckpointer:
             self._reported = {v for v in self._reported | everywhere if v >= oldest}
         # per_host[x][o]: newest version of owner o held by host x.
         confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
+        # A version's replication clock starts at the second round read after
+        # its save (a save's own round is gathered before its replicas are
+        # written: the next one is the first its peers can confirm it in), and
+        # it runs out only after CONFIRM_ROUNDS more rounds and
+        # replication_timeout_s: a compile or a restart is one slow round, not
+        # a peer that stopped confirming.
         now = time.monotonic()
-        for step, saved in sorted(self._pending.items()):
+        for step, started in sorted(self._pending.items()):
+            rounds = self._rounds_since[step] = self._rounds_since.get(step, 0) + 1
             if confirmed[self.host] >= step:
-                del self._pending[step]
-            elif now - saved > self.options.replication_timeout_s:
-                del self._pending[step]
+                del self._pending[step], self._rounds_since[step]
+            elif rounds == 2:
+                self._pending[step] = now
+            elif (rounds >= 2 + CONFIRM_ROUNDS
+                  and now - started > self.options.replication_timeout_s):
+                del self._pending[step], self._rounds_since[step]
                 missing = [int(x) for x in self.holders[self.host] if per_host[x][self.host] < step]
                 log.warning("host %d: version %d under-replicated: not confirmed by hosts %s "
-                            "after %.0fs", self.host, step, missing,
-                            self.options.replication_timeout_s)
+                            "in %d status rounds over %.0fs", self.host, step, missing,
+                            rounds - 1, now - started)
                 report.under_replicated.append({"owner": self.host, "step": step,
                                                 "missing": missing})
         return report
-
-    def wait_until_finished(self, timeout_s: float | None = None) -> None:
-        """Blocks until both writers are idle (bounded by ``timeout_s``)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for q in (self._own_q, self._rep_q):
-            while q.unfinished_tasks:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"host {self.host}: checkpoint writers still busy")
-                time.sleep(0.01)
-        if self._errors:
-            raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
 
     def _to_host(self, array: jax.Array) -> jax.Array:
         if self._memory_kind is None:
@@ -583,13 +461,9 @@ class InMemoryCheckpointer:
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_until_finished(timeout_s)
-        for owner in list(self._doomed):
-            self._remove_doomed(owner)
-        for q in (self._own_q, self._rep_q):
-            q.put(None)
-        for t in self._threads:
-            t.join(timeout=5.0)
-        self._write_pool.shutdown(wait=False)
+        if self.copier is not None:
+            self.copier.close()
+        self._stop_writers()
         self._closed = True
 
     def confirm(self, timeout_s: float = 60.0) -> SaveReport:
@@ -638,36 +512,9 @@ class InMemoryCheckpointer:
         # The final statuses: every host's writers are drained (close), so the
         # safe version catches up with what the hosts hold.
         self._status_round()
-        before = self.store.bytes_held()
-        if keep == "none":
-            root = self.store.root
-            self.store.destroy()
-            try:
-                root.parent.rmdir()  # the job's directory, once the last host's store is gone
-            except OSError:
-                pass
-            return StoreRelease(keep, {}, 0, before)
         safe = self._safe
-        if safe >= 0:
-            wanted = set(self._needs.get(safe, ((safe,), True))[0]) | {safe}
-            for owner in self.store.owners():
-                versions = set(self.store.versions(owner))
-                if safe in versions:
-                    self.store.prune(owner, wanted & versions)
-        self.store.drop_free_slots()
-        versions = {o: self.store.versions(o) for o in self.store.owners()}
-        held = self.store.bytes_held()
-        self.store.close()
-        return StoreRelease(keep, {o: v for o, v in versions.items() if v}, held,
-                            max(before - held, 0))
-
-
-def _host_rows(payload: Any) -> list[np.ndarray]:
-    """This host's rows of a payload: views of a [devices, n] array's local
-    buffers (the writer copies them into the store), or a numpy array's rows."""
-    if isinstance(payload, np.ndarray):
-        return list(payload)
-    return local_rows(payload, copy=False)
+        wanted = set(self._needs.get(safe, ((safe,), True))[0]) | {safe}
+        return release_store(self.store, keep, safe, wanted)
 
 
 def _refuse_pec_args(tokens_per_expert: Any, other: Any) -> None:

@@ -3,7 +3,8 @@
 Partial expert checkpointing has its own options (``selection.PecOptions``: K,
 policy, PLT threshold); the in-memory tier turns it on through
 ``InMemoryOptions.pec``, the model's shape and tokens per step being given to
-the checkpointer (they are the model's, not the tier's).
+the checkpointer (they are the model's, not the tier's). Fault injection is
+no option of a user's: tests pass a ``hooks.FaultHooks`` to the checkpointer.
 """
 
 from __future__ import annotations
@@ -43,12 +44,6 @@ class InMemoryOptions:
         half written: each (owner, version) is whole or absent, and the safe
         version rule reads only versions every holder holds. The interval
         achieved is in each ``SaveReport``.
-      stall_replica_writer_at: fault injection: (step, seconds) to stall this
-        host's replica writer, simulating a peer that stops answering.
-      pause_mid_replication_at: fault injection: at this step the replica
-        writer stops halfway through a version and calls ``on_pause`` (when
-        that version's replicas are dropped because the writer is busy, the
-        save calls it instead: the host is lost while it drops them).
       pec: partial expert checkpointing (None: every version is the whole
         state, as without PEC); with it each version carries the non-expert
         state and K experts of every MoE layer (``InMemoryCheckpointer``).
@@ -69,6 +64,12 @@ class InMemoryOptions:
         disk's free space, raises ``StoreFullError`` naming the command that
         lists and prunes stores. Checked when a slot grows only (a version's slot
         is reused afterwards). In (0, 1].
+      arena_copy: how this host's own version reaches its slot
+        (``pinned.arena_copier``): "auto" (accelerators: slots registered
+        with the runtime, then an asynchronous copy straight into the slot
+        where the backend allows it; CPU: as "off"), "off" (the writers copy
+        from the host copy), or a path forced: "async_copy", "pinned_pool",
+        "host_plain".
     """
 
     store_root: str
@@ -78,15 +79,17 @@ class InMemoryOptions:
     replication_timeout_s: float = 30.0
     writer_timeout_s: float = 60.0
     max_wait_s: float | None = None
-    stall_replica_writer_at: tuple[int, float] | None = None
-    pause_mid_replication_at: int | None = None
     pec: PecOptions | None = None
     window: int = 1
     host_memory_kind: str = "auto"
     write_threads: int = 4
     max_store_fraction: float = 0.8
+    arena_copy: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.arena_copy not in ("auto", "off", "async_copy", "pinned_pool", "host_plain"):
+            raise ValueError(f"arena_copy must be auto, off, async_copy, pinned_pool or "
+                             f"host_plain, got {self.arena_copy!r}")
         if not 0 < self.max_store_fraction <= 1:
             raise ValueError(f"max_store_fraction must be in (0, 1], got "
                              f"{self.max_store_fraction}")

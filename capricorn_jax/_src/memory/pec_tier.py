@@ -24,7 +24,7 @@ without decoding its payload.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -39,9 +39,6 @@ from capricorn_jax._src.partial.selection import (
     version_mask,
 )
 from capricorn_jax._src.partial.tracker import PltTracker
-
-if TYPE_CHECKING:
-    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,19 +70,28 @@ class PecTier:
       options: the PEC options.
       model: the model's MoE shape (num_experts, top_k, moe_layers).
       tokens_per_step: tokens of one training step (global batch x seq len).
-      ckpt: the checkpointer (its full plan, transport, mesh and rounds).
+      abstract_state: the train state's shapes (which leaves hold experts).
+      full: the transport of whole versions (its plan, mesh and rounds are
+        those of every PEC version's transport).
+
+    Design choice: the tier is built from what it reads (the state's shapes
+    and the full transport), not from the checkpointer, so the memory tier's
+    modules import one way (checkpointer -> pec_tier) and the tier can be
+    built and tested alone. Alternative not taken (the previous state): the
+    checkpointer passed itself and the tier read seven of its attributes.
     """
 
     def __init__(self, options: PecOptions, model: MoEShape, tokens_per_step: int,
-                 ckpt: InMemoryCheckpointer):
+                 abstract_state: Any, full: Transport):
         options.check(model.num_experts)
-        axes = expert_leaf_axes(ckpt.abstract_state, model)
+        axes = expert_leaf_axes(abstract_state, model)
         self.layers = [None if a is None else a.moe_layer for a in axes.values()]
         self.shape = (len(model.moe_layers), model.num_experts)
         self.tokens_per_step = tokens_per_step
-        self._ckpt = ckpt
-        self._transports: dict[int | None, Transport] = {None: ckpt.transport}
-        self.experts = make_pec_plan(ckpt.plan, self.layers, 1).experts  # the expert layout
+        self._transports: dict[int | None, Transport] = {None: full}
+        experts = make_pec_plan(full.plan, self.layers, 1).experts  # the expert layout
+        assert experts is not None  # a PEC plan always has one
+        self.experts = experts
         self.ranks = self.experts.ranks
         self.dyn = DynamicK(options, model.num_experts, self.ranks)
         self.tracker = PltTracker(*self.shape, model.top_k)
@@ -98,10 +104,9 @@ class PecTier:
     def transport(self, count: int | None) -> Transport:
         """The program of versions with ``count`` records per device (None: full)."""
         if count not in self._transports:
-            ckpt = self._ckpt
-            plan = make_pec_plan(ckpt.plan, self.layers, count)
-            self._transports[count] = Transport(plan, ckpt.mesh, ckpt.state_shardings,
-                                                ckpt.rounds, ckpt.status_len)
+            assert count is not None  # the full transport is there from the start
+            full = self._transports[None]
+            self._transports[count] = full.for_plan(make_pec_plan(full.plan, self.layers, count))
         return self._transports[count]
 
     def resume(self, tracker: PltTracker, k: int, cumulative: Any = None) -> None:

@@ -39,7 +39,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,6 +52,7 @@ from capricorn_jax._src.memory.packing import (
     unpack,
     unpack_pec,
 )
+from capricorn_jax._src.memory.reader import TierReader
 from capricorn_jax._src.memory.store import ChecksumError
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.multihost.agree import allgather_json
@@ -63,9 +64,6 @@ from capricorn_jax._src.partial.tracker import (
     saved_from_masks,
     whole_version_tracker,
 )
-
-if TYPE_CHECKING:
-    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 
 log = logging.getLogger("capricorn_jax")
 
@@ -196,7 +194,7 @@ def serve_rounds(sources: dict[int, int]) -> list[dict[int, int]]:
     return rounds
 
 
-def _inventory(ckpt: InMemoryCheckpointer) -> dict[int, list[int]]:
+def _inventory(ckpt: TierReader) -> dict[int, list[int]]:
     out = {}
     for owner in ckpt.store.owners():
         good = []
@@ -215,7 +213,7 @@ def row_chunk_names(plan: PackPlan, j: int) -> list[str]:
     return [f"d{j}.c{k}" for k in range(plan.num_chunks)]
 
 
-def read_rows(ckpt: InMemoryCheckpointer, owner: int, step: int, plan: PackPlan | None = None
+def read_rows(ckpt: TierReader, owner: int, step: int, plan: PackPlan | None = None
               ) -> list[np.ndarray]:
     """The payload rows of ``owner``'s version ``step`` in this host's store, one
     copy per row (each chunk checksummed) in ``plan``'s layout (default: the
@@ -238,7 +236,7 @@ def read_rows(ckpt: InMemoryCheckpointer, owner: int, step: int, plan: PackPlan 
     return rows
 
 
-def _fetch_rows(ckpt: InMemoryCheckpointer, step: int, sources: dict[int, int],
+def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
                 transport: Transport) -> tuple[list[np.ndarray], int]:
     """This host's own payloads of version ``step``: read locally or served by a
     peer (every host runs the same serve rounds). Returns (rows, bytes received)."""
@@ -258,7 +256,7 @@ def _fetch_rows(ckpt: InMemoryCheckpointer, step: int, sources: dict[int, int],
     return rows, moved
 
 
-def recover(ckpt: InMemoryCheckpointer) -> Recovered | None:
+def recover(ckpt: TierReader) -> Recovered | None:
     """Restores the newest version every host can reach, or None if there is none."""
     if ckpt.pec is not None:
         return _recover_pec(ckpt)
@@ -289,8 +287,9 @@ def recover(ckpt: InMemoryCheckpointer) -> Recovered | None:
 # --------------------------------------------------------------------------- PEC
 
 
-def _pec_meta(ckpt: InMemoryCheckpointer, owner: int, step: int) -> dict[str, Any]:
+def _pec_meta(ckpt: TierReader, owner: int, step: int) -> dict[str, Any]:
     """A version's PEC record (without its tracker); a full one if saved without PEC."""
+    assert ckpt.pec is not None  # PEC only
     meta = ckpt.store.manifest(owner, step).get("pec")
     if meta is None:
         shape = ckpt.pec.shape
@@ -300,11 +299,11 @@ def _pec_meta(ckpt: InMemoryCheckpointer, owner: int, step: int) -> dict[str, An
     return {key: meta[key] for key in ("needed", "complete", "count", "k", "mask", "tokens")}
 
 
-def _pec_inventories(ckpt: InMemoryCheckpointer
+def _pec_inventories(ckpt: TierReader
                      ) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
     """Every host's verified steps per owner, and every version's PEC record."""
     inventory = _inventory(ckpt)
-    metas = {}
+    metas: dict[int, dict[str, Any]] = {}
     for owner, steps in inventory.items():
         for step in list(steps):
             try:
@@ -325,10 +324,11 @@ def _pec_inventories(ckpt: InMemoryCheckpointer
     return [{int(o): v for o, v in d["inv"].items()} for d in gathered], merged
 
 
-def _tracker_at(ckpt: InMemoryCheckpointer, inventories: list[dict[int, list[int]]], step: int
+def _tracker_at(ckpt: TierReader, inventories: list[dict[int, list[int]]], step: int
                 ) -> tuple[PltTracker, list[list[int]] | None]:
     """The tracker and the cumulative assignments saved with version ``step``
     (any host's copy; all are alike); None for counts it does not record."""
+    assert ckpt.pec is not None  # PEC only
     mine = None
     owner = next((o for o, steps in inventories[ckpt.host].items() if step in steps), None)
     if owner is not None:
@@ -342,7 +342,8 @@ def _tracker_at(ckpt: InMemoryCheckpointer, inventories: list[dict[int, list[int
     return whole_version_tracker(ckpt.pec.shape, ckpt.pec.tracker.top_k, step), None
 
 
-def _recover_pec(ckpt: InMemoryCheckpointer) -> Recovered | None:
+def _recover_pec(ckpt: TierReader) -> Recovered | None:
+    assert ckpt.pec is not None  # PEC only
     start = time.perf_counter()
     inventories, metas = _pec_inventories(ckpt)
     needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
@@ -399,7 +400,8 @@ class PecBlocks:
     one buffer.
     """
 
-    def __init__(self, ckpt: InMemoryCheckpointer, source: np.ndarray):
+    def __init__(self, ckpt: TierReader, source: np.ndarray):
+        assert ckpt.pec is not None  # PEC only
         self.ckpt, self.source = ckpt, source
         self.experts = ckpt.pec.experts
         self.layer_of = dict(zip(self.experts.leaves, self.experts.layers, strict=True))

@@ -44,51 +44,36 @@ Isolation: every path the store touches is checked to lie inside its root;
 data from another host reaches this store only through ``write_chunk`` of a
 version received over the transport.
 
-Lifecycle: an open store holds a shared ``flock`` on ``ROOT/.lock`` (released
-by ``close``, and by the kernel when the process dies, however it dies), so
-``store_in_use(root)`` tells a live store from one a finished or crashed job
-left; ``remove_unused`` deletes stores under a directory only while it holds
-every one of their locks exclusively (a job that starts meanwhile waits, then
-finds its root gone and starts afresh). The lock is shared, not exclusive,
-because several store objects of one root are legitimately open at once (a
-successor's reader, a fault injector's audit, tests); it is a liveness
-signal, not a writers' mutex. Alternative not taken: a pid file, which lies
-after the pid is reused and says nothing about a process that is a zombie.
-A slot's pages are reserved when it grows (``posix_fallocate`` after the
-``ftruncate``): on tmpfs a file only truncated to its size gets its pages at
-first touch, and a page the RAM disk cannot supply then kills the process
-with SIGBUS in the middle of a copy; reserved up front, a full RAM disk is an
-``ENOSPC`` at ``begin``, raised as ``StoreFullError``. With a ``StoreLimit``
-the store also refuses to grow when the RAM disk would then have more bytes in
-use than the bound, or less free space than the growth; the error names the
-RAM disk, its size, free and used bytes, the bytes wanted, the bound and
-``python -m launch.stores`` (list and prune). After a clean finish ``InMemoryCheckpointer.release`` reclaims the
-store or shrinks it to one version per owner (``drop_free_slots``).
+Lifecycle (the liveness lock, the RAM disk's bound, removing unused stores):
+``store_lifecycle``. The slots and the version writer: ``arena``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import fcntl
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
+
+from capricorn_jax._src.memory.arena import VersionWriter, _Slot, checksum, round_up
+from capricorn_jax._src.memory.pinned import SlotRegistry
+from capricorn_jax._src.memory.store_lifecycle import (
+    LOCK,
+    StoreFullError,
+    StoreLimit,
+    full_message,
+)
 
 log = logging.getLogger("capricorn_jax")
 _SLOT = re.compile(r"^slot(\d+)\.(data|head|writing)$")
-_ALIGN = 64  # chunk offsets: aligned for the CPU client's zero-copy wrap
 
 
 class ChecksumError(IOError):
@@ -103,292 +88,11 @@ class VersionGone(FileNotFoundError):
     """The version was removed (pruned and its slot reused) while being read."""
 
 
-class StoreFullError(OSError):
-    """A slot could not grow: the RAM disk is full or the stores' bound is reached.
-
-    An ``OSError`` with ``errno.ENOSPC``; its message names the RAM disk, its
-    size, free and used bytes, the bytes wanted, the bound, and the command
-    that lists and prunes stores.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(errno.ENOSPC, message)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreLimit:
-    """A bound on the RAM disk holding ``shared_root``: a slot may grow only
-    while the disk's used bytes stay within ``max_bytes``.
-
-    Checked only when a slot grows (the first versions of a job), from
-    ``os.statvfs``: the used bytes of the whole RAM disk, every job's stores
-    and anything else on it. Alternative not taken: walking the stores under
-    ``shared_root``, which on a simulated cluster (hosts sharing one RAM disk)
-    lists other hosts' stores and ignores what else fills the disk.
-    """
-
-    shared_root: Path
-    max_bytes: int
-
-    @classmethod
-    def fraction_of(cls, shared_root: str | os.PathLike, fraction: float) -> StoreLimit:
-        """``fraction`` of the size of the filesystem (RAM disk) holding ``shared_root``."""
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        root = Path(shared_root).resolve()
-        root.mkdir(parents=True, exist_ok=True)
-        st = os.statvfs(root)
-        return cls(root, int(fraction * st.f_blocks * st.f_frsize))
-
-
-def tree_bytes(path: str | os.PathLike) -> int:
-    """Bytes of the files under ``path`` (their sizes; 0 if it is missing)."""
-    total = 0
-    for directory, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(directory, name)).st_size
-            except FileNotFoundError:
-                continue
-    return total
-
-
-def mount_point(path: str | os.PathLike) -> Path:
-    """The mount point of the filesystem holding ``path`` (the RAM disk)."""
-    p = Path(path).resolve()
-    while not os.path.ismount(p) and p != p.parent:
-        p = p.parent
-    return p
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-_LOCK = ".lock"
-
-
-def store_in_use(root: str | os.PathLike) -> bool:
-    """Whether a process (this one included) has the store at ``root`` open.
-
-    Tries a non-blocking exclusive ``flock`` on ``root/.lock``, which every
-    open ``HostStore`` holds shared; False when there is no lock file.
-    """
-    try:
-        fd = os.open(Path(root) / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also releases the probe's lock
-    return False
-
-
-def remove_unused(path: str | os.PathLike) -> bool:
-    """Deletes ``path`` (a store root, or a directory of them: a job's) unless
-    a store under it is open; True if deleted (or already gone).
-
-    Holds every ``.lock`` under ``path`` exclusively while deleting, so no
-    store opens in the middle; nothing is deleted if any is held.
-    """
-    path = Path(path)
-    if not path.exists():
-        return True
-    fds = []
-    try:
-        for lock in sorted(path.rglob(_LOCK)):
-            try:
-                fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            fds.append(fd)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-        shutil.rmtree(path, ignore_errors=True)
-        return not path.exists()
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def committed_steps(root: str | os.PathLike) -> dict[int, list[int]]:
-    """{owner: committed steps, ascending} of the store at ``root``, read from
-    its heads without opening it (no lock taken, nothing removed)."""
-    out: dict[int, set[int]] = {}
-    for head in Path(root).glob("owner*/slot*.head"):
-        owner = head.parent.name[5:]
-        if not owner.isdigit():
-            continue
-        try:
-            step = int(json.loads(head.read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        out.setdefault(int(owner), set()).add(step)
-    return {o: sorted(steps) for o, steps in sorted(out.items())}
-
-
-def checksum(data: Any) -> int:
-    """CRC32C of a bytes-like object (hardware-accelerated, releases the GIL)."""
-    return _crc32c.crc32c(data)
-
-
 def _check_size(owner: int, step: int, names: list[str], data: np.ndarray,
                 manifest: dict[str, Any]) -> None:
     total = sum(manifest["chunks"][n]["nbytes"] for n in names)
     if data.size != total:
         raise ChecksumError(f"owner{owner}/v{step:012d}/{names[0]}: size {data.size} != {total}")
-
-
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _full_message(path: Path, nbytes: int, delta: int, limit: StoreLimit | None,
-                  why: str, shared: Path) -> str:
-    disk = mount_point(shared)
-    st = os.statvfs(shared)
-    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    used = (st.f_blocks - st.f_bfree) * st.f_frsize
-    bound = (f"the bound is {_mib(limit.max_bytes)} ({limit.max_bytes} bytes) in use"
-             if limit is not None else "no bound is set")
-    return (f"RAM disk {disk} cannot hold the checkpoint store's next version: {why}. "
-            f"{path} needs {delta} more bytes ({_mib(delta)}; the slot grows to "
-            f"{nbytes} bytes); the RAM disk is {_mib(size)} ({size} bytes) with {_mib(free)} "
-            f"({free} bytes) free and {_mib(used)} ({used} bytes) in use; "
-            f"{bound}. List and prune the stores: python -m launch.stores "
-            f"--store_root={shared} (then --action=prune --job=NAME, --older_than_h=H or --all)")
-
-
-class _Slot:
-    """One preallocated, mapped slot file."""
-
-    def __init__(self, path: Path, index: int, store: HostStore | None = None):
-        self.path, self.index = path, index
-        self._store = store  # checks the bound and words the StoreFullError
-        self._file = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115
-        self.capacity = os.fstat(self._file.fileno()).st_size
-        self._maps: list[mmap.mmap] = []
-        self.view: np.ndarray = np.zeros(0, np.uint8)
-        if self.capacity:
-            self._map()
-
-    def _map(self) -> None:
-        m = mmap.mmap(self._file.fileno(), self.capacity)
-        self._maps.append(m)  # earlier maps stay alive while views of them may exist
-        self.view = np.frombuffer(m, np.uint8)
-
-    def grow(self, nbytes: int) -> None:
-        """Grows the file to ``nbytes`` with its pages reserved (module docstring).
-
-        Raises:
-          StoreFullError: the bound or the RAM disk's free space is exceeded.
-        """
-        if nbytes <= self.capacity:
-            return
-        old, delta, fd = self.capacity, nbytes - self.capacity, self._file.fileno()
-        if self._store is not None:
-            self._store._reserve(nbytes, delta, self.path)
-        os.ftruncate(fd, nbytes)
-        try:
-            os.posix_fallocate(fd, old, delta)
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                pass  # no fallocate on this filesystem: pages at first touch, as before
-            else:
-                os.ftruncate(fd, old)  # gives back what was reserved
-                if e.errno != errno.ENOSPC:
-                    raise
-                why = f"posix_fallocate of {delta} bytes failed: {e.strerror}"
-                if self._store is None:
-                    raise StoreFullError(f"{self.path}: {why}") from e
-                raise StoreFullError(self._store._full_message(self.path, nbytes, delta,
-                                                               why)) from e
-        self.capacity = nbytes
-        self._map()
-
-    def refresh(self) -> None:
-        """Maps the file again if another store object grew it."""
-        size = os.fstat(self._file.fileno()).st_size
-        if size > self.capacity:
-            self.capacity = size
-            self._map()
-
-    def close(self) -> None:
-        self.view = np.zeros(0, np.uint8)
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a caller still holds a view; the GC closes it
-                pass
-        self._maps.clear()
-        self._file.close()
-
-
-class VersionWriter:
-    """Writes the chunks of one (owner, step) version into a slot; ``commit`` publishes it.
-
-    ``write_chunk`` may be called from several threads at once.
-    """
-
-    def __init__(self, store: HostStore, owner: int, step: int, slot: _Slot):
-        self.store, self.owner, self.step, self.slot = store, owner, step, slot
-        self.chunks: dict[str, dict[str, int]] = {}
-        self._next = 0
-        self._lock = threading.Lock()
-        self._done = False
-
-    def write_chunk(self, name: str, data: Any, offset: int | None = None) -> None:
-        """Copies ``data`` (bytes-like) into the slot and checksums it.
-
-        Args:
-          offset: where in the slot the chunk goes. A caller that places the
-            chunks of a row back to back (the checkpointer: row * payload +
-            chunk start) lets a reader copy the whole row at once
-            (``read_span_into``); default: after the previous chunk, aligned.
-        """
-        if "/" in name:
-            raise ValueError(f"bad chunk name {name!r}")
-        src = np.frombuffer(data, np.uint8)
-        with self._lock:
-            if name in self.chunks:
-                raise ValueError(f"chunk {name!r} written twice")
-            if offset is None:
-                offset = self._next
-            if offset < 0:
-                raise ValueError(f"chunk {name!r}: negative offset {offset}")
-            self._next = max(self._next, _round_up(offset + src.size))
-            self.slot.grow(self._next)
-            view = self.slot.view
-            self.chunks[name] = {"offset": offset, "nbytes": int(src.size)}
-        dst = view[offset:offset + src.size]
-        np.copyto(dst, src)
-        self.chunks[name]["crc32c"] = checksum(dst)
-
-    def commit(self, meta: dict[str, Any]) -> Path:
-        """Writes the head last (temporary name, renamed into place); returns its path."""
-        head = {"owner": self.owner, "step": self.step, "generation": time.time_ns(),
-                "slot": self.slot.index, "chunks": self.chunks, **meta}
-        path = self.store._slot_path(self.owner, self.slot.index, "head")
-        tmp = self.store._check(path.with_suffix(".head.tmp"))
-        tmp.write_text(json.dumps(head))
-        os.replace(tmp, path)
-        self.store._committed(self.owner, self.step, self.slot.index)
-        self._finish()
-        return path
-
-    def abort(self) -> None:
-        """Drops the version: the slot is free again."""
-        self._finish()
-
-    def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self.store._release(self.owner, self.slot.index)
 
 
 class HostStore:
@@ -398,14 +102,19 @@ class HostStore:
       root: this (job, host)'s directory; created if missing.
       limit: the bound on every store under ``limit.shared_root`` (checked
         when a slot grows); None: only the RAM disk's own space bounds it.
+      registry: maps each slot 2 MiB-aligned, sized in whole huge pages, and
+        registers it with the GPU runtime (``pinned.SlotRegistry``); None:
+        plain ``mmap``.
 
     Holds a shared ``flock`` on ``root/.lock`` until ``close`` (module
     docstring, Lifecycle).
     """
 
-    def __init__(self, root: str | os.PathLike, *, limit: StoreLimit | None = None):
+    def __init__(self, root: str | os.PathLike, *, limit: StoreLimit | None = None,
+                 registry: SlotRegistry | None = None):
         self.root = Path(root).resolve()
         self.limit = limit
+        self.registry = registry  # maps (and registers) slots: pinned.SlotRegistry
         self._lock_fd: int | None = self._take_lock()
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, int], _Slot] = {}
@@ -423,7 +132,7 @@ class HostStore:
         Waits only while ``remove_unused`` holds it to delete this root, then
         locks the new file of the recreated root.
         """
-        path = self.root / _LOCK
+        path = self.root / LOCK
         while True:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -461,7 +170,7 @@ class HostStore:
     def _full_message(self, path: Path, nbytes: int, delta: int, why: str) -> str:
         # Without a limit, the store root is taken as ROOT/../.. (STORE_ROOT/JOB/host{h}).
         shared = self.limit.shared_root if self.limit is not None else self.root.parent.parent
-        return _full_message(path, nbytes, delta, self.limit, why, shared)
+        return full_message(path, nbytes, delta, self.limit, why, shared)
 
     # paths ---------------------------------------------------------------
     def _check(self, path: Path) -> Path:
@@ -527,14 +236,15 @@ class HostStore:
                 # The smallest free slot that fits, else the largest one (grown).
                 sizes = {i: self._slot(owner, i).capacity for i in free}
                 fits = [i for i in free if sizes[i] >= nbytes]
-                index = min(fits, key=sizes.get) if fits else max(free, key=sizes.get)
+                index = (min(fits, key=sizes.__getitem__) if fits
+                         else max(free, key=sizes.__getitem__))
             else:
                 index = max(indices, default=-1) + 1
             self._busy.add((owner, index))
             slot = self._slot(owner, index)
         self._slot_path(owner, index, "writing").write_text(str(step))
         try:
-            slot.grow(_round_up(nbytes))
+            slot.grow(round_up(nbytes))
         except BaseException:
             self._release(owner, index)  # the slot is free again, as it was
             raise
@@ -750,7 +460,7 @@ class HostStore:
                 slot.close()
             self._slots.clear()
         for entry in list(self.root.iterdir()) if self.root.is_dir() else ():
-            if entry.name == _LOCK:
+            if entry.name == LOCK:
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)

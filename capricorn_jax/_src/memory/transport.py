@@ -56,7 +56,7 @@ def _as_bytes(x: jax.Array) -> jax.Array:
 
 def device_perm(plan: PackPlan, host_perm: dict[int, int]) -> tuple[tuple[int, int], ...]:
     """Host-level (src -> dst) pairs to device-level pairs: local device j -> j."""
-    pairs = []
+    pairs: list[tuple[int, int]] = []
     for src, dst in sorted(host_perm.items()):
         src_pos, dst_pos = plan.host_positions(src), plan.host_positions(dst)
         if len(src_pos) != len(dst_pos):
@@ -79,6 +79,7 @@ class Transport:
     def __init__(self, plan: PackPlan, mesh: Mesh, state_shardings: Any,
                  rounds: list[dict[int, int]], status_len: int):
         self.plan, self.mesh, self.status_len = plan, mesh, status_len
+        self._state_shardings, self._rounds = state_shardings, rounds
         self.axes = tuple(mesh.axis_names)
         self.rows = NamedSharding(mesh, P(self.axes))
         self.perms = [device_perm(plan, r) for r in rounds]
@@ -96,7 +97,12 @@ class Transport:
         self._replicate = jax.jit(lambda leaves, trailer, status, *gather: mapped(
             leaves, trailer, status, *gather))
         self._serve: dict[tuple, Any] = {}
-        self._gather = None
+        self._gather: Any = None  # compiled at the first gather_status
+
+    def for_plan(self, plan: PackPlan) -> Transport:
+        """A transport of ``plan`` over the same mesh, state and rounds (e.g.
+        the plan of a PEC version with fewer records per device)."""
+        return Transport(plan, self.mesh, self._state_shardings, self._rounds, self.status_len)
 
     def pack_local(self, leaves: list[jax.Array], trailer: jax.Array,
                    gather: jax.Array | None = None) -> jax.Array:
@@ -200,6 +206,7 @@ class Transport:
         if (gather is None) != (ep is None):
             raise ValueError("gather indices are required by a PEC plan and only by one")
         if gather is not None:
+            assert ep is not None  # checked just above
             if gather.shape != (ep.ranks, ep.count):
                 raise ValueError(f"gather indices of shape {gather.shape}, the plan carries "
                                  f"{(ep.ranks, ep.count)}")
@@ -238,7 +245,8 @@ def local_rows(array: jax.Array, copy: bool = True) -> list[np.ndarray]:
     the backend allows (CPU, host memory), valid while ``array`` lives: a
     writer that copies the rows into its store anyway saves a copy of the
     version (on this box ~0.8 ms per MB, BUILD_NOTES "Where the CPU goes")."""
-    position = {d: p for p, d in enumerate(array.sharding.mesh.devices.flat)}
+    mesh = array.sharding.mesh  # type: ignore[attr-defined]  # the rows' NamedSharding
+    position = {d: p for p, d in enumerate(mesh.devices.flat)}
     rows = sorted((position[s.device], s) for s in array.addressable_shards)
     read = np.array if copy else np.asarray
     return [read(s.data)[0] for _, s in rows]

@@ -13,16 +13,33 @@ inputs, so that the collectives each host then runs match. The primitives:
 * ``allgather_floats``: every host's numbers (measurements to report, or a
   barrier).
 
-A JSON document travels as its UTF-8 bytes: the lengths are exchanged first,
-then the bytes, padded to the longest; so a document has no size limit and
-costs two small collectives. On one process nothing is exchanged.
+A document travels as a JSON string through the ``jax.distributed`` key-value
+store: every host sets its key of the agreement (agreements are numbered in
+call order, the same on every host) and reads every host's key with one
+deadline, so a host that never answers ends the wait with an
+``AgreementTimeout`` naming that host, the agreement and what the caller
+waited for (``what``), after ``timeout_s`` (default: ``set_timeout``'s value
+for the process, ``DEFAULT_TIMEOUT_S`` until then). A host deletes its key of
+the previous agreement once it has read every key of the current one (every
+host has then finished reading the previous one). On one process nothing is
+exchanged.
 
-Design choice: collectives over the processes (``multihost_utils``), which
-every host must call in the same order, rather than the ``jax.distributed``
-key-value store: its client is a private JAX API, and the hosts run
-collectives at the same points anyway. Alternative not taken: a fixed-size
-buffer per document (one collective instead of two, but a size limit, and
-every call moving the limit's bytes).
+A timed-out agreement is neither retried nor skipped: the hosts' agreements
+are matched by their order, which a host that gave up can no longer keep, so
+the error propagates and ends the job (the launcher restarts it and recovery
+resumes from the memory tier). The default bound is longer than the
+persistent tier's (``CapricornHandler.commit_timeout_s``, also Orbax's
+barrier timeout): a host that failed a persistent write alone waits at the next
+agreement while the others time out at Orbax's barrier, and the job goes on.
+
+Design choice: the key-value store, read with a deadline. Alternatives not
+taken: collectives over the processes (``multihost_utils``, used here
+before): a collective that one host never joins hangs inside XLA, cannot be
+interrupted from Python and cannot say which host is missing; a watchdog
+thread around such a collective could only end the process, still without
+naming the host. The store's client is a private JAX API
+(``capricorn_jax.experimental.distributed_client``), already used by the
+chunk channel to exchange addresses.
 
 Every function takes ``hosts``, the number of processes taking part (default
 ``jax.process_count()``); with ``hosts == 1`` nothing is exchanged, which is
@@ -33,80 +50,146 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+DEFAULT_TIMEOUT_S = 1800.0
+_KEY = "capricorn/agree/{seq}/{host}"
+
+
+class AgreementTimeout(TimeoutError):
+    """A host did not answer a cross-host agreement within its bound."""
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seq: dict[tuple[int, int], int] = {}  # (client, host) -> agreements so far
+        self.timeout_s = DEFAULT_TIMEOUT_S
+
+
+_state = _State()
+
+
+def set_timeout(seconds: float) -> None:
+    """The bound of every later agreement of this process (all hosts should set
+    the same); it must exceed the persistent tier's ``commit_timeout_s`` (module
+    docstring)."""
+    if not seconds > 0:
+        raise ValueError(f"agreement timeout must be positive, got {seconds}")
+    _state.timeout_s = float(seconds)
+
 
 def _hosts(hosts: int | None) -> int:
     return jax.process_count() if hosts is None else hosts
 
 
-def _utils():
-    from jax.experimental import multihost_utils
+def _client() -> Any:
+    from jax._src import distributed
 
-    return multihost_utils
-
-
-def _padded(raw: bytes, size: int) -> np.ndarray:
-    buf = np.zeros(max(size, 1), np.uint8)
-    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-    return buf
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("cross-host agreement needs jax.distributed.initialize() on every "
+                           "host (no key-value store client in this process)")
+    return client
 
 
-def allgather_json(doc: Any, hosts: int | None = None) -> list[Any]:
-    """Every host's JSON-able ``doc``, in process order (collective).
+def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
+             client: Any = None, host: int | None = None) -> list[str]:
+    """Every host's string ``doc`` in process order, through the key-value store.
+
+    Args:
+      doc: this host's string.
+      hosts: the processes taking part (process indices 0..hosts-1).
+      what: what the caller waits for, for the error (e.g. "the pre-check of
+        persistent step 12").
+      timeout_s: the bound (default: ``set_timeout``'s).
+      client, host: the store's client and this host's index (default: this
+        process's ``jax.distributed`` client and ``jax.process_index()``).
+
+    Raises:
+      AgreementTimeout: a host did not set its key within the bound; the
+        message names it, the agreement's number and ``what``.
+    """
+    client = _client() if client is None else client
+    host = jax.process_index() if host is None else host
+    timeout_s = _state.timeout_s if timeout_s is None else timeout_s
+    with _state.lock:
+        seq = _state.seq[(id(client), host)] = _state.seq.get((id(client), host), 0) + 1
+    client.key_value_set(_KEY.format(seq=seq, host=host), doc)
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for other in range(hosts):
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            out.append(client.blocking_key_value_get(_KEY.format(seq=seq, host=other), left_ms))
+        except Exception as e:  # noqa: BLE001 - the store's deadline error (JaxRuntimeError)
+            raise AgreementTimeout(
+                f"host {host}: agreement #{seq} ({what}): host {other} did not answer within "
+                f"{timeout_s:g}s ({type(e).__name__}: {str(e)[:200]}); the job stops, as its "
+                f"hosts can no longer match their agreements") from e
+    if seq > 1:
+        try:
+            client.key_value_delete(_KEY.format(seq=seq - 1, host=host))
+        except Exception:  # noqa: BLE001 - a key left behind costs a few bytes
+            pass
+    return out
+
+
+def allgather_json(doc: Any, hosts: int | None = None, what: str = "allgather_json") -> list[Any]:
+    """Every host's JSON-able ``doc``, in process order (every host calls it).
 
     Args:
       doc: this host's document (anything ``json.dumps`` takes).
       hosts: the processes taking part (default: all); 1 exchanges nothing.
+      what: what the caller waits for (named by a timeout's error).
 
     Returns:
       [host 0's doc, host 1's doc, ...] as ``json.loads`` gives them back (the
       local doc itself when ``hosts`` is 1).
     """
-    if _hosts(hosts) == 1:
+    n = _hosts(hosts)
+    if n == 1:
         return [doc]
-    raw = json.dumps(doc).encode()
-    utils = _utils()
-    sizes = np.asarray(utils.process_allgather(np.array([len(raw)], np.int32))).reshape(-1)
-    gathered = np.asarray(utils.process_allgather(_padded(raw, int(sizes.max()))))
-    return [json.loads(row[:n].tobytes().decode()) for row, n in zip(gathered, sizes, strict=True)]
+    return [json.loads(x) for x in exchange(json.dumps(doc), n, what)]
 
 
-def broadcast_json(doc: Any, hosts: int | None = None) -> Any:
-    """Host 0's JSON-able ``doc`` on every host (collective; every host passes
-    its own, only host 0's travels)."""
-    if _hosts(hosts) == 1:
+def broadcast_json(doc: Any, hosts: int | None = None, what: str = "broadcast_json") -> Any:
+    """Host 0's JSON-able ``doc`` on every host (every host calls it and passes
+    its own, only host 0's is used)."""
+    n = _hosts(hosts)
+    if n == 1:
         return doc
-    raw = json.dumps(doc).encode()
-    utils = _utils()
-    size = int(np.asarray(utils.broadcast_one_to_all(np.array([len(raw)], np.int32)))[0])
-    mine = raw if jax.process_index() == 0 else b""
-    got = np.asarray(utils.broadcast_one_to_all(_padded(mine, size)))
-    return json.loads(got[:size].tobytes().decode())
+    mine = json.dumps(doc) if jax.process_index() == 0 else "null"
+    return json.loads(exchange(mine, n, what)[0])
 
 
-def agree_floats(values: Sequence[float | None], hosts: int | None = None
-                 ) -> list[float | None]:
-    """Host 0's ``values`` on every host, as float32 (collective).
+def agree_floats(values: Sequence[float | None], hosts: int | None = None,
+                 what: str = "agree_floats") -> list[float | None]:
+    """Host 0's ``values`` on every host, as float32 (every host calls it).
 
     Every host passes as many values. Each value is rounded to float32 on
     every host, host 0 included and on one process too, so that a decision
     taken from the agreed values is the same whatever the process count. None
-    travels as NaN and comes back None (e.g. a duration not measured).
+    stays None (e.g. a duration not measured).
     """
     arr = np.array([np.nan if v is None else v for v in values], np.float32)
     if _hosts(hosts) > 1:
-        arr = np.asarray(_utils().broadcast_one_to_all(arr))
+        got = broadcast_json([None if math.isnan(v) else float(v) for v in arr], hosts, what)
+        arr = np.array([np.nan if v is None else v for v in got], np.float32)
     return [None if math.isnan(v) else float(v) for v in arr]
 
 
-def allgather_floats(values: Sequence[float], hosts: int | None = None) -> list[list[float]]:
+def allgather_floats(values: Sequence[float], hosts: int | None = None,
+                     what: str = "allgather_floats") -> list[list[float]]:
     """Every host's ``values`` (float64, as many on every host), in process
-    order (collective); also a barrier: it returns once every host called it."""
+    order; also a barrier: it returns once every host called it."""
+    mine = [float(v) for v in values]
     if _hosts(hosts) == 1:
-        return [list(map(float, values))]
-    return np.asarray(_utils().process_allgather(np.asarray(values, np.float64))).tolist()
+        return [mine]
+    return [[float(v) for v in row] for row in allgather_json(mine, hosts, what)]

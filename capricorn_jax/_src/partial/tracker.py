@@ -70,7 +70,7 @@ class PltTracker:
     @property
     def shape(self) -> tuple[int, int]:
         """(MoE layers, experts per layer)."""
-        return self.since_save.shape  # type: ignore[return-value]
+        return self.since_save.shape
 
     @property
     def complete(self) -> bool:

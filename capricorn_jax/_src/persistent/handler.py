@@ -96,12 +96,17 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         that have it), or "device", "pinned_host", "unpinned_host".
       read_timeout_s: how long the persistent reader waits for the in-memory
         writer to commit its version, and how long ``save_to_memory`` waits
-        for the reader before starting a newer version.
+        for the reader before starting a newer version. One persistent write
+        on this host is bounded by ``write_timeout_s`` (twice this: the read,
+        then the directory and the files), the wait for the other hosts'
+        outcomes after it by the same, and both by ``commit_timeout_s``, which
+        ``manager.CheckpointManager`` gives Orbax as its barrier timeout.
 
     Attributes:
       on_persist: optional hook ``(step, phase)`` called in the background
         thread: phase "read" once the version's bytes are in RAM, "written" once
-        this host's files are written (before Orbax commits the step).
+        this host's files are written (before Orbax commits the step). An
+        exception it raises fails this host's write (fault injection).
     """
 
     def __init__(self, checkpointer: InMemoryCheckpointer | None = None, *,
@@ -134,6 +139,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         self._writer: _PersistFuture | None = None
         self._next_pec: dict[str, Any] | None = None
         self._closed = False
+        self._saves = 0  # persistent saves started (the same count on every host)
         self.last_host_state: dict[str, Any] = {}
 
     def registry(self, item: str = "state") -> ocp.handlers.DefaultCheckpointHandlerRegistry:
@@ -198,7 +204,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         if ckpt is None:
             return None
         inventory = {str(o): ckpt.store.versions(o) for o in ckpt.store.owners()}
-        gathered = allgather_json(inventory, ckpt.hosts)
+        gathered = allgather_json(inventory, ckpt.hosts, "the memory tier's versions (restore)")
         decision = choose_version([{int(o): v for o, v in inv.items()} for inv in gathered],
                                   ckpt.hosts)
         return None if decision is None else decision[0]
@@ -208,8 +214,22 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         """Starts writing the persistent tier from the in-memory version; returns at once."""
         return [self._start(directory, args)]
 
+    @property
+    def write_timeout_s(self) -> float:
+        """The bound of one persistent write on this host (read, then write),
+        and of the wait for the other hosts' outcomes after it."""
+        return 2 * self.read_timeout_s
+
+    @property
+    def commit_timeout_s(self) -> float:
+        """Orbax's barrier timeout (``AsyncOptions.timeout_secs``): this host's
+        write, then the wait for the others' outcomes."""
+        return 2 * self.write_timeout_s
+
     def save(self, directory, args: CapricornSave) -> None:
-        self._start(directory, args).result()
+        """The synchronous save: ``async_save``'s write, waited for (bounded by
+        ``commit_timeout_s``; a write still running then raises TimeoutError)."""
+        self._start(directory, args).result(timeout=self.commit_timeout_s)
 
     def _start(self, directory, args: CapricornSave) -> _PersistFuture:
         if not isinstance(args, CapricornSave):
@@ -228,7 +248,8 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         if pec_step is not None and pec_step["step"] != memory.step:
             raise RuntimeError(f"the persistent PEC record is for step {pec_step['step']}, "
                                f"the in-memory version for step {memory.step}")
-        future = _PersistFuture(self, epath.Path(directory), memory, pec_step)
+        self._saves += 1
+        future = _PersistFuture(self, epath.Path(directory), memory, pec_step, self._saves)
         with self._lock:
             self._reader = (memory.step, future.read)
             self._writer = future
@@ -278,6 +299,40 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         del tree, futures
         (directory / HOST_STATE_FILE.format(host=ckpt.host)).write_text(json.dumps(host_state))
         self._hook(step, "written")
+
+    def _agree_written(self, future: _PersistFuture, mine: str) -> None:
+        """Every host's outcome of ``future``'s write (background thread).
+
+        Each host sets its outcome ("" or its error) under the save's key in
+        the ``jax.distributed`` key-value store and reads every host's, within
+        ``write_timeout_s``; when some host failed (or did not answer), this
+        host's commit future fails too, naming it, so no host reaches Orbax's
+        barrier and the step is dropped everywhere at once. Keys of their own
+        (not ``multihost.agree``'s numbered agreements, which the training
+        thread runs meanwhile)."""
+        ckpt = self.checkpointer
+        if ckpt is None or ckpt.hosts == 1 or jax.process_count() == 1:
+            if mine:
+                raise future.error
+            return
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        key = f"capricorn/persist/{future.seq}/{future.memory.step}/{{host}}"
+        client.key_value_set(key.format(host=ckpt.host), mine or "ok")
+        deadline = time.monotonic() + self.write_timeout_s
+        failed = []
+        for host in range(ckpt.hosts):
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                outcome = client.blocking_key_value_get(key.format(host=host), left_ms)
+            except Exception:  # noqa: BLE001 - the store's deadline error
+                outcome = f"no outcome within {self.write_timeout_s:g}s"
+            if outcome != "ok":
+                failed.append(f"host {host}: {outcome}")
+        if failed:
+            raise RuntimeError(f"host {ckpt.host}: persistent step {future.memory.step} dropped "
+                               f"on every host: " + "; ".join(failed)) from future.error
 
     def _hook(self, step: int, phase: str) -> None:
         if self.on_persist is not None:
@@ -390,8 +445,10 @@ class _PersistFuture:
     """
 
     def __init__(self, handler: CapricornHandler, directory: epath.Path, memory: _MemorySave,
-                 pec: dict[str, Any] | None = None):
+                 pec: dict[str, Any] | None = None, seq: int = 0):
         self.handler, self.directory, self.memory = handler, directory, memory
+        self.seq = seq  # the handler's count of persistent saves (the outcome's key)
+        self.error: BaseException | None = None  # this host's own failure
         self.pec = pec  # the PEC record of the step (experts carried, ...), None: full
         self.read = threading.Event()  # the version's bytes are in RAM (or the read failed)
         self.cancelled = threading.Event()
@@ -403,21 +460,27 @@ class _PersistFuture:
         self._thread.start()
 
     def _run(self) -> None:
+        mine = ""
         try:
             self.handler._write_step(self)
         except _Aborted as e:
             log.info("%s", e)
-            self._error = e
+            self.error, mine = e, f"aborted: {e}"
         except BaseException as e:  # noqa: BLE001 - raised by result()
             log.error("persistent save of step %d failed on host %d: %s: %s", self.memory.step,
                       jax.process_index(), type(e).__name__, e)
+            self.error, mine = e, f"{type(e).__name__}: {e}"
+        try:
+            self.handler._agree_written(self, mine)
+        except BaseException as e:  # noqa: BLE001 - raised by result()
             self._error = e
 
     def result(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"persistent save of step {self.memory.step} still running after "
-                               f"{timeout}s")
+            raise TimeoutError(f"host {jax.process_index()}: persistent save of step "
+                               f"{self.memory.step} (reading in-memory version {self.memory.step} "
+                               f"and writing its files) still running after {timeout}s")
         if self._error is not None:
             raise self._error
 

@@ -38,8 +38,24 @@ otherwise leave the other hosts waiting for their timeout. A failure
 inside the background write is collected at the next ``save`` (or
 ``wait_until_finished``/``close``), and the primary host removes the
 uncommitted directory. Either way the failure is logged to the
-``capricorn_jax`` logger and appended to ``manager.persistent_errors``. Every
-wait is bounded (``read_timeout_s``, Orbax's ``AsyncOptions.timeout_secs``).
+``capricorn_jax`` logger and appended to ``manager.persistent_errors``.
+
+A step is whole on every host or dropped by every host, within one bound:
+the hosts agree after writing as well as before. Each host's commit future
+is the handler's write (bounded by ``CapricornHandler.write_timeout_s``)
+followed by an exchange of every host's outcome through the
+``jax.distributed`` key-value store (bounded by the same): when one host's
+write failed after the pre-check (an I/O error, its version skipped, the
+read timed out) or did not finish (a hang), every host's commit future fails
+naming it, so no host reaches Orbax's ``async_write_complete`` barrier, the
+primary host does not commit the step, each host records the failure, and
+the next persistent step goes on. Orbax's barrier timeout
+(``AsyncOptions.timeout_secs``) is set from the handler's
+``commit_timeout_s`` unless the caller gave ``async_options`` (Orbax's own
+default is 1200 s in orbax-checkpoint 0.12.8): it bounds the rest. Alternative
+not taken: Orbax's barrier alone: a host that failed never arrives, and the
+others learn it only at the barrier's timeout, with an error that names no
+host.
 
 Design decision: a ``CheckpointManager`` subclass that runs the memory tier on
 every ``save`` call and defers to Orbax's own policy for the disk tier.
@@ -56,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import time
@@ -96,6 +113,8 @@ class CheckpointManager(ocp.CheckpointManager):
 
     def __init__(self, directory, *args, handler_registry=None, **kwargs):
         self.item, self.handler = _find_handler(handler_registry)
+        if len(args) < 2:  # options not given by position
+            kwargs["options"] = _bounded_options(kwargs.get("options"), self.handler)
         self.persistent_errors: list[dict[str, Any]] = []
         self.last_memory_report: SaveReport | None = None
         self.last_restore: RestoreInfo | None = None
@@ -195,9 +214,10 @@ class CheckpointManager(ocp.CheckpointManager):
         versions of its experts' newest copies); the answers are all-gathered,
         so either every host starts the Orbax save or none does. Without this,
         a host that cannot write fails alone inside Orbax's background save,
-        and the others wait at Orbax's barrier for its timeout (600 s) before
-        the failure is known. Object stores (``gs://``...) have no directory
-        permissions and are not probed.
+        and the others learn it only after their own writes (the handler's
+        outcome exchange), having read and written for nothing.
+        Object stores (``gs://``...) have no directory permissions and are
+        not probed.
         """
         mine = ""
         if "://" not in str(self.directory):  # a local or mounted filesystem
@@ -210,7 +230,7 @@ class CheckpointManager(ocp.CheckpointManager):
         if missing:
             mine = (f"host {jax.process_index()}: its store lacks in-memory versions {missing} "
                     f"that version {step} reads")
-        everyone = allgather_json(mine)
+        everyone = allgather_json(mine, what=f"the pre-check of persistent step {step}")
         problems = [x for x in everyone if x]
         if not problems:
             return None
@@ -337,7 +357,8 @@ class CheckpointManager(ocp.CheckpointManager):
             # Every host takes the primary host's view: whether the step is a
             # PEC step, and which steps it may read.
             primary = broadcast_json({"pec": record is not None, "steps": [
-                s for s in self.all_steps() if s <= step]})
+                s for s in self.all_steps() if s <= step]},
+                what=f"the primary host's view of persistent step {step}")
             if primary["pec"] != (record is not None):
                 raise ValueError(f"persistent step {step}: host {jax.process_index()} reads its "
                                  f"PEC record differently from the primary host")
@@ -426,6 +447,16 @@ class RestoreInfo:
     memory_tiers: list[str] | None = None
     bytes_moved: int | None = None
     pec: PecRestore | None = None
+
+
+def _bounded_options(options, handler: CapricornHandler):
+    """``options`` with Orbax's barrier timeout set to the handler's write bound
+    (unless the caller set ``async_options``)."""
+    options = ocp.CheckpointManagerOptions() if options is None else options
+    if options.async_options is not None:
+        return options
+    return dataclasses.replace(options, async_options=ocp.AsyncOptions(
+        timeout_secs=math.ceil(handler.commit_timeout_s)))
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:

@@ -31,8 +31,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.packing import make_pec_plan
+from capricorn_jax._src.memory.reader import TierReader
 from capricorn_jax._src.memory.recovery import PecBlocks, read_rows, row_chunk_names
 from capricorn_jax._src.partial.plans import mask_from_hex
 from capricorn_jax._src.partial.tracker import (
@@ -53,7 +53,7 @@ def aligned(nbytes: int) -> np.ndarray:
     return raw[start: start + nbytes]
 
 
-def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
+def read_own_blocks(ckpt: TierReader, step: int, timeout_s: float
                     ) -> tuple[dict[int, list[np.ndarray]], dict[str, Any]]:
     """This host's shard blocks of its committed in-memory version ``step``.
 
@@ -99,7 +99,7 @@ def read_own_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
     return blocks, manifest.get("host_state", {})
 
 
-def _await_version(ckpt: InMemoryCheckpointer, step: int, timeout_s: float) -> None:
+def _await_version(ckpt: TierReader, step: int, timeout_s: float) -> None:
     """Waits (at most ``timeout_s``) until this host's own version ``step`` is committed."""
     deadline = time.monotonic() + timeout_s
     while step not in ckpt.store.versions(ckpt.host):
@@ -109,7 +109,7 @@ def _await_version(ckpt: InMemoryCheckpointer, step: int, timeout_s: float) -> N
         time.sleep(0.005)
 
 
-def read_pec_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
+def read_pec_blocks(ckpt: TierReader, step: int, timeout_s: float
                     ) -> tuple[dict[int, list[np.ndarray]], dict[str, Any], RestorePlan]:
     """This host's shard blocks of the state a memory-tier restore to PEC
     version ``step`` gives: non-expert state from ``step``, every expert
@@ -150,7 +150,7 @@ def read_pec_blocks(ckpt: InMemoryCheckpointer, step: int, timeout_s: float
     return blocks.result(), manifest.get("host_state", {}), plan
 
 
-def carried_blocks(ckpt: InMemoryCheckpointer, blocks: dict[int, list[np.ndarray]],
+def carried_blocks(ckpt: TierReader, blocks: dict[int, list[np.ndarray]],
              plan: RestorePlan, record: dict[str, Any] | None
              ) -> tuple[dict[int, list[np.ndarray]], list[tuple[int, ...]] | None]:
     """The blocks of a persisted step carrying ``record``'s experts, and the

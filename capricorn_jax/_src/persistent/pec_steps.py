@@ -59,7 +59,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capricorn_jax._src.memory import retention
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.reader import TierReader
 from capricorn_jax._src.memory.recovery import PecRestore
 from capricorn_jax._src.multihost.agree import allgather_json
 from capricorn_jax._src.partial.plans import (
@@ -138,7 +138,7 @@ class PecSteps:
                              np.asarray(record["data_step"], np.int64))
         return out
 
-    def decide(self, step: int, ckpt: InMemoryCheckpointer, earlier: list[int]
+    def decide(self, step: int, ckpt: TierReader, earlier: list[int]
                ) -> dict[str, Any]:
         """Decides the PEC record of persistent step ``step`` (collective).
 
@@ -301,7 +301,7 @@ def assemble(point: int, needed: list[int], plan: PersistedPlan, record: dict[st
     return jax.tree.unflatten(treedef, leaves), host_state
 
 
-def resume_memory_tier(ckpt: InMemoryCheckpointer | None, step: int,
+def resume_memory_tier(ckpt: TierReader | None, step: int,
                        record: dict[str, Any] | None, plan: PersistedPlan | None) -> None:
     """A PEC memory tier goes on from persistent step ``step``: no copy of any
     expert in memory yet (its next version carries all), the losses of the

@@ -143,7 +143,8 @@ class ProfileCache:
             del entry[:-self.options.samples]
 
     def age(self, key: Hashable, step: int) -> int | None:
-        """Steps from the stalest cell's newest profile to ``step`` (None: a cell never measured)."""
+        """Steps from the stalest cell's newest profile to ``step`` (None: a
+        cell never measured)."""
         entries = [self.entries.get(cell) for cell in self._cells(key)]
         if not all(entries):
             return None
@@ -173,7 +174,8 @@ class ProfileCache:
         return out
 
     def lookup(self, key: Hashable, step: int) -> dict[LayerKey, float] | None:
-        """The per-segment medians of ``key``'s cached profiles, if the cache answers at ``step``."""
+        """The per-segment medians of ``key``'s cached profiles, if the cache
+        answers at ``step``."""
         sources = self.sources(key, step)
         if sources is None:
             return None

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.profiling.layer_profile import BWD, FWD, Recorder
 
+
 def probe_scalar(leaves: Sequence[jax.Array]) -> jax.Array:
     """A float32 scalar that depends on every (non-empty) leaf."""
     parts = [leaf.ravel()[0].astype(jnp.float32) for leaf in leaves if leaf.size]

@@ -59,8 +59,9 @@ model knows them, the library does not), each one is timed *in isolation*
 (``probe.time_all_to_all``) on the same mesh axis and the layer's
 ``collective_s`` is that estimate (the forward runs the all-to-alls, the
 backward their transposes, the same shapes); ``compute_s`` is the measured
-duration minus it, so waiting for a slower peer counts as compute. Without ``collectives`` both are None. Gradient all-reduces of
-replicated parameters are not split out.
+duration minus it, so waiting for a slower peer counts as compute. Without
+``collectives`` both are None. Gradient all-reduces of replicated parameters
+are not split out.
 
 Caching. ``make_profiled_step`` keeps the variants and the all-to-all timings
 of a trainer in a weak mapping keyed by the trainer, so they live and die
@@ -98,7 +99,7 @@ from capricorn_jax._src.profiling.layer_profile import (
 from capricorn_jax._src.profiling.probe import probe_scalar, time_all_to_all
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.strategies.base import State, TrainStep
+    from capricorn_jax._src.profiling.train_step import State, TrainStep
 
 
 def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str,

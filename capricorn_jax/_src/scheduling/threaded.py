@@ -18,10 +18,16 @@ XLA program while the step computes:
   (``last_spans``), which the strategy compares with its plan
   (``transfers.window_spills``);
 * the bytes go over a TCP connection per replication round (this host to its
-  peer), on the address the host's name resolves to: behind shaped links,
-  the link the all-to-alls use; a receiver thread writes the peer's frames
-  into the version's buffer, and ``wait`` hands the complete buffer to the
-  commit.
+  peer), on the address this host reaches the job's coordinator from
+  (``job_address``: behind shaped links, the link the all-to-alls use; never
+  a loopback alias such as 127.0.1.1 unless the coordinator itself is on
+  loopback); a receiver thread writes the peer's frames into the version's
+  buffer, and ``wait`` hands the complete buffer to the commit.
+* the listener accepts only its job's peer: the connecting side first sends a
+  hello (a magic, its host index, the job's token); a connection with
+  another token or host index is closed with a logged reason and the
+  listener goes on waiting (an identity check against stray or stale
+  connections, not an authentication).
 
 Why not XLA programs issued from a second thread (a chunk's ppermute program
 while the step runs): measured on this box (jax 0.10.2, gloo), two programs
@@ -35,7 +41,12 @@ streams and overlap: there ``executor.InStepSender`` is the path.
 
 Every host sends and receives the same frames in the same order; a peer
 that stops answering ends ``wait`` with an error naming it after the
-timeout, never a hang.
+timeout, never a hang. Every wait is bounded by ``timeout_s``: connecting,
+each send and receive, a window's mark (a mark that never fires sends the
+window's chunks at the bound rather than never), a frame of a version this
+host has not started yet, and ``wait``. A version whose ``wait`` failed or
+timed out is dropped whole (its late frames are read and discarded), a
+frame that arrives twice counts once, and the next version goes on.
 """
 
 from __future__ import annotations
@@ -52,7 +63,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.multihost.agree import agree_floats
@@ -66,6 +76,34 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qqqq")
 SEND_BUFFER = 128 << 10
 _KEY = "capricorn/chunk_channel/{job}/{host}"
+# The connecting side's hello: magic, its host index, the token's length; then the token.
+_HELLO = struct.Struct("<4sqi")
+_MAGIC = b"CJX1"
+_MAX_TOKEN = 4096
+
+
+def job_address(coordinator: str | None) -> str:
+    """The address this host advertises to its peers: the one it reaches the
+    job's coordinator (``host:port``) from, so a peer that reaches the
+    coordinator reaches it too (behind shaped links: this host's end of its
+    link). Without a coordinator (one process), the address this host's name
+    resolves to.
+
+    Raises:
+      OSError: the coordinator is on another machine and this host would
+        advertise a loopback address (e.g. 127.0.1.1), which peers cannot reach.
+    """
+    if coordinator is None:
+        return socket.gethostbyname(socket.gethostname())
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # no packet is sent: this only picks the route
+        address = probe.getsockname()[0]
+    coordinator_local = socket.gethostbyname(host).startswith("127.")
+    if address.startswith("127.") and not coordinator_local:
+        raise OSError(f"this host would advertise the loopback address {address} to reach the "
+                      f"coordinator {coordinator}; its peers cannot connect there")
+    return address
 
 
 class WindowMarks:
@@ -132,35 +170,43 @@ class ChunkChannel:
     Args:
       host: this process's index.
       destination, source: the hosts this one sends to and receives from.
-      job: a name unique to the job (the key-value store's keys).
+      job: a name unique to the job (the key-value store's keys, and the
+        token of the hello a peer's connection must start with).
       client: the jax.distributed key-value client (exchanges the addresses).
       timeout_s: bound on connecting and on every send and receive.
+      address: the address to listen on and advertise (default:
+        ``job_address`` of the jax.distributed coordinator).
     """
 
     def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, address: str | None = None) -> None:
         self.host, self.destination, self.source = host, destination, source
         self.timeout_s = timeout_s
-        address = socket.gethostbyname(socket.gethostname())
+        self.token = job.encode()
+        if len(self.token) > _MAX_TOKEN:
+            raise ValueError(f"job name of {len(self.token)} bytes; at most {_MAX_TOKEN}")
+        if address is None:
+            from jax._src import distributed
+
+            address = job_address(distributed.global_state.coordinator_address)
         listener = socket.create_server((address, 0))
-        listener.settimeout(timeout_s)
         client.key_value_set(_KEY.format(job=job, host=host),
                              f"{address}:{listener.getsockname()[1]}")
         peer = client.blocking_key_value_get(_KEY.format(job=job, host=destination),
                                              int(timeout_s * 1000))
         peer_address, port = peer.rsplit(":", 1)
         result: dict[str, Any] = {}
-
-        def accept() -> None:
-            try:
-                result["in"] = listener.accept()[0]
-            except OSError as e:
-                result["error"] = e
-
-        acceptor = threading.Thread(target=accept, daemon=True)
+        deadline = time.monotonic() + timeout_s
+        acceptor = threading.Thread(target=self._accept, args=(listener, deadline, result),
+                                    daemon=True)
         acceptor.start()
-        self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
-        acceptor.join(timeout_s)
+        try:
+            self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
+            self.out.sendall(_HELLO.pack(_MAGIC, host, len(self.token)) + self.token)
+        except OSError:
+            listener.close()
+            raise
+        acceptor.join(timeout_s + 1.0)
         listener.close()
         if "in" not in result:
             self.out.close()
@@ -175,6 +221,48 @@ class ChunkChannel:
         # next all-to-all (pacing to the window).
         self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
 
+    def _accept(self, listener: socket.socket, deadline: float, result: dict[str, Any]) -> None:
+        """Accepts connections until one from this job's source host, with this
+        job's token, says hello; any other is closed with a logged reason."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                result.setdefault("error", "no connection")
+                return
+            try:
+                listener.settimeout(left)
+                conn, peer = listener.accept()
+            except OSError as e:  # timed out, or the listener closed (the connect failed)
+                result["error"] = e
+                return
+            why = self._refusal(conn, min(left, self.timeout_s))
+            if why is None:
+                result["in"] = conn
+                return
+            log.warning("host %d: chunk channel refused a connection from %s: %s", self.host,
+                        peer, why)
+            result["error"] = why
+            conn.close()
+
+    def _refusal(self, conn: socket.socket, timeout_s: float) -> str | None:
+        """Why ``conn`` is not this job's source host (None: it is)."""
+        conn.settimeout(timeout_s)
+        try:
+            hello = bytearray(_HELLO.size)
+            _recv_exact(conn, memoryview(hello))
+            magic, host, size = _HELLO.unpack(hello)
+            if magic != _MAGIC or not 0 <= size <= _MAX_TOKEN:
+                return f"not a chunk channel hello ({bytes(hello[:4])!r})"
+            token = bytearray(size)
+            _recv_exact(conn, memoryview(token))
+        except (OSError, ConnectionError) as e:
+            return f"no hello ({type(e).__name__}: {e})"
+        if bytes(token) != self.token:
+            return f"another job's token ({bytes(token)[:64]!r})"
+        if host != self.source:
+            return f"host {host}, not this host's source host {self.source}"
+        return None
+
     def send(self, version: int, offset: int, rows: Sequence[np.ndarray]) -> None:
         """Sends ``rows`` (one uint8 row of n bytes per local device: a
         [devices, n] array or views of each device's buffer) as bytes
@@ -187,12 +275,22 @@ class ChunkChannel:
         for row in rows:
             self.out.sendall(memoryview(np.ascontiguousarray(row)).cast("B"))
 
-    def receive_into(self, buffers: Callable[[int], np.ndarray]) -> tuple[int, int, int]:
-        """Receives one frame into ``buffers(version)``; (version, offset, length)."""
+    def receive_into(self, buffers: Callable[[int], np.ndarray | None]
+                     ) -> tuple[int, int, int]:
+        """Receives one frame into ``buffers(version)``; (version, offset, length).
+        When ``buffers`` gives None the frame is read and discarded."""
         header = bytearray(_HEADER.size)
         _recv_exact(self.inc, memoryview(header))
         version, offset, length, rows = _HEADER.unpack(header)
         target = buffers(version)
+        if target is None:
+            scratch = memoryview(bytearray(min(max(length, 1), 1 << 20)))
+            left = rows * length
+            while left:
+                n = min(left, len(scratch))
+                _recv_exact(self.inc, scratch[:n])
+                left -= n
+            return version, offset, length
         if rows != target.shape[0] or offset + length > target.shape[1]:
             raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
                              f"{offset} from host {self.source} does not fit version "
@@ -214,7 +312,7 @@ class ChunkChannel:
             for i in range(repeats):
                 errors: list[BaseException] = []
 
-                def receive() -> None:
+                def receive(sink: np.ndarray = sink, errors: list = errors) -> None:
                     try:
                         self.receive_into(lambda _: sink)
                     except BaseException as e:  # noqa: BLE001
@@ -245,7 +343,7 @@ class _Version:
                  expect: list[tuple[int, int]]) -> None:
         self.version, self.own, self.received = version, own, received
         self.expect = sorted(expect)
-        self.got: list[tuple[int, int]] = []
+        self.got: set[tuple[int, int]] = set()  # a frame that arrives twice counts once
         self.sent = threading.Event()
         self.complete = threading.Event()
         self.error: BaseException | None = None
@@ -275,6 +373,7 @@ class ThreadedSender:
         self._hooks: dict[frozenset, ProfileHook] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._versions: dict[int, _Version] = {}
+        self._finished: set[int] = set()  # versions waited for or dropped: late frames discarded
         self._lock = threading.Lock()
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name="chunk-sender",
@@ -365,18 +464,34 @@ class ThreadedSender:
             finally:
                 entry.sent.set()
 
-    def _buffer(self, version: int) -> np.ndarray:
+    def _buffer(self, version: int) -> np.ndarray | None:
+        """The buffer of a frame of ``version``; None (discard the frame) for a
+        version already finished or dropped, or one this host did not start
+        within the bound (then dropped)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             with self._lock:
                 entry = self._versions.get(version)
+                if entry is None and version in self._finished:
+                    return None
             if entry is not None:
                 return entry.received
             if time.monotonic() > deadline or self._closed:
-                raise RuntimeError(f"host {self.channel.host}: a frame of version {version} "
-                                   f"from host {self.channel.source} arrived before this host "
-                                   f"started that version")
+                log.warning("host %d: a frame of version %d from host %d arrived and this host "
+                            "did not start that version within %gs; version %d dropped",
+                            self.channel.host, version, self.channel.source, self.timeout_s,
+                            version)
+                self._finish(version)
+                return None
             time.sleep(0.001)
+
+    def _finish(self, version: int) -> None:
+        """Forgets ``version``: its later frames are discarded."""
+        with self._lock:
+            self._versions.pop(version, None)
+            self._finished.add(version)
+            if len(self._finished) > 1024:
+                self._finished = set(sorted(self._finished)[-512:])
 
     def _receive_loop(self) -> None:
         while not self._closed:
@@ -394,8 +509,10 @@ class ThreadedSender:
                     entry.complete.set()
                 return
             with self._lock:
-                entry = self._versions[version]
-                entry.got.append((offset, offset + length))
+                entry = self._versions.get(version)
+                if entry is None:  # discarded (a finished or dropped version)
+                    continue
+                entry.got.add((offset, offset + length))
                 if sorted(entry.got) == entry.expect:
                     entry.times["received_s"] = time.perf_counter() - entry.t0
                     entry.complete.set()
@@ -418,13 +535,14 @@ class ThreadedSender:
         for event, what in ((entry.sent, f"sending to host {self.channel.destination}"),
                             (entry.complete, f"receiving from host {self.channel.source}")):
             if not event.wait(max(0.0, deadline - time.monotonic())):
+                self._finish(version)  # dropped whole: its late frames are discarded
                 raise TimeoutError(f"host {self.channel.host}: version {version}: {what} did "
                                    f"not finish within {timeout_s:g}s")
             if entry.error is not None:
+                self._finish(version)
                 raise RuntimeError(f"host {self.channel.host}: version {version}: {what} "
                                    f"failed") from entry.error
-        with self._lock:
-            self._versions.pop(version, None)
+        self._finish(version)
         self.last_times = {**entry.times, "waited_s": time.perf_counter() - t_wait}
         opened = {**self.marks.opened_at, START: entry.t0}  # START: when the step was issued
         self.last_spans = {i: opened[close] - opened[open_]
@@ -442,11 +560,27 @@ class ThreadedSender:
         self._sender.join(5.0)
 
 
+MEASURE_ATTEMPTS = 3
+"""Measurements of the channel before its fit's error is raised: on a busy
+host the smallest size's fastest time can exceed the largest's (measured on
+this box beside a CPU-bound process: a fit with a negative slope)."""
+
+
 def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
-    """alpha + bytes/B of the chunk channel, host 0's fit on every host."""
-    sizes, times = channel.measure(rows=rows)
-    # Per-row bytes (the schedule's unit): every local row of a range goes at once.
-    return fit_link_model(sizes, agree_floats(times))
+    """alpha + bytes/B of the chunk channel, host 0's fit on every host; a fit
+    that fails (times that do not grow with size) is measured again, up to
+    ``MEASURE_ATTEMPTS`` times (every host decides alike: host 0's times)."""
+    for attempt in range(MEASURE_ATTEMPTS):
+        sizes, times = channel.measure(rows=rows)
+        # Per-row bytes (the schedule's unit): every local row of a range goes at once.
+        agreed = agree_floats(times, what="the chunk channel's measured times")
+        try:
+            return fit_link_model(sizes, agreed)
+        except ValueError as e:
+            if attempt == MEASURE_ATTEMPTS - 1:
+                raise
+            log.info("host %d: chunk channel measured again (%s)", channel.host, e)
+    raise AssertionError("unreachable")
 
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
     from capricorn_jax._src.memory.transport import Transport
     from capricorn_jax._src.profiling.detector import DynamicityDetector
-    from capricorn_jax._src.strategies.base import TrainStep
+    from capricorn_jax._src.profiling.train_step import TrainStep
 
 
 def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),

@@ -1,12 +1,8 @@
 """The two interfaces between the library and a training loop.
 
-``TrainStep`` is what the library asks of the caller's trainer: the mesh and
-shardings of the train state, the jitted step for a capacity tuple (with
-boundary hooks, or wrapped by instrumentation), and the traced step with a
-sender that moves checkpoint chunks inside it. The profiler, the in-step
-executor and the scheduled strategies use nothing else, and write nothing on
-the trainer: what they cache (profiled variants, all-to-all timings,
-scheduled steps) they keep themselves.
+``TrainStep`` (defined in ``profiling.train_step``, the lowest floor that
+uses it, and re-exported here) is what the library asks of the caller's
+trainer.
 
 ``Strategy`` is what a training loop asks of a checkpoint strategy:
 ``save`` after every step, ``finish`` after the last, ``close`` at the end,
@@ -26,12 +22,12 @@ apart silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+
+from capricorn_jax._src.profiling.train_step import Metrics, State, StepFn, TrainStep
 
 if TYPE_CHECKING:
     from capricorn_jax._src.memory.recovery import Recovered
@@ -39,61 +35,10 @@ if TYPE_CHECKING:
     from capricorn_jax._src.profiling.layer_profile import LayerProfile
     from capricorn_jax._src.scheduling.partitioner import Schedule
 
-State = Any
-"""A train state pytree of global arrays (e.g. {"step", "params", "opt_state", "rng"})."""
-Metrics = dict[str, Any]
-"""A step's metrics; the library reads ``"tokens_per_expert"`` ([moe_layers, experts])."""
 HostState = dict[str, Any]
 """JSON-able per-host state saved with a version (data position, ...)."""
 CheckpointEvent = dict[str, Any]
 """What a save committed: ``{"version": step, "bytes": ..., ...}`` (JSON-able)."""
-StepFn = Callable[[State, jax.Array], tuple[State, Metrics]]
-
-
-class TrainStep(Protocol):
-    """The caller's trainer, as the library uses it.
-
-    Attributes:
-      mesh: the device mesh of the train state and the batch.
-      state_shardings: a NamedSharding per leaf of the train state.
-      batch_sharding: the batch's sharding (leading dimension over the mesh).
-      replicated: a fully replicated NamedSharding on ``mesh``.
-      boundaries: the model's ``layer_boundary`` names, in forward order.
-      moe_layers: the indices ``i`` of the boundaries ``block{i}`` that close
-        an MoE layer, in order (the rows of ``tokens_per_expert``).
-    """
-
-    mesh: Mesh
-    state_shardings: Any
-    batch_sharding: NamedSharding
-    replicated: NamedSharding
-
-    @property
-    def boundaries(self) -> list[str]: ...
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]: ...
-
-    def step_fn(self, factors: tuple[float, ...], hooks: tuple = (),
-                wrap: Callable[[StepFn], StepFn] | None = None) -> StepFn:
-        """The jitted step for a capacity tuple (state donated), compiled once
-        per (factors, hooks, wrap); ``hooks`` are boundary hooks attached
-        inside the traced step, ``wrap`` instruments the traced body."""
-        ...
-
-    def has_step(self, factors: tuple[float, ...], hooks: tuple = ()) -> bool:
-        """Whether ``step_fn(factors, hooks)`` (no wrap) is compiled already."""
-        ...
-
-    def step_with_sender(self, state: State, batch: jax.Array, factors: tuple[float, ...],
-                         sender: Any, *sender_args: jax.Array) -> tuple[State, Metrics, Any]:
-        """The traced (unjitted) step with an in-step sender: the caller calls
-        ``ctx = sender.begin(state, *sender_args)`` before the forward pass,
-        attaches ``sender.hooks(ctx, carriers, received)`` as boundary hooks
-        around the loss, differentiates with respect to ``ctx.carriers`` too,
-        and returns ``sender.finish(ctx, received, carrier_cotangents)`` as the
-        third output (see ``scheduling.executor``)."""
-        ...
 
 
 class Strategy(Protocol):
@@ -104,7 +49,7 @@ class Strategy(Protocol):
     produced; after the last step ``finish``; then ``close``. Every host
     calls every method at the same points (a method may run collectives).
 
-    The profiling driver (``profiling.policy.ProfilingDriver``) runs each
+    The profiling driver (``strategies.driver.ProfilingDriver``) runs each
     step: a profiled step itself, any other through ``run_step``; it calls
     ``on_profile`` with every profile and ``allow_profile`` before profiling
     on the detector's word. Their defaults make a strategy that saves after
@@ -198,3 +143,6 @@ class Strategy(Protocol):
         (benchmarks interleave strategies); the next ``save`` is version
         ``step + 1``. Default: nothing to catch up."""
 
+
+
+__all__ = ["CheckpointEvent", "HostState", "Metrics", "State", "StepFn", "Strategy", "TrainStep"]

@@ -36,7 +36,7 @@ round), so a schedule planned on slower or faster steps than today's is
 re-planned; gemini keeps its schedule and only reports the spills.
 
 Design choice: the strategy does not decide which steps are profiled; the
-profiling driver (``profiling.policy.ProfilingDriver``) does, for every
+profiling driver (``strategies.driver.ProfilingDriver``) does, for every
 strategy alike, and hands this one its profiles (``on_profile``), asks its
 gate (``allow_profile``: capricorn profiles on the detector's word only when
 the schedule in force may overflow at the new load) and its own request
@@ -56,9 +56,11 @@ import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
+from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
 from capricorn_jax._src.scheduling.threaded import (
     ChunkChannel,
@@ -104,7 +106,9 @@ def resolve_chunk_path(path: str) -> str:
     if path not in CHUNK_PATHS:
         raise ValueError(f"chunk_path must be one of {CHUNK_PATHS}, got {path!r}")
     if path == "auto":
-        return "in_graph" if jax.default_backend() == "gpu" else "threaded"
+        path = "in_graph" if jax.default_backend() == "gpu" else "threaded"
+    if path == "in_graph" and jax.default_backend() == "gpu":
+        xla_flags.set_overlap_flags()  # the backend started: checks, warns what is missing
     return path
 
 
@@ -165,8 +169,6 @@ class ScheduledStrategy(InMemoryStrategy):
     @staticmethod
     def _channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
         """The threaded path's connections to the peer of replication round 0."""
-        from capricorn_jax.experimental import distributed_client
-
         client = distributed_client()
         if client is None:
             raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "

@@ -1,0 +1,57 @@
+"""Fault injection points of the in-memory tier: for tests and the chaos
+harness only.
+
+The launcher's fault plans stall a replica writer (a peer that stops
+answering) and kill a host halfway through the replicas of a version. The
+tier reaches both through a ``FaultHooks`` the caller passes to
+``InMemoryCheckpointer(..., hooks=...)``; a user's ``InMemoryOptions`` holds
+only what a user sets, and nothing is patched onto the checkpointer.
+
+Design choice: one typed, frozen object at construction, so the points where
+a fault can strike are listed in one place and a production checkpointer
+(``hooks=None``) has none. Alternative not taken (the previous state): the
+fault fields in ``InMemoryOptions`` and an ``on_pause`` attribute the
+launcher assigned after construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultHooks:
+    """Test-only fault injection for one host's checkpointer.
+
+    Attributes:
+      stall_replica_writer_at: (step, seconds): the replica writer sleeps
+        this long before writing the replicas of version ``step``.
+      pause_mid_replication_at: at this version the replica writer stops
+        halfway through its chunks and calls ``on_pause`` (when that
+        version's replicas are dropped because the writer is busy, the save
+        calls it instead: the host is lost while it drops them). Needs
+        ``on_pause``.
+      on_pause: called with the version at the pause (e.g. to kill the
+        process there).
+    """
+
+    stall_replica_writer_at: tuple[int, float] | None = None
+    pause_mid_replication_at: int | None = None
+    on_pause: Callable[[int], None] | None = None
+
+    def __post_init__(self) -> None:
+        stall = self.stall_replica_writer_at
+        if stall is not None and (len(stall) != 2 or stall[1] < 0):
+            raise ValueError(f"stall_replica_writer_at must be (step, seconds >= 0), got {stall!r}")
+        if self.pause_mid_replication_at is not None and self.on_pause is None:
+            raise ValueError(f"pause_mid_replication_at={self.pause_mid_replication_at} needs "
+                             f"on_pause (what happens at the pause)")
+
+    def pauses_at(self, step: int) -> bool:
+        """Whether the writer pauses halfway through version ``step``."""
+        return self.on_pause is not None and self.pause_mid_replication_at == step
+
+
+NO_FAULTS = FaultHooks()
+"""A checkpointer's hooks when the caller passes none."""

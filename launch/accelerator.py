@@ -1,0 +1,40 @@
+"""What the accelerator flag group (``--accelerator``, ``--accelerator_profile``,
+defined in ``launch.cli_flags``) builds: None for the real model, or the
+emulated accelerator (``models.emulation``) for the model config.
+
+``--accelerator=emulated`` runs every layer's heavy compute as a native wait
+of the profile's duration (holding no core), while processes, all-to-alls,
+the state's bytes and the whole checkpoint path stay real (BUILD_NOTES
+"The emulated accelerator"). ``--accelerator_profile`` names a shipped
+profile (``models/emulation/profiles/NAME.json``) or a profile file.
+"""
+
+from __future__ import annotations
+
+from models.emulation.profile import DEFAULT_PROFILE, load
+
+ACCELERATORS = ("none", "emulated")
+
+
+def check(accelerator: str, profile: str) -> None:
+    """Raises ValueError naming the bad flag (before any process starts)."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"--accelerator={accelerator!r}: one of {', '.join(ACCELERATORS)}")
+    if profile and accelerator != "emulated":
+        raise ValueError(f"--accelerator_profile={profile!r} needs --accelerator=emulated")
+    if accelerator == "emulated":
+        load(profile or DEFAULT_PROFILE)
+
+
+def emulation(accelerator: str, profile: str, cfg):
+    """The model's ``emulation`` argument: None, or the profile on ``cfg``."""
+    if accelerator != "emulated":
+        return None
+    from models.emulation.layers import Emulation
+
+    return Emulation.for_config(load(profile or DEFAULT_PROFILE), cfg)
+
+
+def profile_name(accelerator: str, profile: str) -> str | None:
+    """The profile's name for records (None without emulation)."""
+    return load(profile or DEFAULT_PROFILE).name if accelerator == "emulated" else None

@@ -1,0 +1,213 @@
+"""``python -m launch.plan``: what in-memory checkpointing costs on a cluster.
+
+Simulates N steps of a cluster (``launch.planner``) for each strategy and
+prints per strategy the step overhead (median, mean, p95 over the plain
+step at each step's load), versions taken and skipped, RAM per host, and the
+training time lost per failure with the effective training-time ratio at
+``--mtbf_h``. Examples::
+
+    python -m launch.plan                                  # moevement_paper, steady
+    python -m launch.plan --preset=gemini_paper --json=plan.json --plot=plan.png
+    python -m launch.plan --preset=none --model=gpt_moe_1p3b_64e --hosts=8 \\
+        --devices_per_host=8 --link_gbps=100 --trace=dynamic
+    python -m launch.plan --profile=prof.json --hosts=2 --devices_per_host=2 \\
+        --link_gbps=1 --model=tiny --validate=bench.json    # predicted vs measured
+
+Flags are defined on a FlagValues of this module's own (``make_flags``), so
+importing it defines no global flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags
+
+from launch.planner import presets, traces, validate
+from launch.planner.inputs import STRATEGIES, AcceleratorProfile, FailureModel
+from launch.planner.simulate import Scenario, simulate
+
+
+def make_flags() -> flags.FlagValues:
+    fv = flags.FlagValues()
+    flags.DEFINE_string("preset", "moevement_paper",
+                        f"one of {sorted(presets.PRESETS)} or 'none' (build from the flags)",
+                        flag_values=fv)
+    flags.DEFINE_list("strategies", list(STRATEGIES), "strategies to simulate", flag_values=fv)
+    flags.DEFINE_integer("steps", 200, "simulated steps", flag_values=fv)
+    flags.DEFINE_string("trace", None, "steady | dynamic | PATH of a metrics.jsonl "
+                        "(default: the preset's)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "synthetic trace seed", flag_values=fv)
+    flags.DEFINE_string("model", None, "preset=none: a models.config name", flag_values=fv)
+    flags.DEFINE_string("profile", None, "an accelerator profile JSON "
+                        "(capricorn-plan-profile/1) replacing the preset's", flag_values=fv)
+    flags.DEFINE_integer("hosts", None, "hosts (preset=none, or override)", flag_values=fv)
+    flags.DEFINE_integer("devices_per_host", None, "accelerators per host", flag_values=fv)
+    flags.DEFINE_float("link_gbps", None, "link per host, Gbit/s", flag_values=fv)
+    flags.DEFINE_float("host_ram_gb", None, "host RAM, GB", flag_values=fv)
+    flags.DEFINE_float("state_gb_per_host", None, "override: train state per host, GB",
+                       flag_values=fv)
+    flags.DEFINE_integer("replicas", None, "m: copies of each version", flag_values=fv)
+    flags.DEFINE_integer("pec_k", None, "PEC's base K", flag_values=fv)
+    flags.DEFINE_float("budget_s", None, "cost budget: skip a version while the previous "
+                       "one is on the link", flag_values=fv)
+    flags.DEFINE_float("mtbf_h", 24.0, "mean time between failures, hours", flag_values=fv)
+    flags.DEFINE_string("json", None, "write the results here", flag_values=fv)
+    flags.DEFINE_string("plot", None, "write a plot here (matplotlib)", flag_values=fv)
+    flags.DEFINE_multi_string("validate", [], "bench JSON(s): print predicted against "
+                              "measured overhead per strategy", flag_values=fv)
+    return fv
+
+
+def scenario_from(fv: flags.FlagValues) -> tuple[Scenario, str, tuple[str, ...]]:
+    """The scenario, the default trace kind and the notes listing the inputs."""
+    if fv.preset == "none":
+        if not (fv.model and fv.hosts and fv.devices_per_host and fv.link_gbps):
+            raise app.UsageError("--preset=none needs --model, --hosts, --devices_per_host "
+                                 "and --link_gbps")
+        sc, notes = presets.table_profile(fv.model, fv.hosts, fv.devices_per_host, fv.link_gbps)
+        kind = "dynamic"
+    elif fv.preset in presets.PRESETS:
+        preset = presets.PRESETS[fv.preset]()
+        sc, notes, kind = preset.scenario, preset.notes, preset.trace
+    else:
+        raise app.UsageError(f"--preset={fv.preset!r}: one of {sorted(presets.PRESETS)} or none")
+    cluster = sc.cluster
+    for name in ("hosts", "devices_per_host", "link_gbps", "host_ram_gb"):
+        if fv[name].value is not None and fv.preset != "none":
+            cluster = dataclasses.replace(cluster, **{name: fv[name].value})  # type: ignore[arg-type]
+            notes += (f"--{name}={fv[name].value} replaces the preset's",)
+    model = sc.model
+    if fv.state_gb_per_host is not None:
+        model = dataclasses.replace(model, state_bytes_per_host=fv.state_gb_per_host * 1e9)
+    profile = sc.profile
+    if fv.profile:
+        profile = AcceleratorProfile.from_json(fv.profile)
+        notes += (f"profile {profile.name} from {fv.profile}",)
+    options = sc.options
+    for name in ("replicas", "pec_k", "budget_s"):
+        if fv[name].value is not None:
+            options = dataclasses.replace(options, **{name: fv[name].value})  # type: ignore[arg-type]
+    failure = FailureModel(mtbf_h=fv.mtbf_h)
+    return Scenario(cluster, profile, model, options, failure), kind, notes
+
+
+def load_trace(fv: flags.FlagValues, sc: Scenario, kind: str) -> Any:
+    trace = fv.trace or kind
+    layers, experts = len(sc.profile.moe_layers), sc.model.num_experts
+    if trace in traces.KINDS:
+        return traces.synthetic(trace, fv.steps, layers, experts, fv.seed)
+    return traces.fit_shape(traces.from_metrics(trace), fv.steps, layers, experts)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    head = (f"{'strategy':14} {'step_s':>8} {'median':>8} {'mean':>8} {'p95':>8} "
+            f"{'taken':>6} {'skip':>5} {'RAM/host GB':>11} {'lost/fail s':>11} {'ETTR':>6}")
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        lines.append(f"{name:14} {r['mean_step_s']:8.3f} {_pct(r['overhead_median']):>8} "
+                     f"{_pct(r['overhead_mean']):>8} {_pct(r['overhead_p95']):>8} "
+                     f"{r['versions_taken']:6d} {r['versions_skipped']:5d} "
+                     f"{r['ram_per_host_gb']:11.1f} {r['lost_per_failure_s']:11.0f} "
+                     f"{r['ettr']:6.3f}")
+    return "\n".join(lines)
+
+
+def validation_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'strategy':14} {'measured':>9} {'predicted':>9} {'error':>8}  (median "
+             f"overhead, points of none's step; mean / p95 where the bench has them)"]
+    for r in rows:
+        line = (f"{r['strategy']:14} {_pct(r['measured_median']):>9} "
+                f"{_pct(r['predicted_median']):>9} {_pct(r['error_median']):>8}")
+        for key in ("mean", "p95"):
+            if r[f"measured_{key}"] is not None:
+                line += (f"  {key} {_pct(r[f'measured_{key}'])} vs "
+                         f"{_pct(r[f'predicted_{key}'])}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, key in enumerate(("overhead_median", "overhead_mean", "overhead_p95")):
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(names))],
+               [100 * results[n][key] for n in names], 0.27, label=key.split("_")[1])
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("step overhead, % (simulated)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(fv: flags.FlagValues) -> dict[str, Any]:
+    unknown = [s for s in fv.strategies if s not in STRATEGIES]
+    if unknown:
+        raise app.UsageError(f"--strategies: unknown {unknown}; known {list(STRATEGIES)}")
+    sc, kind, notes = scenario_from(fv)
+    shares = load_trace(fv, sc, kind)
+    t0 = time.perf_counter()
+    results = {}
+    for name in fv.strategies:
+        r = simulate(sc, name, shares)
+        r.pop("_run")
+        results[name] = r
+    title = (f"{fv.preset} ({sc.model.name}, {sc.cluster.hosts}x{sc.cluster.devices_per_host}, "
+             f"{sc.cluster.link_gbps:g} Gbit/s, trace {fv.trace or kind}, {fv.steps} steps)")
+    print(f"simulated: {title}")
+    print(table(results))
+    print("inputs:\n  " + "\n  ".join(notes))
+    doc: dict[str, Any] = {
+        "simulated": True, "preset": fv.preset, "trace": fv.trace or kind, "steps": fv.steps,
+        "seed": fv.seed, "cluster": dataclasses.asdict(sc.cluster),
+        "model": dataclasses.asdict(sc.model), "options": dataclasses.asdict(sc.options),
+        "failure": dataclasses.asdict(sc.failure), "profile": sc.profile.name,
+        "inputs": list(notes), "strategies": results,
+        "wall_s": round(time.perf_counter() - t0, 2), "command": " ".join(sys.argv),
+    }
+    if fv.validate:
+        doc["validation"] = {}
+        for path in fv.validate:
+            rows = validate.compare(validate.measured(path), results)
+            print(f"\nvalidation against {path}:")
+            print(validation_table(rows))
+            doc["validation"][path] = rows
+    if fv.json:
+        Path(fv.json).write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    if fv.plot:
+        plot(results, fv.plot, title)
+    return doc
+
+
+def main(argv: list[str]) -> None:
+    fv = make_flags()
+    try:
+        rest = fv(argv)
+    except flags.Error as e:
+        raise app.UsageError(str(e)) from e
+    if len(rest) > 1:
+        raise app.UsageError(f"unexpected arguments {rest[1:]}")
+    run(fv)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv)
+    except (app.UsageError, ValueError) as e:
+        sys.exit(f"launch.plan: {e}")

@@ -1,0 +1,243 @@
+"""The planner's inputs, one frozen dataclass per concern.
+
+* ``Cluster``: hosts x accelerators, the link rate per host, host RAM, the
+  chunk cost ``alpha``.
+* ``LayerCosts`` / ``AcceleratorProfile``: per layer, what an accelerator
+  profile measures: dense forward and backward seconds, expert seconds per
+  token on the busiest expert (an MoE layer's expert time follows the largest
+  number of tokens routed to one expert of a device), and all-to-all bytes per
+  routed token. ``AcceleratorProfile.from_json`` reads the schema below.
+* ``ModelSpec``: what a checkpoint must move (state bytes per host, the
+  experts' share of them) and the routing shape (MoE layers, experts, top-k,
+  tokens per step).
+* ``StrategyOptions`` / ``FailureModel``: the strategy's knobs, the failure
+  rate and the recovery costs.
+
+Profile JSON schema (``capricorn-plan-profile/1``)::
+
+    {"format": "capricorn-plan-profile/1",
+     "name": "a100_gpt_moe_125m",            # optional, shown in reports
+     "layers": [{"name": "block0",           # one entry per layer, in order
+                 "dense_fwd_s": 0.004, "dense_bwd_s": 0.008,
+                 "expert_fwd_s_per_token": 1e-7, "expert_bwd_s_per_token": 2e-7,
+                 "a2a_bytes_per_token": 3072}, ...]}
+
+A dense layer has zero expert seconds and zero all-to-all bytes (unless its
+training traffic, e.g. a gradient reduction, is modelled as such: see the
+``gemini_paper`` preset). Design choice: exactly the quantities an
+accelerator profile measures, so a profile of another loader maps onto it
+field by field; alternative not taken: reading the emulated-accelerator
+loader's own format here, which is being written at the same time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PROFILE_FORMAT = "capricorn-plan-profile/1"
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+def _positive(owner: str, name: str, value: float, *, zero_ok: bool = False) -> None:
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{owner}.{name} must be finite and {bound}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The simulated cluster.
+
+    Attributes:
+      hosts: machines.
+      devices_per_host: accelerators per machine.
+      link_gbps: each host's inter-host link, Gbit/s per direction.
+      host_ram_gb: RAM per host (reported against the strategy's need).
+      alpha_s: fixed cost of one checkpoint chunk (the partitioner's alpha).
+    """
+
+    hosts: int
+    devices_per_host: int
+    link_gbps: float
+    host_ram_gb: float = 1024.0
+    alpha_s: float = 50e-6
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.devices_per_host < 1:
+            raise ValueError(f"Cluster: hosts and devices_per_host must be >= 1, got "
+                             f"{self.hosts}, {self.devices_per_host}")
+        _positive("Cluster", "link_gbps", self.link_gbps)
+        _positive("Cluster", "host_ram_gb", self.host_ram_gb)
+        _positive("Cluster", "alpha_s", self.alpha_s, zero_ok=True)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * GBIT
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """One layer of an accelerator profile (see the module docstring)."""
+
+    name: str
+    dense_fwd_s: float
+    dense_bwd_s: float
+    expert_fwd_s_per_token: float = 0.0
+    expert_bwd_s_per_token: float = 0.0
+    a2a_bytes_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self)[1:]:
+            _positive(f"LayerCosts[{self.name}]", f.name, getattr(self, f.name), zero_ok=True)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_fwd_s_per_token > 0 or self.expert_bwd_s_per_token > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorProfile:
+    """Per-layer costs of one accelerator, in layer order."""
+
+    layers: tuple[LayerCosts, ...]
+    name: str = "profile"
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("AcceleratorProfile: no layers")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices (into ``layers``) of the MoE layers, in order."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.is_moe)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "profile") -> AcceleratorProfile:
+        if doc.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{source}: format {doc.get('format')!r}, expected {PROFILE_FORMAT!r}")
+        names = {f.name for f in dataclasses.fields(LayerCosts)}
+        layers = []
+        for i, entry in enumerate(doc.get("layers", [])):
+            unknown = set(entry) - names
+            if unknown:
+                raise ValueError(f"{source}: layers[{i}] has unknown fields {sorted(unknown)}")
+            layers.append(LayerCosts(**{"name": f"block{i}", **entry}))
+        return cls(tuple(layers), str(doc.get("name", source)))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> AcceleratorProfile:
+        """Reads a ``capricorn-plan-profile/1`` file (module docstring)."""
+        return cls.from_dict(json.loads(Path(path).read_text()), str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "name": self.name,
+                "layers": [dataclasses.asdict(layer) for layer in self.layers]}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the checkpoint moves and how tokens are routed.
+
+    Attributes:
+      name: shown in reports.
+      state_bytes_per_host: one version of the train state held by one host
+        (its shards: parameters and optimizer state).
+      expert_fraction: the experts' share of those bytes (PEC saves K/N of it).
+      num_experts: experts per MoE layer.
+      top_k: experts per token.
+      tokens_per_step: tokens of one global batch (sequences x length).
+    """
+
+    name: str
+    state_bytes_per_host: float
+    expert_fraction: float
+    num_experts: int
+    top_k: int
+    tokens_per_step: int
+
+    def __post_init__(self) -> None:
+        _positive("ModelSpec", "state_bytes_per_host", self.state_bytes_per_host)
+        if not 0 <= self.expert_fraction <= 1:
+            raise ValueError(f"ModelSpec.expert_fraction must be in [0, 1], got "
+                             f"{self.expert_fraction}")
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"ModelSpec: num_experts={self.num_experts}, top_k={self.top_k}")
+        if self.tokens_per_step < 1:
+            raise ValueError(f"ModelSpec.tokens_per_step must be >= 1, got "
+                             f"{self.tokens_per_step}")
+
+    @property
+    def routed_per_step(self) -> int:
+        """Token-expert assignments of one MoE layer in one step."""
+        return self.tokens_per_step * self.top_k
+
+
+STRATEGIES = ("none", "inmem", "gemini", "capricorn", "pec", "capricorn_pec")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyOptions:
+    """The strategies' knobs (the library's defaults unless said).
+
+    Attributes:
+      replicas: m, copies of each host's version (own + m-1 peers).
+      pec_k: PEC's base K (experts per MoE layer in a version).
+      budget_s: the cost budget (``InMemoryOptions.max_wait_s``): None waits
+        for the previous version; set, a version is skipped when the previous
+        one is still on the link at its save.
+      margin: windows are scaled by this before partitioning (the library's 0.8).
+      chunk_cap_bytes: the partitioner's largest chunk.
+      first_n: gemini's profiled iterations.
+      drift_threshold: the detector's drift threshold (jsd).
+      window: versions kept after the safe one (``InMemoryOptions.window``).
+    """
+
+    replicas: int = 2
+    pec_k: int = 1
+    budget_s: float | None = None
+    margin: float = 0.8
+    chunk_cap_bytes: int = 64 << 20
+    first_n: int = 20
+    drift_threshold: float = 0.05
+    window: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.pec_k < 1 or self.first_n < 1 or self.window < 1:
+            raise ValueError(f"StrategyOptions: replicas, pec_k, first_n, window must be >= 1: "
+                             f"{self}")
+        if not 0 < self.margin <= 1:
+            raise ValueError(f"StrategyOptions.margin must be in (0, 1], got {self.margin}")
+        if self.budget_s is not None:
+            _positive("StrategyOptions", "budget_s", self.budget_s, zero_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureModel:
+    """What a failure costs.
+
+    Attributes:
+      mtbf_h: mean time between failures of the whole job, hours.
+      restart_s: detecting the failure and restarting every process.
+      memory_restore_gbps: reading a version back from host RAM (or a peer).
+      persist_every: steps between persistent checkpoints (``none`` restores
+        from there).
+      storage_gbps: the persistent tier's read bandwidth per host.
+    """
+
+    mtbf_h: float = 24.0
+    restart_s: float = 60.0
+    memory_restore_gbps: float = 100.0
+    persist_every: int = 500
+    storage_gbps: float = 8.0
+
+    def __post_init__(self) -> None:
+        for name in ("mtbf_h", "memory_restore_gbps", "storage_gbps"):
+            _positive("FailureModel", name, getattr(self, name))
+        _positive("FailureModel", "restart_s", self.restart_s, zero_ok=True)
+        if self.persist_every < 1:
+            raise ValueError(f"FailureModel.persist_every must be >= 1, got {self.persist_every}")

@@ -1,0 +1,94 @@
+"""The bench's step statistics beyond the median: the distribution, the
+training thread's blocked time, the emulation's check and R.
+
+- ``distribution``: mean and p95 of every timed step (a strategy whose cost
+  lands in a few steps, e.g. a compile, shows in the mean, not the median).
+- ``blocked``: what the training thread waited for in a step, split into the
+  step call (dispatch to the loss on the host) and the strategy's ``save``.
+  With the emulated accelerator the cores are idle during the layers, so what
+  a strategy adds to a step is what it adds here.
+- ``emulation_errors``: the profiler's measured MoE layer windows against the
+  emulated waits at that step's load (``models.emulation``): the mechanism's
+  check. A window also holds the layer's all-to-alls and host work, so it is
+  expected a little above the wait.
+- ``link_idle_share`` (R): the version's link time over the link's idle time
+  per step: (bytes a host sends per version / the link rate) / (none's step
+  minus its all-to-all time). R < 1: a schedule can hide the version in the
+  idle link; R > 1: no schedule can.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+
+def distribution(times: Sequence[float]) -> dict[str, float]:
+    """{"mean_step_s", "p95_step_s"} of the timed steps (p95: nearest rank)."""
+    ordered = sorted(times)
+    rank = max(0, -(-95 * len(ordered) // 100) - 1)
+    return {"mean_step_s": statistics.fmean(ordered), "p95_step_s": ordered[rank]}
+
+
+def blocked(parts: Sequence[dict[str, float]]) -> dict:
+    """Per step mean milliseconds of each part the training thread waited on,
+    and ``blocked_ms_per_step``: the strategy's own part (its ``save``)."""
+    if not parts:
+        return {}
+    keys = sorted({k for p in parts for k in p})
+    means = {k: round(statistics.fmean(p.get(k, 0.0) for p in parts) * 1e3, 3) for k in keys}
+    return {"blocked_ms_per_step": means.get("save", 0.0), "blocked_ms": means}
+
+
+def emulation_errors(emulation, segments, tokens_per_expert,
+                     moe_layers: Sequence[int]) -> list[dict]:
+    """One record per MoE layer window of a profile: expected (the emulated
+    wait at the step's load) and measured milliseconds, and the relative error.
+
+    ``segments``: the profile's segments (``LayerProfile.segments``); the
+    window of layer i is the segment named ``block{i}`` in each direction
+    (forward: closing at its boundary; backward: opening there). The backward
+    ``tail`` segment is left out: it holds the first layer's backward AND the
+    optimizer update. The expert part's scale is the busiest expert's tokens
+    over the balanced share, from the step's global counts: exact where every
+    device sends to every expert's device (one data row), an estimate otherwise.
+    """
+    out = []
+    moe = list(moe_layers)
+    for seg in segments:
+        if not seg.name.startswith("block") or int(seg.name[5:]) not in moe:
+            continue
+        layer = int(seg.name[5:])
+        times = emulation.layers[layer]
+        counts = [float(c) for c in tokens_per_expert[moe.index(layer)]]
+        total = sum(counts)
+        scale = max(counts) / (total / len(counts)) if total else 0.0
+        if seg.direction == "fwd":
+            expected = times.dense_fwd_ms + times.expert_fwd_ms * scale
+        else:
+            expected = times.dense_bwd_ms + times.expert_bwd_ms * scale
+        measured = seg.duration_s * 1e3
+        out.append({"layer": layer, "direction": seg.direction,
+                    "expected_ms": round(expected, 3), "measured_ms": round(measured, 3),
+                    "error": round((measured - expected) / expected, 4) if expected else None})
+    return out
+
+
+def error_summary(records: Sequence[dict]) -> dict | None:
+    """Median and max absolute relative error of the windows, and their count."""
+    errors = [abs(r["error"]) for r in records if r.get("error") is not None]
+    if not errors:
+        return None
+    return {"median_abs_error": round(statistics.median(errors), 4),
+            "max_abs_error": round(max(errors), 4), "windows": len(errors)}
+
+
+def link_idle_share(version_bytes_per_host: float, link_gbps: float | None,
+                    none_step_s: float | None, none_a2a_s: float | None) -> float | None:
+    """R (module docstring); None where the link rate or none's times are unknown."""
+    if not link_gbps or not none_step_s or none_a2a_s is None:
+        return None
+    idle = none_step_s - none_a2a_s
+    if idle <= 0:
+        return None
+    return (version_bytes_per_host * 8 / (link_gbps * 1e9)) / idle

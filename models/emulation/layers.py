@@ -1,0 +1,98 @@
+"""The emulated model's layer compute: waits in place of the matmuls.
+
+Under ``--accelerator=emulated`` each block of ``models.gpt.GPTMoE`` keeps its
+parameters, its layer norms, its router, its dispatch and combine and its real
+all-to-alls, and replaces its heavy compute with a native wait
+(``native.compute``) of the profile's duration:
+- the dense part (attention, and the dense FFN of a dense layer) waits the
+  profile's ``dense_fwd_ms`` after the attention, ``dense_bwd_ms`` in backward;
+- the experts wait, between the dispatch and the combine all-to-alls, the
+  profile's balanced time scaled by this step's real load: the busiest local
+  expert's received tokens over the balanced share (``expert_scale``).
+
+What the emulated step still computes, so that training stays deterministic,
+recovery is checked bit for bit and the optimizer updates every byte of the
+state: embeddings, layer norms, routing, dispatch, combine, logits and loss
+over every token; the attention, dense-FFN and expert weights applied to ONE
+token position per sequence (per expert buffer), added back with a small
+weight, so every parameter gets a gradient at a cost of ~1/seq_len of the
+real matmuls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.emulation import native
+from models.emulation.profile import AcceleratorProfile, LayerTimes
+
+#: The weight of the one-token path added back into the activations.
+TOUCH = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    """The emulated accelerator for one model: the profile grouped onto its layers.
+
+    Attributes:
+      profile: the profile's name (for records).
+      layers: one LayerTimes per model layer (``AcceleratorProfile.for_model``).
+    """
+
+    profile: str
+    layers: tuple[LayerTimes, ...]
+
+    @classmethod
+    def of(cls, profile: AcceleratorProfile, moe: tuple[bool, ...]) -> Emulation:
+        """The profile on a model whose layer i is MoE where ``moe[i]``; a dense
+        layer of the model takes its group's expert time as dense time (it has
+        no experts to wait in), so the step's total is kept."""
+        native.register()
+        layers = []
+        for times, is_moe in zip(profile.for_model(len(moe)), moe, strict=True):
+            if not is_moe and times.kind == "moe":
+                times = dataclasses.replace(
+                    times, kind="dense", dense_fwd_ms=times.dense_fwd_ms + times.expert_fwd_ms,
+                    dense_bwd_ms=times.dense_bwd_ms + times.expert_bwd_ms,
+                    expert_fwd_ms=0.0, expert_bwd_ms=0.0)
+            layers.append(times)
+        return cls(profile.name, tuple(layers))
+
+    @classmethod
+    def for_config(cls, profile: AcceleratorProfile, cfg) -> Emulation:
+        """The profile on a ``models.config.ModelConfig``."""
+        return cls.of(profile, tuple(cfg.is_moe(i) for i in range(cfg.n_layers)))
+
+    def step_ms(self, scales: dict[int, float] | None = None) -> float:
+        """The emulated compute of one step (expert parts at ``scales``, default 1)."""
+        scales = scales or {}
+        return sum(t.dense_fwd_ms + t.dense_bwd_ms
+                   + scales.get(i, 1.0) * (t.expert_fwd_ms + t.expert_bwd_ms)
+                   for i, t in enumerate(self.layers))
+
+
+def dense(x: jax.Array, times: LayerTimes) -> jax.Array:
+    """The layer's dense compute: ``x`` after the dense wait (forward and backward)."""
+    return native.compute(x, jnp.float32(times.dense_fwd_ms), jnp.float32(times.dense_bwd_ms))
+
+
+def expert_scale(buf: jax.Array, balanced: float) -> jax.Array:
+    """The busiest local expert's tokens over the balanced share (float32 scalar).
+
+    ``buf`` is the received dispatch buffer [sources, local experts, capacity,
+    d]; a slot holds a token when any of its features is non-zero (a routed,
+    layer-normed token is never exactly zero; an empty slot always is).
+    """
+    held = jnp.any(buf != 0, axis=-1)  # [S, E_local, C]
+    per_expert = jnp.sum(held, axis=(0, 2)).astype(jnp.float32)
+    return jax.lax.stop_gradient(jnp.max(per_expert) / jnp.float32(balanced))
+
+
+def experts(buf: jax.Array, times: LayerTimes, balanced: float) -> jax.Array:
+    """The experts' compute: ``buf`` after the expert wait at this step's load."""
+    scale = expert_scale(buf, balanced)
+    return native.compute(buf, jnp.float32(times.expert_fwd_ms) * scale,
+                          jnp.float32(times.expert_bwd_ms) * scale)

@@ -1,0 +1,258 @@
+"""Capricorn's own decisions, called directly (pure inputs, exact answers):
+the profiling gate (``transfers.schedule_at_risk``), the shortest-window rule
+(``transfers.shortest_windows``), the re-plan on a profile by kind
+(``ScheduledStrategy.on_profile``) and the spill note and its agreement
+(``_note_spills`` / ``_check_spills`` over the checkpointer's status round).
+
+The strategy is built without its transport (``__new__`` plus the fields these
+methods read) and with a recording stand-in for ``ScheduledTransfers``: these
+tests hold the decisions, the multi-process bench and training tests the
+whole path."""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capricorn_jax._src.profiling.detector import DynamicityDetector
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
+from capricorn_jax._src.scheduling.partitioner import (
+    LinkModel,
+    Window,
+    partition,
+    windows_from_profile,
+)
+from capricorn_jax._src.scheduling.transfers import schedule_at_risk, shortest_windows
+from capricorn_jax._src.strategies import scheduled
+from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
+
+LINK = LinkModel(alpha_s=0.0, bytes_per_s=100.0)  # 1 byte = 10 ms
+MOE = [0, 1]
+
+
+def _profile(step: int, fwd0: float, fwd1: float, a2a: float = 0.2) -> LayerProfile:
+    """Two MoE layers' forward segments, each with ``a2a`` of all-to-all."""
+    return LayerProfile(step, fwd0 + fwd1, (Segment("block0", "fwd", 0.0, fwd0, a2a),
+                                            Segment("block1", "fwd", fwd0, fwd1, a2a)))
+
+
+def _load(peak0: float, peak1: float = 10.0) -> np.ndarray:
+    return np.array([[peak0, 1, 1, 1], [peak1, 1, 1, 1]], np.float64)
+
+
+def _detector(*points: tuple[float, float]) -> DynamicityDetector:
+    """Cost model of (MoE layer 0, fwd) fitted on (peak load, seconds) points."""
+    detector = DynamicityDetector()
+    for step, (peak, seconds) in enumerate(points):
+        detector.record_profile(step, _load(peak), {(0, "fwd"): seconds})
+    return detector
+
+
+# ----------------------------------------------------------------- the gate
+
+
+def test_gate_without_a_schedule_a_profile_or_with_a_tail_is_at_risk():
+    profile = _profile(1, 1.0, 1.0)
+    fits = partition(70, windows_from_profile(profile), LINK, chunk_cap=1000)
+    overflow = partition(200, windows_from_profile(profile), LINK, chunk_cap=1000)
+    assert fits.tail_bytes == 0 and overflow.tail_bytes == 40
+    detector = _detector((10, 1.0), (20, 1.5))
+    assert schedule_at_risk(None, detector, _load(10), profile, MOE)
+    assert schedule_at_risk(fits, detector, _load(10), None, MOE)
+    assert schedule_at_risk(overflow, detector, _load(10), profile, MOE)
+    assert not schedule_at_risk(fits, detector, _load(10), profile, MOE)
+
+
+def test_gate_explores_while_a_filled_windows_model_has_one_point():
+    profile = _profile(1, 1.0, 1.0)
+    fits = partition(70, windows_from_profile(profile), LINK, chunk_cap=1000)
+    assert [len(c) for c in fits.chunks] == [1, 0]  # 70 bytes = 0.7 s, all in window 0
+    assert schedule_at_risk(fits, _detector((10, 1.0)), _load(10), profile, MOE)
+    # Window 1 holds nothing: its layer's missing model does not matter.
+    assert not schedule_at_risk(fits, _detector((10, 1.0), (20, 1.5)), _load(10), profile, MOE)
+
+
+def test_gate_follows_the_predicted_window_both_ways():
+    """Layer 0 fwd costs 0.5 + 0.05 * peak s (fitted on two profiles); its
+    window is that less the 0.2 s all-to-all; window 0 holds 0.7 s of chunks."""
+    profile = _profile(1, 1.0, 1.0)
+    fits = partition(70, windows_from_profile(profile), LINK, chunk_cap=1000)
+    detector = _detector((10, 1.0), (20, 1.5))
+    at = {peak: schedule_at_risk(fits, detector, _load(peak), profile, MOE)
+          for peak in (4, 7, 9, 10, 13, 40)}
+    # peak 4: 0.7 - 0.2 = 0.5 s of room < 0.7; peak 7: 0.65; peak 9: 0.75;
+    # heavier layers only lengthen the window.
+    assert at == {4: True, 7: True, 9: False, 10: False, 13: False, 40: False}
+    # Another layer's load does not move layer 0's window.
+    assert not schedule_at_risk(fits, detector, _load(10, peak1=1), profile, MOE)
+
+
+# ------------------------------------------------------ the shortest-window rule
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.floats(0, 5)), min_size=1, max_size=5))
+def test_shortest_windows_takes_each_windows_minimum_in_step_order(pairs):
+    profiles = [_profile(i, a + 0.2, b + 0.2) for i, (a, b) in enumerate(pairs)]
+    got = shortest_windows(profiles, windows_from_profile)
+    assert [(w.name, w.direction) for w in got] == [("block0", "fwd"), ("block1", "fwd")]
+    expect = [min(w.duration_s for w in (windows_from_profile(p)[i] for p in profiles))
+              for i in (0, 1)]
+    assert [w.duration_s for w in got] == expect
+
+
+def test_shortest_windows_keeps_a_window_seen_in_one_profile_only():
+    one = LayerProfile(1, 2.0, (Segment("block0", "fwd", 0.0, 1.0),))
+    two = LayerProfile(2, 2.0, (Segment("block0", "fwd", 0.0, 0.5),
+                                Segment("block0", "bwd", 0.5, 0.75)))
+    assert shortest_windows([one, two], windows_from_profile) == [
+        Window("block0", "fwd", 0.5), Window("block0", "bwd", 0.75)]
+
+
+# ------------------------------------------------------------- on_profile
+
+
+class _Transfers:
+    """Records the windows each re-partition got."""
+
+    def __init__(self) -> None:
+        self.schedule = None
+        self.plans: list[list[Window]] = []
+
+    def repartition(self, windows):
+        self.plans.append(list(windows))
+        self.schedule = partition(70, windows, LINK, chunk_cap=1000)
+        return self.schedule
+
+    def summary(self):
+        return {"scheduled": self.schedule is not None}
+
+
+def _strategy(kind: str, first_n: int = 3) -> ScheduledStrategy:
+    s = ScheduledStrategy.__new__(ScheduledStrategy)
+    s.kind, s.first_n, s.link = kind, first_n, LINK
+    s.transfers = _Transfers()
+    s.ckpt = types.SimpleNamespace(status_note=0, agreed_note=None)
+    s.train = types.SimpleNamespace(moe_layers=MOE)
+    s._profiles, s._profiles_seen, s._planned_on = [], 0, None
+    s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
+    s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
+    s._wants_profile, s.repartitions, s.spill_requests = False, [], []
+    return s
+
+
+def test_gemini_plans_once_on_the_mean_of_its_first_n_warm_profiles_and_keeps_it():
+    s = _strategy("gemini", first_n=3)
+    assert s.on_profile(1, _profile(1, 9.0, 9.0), cold=True) is None  # counted, not averaged
+    assert s.on_profile(2, _profile(2, 1.2, 2.2), cold=False) is None
+    summary = s.on_profile(3, _profile(3, 2.2, 1.2), cold=False)
+    assert s.transfers.plans == [[Window("block0", "fwd", 1.5), Window("block1", "fwd", 1.5)]]
+    assert summary["windows_s"] == [1.5, 1.5] and s.repartitions == [3]
+    assert s.on_profile(4, _profile(4, 0.3, 0.3), cold=False) is None  # kept for good
+    assert len(s.transfers.plans) == 1 and s._planned_on.step == 3
+
+
+def test_capricorn_replans_on_every_warm_profile_from_the_shortest_of_its_recent_ones():
+    s = _strategy("capricorn")
+    assert s.on_profile(1, _profile(1, 2.2, 2.2), cold=True) is None  # a cold profile: no plan
+    s._wants_profile, s._spills = True, collections.deque([True, True], maxlen=4)
+    s.on_profile(2, _profile(2, 2.2, 1.2), cold=False)
+    assert not s._wants_profile and not s._spills  # a warm profile answers a spill's request
+    s.on_profile(3, _profile(3, 1.2, 3.2), cold=False)
+    s.on_profile(4, _profile(4, 3.2, 3.2), cold=False)
+    s.on_profile(5, _profile(5, 4.2, 4.2), cold=False)  # profile 2 leaves the last three
+    assert [[w.duration_s for w in plan] for plan in s.transfers.plans] == [
+        [2.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 3.0]]
+    assert s.repartitions == [2, 3, 4, 5] and s._planned_on.step == 5
+
+
+def test_the_gate_is_capricorns_only():
+    profile = _profile(1, 1.0, 1.0)
+    gemini, capricorn = _strategy("gemini"), _strategy("capricorn")
+    detector = _detector((10, 1.0), (20, 1.5))
+    capricorn.on_profile(1, profile, cold=False)  # plans 70 bytes on this profile
+    assert not capricorn.allow_profile(detector, _load(10))
+    assert capricorn.allow_profile(detector, _load(4))
+    assert gemini.allow_profile(detector, _load(10))  # gemini: the driver decides alone
+
+
+# ------------------------------------------------- the spill note and its agreement
+
+
+def _windows(*spills: float) -> list[dict]:
+    return [{"spill_s": x} for x in spills]
+
+
+def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
+    s = _strategy("capricorn")
+    s.repartitions = [2, 7]
+    # A spill within the marks' jitter is none; one window over it is one.
+    for windows in (_windows(0.0, scheduled.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
+                    _windows(0.5), _windows()):
+        s._note_spills(windows)
+    assert s.ckpt.status_note == 2 * 1000 + 2
+    for _ in range(4):  # only the last SPILL_WINDOW versions count
+        s._note_spills(_windows(0.0))
+    assert s.ckpt.status_note == 2000
+
+
+@pytest.mark.parametrize("note, asks", [
+    (1000 + scheduled.SPILL_WINDOW // 2 + 1, True),   # most of the last versions spilled
+    (1000 + scheduled.SPILL_WINDOW // 2, False),      # half is not most
+    (0 * 1000 + scheduled.SPILL_WINDOW, False),       # host 0 counted under an older schedule
+    (None, False),                                    # no round agreed yet
+])
+def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
+    s = _strategy("capricorn")
+    s.repartitions = [3]
+    s.ckpt.status_note = 0  # this host's own count does not decide
+    s.ckpt.agreed_note = note
+    s._check_spills(9)
+    assert s.profile_requested() is asks
+    assert s.spill_requests == ([9] if asks else [])
+    s._check_spills(10)  # asked once until a profile answers
+    assert s.spill_requests == ([9] if asks else [])
+
+
+def test_gemini_only_reports_its_spills():
+    s = _strategy("gemini")
+    s.repartitions = [3]
+    s.ckpt.agreed_note = 1000 + scheduled.SPILL_WINDOW
+    s._check_spills(9)
+    assert not s.profile_requested() and s.spill_requests == []
+
+
+def test_the_note_travels_in_the_save_round_and_host_0s_is_agreed(tmp_path):
+    """The agreement itself: a real checkpointer's status round carries the
+    note set before a save; ``agreed_note`` is host 0's once the next save
+    (or ``confirm``) reads that round."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import capricorn_jax
+
+    mesh = Mesh(np.array(jax.devices()).reshape(-1), ("data",))
+    sharding = NamedSharding(mesh, P())
+    abstract = {"w": jax.ShapeDtypeStruct((8,), np.float32)}
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1),
+        mesh, abstract, {"w": sharding}, 0, 1)
+    try:
+        state = {"w": jax.device_put(np.arange(8, dtype=np.float32), sharding)}
+        assert ckpt.agreed_note is None
+        ckpt.status_note = 3007
+        ckpt.save(0, state, {})
+        assert ckpt.agreed_note is None  # the round is read by the next save
+        ckpt.status_note = 12
+        ckpt.save(1, state, {})
+        assert ckpt.agreed_note == 3007
+        ckpt.confirm(60)
+        assert ckpt.agreed_note == 12
+    finally:
+        ckpt.close()
