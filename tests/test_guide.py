@@ -6,6 +6,7 @@ checkpointed and restored from the names the block left behind.
 """
 
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,11 @@ def guide_code() -> str:
 
 def test_guide_loop_checkpoints_and_restores():
     names: dict = {"__name__": "guide"}
-    exec(compile(guide_code(), str(GUIDE), "exec"), names)
+    try:
+        exec(compile(guide_code(), str(GUIDE), "exec"), names)
+    finally:
+        if "store_root" in names:
+            shutil.rmtree(names["store_root"], ignore_errors=True)
     recovered = names["recovered"]
     assert recovered.step == 3
     assert recovered.tier == "local"
