@@ -69,14 +69,15 @@ def test_capacity_choice_follows_load():
         choose_capacity_factors(cfg, [1, 2, 3], tokens)
 
 
-def test_readme_model_table_is_the_generated_one():
-    """README's "Model configs" table is launch.tables' output, verbatim."""
-    from pathlib import Path
+def test_results_page_is_the_generated_one():
+    """docs/results.md (every published table, the model table among them) is
+    launch.tables' output for the JSONs in results/, verbatim."""
+    from launch.tables import RESULTS_PAGE, model_table, results_page
 
-    from launch.tables import model_table
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert model_table() in readme
+    root = Path(__file__).resolve().parent.parent
+    page = (root / RESULTS_PAGE).read_text()
+    assert page == results_page(root), "regenerate: python -m launch.tables results > docs/results.md"
+    assert model_table() in page
 
 
 def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
