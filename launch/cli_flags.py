@@ -36,8 +36,8 @@ from capricorn_jax.experimental import (
     TRIGGERS,
     CacheOptions,
 )
+from capricorn_jax.stores import default_store_root
 from launch.accelerator import ACCELERATORS
-from launch.store_admin import default_store_root
 from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
 from models.emulation.profile import DEFAULT_PROFILE

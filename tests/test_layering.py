@@ -40,7 +40,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "capricorn_jax"
 SRC = f"{LIB}._src"
-FACES = (LIB, f"{LIB}.experimental")
+FACES = (LIB, f"{LIB}.experimental", f"{LIB}.stores")
 TOOLS = ("launch", "models")
 
 FLOORS: tuple[tuple[str, ...], ...] = (

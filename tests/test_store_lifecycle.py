@@ -1,6 +1,6 @@
 """The stores' lifecycle: the live-job lock, the bound on the RAM disk with its
 error, pages reserved when a slot grows, the release after a clean finish, and
-listing and pruning the jobs' stores (launch.store_admin, launch.stores)."""
+listing and pruning the jobs' stores (capricorn_jax.stores, and launch.stores, its old name)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from capricorn_jax._src.memory.store_lifecycle import (
     store_in_use,
     tree_bytes,
 )
-from launch import store_admin, stores
+from capricorn_jax import stores as store_admin
+from launch import stores
 
 # store_lifecycle.py alone (the standard library; not the package, which imports JAX) in a
 # second process: prints whether it sees the store at argv[2] in use.
@@ -119,7 +120,7 @@ def test_a_version_over_the_bound_raises_store_full_naming_everything(tmp_path):
     assert f"the RAM disk is {size / (1 << 20):.1f} MiB ({size} bytes) with " in msg
     assert re.search(r"free and [\d.]+ MiB \(\d+ bytes\) in use; ", msg)
     assert "the bound is 0.0 MiB (1 bytes) in use" in msg
-    assert f"python -m launch.stores --store_root={shared} " in msg
+    assert f"python -m capricorn_jax.stores --store_root={shared} " in msg
     # The refused slot is free again, and no file grew.
     owner = shared / "job" / "host0" / "owner0"
     assert sorted(p.name for p in owner.iterdir()) == ["slot0.data"]
@@ -186,7 +187,7 @@ def test_enospc_from_fallocate_shrinks_back_and_raises(tmp_path, monkeypatch):
     with pytest.raises(StoreFullError, match="posix_fallocate of 4096 bytes failed: No space "
                                              "left on device") as info:
         store.begin(0, 2, 8192)
-    assert "python -m launch.stores --store_root=" in str(info.value)
+    assert "python -m capricorn_jax.stores --store_root=" in str(info.value)
     assert os.path.getsize(tmp_path / "job" / "h0" / "owner0" / "slot0.data") == 4096
     assert not (tmp_path / "job" / "h0" / "owner0" / "slot0.writing").exists()
     store.close()

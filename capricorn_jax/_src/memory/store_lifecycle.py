@@ -18,13 +18,13 @@ with SIGBUS in the middle of a copy; reserved up front, a full RAM disk is an
 the store also refuses to grow when the RAM disk would then have more bytes in
 use than the bound, or less free space than the growth; the error names the
 RAM disk, its size, free and used bytes, the bytes wanted, the bound and
-``python -m launch.stores`` (list and prune). After a clean finish
+``python -m capricorn_jax.stores`` (list and prune). After a clean finish
 ``InMemoryCheckpointer.release`` reclaims the store or shrinks it to one
 version per owner (``drop_free_slots``).
 
 Design choice: these functions read and delete stores by their files alone
 (no ``HostStore`` opened, standard library only), so the store tools
-(``launch.stores``) and a second process can use them without the package or
+(``capricorn_jax.stores``) and a second process can use them without the package or
 JAX. Alternative not taken (the previous state): one 800-line ``store`` module
 holding them with the arena and the store's records.
 """
@@ -181,5 +181,5 @@ def full_message(path: Path, nbytes: int, delta: int, limit: StoreLimit | None,
             f"{path} needs {delta} more bytes ({_mib(delta)}; the slot grows to "
             f"{nbytes} bytes); the RAM disk is {_mib(size)} ({size} bytes) with {_mib(free)} "
             f"({free} bytes) free and {_mib(used)} ({used} bytes) in use; "
-            f"{bound}. List and prune the stores: python -m launch.stores "
+            f"{bound}. List and prune the stores: python -m capricorn_jax.stores "
             f"--store_root={shared} (then --action=prune --job=NAME, --older_than_h=H or --all)")

@@ -1,6 +1,6 @@
 """The RAM stores of every job on this host: list them, prune the ones no job uses.
 
-``python -m launch.stores`` is the command line over these functions; they
+``python -m capricorn_jax.stores`` is the command line over these functions; they
 take the store root (``--store_root`` of launch.train) and read the stores
 without opening them (``store.committed_steps``: no lock taken, nothing
 removed), so listing never disturbs a running job. A job's stores are
@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from capricorn_jax.experimental import (
+from capricorn_jax._src.memory.store_lifecycle import (
     committed_steps,
     mount_point,
     remove_unused,
@@ -37,7 +37,7 @@ _HOST = re.compile(r"^host(\d+)$")
 
 
 def default_store_root() -> str:
-    """launch.train's default ``--store_root`` (its flag's default)."""
+    """The default store root (``InMemoryOptions``' and launch.train's ``--store_root``)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, "capricorn_jax")
 
