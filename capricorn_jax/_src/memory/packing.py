@@ -272,7 +272,7 @@ def make_pec_plan(base: PackPlan, expert_layers: list[int | None], count: int) -
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     ranges, local, member = _expert_layout(base, idx)
-    layers = [int(expert_layers[i]) for i in idx]
+    layers = [int(layer) for layer in expert_layers if layer is not None]  # idx's layers
     slice_bytes = [base.leaves[i].block_bytes // local for i in idx]
     offsets, record = _record_layout(layers, slice_bytes)
     groups: dict[tuple, int] = {}

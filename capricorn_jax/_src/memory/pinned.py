@@ -390,6 +390,7 @@ class SlotCopier:
         copies = row_copies(len(rows), payload_bytes, self.max_copy_bytes)
         kind = self.path.kind
         if kind == "async_copy":
+            assert self._rt is not None, "__init__ loads the CUDA runtime for async_copy"
             for j, lo, hi, off in copies:
                 src = buffer_address(rows[j])
                 if src is None:
@@ -409,8 +410,8 @@ class SlotCopier:
             rows = [r if isinstance(r, np.ndarray) else
                     jax.device_put(r, r.sharding.with_memory_kind("pinned_host")) for r in rows]
         for j, lo, hi, off in copies:
-            src = np.asarray(rows[j]).reshape(-1).view(np.uint8)
-            np.copyto(slot[off:off + hi - lo], src[lo:hi])
+            flat = np.asarray(rows[j]).reshape(-1).view(np.uint8)
+            np.copyto(slot[off:off + hi - lo], flat[lo:hi])
 
     def wait(self) -> None:
         """Returns when every copy started before the call is in its slot.

@@ -39,6 +39,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -414,6 +415,7 @@ class PecBlocks:
              restore_point: bool) -> None:
         """Takes what ``source`` wants of version ``version`` (its payload ``rows``)."""
         host = self.ckpt.host
+        non_expert: Mapping[int, Sequence[np.ndarray | None]]
         if plan.experts is None:
             full = unpack(plan, host, rows)
             local = range(self.experts.local_experts)
@@ -437,23 +439,28 @@ class PecBlocks:
             expert = ep.expert_rank[p] * ep.local_experts + j
             if self.source[self.layer_of[i], expert] != version:
                 continue
-            if self.blocks[p][i] is None:
+            block = self.blocks[p][i]
+            if block is None:
                 slot = plan.leaves[i]
-                twin = next((q for q in self.positions if self.blocks[q][i] is not None
+                twin = next((shared for q in self.positions
+                             if (shared := self.blocks[q][i]) is not None
                              and plan.block_keys[i][q] == plan.block_keys[i][p]), None)
-                self.blocks[p][i] = (self.blocks[twin][i] if twin is not None
-                                     else np.empty(slot.block_shape, np.dtype(slot.dtype)))
-            self.blocks[p][i][j] = piece
+                block = (twin if twin is not None
+                         else np.empty(slot.block_shape, np.dtype(slot.dtype)))
+                self.blocks[p][i] = block
+            block[j] = piece
             self.filled.setdefault((p, i), set()).add(j)
 
     def result(self) -> dict[int, list[np.ndarray]]:
         """The blocks; raises naming a leaf whose block is incomplete."""
         plan = self.ckpt.plan
+        out: dict[int, list[np.ndarray]] = {}
         for p in self.positions:
+            out[p] = []
             for i, block in enumerate(self.blocks[p]):
-                missing = (block is None or (i in self.layer_of and len(
-                    self.filled.get((p, i), ())) != self.experts.local_experts))
-                if missing:
+                if block is None or (i in self.layer_of and len(
+                        self.filled.get((p, i), ())) != self.experts.local_experts):
                     raise RuntimeError(f"host {self.ckpt.host}: the restore assembled no "
                                         f"complete block of {plan.leaves[i].path} on device {p}")
-        return self.blocks  # type: ignore[return-value]
+                out[p].append(block)
+        return out

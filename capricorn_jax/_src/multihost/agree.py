@@ -185,6 +185,19 @@ def agree_floats(values: Sequence[float | None], hosts: int | None = None,
     return [None if math.isnan(v) else float(v) for v in arr]
 
 
+def agree_measured(values: Sequence[float], hosts: int | None = None,
+                   what: str = "agree_floats") -> list[float]:
+    """``agree_floats`` of measured values (times, durations: never None nor
+    NaN), typed as floats; raises ValueError naming a value that came back
+    unmeasured (NaN on host 0)."""
+    got = agree_floats(values, hosts, what)
+    out = [v for v in got if v is not None]
+    if len(out) != len(got):
+        raise ValueError(f"{what}: host 0's values {[i for i, v in enumerate(got) if v is None]} "
+                         f"are NaN, not measured values")
+    return out
+
+
 def allgather_floats(values: Sequence[float], hosts: int | None = None,
                      what: str = "allgather_floats") -> list[list[float]]:
     """Every host's ``values`` (float64, as many on every host), in process

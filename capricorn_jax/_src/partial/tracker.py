@@ -227,7 +227,8 @@ def saved_from_masks(masks: Mapping[int, ArrayLike], shape: tuple[int, int]
     """``restore_plan``'s ``saved`` from versions' masks: {(layer, expert): the
     steps (ascending) whose mask {step: bool [L, N]} carries that expert}."""
     steps = sorted(masks)
-    return {key: [v for v in steps if masks[v][key]] for key in np.ndindex(*shape)}
+    arrays = {v: np.asarray(masks[v]) for v in steps}
+    return {key: [v for v in steps if arrays[v][key]] for key in np.ndindex(*shape)}
 
 
 def whole_version_tracker(shape: tuple[int, int], top_k: int, step: int) -> PltTracker:

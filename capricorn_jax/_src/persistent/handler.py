@@ -266,6 +266,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
     def _write_step(self, future: _PersistFuture) -> None:
         """The background work of one persistent save (runs in ``future``'s thread)."""
         ckpt, step, directory = self.checkpointer, future.memory.step, future.directory
+        assert ckpt is not None, "a persistent write starts only from a handler with a memory tier"
         try:
             if future.memory.skipped:
                 raise RuntimeError(f"in-memory version {step} was skipped (its writer was busy); "
@@ -313,11 +314,13 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         ckpt = self.checkpointer
         if ckpt is None or ckpt.hosts == 1 or jax.process_count() == 1:
             if mine:
+                assert future.error is not None, "an outcome is set only with its error"
                 raise future.error
             return
         from jax._src import distributed
 
         client = distributed.global_state.client
+        assert client is not None, "jax.distributed is initialized when several processes run"
         key = f"capricorn/persist/{future.seq}/{future.memory.step}/{{host}}"
         client.key_value_set(key.format(host=ckpt.host), mine or "ok")
         deadline = time.monotonic() + self.write_timeout_s

@@ -111,7 +111,8 @@ class CheckpointManager(ocp.CheckpointManager):
       last_restore: RestoreInfo of the newest restore() of the capricorn item.
     """
 
-    def __init__(self, directory, *args, handler_registry=None, **kwargs):
+    def __init__(self, directory: Any, *args: Any, handler_registry: Any = None,
+                 **kwargs: Any) -> None:
         self.item, self.handler = _find_handler(handler_registry)
         if len(args) < 2:  # options not given by position
             kwargs["options"] = _bounded_options(kwargs.get("options"), self.handler)
@@ -127,7 +128,8 @@ class CheckpointManager(ocp.CheckpointManager):
         if tier is not None:
             # Retention under PEC: Orbax's own policy (max_to_keep, ...), and
             # every step that holds some expert's newest persisted copy.
-            self._preservation_policy = ocp.checkpoint_managers.AnyPreservationPolicy(
+            # Orbax ships no type information (no py.typed): its policy types are Any here.
+            self._preservation_policy: Any = ocp.checkpoint_managers.AnyPreservationPolicy(
                 [self._preservation_policy, self._pec.keep_policy(tier.shape)])
 
     # ----- save -----
@@ -181,8 +183,10 @@ class CheckpointManager(ocp.CheckpointManager):
             return False
         record = None
         if self._pec_tier() is not None:
+            ckpt = self.handler.checkpointer
+            assert ckpt is not None, "a PEC tier lives in the handler's memory tier"
             try:
-                record = self._pec.decide(step, self.handler.checkpointer,  # collective
+                record = self._pec.decide(step, ckpt,  # collective
                                           [s for s in self.all_steps() if s < step])
             except ValueError as e:
                 self._record(step, e)
@@ -332,7 +336,8 @@ class CheckpointManager(ocp.CheckpointManager):
                                         f"{directory or self.directory}")
         elif step not in persistent:
             state = self._restore_memory(abstract, step, start) if step == memory else None
-            if state is None or self.last_restore.step != step:
+            # _restore_memory records last_restore whenever it returns a state.
+            if state is None or self.last_restore is None or self.last_restore.step != step:
                 raise FileNotFoundError(f"step {step} is neither a persistent step "
                                         f"({persistent}) nor the memory tier's newest version "
                                         f"({memory})")
@@ -388,6 +393,7 @@ class CheckpointManager(ocp.CheckpointManager):
     def _restore_memory(self, abstract: Any, at_least: int | None, start: float) -> Any:
         """The memory tier's newest version, if it is at least ``at_least`` (collective)."""
         ckpt = self.handler.checkpointer
+        assert ckpt is not None, "a memory step exists only with a memory tier"
         mine = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ckpt.abstract_state)
         check_tree(abstract, mine, "the in-memory checkpoint")
         recovered = recover(ckpt)

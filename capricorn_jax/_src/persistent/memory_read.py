@@ -125,6 +125,7 @@ def read_pec_blocks(ckpt: TierReader, step: int, timeout_s: float
       each expert's source step).
     """
     host, store, tier = ckpt.host, ckpt.store, ckpt.pec
+    assert tier is not None, "read_pec_blocks reads a memory tier under PEC"
     _await_version(ckpt, step, timeout_s)
     manifest = store.manifest(host, step)
     shape = tier.shape
@@ -163,6 +164,7 @@ def carried_blocks(ckpt: TierReader, blocks: dict[int, list[np.ndarray]],
     if record is None:
         return blocks, None
     tier = ckpt.pec
+    assert tier is not None, "a PEC record is written only from a memory tier under PEC"
     data_step = np.asarray(record["data_step"], np.int64)
     mask = mask_from_hex(record["mask"], tier.shape)
     if not np.array_equal(data_step[mask], plan.source[mask]):

@@ -106,7 +106,8 @@ class PecSteps:
 
     def forget(self, step: int | None) -> None:
         """Drops the record of a step whose save failed or did not start."""
-        self._records.pop(step, None)
+        if step is not None:
+            self._records.pop(step, None)
 
     def record_of(self, step: int) -> dict[str, Any] | None:
         """The PEC record of persistent step ``step`` (its custom metadata), None
@@ -152,6 +153,7 @@ class PecSteps:
           ValueError: version ``step`` is not the memory tier's newest on some host.
         """
         tier = ckpt.pec
+        assert tier is not None, "a PEC record is decided only for a memory tier under PEC"
         tracker, shape = tier.tracker, tier.shape
         k = tier.dyn.options.k_persist or shape[1]
         copies = self.copies(earlier)
@@ -273,7 +275,8 @@ def assemble(point: int, needed: list[int], plan: PersistedPlan, record: dict[st
         tree = jax.tree.unflatten(treedef, [target(p, leaf)
                                             for p, leaf in zip(paths, targets, strict=True)])
         restored, restored_host_state = read(v, tree)
-        leaves = treedef.flatten_up_to(restored)
+        # jaxlib's PyTreeDef comes from a compiled module without stubs.
+        leaves = treedef.flatten_up_to(restored)  # type: ignore[attr-defined]
         if v == point:
             base, host_state = leaves, restored_host_state
         for n, path in enumerate(paths):
@@ -283,10 +286,10 @@ def assemble(point: int, needed: list[int], plan: PersistedPlan, record: dict[st
     for path, parts in pieces.items():
         row = plan.source[layer_of[path]]
         index[path], offset = np.full(row.shape, -1, np.int64), 0
-        for _, experts, v in parts:
-            take = row[experts] == v
-            index[path][experts[take]] = offset + np.flatnonzero(take)
-            offset += experts.size
+        for _, carried, v in parts:
+            take = row[carried] == v
+            index[path][carried[take]] = offset + np.flatnonzero(take)
+            offset += carried.size
         assert np.all(index[path] >= 0), path
     shardings = {p: getattr(t, "sharding", None) for p, t in zip(paths, targets, strict=True)
                  if p in layer_of}
@@ -306,12 +309,13 @@ def resume_memory_tier(ckpt: TierReader | None, step: int,
     """A PEC memory tier goes on from persistent step ``step``: no copy of any
     expert in memory yet (its next version carries all), the losses of the
     restores so far, and the cumulative assignments at ``step``."""
-    tier = None if ckpt is None else ckpt.pec
-    if tier is None:
+    if ckpt is None or ckpt.pec is None:
         return
+    tier = ckpt.pec
     tracker = PltTracker(*tier.shape, tier.tracker.top_k, step)
     k = cumulative = None
     if record is not None:
+        assert plan is not None, "a PEC record is resumed with the plan restored from it"
         before = PltTracker.from_dict(record["tracker"])
         tracker.restored_lost[:] = before.restored_lost + plan.lost
         k, cumulative = int(record["memory_k"]), record["cumulative"]

@@ -28,6 +28,9 @@ from capricorn_jax._src.profiling.detector import LayerKey
 
 CACHE_GRANULARITIES = ("tuple", "layer")
 
+CapacityKey = tuple[float, ...]
+"""A step's capacity tuple: one capacity factor per MoE layer."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
@@ -84,7 +87,7 @@ class CacheDecision:
     """
 
     step: int
-    key: Hashable
+    key: CapacityKey
     asked: bool
     cached: bool
     profile: bool
@@ -125,13 +128,13 @@ class ProfileCache:
         # cell -> its newest warm profiles, oldest first: (step, durations).
         self.entries: dict[Hashable, list[tuple[int, dict[LayerKey, float]]]] = {}
 
-    def _cells(self, key: Hashable) -> dict[Hashable, int | None]:
+    def _cells(self, key: CapacityKey) -> dict[Hashable, int | None]:
         """The cells a tuple's profile is filed under -> the layer each holds (None: all)."""
         if self.options.granularity == "tuple":
             return {key: None}
         return {(layer, factor): layer for layer, factor in enumerate(key)}
 
-    def record(self, key: Hashable, step: int, durations: Mapping[LayerKey, float]) -> None:
+    def record(self, key: CapacityKey, step: int, durations: Mapping[LayerKey, float]) -> None:
         """Stores the durations measured at step ``step`` for tuple ``key``."""
         for cell, layer in self._cells(key).items():
             entry = self.entries.setdefault(cell, [])
@@ -142,15 +145,18 @@ class ProfileCache:
                                  if layer is None or k[0] == layer}))
             del entry[:-self.options.samples]
 
-    def age(self, key: Hashable, step: int) -> int | None:
+    def age(self, key: CapacityKey, step: int) -> int | None:
         """Steps from the stalest cell's newest profile to ``step`` (None: a
         cell never measured)."""
-        entries = [self.entries.get(cell) for cell in self._cells(key)]
-        if not all(entries):
-            return None
-        return max(step - entry[-1][0] for entry in entries)
+        newest = []
+        for cell in self._cells(key):
+            entry = self.entries.get(cell)
+            if not entry:
+                return None
+            newest.append(entry[-1][0])
+        return max(step - s for s in newest)
 
-    def sources(self, key: Hashable, step: int) -> dict[Hashable, tuple[int, ...]] | None:
+    def sources(self, key: CapacityKey, step: int) -> dict[Hashable, tuple[int, ...]] | None:
         """Cell -> the steps whose profiles stand for ``step`` (None: the cache does not answer)."""
         out = {}
         for cell in self._cells(key):
@@ -161,7 +167,7 @@ class ProfileCache:
             out[cell] = young
         return out
 
-    def layer_sources(self, key: Hashable, step: int) -> dict[int, tuple[int, ...]] | None:
+    def layer_sources(self, key: CapacityKey, step: int) -> dict[int, tuple[int, ...]] | None:
         """MoE layer -> the steps whose profiles stand for its segments at
         ``step`` (``sources`` per layer; None: the cache does not answer)."""
         sources = self.sources(key, step)
@@ -173,7 +179,7 @@ class ProfileCache:
                                      sources[cell]))
         return out
 
-    def lookup(self, key: Hashable, step: int) -> dict[LayerKey, float] | None:
+    def lookup(self, key: CapacityKey, step: int) -> dict[LayerKey, float] | None:
         """The per-segment medians of ``key``'s cached profiles, if the cache
         answers at ``step``."""
         sources = self.sources(key, step)
@@ -185,7 +191,7 @@ class ProfileCache:
             out.update({k: statistics.median(d[k] for d in profiles) for k in profiles[-1]})
         return out
 
-    def decide(self, step: int, key: Hashable, previous_key: Hashable | None,
+    def decide(self, step: int, key: CapacityKey, previous_key: CapacityKey | None,
                drifted: bool) -> CacheDecision:
         """Whether step ``step``, of tuple ``key``, is profiled.
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from capricorn_jax._src.profiling.detector import LayerKey
+
 FWD, BWD = "fwd", "bwd"
 STEP = "step"
 START, END = "start", "end"
@@ -237,7 +239,7 @@ def moe_segments(profile: LayerProfile, moe_layers: Sequence[int]) -> dict[Event
     return out
 
 
-def moe_durations(profile: LayerProfile, moe_layers: Sequence[int]) -> dict[tuple[int, str], float]:
+def moe_durations(profile: LayerProfile, moe_layers: Sequence[int]) -> dict[LayerKey, float]:
     """{(MoE layer index, direction): seconds} of a profile's MoE segments: what
     the detector's cost models (``DynamicityDetector.record_profile``) take."""
     layer_of = moe_segments(profile, moe_layers)

@@ -209,9 +209,12 @@ def agree_profile(profile: LayerProfile) -> LayerProfile:
     segments = profile.segments
     n = len(segments)
     got = agree_floats([s.duration_s for s in segments] + [s.collective_s for s in segments])
-    return dataclasses.replace(profile, segments=tuple(
-        dataclasses.replace(s, duration_s=got[i], collective_s=got[n + i])
-        for i, s in enumerate(segments)))
+    agreed = []
+    for i, s in enumerate(segments):
+        duration = got[i]
+        assert duration is not None, "agree_floats keeps a measured duration measured"
+        agreed.append(dataclasses.replace(s, duration_s=duration, collective_s=got[n + i]))
+    return dataclasses.replace(profile, segments=tuple(agreed))
 
 
 def round_us(x: float | None) -> float | None:

@@ -77,7 +77,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +102,14 @@ if TYPE_CHECKING:
     from capricorn_jax._src.profiling.train_step import State, TrainStep
 
 
-def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direction: str,
+class MarkSink(Protocol):
+    """The host side of a mark: ``Recorder`` (timestamps), or another sink of
+    the marks (the threaded scheduler's window marks count them)."""
+
+    def record(self, name: str, direction: str, tag: Any) -> np.ndarray: ...
+
+
+def mark(tree: Any, specs: Any, mesh: Mesh, recorder: MarkSink, name: str, direction: str,
          ordered: bool = True) -> Any:
     """Emits a per-device ordered callback that depends on ``tree``; returns it.
 
@@ -121,7 +128,8 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: Recorder, name: str, direc
       consumers run after the callback.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    flat_specs = treedef.flatten_up_to(specs)
+    # jaxlib's PyTreeDef comes from a compiled module without stubs.
+    flat_specs = treedef.flatten_up_to(specs)  # type: ignore[attr-defined]
     axes = tuple(mesh.axis_names)
     callback = functools.partial(recorder.record, name, direction)
     dummy = jax.ShapeDtypeStruct((), jnp.float32)
@@ -151,7 +159,7 @@ class ProfileHook:
     see ``mark``.
     """
 
-    def __init__(self, mesh: Mesh, recorder: Recorder,
+    def __init__(self, mesh: Mesh, recorder: MarkSink,
                  sites: frozenset[tuple[str, str]] | None = None, ordered: bool = True) -> None:
         self.mesh, self.recorder = mesh, recorder
         self.sites, self.ordered = sites, ordered
@@ -333,7 +341,7 @@ def measure_overhead(
       (the final state, {"plain_s", "profiled_s", "overhead" (profiled/plain -
       1), "span_over_total" (median of the profiles' span_s / total_s)}).
     """
-    plain, profiled = trainer.step_fn(factors), make_profiled_step(trainer, factors)
+    plain, profiled = trainer.step_fn(tuple(factors)), make_profiled_step(trainer, factors)
 
     def run_plain(state: Any) -> tuple[Any, LayerProfile | None]:
         state, metrics = plain(state, batch)

@@ -355,6 +355,7 @@ def window_specs(schedule: Schedule, boundaries: list[str]) -> list[WindowSpec]:
             continue
         name, direction = window.name, window.direction
         site, _ = site_of(window, boundaries)
+        key: tuple[int, ...]  # step order: (phase, position in it[, tail last])
         if direction == "fwd":
             if site == START[0]:
                 spec = WindowSpec((name, "fwd"), "outside", len(chunks), None, (name, "fwd"))

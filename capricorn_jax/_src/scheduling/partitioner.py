@@ -175,7 +175,8 @@ def windows_from_profile(profile: LayerProfile) -> list[Window]:
     segments = sorted(profile.segments, key=lambda s: s.start_s)
     out = []
     for seg in segments:
-        idle = seg.duration_s if seg.collective_s is None else seg.compute_s
+        compute = seg.compute_s  # None exactly when the collective time is unknown
+        idle = seg.duration_s if compute is None else compute
         out.append(Window(seg.name, seg.direction, max(0.0, float(idle))))
     return out
 

@@ -65,7 +65,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory.transport import local_rows
-from capricorn_jax._src.multihost.agree import agree_floats
+from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, fit_link_model
@@ -263,7 +263,7 @@ class ChunkChannel:
             return f"host {host}, not this host's source host {self.source}"
         return None
 
-    def send(self, version: int, offset: int, rows: Sequence[np.ndarray]) -> None:
+    def send(self, version: int, offset: int, rows: np.ndarray | Sequence[np.ndarray]) -> None:
         """Sends ``rows`` (one uint8 row of n bytes per local device: a
         [devices, n] array or views of each device's buffer) as bytes
         [offset, offset + n) of ``version``; each row goes from its own memory,
@@ -273,7 +273,7 @@ class ChunkChannel:
             raise ValueError(f"rows of different lengths {sorted(lengths)}")
         self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows)))
         for row in rows:
-            self.out.sendall(memoryview(np.ascontiguousarray(row)).cast("B"))
+            self.out.sendall(np.ascontiguousarray(row).data.cast("B"))
 
     def receive_into(self, buffers: Callable[[int], np.ndarray | None]
                      ) -> tuple[int, int, int]:
@@ -296,7 +296,7 @@ class ChunkChannel:
                              f"{offset} from host {self.source} does not fit version "
                              f"{version}'s {target.shape}")
         for r in range(rows):
-            _recv_exact(self.inc, memoryview(target[r, offset:offset + length]))
+            _recv_exact(self.inc, target[r, offset:offset + length].data)
         return version, offset, length
 
     def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,
@@ -504,9 +504,9 @@ class ThreadedSender:
                 self.failure = e
                 with self._lock:
                     pending = list(self._versions.values())
-                for entry in pending:
-                    entry.error = entry.error or e
-                    entry.complete.set()
+                for waiting in pending:
+                    waiting.error = waiting.error or e
+                    waiting.complete.set()
                 return
             with self._lock:
                 entry = self._versions.get(version)
@@ -573,7 +573,7 @@ def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
     for attempt in range(MEASURE_ATTEMPTS):
         sizes, times = channel.measure(rows=rows)
         # Per-row bytes (the schedule's unit): every local row of a range goes at once.
-        agreed = agree_floats(times, what="the chunk channel's measured times")
+        agreed = agree_measured(times, what="the chunk channel's measured times")
         try:
             return fit_link_model(sizes, agreed)
         except ValueError as e:

@@ -11,7 +11,7 @@ speculative profiles.
 
 Every host must build the same schedule, or their compiled steps (which hold
 the collectives) would differ: the link fit and the windows are host 0's
-numbers (``multihost.agree.agree_floats``).
+numbers (``multihost.agree.agree_measured``).
 
 Design choice: compiled variants are keyed by where the bytes go, not by the
 window durations, so a re-partition that moves nothing reuses its variant.
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.multihost.agree import agree_floats
+from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
 from capricorn_jax._src.scheduling.partitioner import (
@@ -69,7 +69,7 @@ def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20,
             xs.append(size)
             ts.append(time.perf_counter() - t0)
     best = [min(t for x, t in zip(xs, ts, strict=True) if x == s) for s in sizes]
-    return fit_link_model(list(sizes), agree_floats(best))
+    return fit_link_model(list(sizes), agree_measured(best))
 
 
 def _per_window(profiles: Sequence[LayerProfile], windows_of: Callable[[LayerProfile], list[Window]]
@@ -129,7 +129,7 @@ class ScheduledTransfers:
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
-        durations = agree_floats([w.duration_s for w in windows])
+        durations = agree_measured([w.duration_s for w in windows])
         windows = [Window(w.name, w.direction, d) for w, d in zip(windows, durations, strict=True)]
         self._windows = scale_windows(windows, self.margin)
         self._schedules = {}

@@ -188,13 +188,16 @@ class ProfilingDriver:
         sources: list[int] | None = None
         self._next_key = None
         if self.cache is not None:
+            assert self.next_factors is not None, "__init__ rejects a cache without next_factors"
             key = self._next_key = tuple(float(f) for f in self.next_factors(metrics))
             # The capacity trigger: only the tuple (new, or short of young samples) asks.
             drifted = decision.profile_next and not self.capacity_trigger
             cache = self.cache.decide(step + 1, key, factors, drifted)
             decision = dataclasses.replace(decision, profile_next=cache.profile)
             if cache.cached:
-                sources = sorted(set().union(*self.cache.sources(key, step + 1).values()))
+                cells = self.cache.sources(key, step + 1)
+                assert cells is not None, "a cached decision means the cache answers its step"
+                sources = sorted(set().union(*cells.values()))
         # The load drifted, but the strategy may judge the profile not worth it.
         gated = decision.profile_next and not self.strategy.allow_profile(self.detector, tpe)
         if gated:

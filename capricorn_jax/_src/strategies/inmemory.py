@@ -15,8 +15,6 @@ options live on the checkpointer, which knows them anyway.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
@@ -67,6 +65,6 @@ class InMemoryStrategy(Strategy):
     def resume_at(self, step: int) -> None:
         """PEC: the tracker never saw the steps run without this strategy; its
         portion of lost tokens starts over at ``step`` (benchmark timing only)."""
-        pec: Any = self.ckpt.pec
+        pec = self.ckpt.pec
         if pec is not None and pec.tracker.step != step:
             self.ckpt.resume_pec(PltTracker(*pec.shape, pec.tracker.top_k, step))

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import jax
 import numpy as np
@@ -99,6 +99,16 @@ ones in which a window spilled; more than half of them ask for a profile."""
 SPILL_TOLERANCE_S = 0.001
 """A window spills when its chunks' modelled link time exceeds its measured
 idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
+
+
+class MovedPayloads(TypedDict):
+    """What a step moved: this host's packed payload, the peer's (None until
+    the threaded sender's chunks are all in) and, on the threaded path, the
+    transport they went by."""
+
+    own: jax.Array
+    received: jax.Array | np.ndarray | None
+    transport: NotRequired[Transport]
 
 
 def resolve_chunk_path(path: str) -> str:
@@ -152,7 +162,7 @@ class ScheduledStrategy(InMemoryStrategy):
                                             chunk_cap)
         self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
         self._profiles_seen = 0  # gemini: profiles seen (cold ones too)
-        self._moved: tuple[int, dict[str, jax.Array], Any] | None = None
+        self._moved: tuple[int, MovedPayloads, Any] | None = None
         self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
         self._last_saved = -1
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
@@ -219,7 +229,8 @@ class ScheduledStrategy(InMemoryStrategy):
             return train.step_fn(factors, hooks)(state, batch)
         host_state, tokens_per_expert = self._host_states[step]
         trailer = self.ckpt.trailer_rows(host_state)
-        version, transport, gather = None, None, ()
+        version, transport = None, None
+        gather: tuple[jax.Array, ...] = ()
         if self.ckpt.pec is not None:
             # PEC: decide version ``step`` now (K experts per layer), pack and
             # move only it; its payload has its own schedule.
@@ -333,10 +344,11 @@ class ScheduledStrategy(InMemoryStrategy):
             version, payloads, pec_version = moved
             windows = None
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
-                payloads["received"] = self.sender.wait(version)  # [local devices, bytes]
+                sender = self.sender
+                assert sender is not None, "only the threaded path leaves the peer's payload out"
+                payloads["received"] = sender.wait(version)  # [local devices, bytes]
                 windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
-                                        self.sender.last_spans, self._planned_on,
-                                        self.sender.last_sends)
+                                        sender.last_spans, self._planned_on, sender.last_sends)
                 self._note_spills(windows)
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
