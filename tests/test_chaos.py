@@ -17,7 +17,7 @@ from launch.chaos import draw_trial, parse_topology
 from launch.cluster.netns import stale_namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def netns_usable() -> bool:

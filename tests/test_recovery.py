@@ -15,7 +15,7 @@ from capricorn_jax._src.memory.store import HostStore
 from tests.helpers import assert_no_orphans, run_train
 from tests.tree_utils import assert_trees_equal
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes
 
 COMMON = ("--model=tiny", "--eval_sequences=0", "--log_every=5")
 STEPS = 14

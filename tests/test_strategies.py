@@ -36,7 +36,7 @@ COMMON = ("--hosts=2", "--devices_per_host=1", "--model=tiny", f"--steps={STEPS}
 EXTRA = {"gemini": ("--profile_first_n=2",), "pec": ("--pec_k=2", "--nopec_dynamic"),
          "capricorn_pec": ("--pec_k=2", "--nopec_dynamic")}
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes
 
 
 def _run(*flags, timeout=120):
