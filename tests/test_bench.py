@@ -78,18 +78,16 @@ def test_bench_reports_every_strategy(tmp_path):
     assert result["inmem"]["ckpt_bytes_per_step"] > 0
     assert result["blocking"]["ckpt_bytes_per_step"] > 0
     # CPU per timed step by thread group (launch.cluster.cpu_account), both hosts summed:
-    # every total is its groups' sum; the in-memory strategies' store writers
-    # worked in their steps and were counted as such (summed over inmem and pec:
-    # the counters tick every 10 ms per thread, and one strategy's 20 timed
-    # steps of tiny's writes measured 0 ticks once in CI, 2026-12-03; another
-    # strategy's block may also see a lagging writer finish); no strategy here
-    # has a chunk sender.
+    # every total is its groups' sum; no strategy here has a chunk sender. The store
+    # writers' share is not asserted: /proc counts 10 ms ticks per thread, and
+    # tiny's writes per step are far below one tick, so inmem's and pec's writers
+    # read 0 in 2 of 3 fresh-clone CI runs (2026-12-03); counting them needs
+    # nanosecond accounting (/proc/<pid>/task/<tid>/schedstat), not built yet.
     for row in result.values():
         cpu = row["cpu_ms_per_step"]
         assert abs(cpu["total"] - sum(v for k, v in cpu.items() if k != "total")) < 0.1
         assert cpu["xla_compute"] + cpu["runtime"] > 0
         assert cpu["chunk_sender"] == cpu["chunk_receiver"] == 0.0
-    assert sum(result[n]["cpu_ms_per_step"]["ckpt_writers"] for n in ("inmem", "pec")) > 0
     assert "inmem: CPU per timed step, all hosts: " in proc.stdout
     recovery = result["inmem"]["recovery"]
     assert recovery["local"]["bytes_moved"] == 0
