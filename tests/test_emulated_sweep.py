@@ -1,0 +1,57 @@
+"""The emulated sweep's grid, rates and plot series (launch.experiments.emulated_sweep)."""
+
+from __future__ import annotations
+
+import pytest
+
+from launch.experiments import emulated_sweep as sweep
+
+
+def _doc(r, hosts, devices, workload, medians):
+    return {"link_idle_share": r, "config": {"hosts": hosts, "devices_per_host": devices,
+                                             "workload": workload},
+            "strategies": {name: {"median_step_s": m} for name, m in medians.items()}}
+
+
+def test_link_rate_puts_r_at_its_target():
+    assert sweep.link_gbps_for(0.5, 0.077) == 0.154
+    assert sweep.link_gbps_for(0.25, 0.04) == 0.16
+    with pytest.raises(ValueError, match="must be > 0"):
+        sweep.link_gbps_for(0.0, 0.077)
+
+
+def test_topology_names_the_bad_text():
+    assert sweep.parse_topology("4x1") == (4, 1)
+    with pytest.raises(ValueError, match="'2by2'"):
+        sweep.parse_topology("2by2")
+    with pytest.raises(ValueError, match="at least 2 hosts"):
+        sweep.parse_topology("1x4")
+
+
+def test_grid_order_and_budget():
+    grid = sweep.points([1.5, 0.5], ["dynamic"], ["2x2", "4x1"], {"2x2": 0.08, "4x1": 0.04}, 1.0)
+    assert [(p["topology"], p["r_target"], p["budget"]) for p in grid] == [
+        ("2x2", 0.5, False), ("2x2", 1.5, True), ("4x1", 0.5, False), ("4x1", 1.5, True)]
+    assert grid[0]["link_gbps"] == 0.16 and grid[2]["link_gbps"] == 0.08
+    assert sweep.point_name(grid[1]) == "bench_2x2_dynamic_r1.5.json"
+    with pytest.raises(ValueError, match="4x1: no --r_per_gbps"):
+        sweep.points([0.5], ["steady"], ["4x1"], {"2x2": 0.08}, 1.0)
+
+
+def test_series_use_measured_r_and_skip_unusable_runs():
+    docs = [_doc(0.8, 2, 2, "dynamic", {"none": 0.5, "inmem": 0.75, "capricorn": 0.625}),
+            _doc(0.3, 2, 2, "dynamic", {"none": 0.4, "inmem": 0.5}),
+            _doc(None, 2, 2, "dynamic", {"none": 0.4, "inmem": 9.0}),
+            _doc(0.5, 4, 1, "steady", {"inmem": 0.5})]
+    out = sweep.series(docs)
+    assert out == {"dynamic": {"inmem 2x2": [(0.3, 1.25), (0.8, 1.5)],
+                               "capricorn 2x2": [(0.8, 1.25)]}}
+
+
+def test_plot_writes_a_png(tmp_path):
+    png = tmp_path / "sweep.png"
+    sweep.plot([_doc(0.3, 2, 2, "dynamic", {"none": 0.4, "inmem": 0.5}),
+                _doc(0.6, 4, 1, "steady", {"none": 0.4, "pec": 0.44})], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no sweep JSON"):
+        sweep.plot([_doc(None, 2, 2, "dynamic", {"none": 0.4})], tmp_path / "x.png")
