@@ -75,3 +75,20 @@ def test_cpu_per_step_sums_hosts_and_divides_by_steps() -> None:
     assert out["main"] == 150.0
     assert out["ckpt_writers"] == 25.0
     assert out["total"] == 175.0
+
+
+@pytest.mark.skipif(cpu_account.RESOLUTION_S > 1e-6, reason="kernel without schedstat")
+def test_cpu_below_one_clock_tick_is_counted() -> None:
+    """3 ms of a writer's CPU, under the 10 ms a /proc tick resolves, is seen."""
+    result: dict = {}
+
+    def writer() -> None:
+        before = cpu_account.sample()
+        _spin(0.003)
+        result.update(zip(cpu_account.GROUPS, cpu_account.delta(before, cpu_account.sample()),
+                          strict=True))
+
+    t = threading.Thread(target=writer, name="ckpt-short-writer")
+    t.start()
+    t.join(60)
+    assert result["ckpt_writers"] >= 0.003

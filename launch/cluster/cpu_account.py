@@ -5,11 +5,15 @@ training step, so every CPU second a checkpoint strategy spends outside the
 step's compute is a second the step may lose. The bench samples these
 counters around each timed step (``launch.bench``'s ``cpu_ms_per_step``).
 
-Source: ``/proc/self/task/<tid>/stat`` (user + system ticks of each live
-thread) and ``/proc/self/stat`` (the whole process, exited threads included).
-Python threads are told apart by their ``native_id`` and name; XLA's compute
-pool by its thread name. Resolution: one clock tick (10 ms) per thread per
-sample, so read sums over many steps, not single steps.
+Source: ``/proc/self/task/<tid>/schedstat`` (each live thread's time on a
+CPU, in nanoseconds; its name from ``comm``) and ``time.process_time()`` (the
+whole process, exited threads included, also in nanoseconds). Python threads
+are told apart by their ``native_id`` and name; XLA's compute pool by its
+thread name. Design choice: the scheduler's nanosecond counters, not the
+user + system clock ticks of ``/proc/<tid>/stat``: a tick is 10 ms per thread,
+far above a small model's writes per step, so the store writers of ``tiny``
+read 0 in some runs. Where a kernel has no schedstat (built without
+CONFIG_SCHED_INFO) the ticks are read instead, and ``RESOLUTION_S`` says so.
 
 Linux only; elsewhere ``sample`` returns None and the bench records nothing.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 GROUPS = ("main", "xla_compute", "runtime", "ckpt_writers", "chunk_sender", "chunk_receiver",
           "py_other", "exited")
@@ -32,16 +37,27 @@ _PY_GROUPS = (("ckpt-", "ckpt_writers"), ("chunk-sender", "chunk_sender"),
               ("chunk-receiver", "chunk_receiver"))
 
 
-def _ticks(path: str) -> tuple[str, int] | None:
-    """(thread name, user + system ticks) of one stat file; None if it is gone."""
+_SCHEDSTAT = os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat")
+RESOLUTION_S = 1e-9 if _SCHEDSTAT else 1.0 / os.sysconf("SC_CLK_TCK")
+"""The smallest CPU time a thread's sample can show (seconds)."""
+
+
+def _thread_cpu(task: str) -> tuple[str, float] | None:
+    """(thread name, CPU seconds) of one ``/proc/self/task/<tid>`` folder;
+    None if the thread is gone."""
     try:
-        with open(path) as f:
+        if _SCHEDSTAT:
+            with open(f"{task}/comm") as f:
+                comm = f.read().rstrip("\n")
+            with open(f"{task}/schedstat") as f:
+                return comm, int(f.read().split()[0]) * 1e-9
+        with open(f"{task}/stat") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
     close = stat.rindex(")")
     fields = stat[close + 2:].split()  # from field 3 (state) on
-    return stat[stat.index("(") + 1:close], int(fields[11]) + int(fields[12])
+    return stat[stat.index("(") + 1:close], (int(fields[11]) + int(fields[12])) * RESOLUTION_S
 
 
 def _group(tid: int, comm: str, names: dict[int, str]) -> str:
@@ -58,16 +74,13 @@ def sample() -> dict[str, float] | None:
     (``exited``: what threads no longer alive used). None off Linux."""
     if not os.path.exists("/proc/self/task"):
         return None
-    tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     out = dict.fromkeys(GROUPS, 0.0)
     for entry in os.listdir("/proc/self/task"):
-        got = _ticks(f"/proc/self/task/{entry}/stat")
+        got = _thread_cpu(f"/proc/self/task/{entry}")
         if got is not None:
-            out[_group(int(entry), got[0], names)] += got[1] / tick
-    total = _ticks("/proc/self/stat")
-    if total is not None:
-        out["exited"] = max(0.0, total[1] / tick - sum(out.values()))
+            out[_group(int(entry), got[0], names)] += got[1]
+    out["exited"] = max(0.0, time.process_time() - sum(out.values()))
     return out
 
 
