@@ -54,7 +54,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("reps", 3, "bench --reps (interleaved repetitions).")
     flags.DEFINE_integer("steps", 8, "bench --steps (timed steps per block).")
     flags.DEFINE_integer("shift_every", 4, "bench --shift_every (dynamic workload).")
-    flags.DEFINE_list("r_per_gbps", ["2x2=0.077", "4x1=0.040"],
+    flags.DEFINE_list("r_per_gbps", ["2x2=0.077", "4x1=0.037"],
                       "R at 1 Gbit/s per topology (TOPOLOGY=VALUE), from an earlier run.")
     flags.DEFINE_float("budget_above_r", 1.0, "Points with a larger target R run with a budget.")
     flags.DEFINE_float("ckpt_budget", 0.0, "bench --ckpt_budget for those points (seconds).")
