@@ -224,6 +224,27 @@ class OrbaxAsync(Strategy):
         self.manager.close()
 
 
+def _orbax_id_maps(multihost: Any) -> None:
+    """Orbax's process-id and device-id maps, which its emergency manager
+    needs before its first save, built once per process (Orbax's builder
+    meets the other processes at a named barrier and is meant to run once; a
+    second manager in the same process, e.g. a restore after a save, reuses
+    them). In a process without jax.distributed (a single-process job) the
+    maps are the identity, set directly: this process is distributed id 0 and
+    owns every device, which is what the builder would find."""
+    from capricorn_jax.experimental import distributed_client
+
+    if distributed_client() is None and jax.process_count() == 1:
+        if not multihost.is_runtime_to_distributed_ids_initialized():
+            multihost._RUNTIME_TO_DISTRIBUTED_ID = [0]
+        if not multihost.is_distributed_to_device_ids_initialized():
+            multihost._DISTRIBUTED_TO_DEVICE_IDS = [[d.id for d in jax.local_devices()]]
+        return
+    if not multihost.is_runtime_to_distributed_ids_initialized():
+        multihost.initialize_runtime_to_distributed_ids()
+    multihost.initialize_distributed_to_device_ids()  # returns if already built
+
+
 class OrbaxEmergency(Strategy):
     """``orbax_emergency``: Orbax's emergency (multi-tier) CheckpointManager,
     configured as its users do: the local tier every step (``max_to_keep=2``)
@@ -256,9 +277,7 @@ class OrbaxEmergency(Strategy):
 
         if persist_every < 1:
             raise ValueError(f"orbax_emergency: persist_every must be >= 1, got {persist_every}")
-        # Orbax's emergency manager needs both id maps before its first save.
-        multihost.initialize_runtime_to_distributed_ids()
-        multihost.initialize_distributed_to_device_ids()
+        _orbax_id_maps(multihost)
         self._ocp, self.train = ocp, train
         self.local = Path(local_root).absolute() / f"host{jax.process_index()}"
         self.local.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,30 @@
 """Every strategy of launch's factory through one lifecycle, in one process.
 
-save -> finish -> close, then a fresh strategy on the same stores restores:
-the newest version, bitwise (``none`` restores nothing). One host of 4 forced
-CPU devices (the multi-host paths run in the multiprocess tests); the
-alternative not taken, several simulated hosts in this process, would need
-the checkpointer's internals rather than the factory's public surface.
+save -> finish -> close on the 4 forced CPU devices, then the saved bytes are
+read back and checked bit for bit against the state saved:
 
-Two kinds cannot run in one process: the scheduled strategies (gemini,
-capricorn, capricorn_pec) send one peer replica per step and refuse a single
-host; orbax_emergency needs jax.distributed. Their kill-and-recover runs are
-in test_strategies.py.
+* ``none``, ``blocking``, ``orbax_async``, ``orbax_emergency``, ``inmem``,
+  ``pec``: one host; a fresh strategy on the same directories restores the
+  newest version through the factory's ``restore`` (``none`` restores
+  nothing). ``orbax_emergency`` runs without jax.distributed: the launcher
+  builds Orbax's process maps as the identity in a single process
+  (``launch.baselines._orbax_id_maps``), once per process.
+* ``gemini``, ``capricorn``, ``capricorn_pec``: they send one peer replica per
+  step and refuse a single host, so this process is host 0 of two hosts
+  simulated by device placement (devices 0,1 and 2,3, as the executor tests
+  do), on the in_graph path (collective-permutes among this process's
+  devices). Host 0's store then holds both hosts' payloads and the replicas
+  each received: read back with the recovery's own reader, the replicas must
+  equal the peers' payloads and the payloads, assembled over the 4 devices,
+  the saved state, bit for bit.
+
+Why the scheduled strategies' ``restore`` itself is not called here:
+``recover`` agrees on the version from every host's inventory (an
+``allgather_json`` over ``ckpt.hosts`` = 2, through the jax.distributed
+key-value store), and this process holds host 0's store only; answering for
+host 1 with host 0's inventory would be a fake agreement, and the decision
+then loads only host 0's device positions. Their restore runs in the
+multi-process kill-and-recover tests (test_strategies.py).
 """
 
 import jax
@@ -17,10 +32,15 @@ import numpy as np
 import pytest
 
 import capricorn_jax
+from capricorn_jax._src.memory.host_arrays import global_arrays
+from capricorn_jax._src.memory.packing import decode_trailer, unpack
+from capricorn_jax._src.memory.recovery import read_rows
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES, make_strategy
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal
+
+SIMULATED_HOSTS = [0, 0, 1, 1]  # host of each mesh device: this process is host 0 of 2
 
 
 @pytest.fixture(scope="module")
@@ -28,44 +48,83 @@ def trainer():
     return Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
 
 
+def _checkpointer(name, trainer, root):
+    cfg = trainer.cfg
+    pec = (capricorn_jax.PecOptions(k=cfg.num_experts, dynamic=False)
+           if name in PEC else None)
+    hosts, device_host = (2, SIMULATED_HOSTS) if name in SCHEDULED else (1, None)
+    opts = capricorn_jax.InMemoryOptions(store_root=str(root / "store"), job="j",
+                                         replicas=hosts, pec=pec)
+    return capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, hosts,
+        device_host, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+
+
 def _build(name, trainer, root):
-    ckpt = None
-    if name in IN_MEMORY:
-        cfg = trainer.cfg
-        pec = (capricorn_jax.PecOptions(k=cfg.num_experts, dynamic=False)
-               if name in PEC else None)
-        opts = capricorn_jax.InMemoryOptions(store_root=str(root / "store"), job="j",
-                                             replicas=1, pec=pec)
-        ckpt = capricorn_jax.InMemoryCheckpointer(
-            opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1,
-            model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+    ckpt = _checkpointer(name, trainer, root) if name in IN_MEMORY else None
     return make_strategy(name, trainer, checkpointer=ckpt, directory=root / "disk",
-                         local_directory=root / "local", persist_every=1)
+                         local_directory=root / "local", persist_every=1,
+                         chunk_path="in_graph")
 
 
-MULTI_HOST_ONLY = (*SCHEDULED, "orbax_emergency")
-SINGLE_PROCESS = [s for s in STRATEGIES if s not in MULTI_HOST_ONLY]
+RESTORED = [s for s in STRATEGIES if s not in SCHEDULED]
 
 
-def test_every_strategy_is_either_here_or_named_multi_host_only():
-    assert sorted(SINGLE_PROCESS) == ["blocking", "inmem", "none", "orbax_async", "pec"]
-    assert set(SINGLE_PROCESS) | set(MULTI_HOST_ONLY) == set(STRATEGIES)
+def test_every_strategy_of_the_factory_is_checked_here():
+    assert sorted(RESTORED) == ["blocking", "inmem", "none", "orbax_async",
+                                "orbax_emergency", "pec"]
+    assert sorted(SCHEDULED) == ["capricorn", "capricorn_pec", "gemini"]
+    assert set(RESTORED) | set(SCHEDULED) == set(STRATEGIES)
 
 
-@pytest.mark.parametrize("name", SINGLE_PROCESS)
-def test_strategy_saves_finishes_closes_and_restores_bitwise(trainer, tmp_path, name):
+def _lifecycle(strategy, trainer, versions):
+    """Saves ``versions``, finishes at the last, closes; returns the last state."""
     tokens = np.ones((len(trainer.moe_layers), trainer.cfg.num_experts), np.int64)
-    states = {v: trainer.init_state(v) for v in (1, 2, 3)}
-    want = jax.tree.map(np.array, states[3])
+    states = {v: trainer.init_state(v) for v in versions}
+    last = versions[-1]
+    want = jax.tree.map(np.array, states[last])
+    for v in versions:
+        strategy.save(v, states[v], {"data": {"step": v}}, tokens_per_expert=tokens)
+    strategy.finish(last, states[last], {"data": {"step": last}})
+    strategy.close()
+    return want
+
+
+@pytest.mark.parametrize("name", RESTORED)
+def test_strategy_saves_finishes_closes_and_restores_bitwise(trainer, tmp_path, name):
     strategy = _build(name, trainer, tmp_path)
     assert strategy.restore() is None  # nothing saved yet
-    for v in (1, 2, 3):
-        strategy.save(v, states[v], {"data": {"step": v}}, tokens_per_expert=tokens)
-    strategy.finish(3, states[3], {"data": {"step": 3}})
-    strategy.close()
-    got = _build(name, trainer, tmp_path).restore()
+    want = _lifecycle(strategy, trainer, (1, 2, 3))
+    restarted = _build(name, trainer, tmp_path)
+    got = restarted.restore()
+    restarted.close()
     if name == "none":
         assert got is None
         return
     assert got.step == 3 and got.host_state == {"data": {"step": 3}}
     assert_trees_equal(got.state, want)
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_scheduled_strategy_stores_both_simulated_hosts_payloads_bitwise(
+        trainer, tmp_path, name):
+    """Two versions (the replica writer holds one and queues one: none is
+    dropped however slow the box); the newest is read back from host 0's store
+    with the recovery's reader. In one process host 0's writers write every
+    local device's row: its own version holds both hosts' payloads (devices
+    0,1 then 2,3), its replica version what each device received from its
+    peer (host 1's payload on devices 0,1, host 0's on 2,3)."""
+    strategy = _build(name, trainer, tmp_path)
+    assert strategy.chunk_path == "in_graph" and strategy.ckpt.hosts == 2
+    want = _lifecycle(strategy, trainer, (1, 2))
+    reader = _checkpointer(name, trainer, tmp_path)  # a fresh one on the same store
+    assert reader.store.versions(0) == [1, 2] and reader.store.versions(1) == [1, 2]
+    own, replica = read_rows(reader, 0, 2), read_rows(reader, 1, 2)
+    assert len(own) == len(replica) == 4
+    for got, peer in zip(replica, own[2:] + own[:2], strict=True):
+        np.testing.assert_array_equal(got, peer)
+    assert decode_trailer(reader.plan, own[0]) == {"data": {"step": 2}}
+    blocks = {**unpack(reader.plan, 0, own[:2]), **unpack(reader.plan, 1, own[2:])}
+    got = global_arrays(blocks, trainer.abstract_state, trainer.state_shardings, trainer.mesh)
+    assert_trees_equal(got, want)
+    reader.close()
