@@ -59,21 +59,17 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions
 from capricorn_jax.experimental import xla_flags
 from launch import runtime, step_stats
+from launch.bench_config import BenchConfig, BenchSetup
 from launch.bench_recovery import baseline_recovery, recovery_times
 from launch.bench_report import VARIANTS, markdown, plot, summarize
 from launch.bench_runner import Runner
+from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
-from launch.cluster.netns import LinkOptions, links_for
-from launch.config import AcceleratorConfig
+from launch.cluster.netns import links_for
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
-
-
-def _chunk_path(name: str) -> str:
-    """The chunk path of a row: its variant's, else --chunk_path."""
-    return "in_graph" if name.endswith("_in_graph") else FLAGS.chunk_path
 
 
 # launch.cli_flags groups (and their flags) that the bench takes, and its own
@@ -127,103 +123,100 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     return fv
 
 
-def _checkpointer(name: str, job):
+def _checkpointer(name: str, job, config: BenchConfig):
     """An in-memory strategy's InMemoryCheckpointer (its own job in the store root)."""
     import capricorn_jax
 
     cfg = job.trainer.cfg
     options = capricorn_jax.InMemoryOptions(
-        store_root=FLAGS.store_root, job=f"bench-{name}", replicas=FLAGS.replicas,
-        chunk_bytes=FLAGS.chunk_bytes,
+        store_root=config.store_root, job=f"bench-{name}", replicas=config.replicas,
+        chunk_bytes=config.chunk_bytes,
         # A strategy's statuses refresh only when it saves; interleaved blocks of
         # the other strategies must not read as replicas that stopped answering.
-        replication_timeout_s=FLAGS.timeout_s,
-        max_wait_s=None if FLAGS.ckpt_budget < 0 else FLAGS.ckpt_budget,
-        pec=capricorn_jax.PecOptions(k=FLAGS.pec_k, k_persist=FLAGS.pec_k, dynamic=False)
+        replication_timeout_s=config.setup.timeout_s,
+        max_wait_s=None if config.ckpt_budget < 0 else config.ckpt_budget,
+        pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
         if VARIANTS.get(name, name) in PEC else None)
     return capricorn_jax.InMemoryCheckpointer(
         options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
         job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
 
 
-def _strategies(job, workdir: Path) -> tuple[dict, dict, dict]:
+def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, dict]:
     """({name: strategy}, {name: its ProfilingDriver}, {name: its checkpointer})."""
     import capricorn_jax
     from launch.strategies import make_strategy
 
     strategies, drivers, ckpts = {}, {}, {}
-    ram = Path(FLAGS.store_root)
+    ram = Path(config.store_root)
     # Every strategy writes to the RAM disk of the stores, but blocking_disk
     # (the scratch directory, a disk) and orbax_emergency's persistent tier.
     directories = {"blocking": ram / "blocking" / f"host{job.host}",
                    "blocking_disk": workdir / "blocking" / f"host{job.host}",
                    "orbax_async": ram / "orbax",
                    "orbax_emergency": workdir / "orbax_emergency"}
-    for name in FLAGS.strategies:
+    for name in config.strategies:
         base = VARIANTS.get(name, name)
         if base in IN_MEMORY:
-            ckpts[name] = _checkpointer(name, job)
+            ckpts[name] = _checkpointer(name, job, config)
         strategies[name] = make_strategy(
             base, job.trainer, checkpointer=ckpts.get(name),
-            directory=directories.get(name), first_n=FLAGS.profile_first_n,
-            chunk_cap=FLAGS.chunk_bytes, chunk_path=_chunk_path(name), tier="local",
+            directory=directories.get(name), first_n=config.profile_first_n,
+            chunk_cap=config.chunk_bytes, chunk_path=config.chunk_path_of(name), tier="local",
             local_directory=ram / "orbax_local",
-            persist_every=FLAGS.persist_every or 10)
+            persist_every=config.persist_every or 10)
         strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
-            STRATEGY_PROFILE.get(base, "off"), FLAGS.profile_first_n,
-            DetectorOptions(threshold=FLAGS.drift_threshold), trigger=FLAGS.profile_trigger)
+            STRATEGY_PROFILE.get(base, "off"), config.profile_first_n,
+            DetectorOptions(threshold=config.drift_threshold), trigger=config.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
                                                       collectives=job.trainer.all_to_alls,
                                                       next_factors=job.trainer.next_factors)
     return strategies, drivers, ckpts
 
 
-def bench_worker(process_id: int, workdir: Path) -> None:
+def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
     import jax
 
     from capricorn_jax.experimental import allgather_floats
 
+    setup = config.setup
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id,
-                             single_process="orbax_emergency" in FLAGS.strategies)
-    overrides = {"dispatch": FLAGS.dispatch} if FLAGS.dispatch else {}
-    if FLAGS.global_batch:
-        overrides["global_batch"] = FLAGS.global_batch
-    total_steps = ((FLAGS.warmup + FLAGS.steps * FLAGS.reps + FLAGS.a2a_steps * (FLAGS.reps + 1))
-                   * len(FLAGS.strategies))
-    job = runtime.build_job(FLAGS.model, overrides, FLAGS.expert_parallel, total_steps, 3e-3, 10,
-                            FLAGS.workload, FLAGS.shift_every, FLAGS.seed,
-                            FLAGS.accelerator, FLAGS.accelerator_profile)
+    runtime.init_distributed(setup.hosts, setup.coordinator, process_id,
+                             single_process="orbax_emergency" in config.strategies)
+    job = runtime.build_job(setup.model, setup.overrides(), setup.expert_parallel,
+                            config.total_steps(), 3e-3, 10, setup.workload, setup.shift_every,
+                            setup.seed, setup.accelerator.accelerator,
+                            setup.accelerator.profile)
     link = None
-    if FLAGS.link_probe_mib > 0 and job.hosts > 1:
+    if config.link_probe_mib > 0 and job.hosts > 1:
         from launch.link_probe import measure_link
 
-        link = measure_link(FLAGS.link_probe_mib)
-    strategies, drivers, ckpts = _strategies(job, workdir)
-    runner = Runner(job, FLAGS.seed)
-    probed = FLAGS.a2a_steps
+        link = measure_link(config.link_probe_mib)
+    strategies, drivers, ckpts = _strategies(job, workdir, config)
+    runner = Runner(job, setup.seed)
+    probed = config.a2a_steps
     for name, strategy in strategies.items():
         # Compiles the probed variant too.
-        runner.block(strategy, drivers[name], FLAGS.warmup + probed, probed)
+        runner.block(strategy, drivers[name], config.warmup + probed, probed)
         if job.host == 0:
             print(f"warm-up of {name} done", flush=True)
     samples = {name: [] for name in strategies}  # (seconds, profiled, compiled) per step
     a2a = {name: [] for name in strategies}
     names = list(strategies)
     runner.record = True
-    for rep in range(FLAGS.reps):
+    for rep in range(config.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         start = runner.snapshot()  # every strategy replays the same steps from here
         for k, name in enumerate(order):
             if k:
                 runner.rewind(start)
-            times, phases = runner.block(strategies[name], drivers[name], FLAGS.steps + probed,
+            times, phases = runner.block(strategies[name], drivers[name], setup.steps + probed,
                                          probed)
             samples[name] += times
             a2a[name] += phases
         if job.host == 0:
-            print(f"repetition {rep + 1}/{FLAGS.reps}: " + ", ".join(
+            print(f"repetition {rep + 1}/{config.reps}: " + ", ".join(
                 f"{n} {statistics.median(t for t, _, _ in samples[n]) * 1e3:.1f} ms"
                 for n in order if samples[n]), flush=True)
     for name, ckpt in ckpts.items():  # one more status round: the last versions' commits
@@ -241,7 +234,7 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                         "cache_replan_steps": drivers[name].cache_replans}
                  for name, strategy in strategies.items()
                  if (summary := strategy.schedule_summary()) is not None}
-    recovery = {name: recovery_times(ckpts[name], job, FLAGS.replicas)
+    recovery = {name: recovery_times(ckpts[name], job, config.replicas)
                 for name in ("inmem", "pec") if name in strategies}
     for name, strategy in strategies.items():
         if name in ("blocking", "blocking_disk", "orbax_async", "orbax_emergency"):
@@ -270,11 +263,11 @@ def bench_worker(process_id: int, workdir: Path) -> None:
         (workdir / "worker_result.json").write_text(json.dumps(result))
 
 
-def _bandwidth(mib: int) -> dict:
+def _bandwidth(mib: int, store_root: str) -> dict:
     """This host's copy bandwidths (launch.experiments.bandwidth) for the JSON."""
     from launch.experiments.bandwidth import measure
 
-    copies = measure(mib << 20, 5, os.path.dirname(FLAGS.store_root.rstrip("/")) or "/dev/shm")
+    copies = measure(mib << 20, 5, os.path.dirname(store_root.rstrip("/")) or "/dev/shm")
     backend = copies.pop("backend")
     return {"memcpy_gbps": copies["host memcpy"]["median_gb_s"],
             "store_ingest_gbps": copies["store ingest"]["median_gb_s"],
@@ -294,70 +287,56 @@ def _machine(raw: dict) -> str:
             f"{platform.python_version()}, jax {jax.__version__}")
 
 
-def _run_cluster(workdir: Path) -> int:
+def _run_cluster(setup: BenchSetup, workdir: Path) -> int:
     """The workers' job, behind shaped links with --link_gbps (``launch.cluster.netns``)."""
-    link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
-    with links_for("bench", FLAGS.hosts, link) as network:
-        return cluster_lib.run_workers("launch.bench", sys.argv[1:], FLAGS.hosts,
-                                       FLAGS.devices_per_host, workdir, FLAGS.timeout_s,
+    with links_for("bench", setup.hosts, setup.link) as network:
+        return cluster_lib.run_workers("launch.bench", sys.argv[1:], setup.hosts,
+                                       setup.devices_per_host, workdir, setup.timeout_s,
                                        network=network)
 
 
-def _link_idle_share(results: dict, link: dict) -> float | None:
+def _link_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | None:
     """R of this run: the largest version any strategy sends per host, over the
     measured one-way link rate (else the requested one) and none's idle link."""
     none = results.get("none", {})
-    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / FLAGS.hosts
-    rate = link.get("one_way_gbps") or (FLAGS.link_gbps or None)
+    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / setup.hosts
+    rate = link.get("one_way_gbps") or (setup.link.gbps or None)
     return step_stats.link_idle_share(per_host, rate, none.get("median_step_s"),
                                       none.get("a2a_median_s"))
 
 
-def _link_record(measured: dict | None) -> dict:
-    """The JSON's "link": what was asked for and what the hosts measured."""
-    requested = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
-    return {**requested.record(), **(measured or {})}
-
-
 def main(argv: list[str]) -> None:
     del argv
-    unknown = [s for s in FLAGS.strategies if s not in STRATEGIES and s not in VARIANTS]
-    if unknown:
-        print(f"bench: error: --strategies: unknown {unknown}; known: {', '.join(STRATEGIES)}, "
-              f"{', '.join(VARIANTS)}", file=sys.stderr)
-        sys.exit(2)
-    if FLAGS.pec_k < 1 and any(VARIANTS.get(s, s) in PEC for s in FLAGS.strategies):
-        print(f"bench: error: --pec_k={FLAGS.pec_k}: the pec rows checkpoint K experts per MoE "
-              f"layer: they need --pec_k > 0", file=sys.stderr)
-        sys.exit(2)
     try:
-        AcceleratorConfig(accelerator=FLAGS.accelerator, profile=FLAGS.accelerator_profile)
-        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
-    except ValueError as e:
+        config = BenchConfig.from_flags(FLAGS)
+    except FlagError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if link.shaped and FLAGS.platform == "gpu":
-        print("bench: error: --link_gbps shapes the simulated CPU hosts' links; not with "
-              "--platform=gpu", file=sys.stderr)
-        sys.exit(2)
-    workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_bench_")
-    if FLAGS.process_id >= 0:
-        runtime.exit_now_on_failure(bench_worker, FLAGS.process_id, workdir)
+    run(config)
+
+
+def run(config: BenchConfig) -> None:
+    """The command on its configuration: the workers (or this process on a GPU),
+    then the report."""
+    setup = config.setup
+    workdir = cluster_lib.scratch_dir(setup.workdir, "capricorn_bench_")
+    if setup.process_id >= 0:
+        runtime.exit_now_on_failure(bench_worker, config, setup.process_id, workdir)
         return
     import shutil
 
-    shutil.rmtree(FLAGS.store_root, ignore_errors=True)
-    if FLAGS.platform == "gpu":
+    shutil.rmtree(config.store_root, ignore_errors=True)
+    if setup.platform == "gpu":
         xla_flags.set_overlap_flags()  # before the GPU backend starts
-        if FLAGS.hosts != 1 or FLAGS.replicas != 1:
+        if setup.hosts != 1 or config.replicas != 1:
             print("bench: error: --platform=gpu runs in this process: --hosts=1 --replicas=1",
                   file=sys.stderr)
             sys.exit(2)
         code = 0
-        bench_worker(0, workdir)
+        bench_worker(config, 0, workdir)
     else:
-        code = _run_cluster(workdir)
-    shutil.rmtree(FLAGS.store_root, ignore_errors=True)
+        code = _run_cluster(setup, workdir)
+    shutil.rmtree(config.store_root, ignore_errors=True)
     result_file = workdir / "worker_result.json"
     if code != 0 or not result_file.exists():
         print(f"bench: error: a host failed (exit code {code}); no results reported",
@@ -370,8 +349,8 @@ def main(argv: list[str]) -> None:
         print(f"bench: error: {e}; no results reported", file=sys.stderr)
         sys.exit(1)
     print(markdown(results))
-    link = _link_record(raw.get("link"))
-    share = _link_idle_share(results, link)
+    link = {**setup.link.record(), **(raw.get("link") or {})}  # asked for, then measured
+    share = _link_idle_share(results, link, setup)
     emulated = raw.get("emulation")
     if emulated:
         checks = {n: r["emulation_check"] for n, r in results.items() if r.get("emulation_check")}
@@ -386,28 +365,26 @@ def main(argv: list[str]) -> None:
         f"; measured one way {link['one_way_gbps']:.3f} Gbit/s, exchange "
         f"{link['exchange_gbps']:.3f} Gbit/s per host ({link['mib']:g} MiB per device)"
         if "one_way_gbps" in link else ""))
-    bandwidth = _bandwidth(FLAGS.bandwidth_mib) if FLAGS.bandwidth_mib > 0 else None
+    bandwidth = (_bandwidth(config.bandwidth_mib, config.store_root)
+                 if config.bandwidth_mib > 0 else None)
     if bandwidth is not None:
-        print(f"bandwidth ({FLAGS.bandwidth_mib} MiB): memcpy {bandwidth['memcpy_gbps']:.2f} "
+        print(f"bandwidth ({config.bandwidth_mib} MiB): memcpy {bandwidth['memcpy_gbps']:.2f} "
               f"GB/s, store ingest {bandwidth['store_ingest_gbps']:.2f} GB/s, store restore "
               f"{bandwidth['restore_gbps']:.2f} GB/s")
-    config = {k: getattr(FLAGS, k) for k in (
-        "model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch", "replicas",
-        "global_batch", "platform", "a2a_steps", "ckpt_budget", "accelerator",
-        "accelerator_profile")}
-    if FLAGS.json:
-        Path(FLAGS.json).write_text(json.dumps({
-            "strategies": results, "config": config, "bandwidth": bandwidth, "link": link,
-            "link_idle_share": share, "accelerator": FLAGS.accelerator,
+    if config.json:
+        Path(config.json).write_text(json.dumps({
+            "strategies": results, "config": config.record(), "bandwidth": bandwidth,
+            "link": link, "link_idle_share": share,
+            "accelerator": setup.accelerator.accelerator,
             "accelerator_profile": emulated,
             # step -> strategy -> capacity factors
             "buckets": raw.get("buckets", {}), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python -m launch.bench",
                                  *(a for a in sys.argv[1:] if not a.startswith("--json"))]),
             "machine": _machine(raw)}, indent=1))
-    if FLAGS.png:
-        plot(results, FLAGS.png,
-             f"{FLAGS.model}, {FLAGS.hosts}x{FLAGS.devices_per_host} CPU, {FLAGS.workload}")
+    if config.png:
+        plot(results, config.png,
+             f"{setup.model}, {setup.hosts}x{setup.devices_per_host} CPU, {setup.workload}")
 
 
 if __name__ == "__main__":

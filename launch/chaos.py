@@ -52,12 +52,11 @@ from typing import Any
 
 from absl import app, flags
 
-from launch.cluster.netns import LinkError, LinkOptions, check_available
-from launch.config import AcceleratorConfig
+from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F401 (re-exported)
+from launch.cli_flags import FlagError
 from launch.fault_plan import PAUSING_POINTS, PERSIST_FAULTS, Fault
 
 FLAGS = flags.FLAGS
-
 
 # launch.cli_flags groups (and their flags) that chaos takes: each trial's job
 # is a launch.train job of --model and --steps (12 by default), behind the
@@ -108,27 +107,6 @@ PERSIST_HANG_TIMEOUT_S = 10.0
 """--persist_timeout_s of a trial with a persist_hang fault: the other hosts
 drop the hung step after 2x this, the hung host's Orbax thread after 4x."""
 PEC_K = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    name: str
-    hosts: int
-    devices_per_host: int
-    replicas: int
-
-
-def parse_topology(name: str) -> Topology:
-    """``HxD`` or ``HxDrM`` (default M = 2)."""
-    try:
-        shape, _, replicas = name.partition("r")
-        hosts, devices = (int(x) for x in shape.split("x"))
-        topo = Topology(name, hosts, devices, int(replicas or 2))
-    except ValueError:
-        raise ValueError(f"--topologies: {name!r} is not HxD or HxDrM") from None
-    if hosts < 2 or devices < 1 or not 2 <= topo.replicas <= hosts:
-        raise ValueError(f"--topologies: {name!r} needs >= 2 hosts and 2 <= replicas <= hosts")
-    return topo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,70 +408,52 @@ def _table(results: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     del argv
-    topologies = [parse_topology(t) for t in FLAGS.topologies]
-    if FLAGS.trials < 1 or FLAGS.steps < 6:
-        raise app.UsageError(f"--trials must be >= 1 and --steps >= 6, got {FLAGS.trials}, "
-                             f"{FLAGS.steps}")
-    unknown = set(FLAGS.strategies) - {"inmem", "gemini", "capricorn", "pec"}
-    if unknown:
-        raise app.UsageError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
-                             f"(inmem, gemini, capricorn, pec)")
-    for topo in topologies:  # the draw would stop at the first trial on such a topology
-        if topo.replicas != 2 and not set(FLAGS.strategies) & {"inmem", "pec"}:
-            raise app.UsageError(f"--topologies={topo.name}: none of --strategies="
-                                 f"{','.join(FLAGS.strategies)} runs there (gemini and "
-                                 f"capricorn need 2 replicas); add inmem or pec, or drop it")
     try:
-        accel = AcceleratorConfig(accelerator=FLAGS.accelerator,
-                                  profile=FLAGS.accelerator_profile)
-        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
-        if link.shaped:
-            check_available(link)
-    except (ValueError, LinkError) as e:
+        config = ChaosConfig.from_flags(FLAGS)
+    except FlagError as e:
         raise app.UsageError(str(e)) from None
-    # Flags every job of every trial gets (the reference runs' too): the links,
-    # the accelerator.
-    job_flags = ([f"--link_gbps={link.gbps:g}", f"--link_latency_ms={link.latency_ms:g}"]
-                 if link.shaped else [])
-    if accel.accelerator != "none":
-        job_flags.append(f"--accelerator={accel.accelerator}")
-    if accel.profile:
-        job_flags.append(f"--accelerator_profile={accel.profile}")
-    scratch = Path(FLAGS.workdir or tempfile.mkdtemp(prefix="capricorn-chaos-"))
+    return run(config)
+
+
+def run(config: ChaosConfig) -> int:
+    """The trials of ``config``, their table and summary; the exit code."""
+    job_flags = config.job_flags()
+    scratch = Path(config.workdir or tempfile.mkdtemp(prefix="capricorn-chaos-"))
     scratch.mkdir(parents=True, exist_ok=True)
     references: dict = {}
     results = []
     started = time.monotonic()
     try:
-        indices = [FLAGS.only_trial] if FLAGS.only_trial >= 0 else range(FLAGS.trials)
+        indices = [config.only_trial] if config.only_trial >= 0 else range(config.trials)
         for i in indices:
-            trial = draw_trial(i, FLAGS.seed, topologies, FLAGS.strategies, FLAGS.steps)
-            result = run_trial(trial, FLAGS.steps, FLAGS.model, scratch, references,
-                               FLAGS.trial_timeout_s, FLAGS.fast_compile, job_flags)
+            trial = draw_trial(i, config.seed, list(config.topologies), list(config.strategies),
+                               config.steps)
+            result = run_trial(trial, config.steps, config.model, scratch, references,
+                               config.trial_timeout_s, config.fast_compile, job_flags)
             results.append(result)
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(
                 result.get("resumed_from", []), result.get("tier", []), strict=True))
-            label = (f"trial index {i} (replayed alone)" if FLAGS.only_trial >= 0
-                     else f"trial {i + 1}/{FLAGS.trials}")
+            label = (f"trial index {i} (replayed alone)" if config.only_trial >= 0
+                     else f"trial {i + 1}/{config.trials}")
             print(f"{label} (seed {trial.seed}) {trial.describe()} -> "
                   f"resumed {resumed or '-'} in {result['seconds']:.0f}s: {status}", flush=True)
-            if FLAGS.json:  # after every trial: a soak stopped early keeps what it ran
-                _write_json(FLAGS.json, results, FLAGS.seed, FLAGS.steps, FLAGS.model)
-            if not result["ok"] and not FLAGS.keep_going:
+            if config.json:  # after every trial: a soak stopped early keeps what it ran
+                _write_json(config.json, results, config.seed, config.steps, config.model)
+            if not result["ok"] and not config.keep_going:
                 break
     finally:
         if all(r["ok"] for r in results):
             shutil.rmtree(_store_root(scratch), ignore_errors=True)
-            if FLAGS.workdir is None:
+            if config.workdir is None:
                 shutil.rmtree(scratch, ignore_errors=True)
     passed = sum(r["ok"] for r in results)
     print(_table(results))
     print(f"chaos: {passed}/{len(results)} trials passed, {len(results) - passed} failed "
-          f"(seed {FLAGS.seed}, {time.monotonic() - started:.0f}s)"
+          f"(seed {config.seed}, {time.monotonic() - started:.0f}s)"
           + ("" if passed == len(results) else f"; failed runs kept under {scratch}"))
-    if FLAGS.json:
-        _write_json(FLAGS.json, results, FLAGS.seed, FLAGS.steps, FLAGS.model)
+    if config.json:
+        _write_json(config.json, results, config.seed, config.steps, config.model)
     return 0 if passed == len(results) else 1
 
 

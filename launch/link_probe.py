@@ -112,11 +112,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     return fv
 
 
-def _worker(process_id: int, workdir: Path) -> None:
+def _worker(process_id: int, workdir: Path, hosts: int, coordinator: str, mib: float,
+            repeats: int) -> None:
     from launch import runtime
 
-    runtime.init_distributed(FLAGS.hosts, FLAGS.coordinator, process_id)
-    result = measure_link(FLAGS.mib, FLAGS.repeats)
+    runtime.init_distributed(hosts, coordinator, process_id)
+    result = measure_link(mib, repeats)
     if process_id == 0:
         (workdir / "link.json").write_text(json.dumps(result))
 
@@ -136,7 +137,8 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     workdir = cluster_lib.scratch_dir(FLAGS.workdir, "capricorn_link_")
     if FLAGS.process_id >= 0:
-        runtime.exit_now_on_failure(_worker, FLAGS.process_id, workdir)
+        runtime.exit_now_on_failure(_worker, FLAGS.process_id, workdir, FLAGS.hosts,
+                                    FLAGS.coordinator, FLAGS.mib, FLAGS.repeats)
         return
     measured = cluster_lib.run_tool_workers("link_probe", "launch.link_probe", sys.argv[1:],
                                             FLAGS.hosts, FLAGS.devices_per_host, workdir,

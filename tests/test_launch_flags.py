@@ -5,14 +5,26 @@ them; importing every launch module together defines no flag (absl flags
 defined at import broke CI twice, when a test imported two such modules).
 """
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 from absl import flags
 
-from launch import bench, chaos, cli_flags, config, link_probe, stores, train
+from launch import (
+    bench,
+    bench_config,
+    chaos,
+    chaos_config,
+    cli_flags,
+    config,
+    link_probe,
+    stores,
+    train,
+)
 from tests.helpers import ROOT
 
 COMMANDS = {"train": train, "bench": bench, "chaos": chaos, "stores": stores,
@@ -52,6 +64,77 @@ def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
     with pytest.raises(config.FlagError,
                        match="--accelerator_profile='h100' needs --accelerator=emulated"):
         config.from_flags(fv)
+
+
+BENCH_RECORDED = ("model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch",
+                  "replicas", "global_batch", "platform", "a2a_steps", "ckpt_budget",
+                  "accelerator", "accelerator_profile")
+
+
+def _bench(tmp_path, *argv):
+    fv = bench.define_flags(flags.FlagValues())
+    fv(["bench", f"--workdir={tmp_path}", *argv])
+    return fv, bench_config.BenchConfig.from_flags(fv)
+
+
+def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path):
+    fv, cfg = _bench(tmp_path, "--strategies=none,pec,gemini_in_graph", "--global_batch=8",
+                     "--accelerator=emulated", "--link_gbps=0.5", "--reps=2")
+    # The JSON's "config": the same keys and values the command read from the flags.
+    assert cfg.record() == {k: fv[k].value for k in BENCH_RECORDED}
+    assert list(cfg.record()) == list(BENCH_RECORDED)
+    assert cfg.strategies == ("none", "pec", "gemini_in_graph") and cfg.pec_k == 2
+    assert cfg.chunk_path_of("gemini_in_graph") == "in_graph"
+    assert cfg.chunk_path_of("pec") == "auto"
+    assert cfg.setup.overrides() == {"dispatch": "bucketed", "global_batch": 8}
+    assert cfg.setup.link.record()["requested_gbps"] == 0.5
+    assert cfg.total_steps() == (3 + 10 * 2 + 2 * 3) * 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.reps = 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--strategies=none,foo"], "--strategies: unknown ['foo']; known: none, blocking"),
+    (["--strategies=pec", "--pec_k=0"], "--pec_k=0: the pec rows checkpoint K experts"),
+    (["--accelerator_profile=h100"], "--accelerator_profile='h100' needs --accelerator=emulated"),
+    (["--link_latency_ms=2"], "--link_latency_ms needs --link_gbps > 0"),
+    (["--link_gbps=1", "--platform=gpu"], "--link_gbps shapes the simulated CPU hosts' links"),
+])
+def test_bench_config_names_a_bad_flag(tmp_path, argv, message):
+    with pytest.raises(cli_flags.FlagError, match=re.escape(message)):
+        _bench(tmp_path, *argv)
+
+
+def _chaos(*argv):
+    fv = chaos.define_flags(flags.FlagValues())
+    fv(["chaos", *argv])
+    return chaos_config.ChaosConfig.from_flags(fv)
+
+
+def test_chaos_config_holds_the_flags_and_the_jobs_flags():
+    cfg = _chaos("--topologies=2x2,4x1r3", "--accelerator=emulated", "--trials=3")
+    assert [t.name for t in cfg.topologies] == ["2x2", "4x1r3"]
+    assert cfg.topologies[1] == chaos.Topology("4x1r3", 4, 1, 3)  # re-exported by chaos
+    assert (cfg.trials, cfg.steps, cfg.seed, cfg.model) == (3, 12, 0, "tiny")
+    assert cfg.strategies == ("inmem", "gemini", "capricorn", "pec")
+    assert cfg.job_flags() == ["--accelerator=emulated"]
+    assert _chaos().job_flags() == []
+
+
+@pytest.mark.parametrize("argv, error, message", [
+    (["--topologies=2y2"], ValueError, "--topologies: '2y2' is not HxD or HxDrM"),
+    (["--trials=0"], cli_flags.FlagError, "--trials must be >= 1 and --steps >= 6, got 0, 12"),
+    (["--strategies=inmem,blocking"], cli_flags.FlagError, "--strategies: ['blocking'] are not"),
+    (["--strategies=gemini", "--topologies=4x1r3"], cli_flags.FlagError,
+     "--topologies=4x1r3: none of --strategies=gemini runs there"),
+    (["--link_latency_ms=2"], cli_flags.FlagError, "--link_latency_ms needs --link_gbps > 0"),
+])
+def test_chaos_config_names_a_bad_flag(argv, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        _chaos(*argv)
+    # A topology that does not parse stays a ValueError (the command never made
+    # it a usage error); the others are FlagErrors, main's usage errors.
+    assert (info.type is cli_flags.FlagError) == (error is cli_flags.FlagError)
 
 
 def test_shared_flags_differ_only_in_the_declared_defaults():
@@ -96,3 +179,91 @@ def test_importing_every_launch_module_together_defines_no_flag():
     assert {"launch.train", "launch.bench", "launch.chaos", "launch.cli_flags"} <= set(
         out["modules"])
     assert out["added"] == []
+
+
+# Commands whose helpers read the flag namespace themselves: measurement
+# scripts of one experiment each (launch/experiments), where the flags are
+# the experiment's knobs and nothing else builds on the helpers.
+FLAG_READERS_BESIDE_MAIN = {
+    "launch/experiments/overlap.py", "launch/experiments/transfer_alt.py",
+    "launch/experiments/speculation_quality.py", "launch/experiments/pec_accuracy.py",
+    "launch/experiments/orbax_rss.py", "launch/experiments/emulated_sweep.py",
+}
+
+
+def flag_reads_outside_main(source: str) -> list[str]:
+    """Where a module reads the absl flag namespace (``FLAGS`` or
+    ``flags.FLAGS``) other than in a function named ``main``: '<function>:<line>'
+    ('<module>' at top level). Allowed without a finding: the module-level
+    ``FLAGS = flags.FLAGS``, the namespace as ``define_flags``' default, and
+    the ``if __name__ == "__main__":`` block."""
+    import ast
+
+    tree = ast.parse(source)
+    allowed: set[int] = set()  # ids of nodes where a read is fine
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "FLAGS"):
+            allowed |= {id(n) for n in ast.walk(node.value)}
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            allowed |= {id(n) for n in ast.walk(node)}
+    out = []
+
+    def visit(node, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name == "define_flags":
+                allowed.update(id(n) for d in node.args.defaults for n in ast.walk(d))
+            if node.name == "main":
+                return  # a command's main reads its flags
+            where = node.name
+        is_read = ((isinstance(node, ast.Name) and node.id == "FLAGS"
+                    and isinstance(node.ctx, ast.Load))
+                   or (isinstance(node, ast.Attribute) and node.attr == "FLAGS"
+                       and isinstance(node.value, ast.Name) and node.value.id == "flags"))
+        if is_read and id(node) not in allowed:
+            out.append(f"{where}:{node.lineno}")
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "<module>")
+    return out
+
+
+def test_only_a_commands_main_reads_the_flags():
+    """Everything past a command's main gets frozen config objects (launch.config,
+    launch.bench_config, launch.chaos_config), never the flag namespace."""
+    found = {}
+    for folder in ("launch", "models", "capricorn_jax"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            reads = flag_reads_outside_main(path.read_text())
+            if reads and rel not in FLAG_READERS_BESIDE_MAIN:
+                found[rel] = reads
+    assert found == {}
+    for rel in FLAG_READERS_BESIDE_MAIN:  # an exception that no longer reads is dropped
+        assert flag_reads_outside_main((ROOT / rel).read_text()), rel
+
+
+def test_the_flag_read_check_finds_a_helper_reading_flags():
+    source = '''
+from absl import flags
+FLAGS = flags.FLAGS
+
+
+def define_flags(fv=FLAGS):
+    return fv
+
+
+def helper():
+    return FLAGS.steps + flags.FLAGS.hosts
+
+
+def main(argv):
+    return helper() + FLAGS.steps
+
+
+if __name__ == "__main__":
+    main(FLAGS)
+'''
+    assert flag_reads_outside_main(source) == ["helper:11", "helper:11"]

@@ -1,0 +1,113 @@
+"""launch.chaos's configuration: its parsed flags, read once into frozen dataclasses.
+
+``ChaosConfig.from_flags`` reads the flags (defined by ``launch.cli_flags`` and
+``launch.chaos.define_flags``) once, in ``launch.chaos``'s ``main``; the
+trials receive the object, never the flag namespace (as launch.train with
+``launch.config`` and launch.bench with ``launch.bench_config``).
+``Topology`` (``HxD`` / ``HxDrM``) is the shape a trial draws.
+
+The checks raise, in the order the command always ran them: a topology that
+does not parse raises ``ValueError`` (``parse_topology``); the others
+``FlagError`` naming the flag (``--trials`` / ``--steps``, ``--strategies``,
+a topology no chosen strategy runs on, the accelerator, the links and
+whether this process can shape them), which ``main`` turns into absl's
+``UsageError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+
+from launch.cli_flags import FlagError
+from launch.cluster.netns import LinkError, LinkOptions, check_available
+from launch.config import AcceleratorConfig
+
+IN_MEMORY_STRATEGIES = ("inmem", "gemini", "capricorn", "pec")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    hosts: int
+    devices_per_host: int
+    replicas: int
+
+
+def parse_topology(name: str) -> Topology:
+    """``HxD`` or ``HxDrM`` (default M = 2)."""
+    try:
+        shape, _, replicas = name.partition("r")
+        hosts, devices = (int(x) for x in shape.split("x"))
+        topo = Topology(name, hosts, devices, int(replicas or 2))
+    except ValueError:
+        raise ValueError(f"--topologies: {name!r} is not HxD or HxDrM") from None
+    if hosts < 2 or devices < 1 or not 2 <= topo.replicas <= hosts:
+        raise ValueError(f"--topologies: {name!r} needs >= 2 hosts and 2 <= replicas <= hosts")
+    return topo
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    """Everything launch.chaos reads from its flags."""
+
+    trials: int
+    only_trial: int
+    seed: int  # of the trial draws, not of the jobs
+    json: str | None
+    topologies: tuple[Topology, ...]
+    strategies: tuple[str, ...]
+    trial_timeout_s: float
+    keep_going: bool
+    fast_compile: bool
+    # shared groups: each trial's job
+    model: str
+    steps: int
+    workdir: str | None
+    link: LinkOptions = LinkOptions()
+    accelerator: AcceleratorConfig = AcceleratorConfig()
+
+    def __post_init__(self) -> None:
+        if self.trials < 1 or self.steps < 6:
+            raise FlagError(f"--trials must be >= 1 and --steps >= 6, got {self.trials}, "
+                            f"{self.steps}")
+        unknown = set(self.strategies) - set(IN_MEMORY_STRATEGIES)
+        if unknown:
+            raise FlagError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
+                            f"(inmem, gemini, capricorn, pec)")
+        for topo in self.topologies:  # the draw would stop at the first trial on such a topology
+            if topo.replicas != 2 and not set(self.strategies) & {"inmem", "pec"}:
+                raise FlagError(f"--topologies={topo.name}: none of --strategies="
+                                f"{','.join(self.strategies)} runs there (gemini and "
+                                f"capricorn need 2 replicas); add inmem or pec, or drop it")
+
+    @staticmethod
+    def from_flags(fv: flags.FlagValues) -> ChaosConfig:
+        """The parsed flags ``fv`` as a ``ChaosConfig`` (module docstring: what it raises)."""
+        topologies = tuple(parse_topology(t) for t in fv.topologies)
+        config = ChaosConfig(
+            trials=fv.trials, only_trial=fv.only_trial, seed=fv.seed, json=fv.json,
+            topologies=topologies, strategies=tuple(fv.strategies),
+            trial_timeout_s=fv.trial_timeout_s, keep_going=fv.keep_going,
+            fast_compile=fv.fast_compile, model=fv.model, steps=fv.steps, workdir=fv.workdir)
+        try:
+            accelerator = AcceleratorConfig(accelerator=fv.accelerator,
+                                            profile=fv.accelerator_profile)
+            link = LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms)
+            if link.shaped:
+                check_available(link)
+        except (ValueError, LinkError) as e:
+            raise FlagError(str(e)) from None
+        return dataclasses.replace(config, link=link, accelerator=accelerator)
+
+    def job_flags(self) -> list[str]:
+        """Flags every job of every trial gets (the reference runs' too): the
+        links, the accelerator."""
+        out = ([f"--link_gbps={self.link.gbps:g}", f"--link_latency_ms={self.link.latency_ms:g}"]
+               if self.link.shaped else [])
+        if self.accelerator.accelerator != "none":
+            out.append(f"--accelerator={self.accelerator.accelerator}")
+        if self.accelerator.profile:
+            out.append(f"--accelerator_profile={self.accelerator.profile}")
+        return out
