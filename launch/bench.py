@@ -72,8 +72,22 @@ FLAGS = flags.FLAGS
 
 
 def _chunk_path(name: str) -> str:
-    """The chunk path of a row: its variant's, else --chunk_path."""
-    return "in_graph" if name.endswith("_in_graph") else FLAGS.chunk_path
+    """The chunk path of a row: its variant's, else --chunk_path, where auto
+    is threaded for every in-memory row on CPU with --replicas=2 (inmem and
+    pec too: one transport per comparison)."""
+    if name.endswith("_in_graph"):
+        return "in_graph"
+    if FLAGS.chunk_path == "auto" and FLAGS.platform != "gpu" and FLAGS.replicas == 2:
+        return "threaded"
+    return FLAGS.chunk_path
+
+
+def _transport(name: str) -> str | None:
+    """How an in-memory row's versions travel (None: not an in-memory row)."""
+    if VARIANTS.get(name, name) not in IN_MEMORY:
+        return None
+    path = _chunk_path(name)
+    return "in_graph" if path == "auto" and FLAGS.platform == "gpu" else path
 
 
 # launch.cli_flags groups (and their flags) that the bench takes, and its own
@@ -256,6 +270,7 @@ def bench_worker(process_id: int, workdir: Path) -> None:
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
+                  "transport": {name: _transport(name) for name in strategies},
                   "blocked": runner.blocked, "emulation_checks": runner.emulation,
                   "emulation": (None if job.trainer.emulation is None
                                 else job.trainer.emulation.profile),

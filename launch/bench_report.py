@@ -53,6 +53,10 @@ def summarize(raw: dict) -> dict:
             "store_bytes_per_host": [int(h[0]) for h in per_host],
             # Every timed step in order (blocks of --steps, repetitions interleaved).
             "step_s": [round(t, 6) for t in times],
+            # How an in-memory row's versions travel: "threaded" (the chunk
+            # channel) or "in_graph" (collectives in a jitted program); None
+            # for the other rows.
+            "transport": raw.get("transport", {}).get(name),
         }
         if name in raw.get("cpu", {}):
             steady = sum(not p and not c for _, p, c in steps)
