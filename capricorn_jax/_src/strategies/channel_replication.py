@@ -124,7 +124,8 @@ class ChannelReplication(InMemoryStrategy):
             return []
         version, own, pec_version = self._inflight
         self._inflight = None
-        received = self.sender.wait(version)  # [local devices, bytes]; bounded
+        with self.ckpt.clock.phase("peer_wait"):
+            received = self.sender.wait(version)  # [local devices, bytes]; bounded
         report = self.ckpt.save_transferred(version, own, [received], version=pec_version)
         event = self._event(version, report)
         event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
@@ -140,9 +141,11 @@ class ChannelReplication(InMemoryStrategy):
             transport = pec_version.transport
             if pec_version.gather is not None:
                 gather = (jax.device_put(pec_version.gather, self.train.replicated),)
-        pack, schedule = self._program(transport)
-        own = pack(state, self.ckpt.trailer_rows(host_state), *gather)
-        self.sender.start(step, own, schedule)
+        with self.ckpt.clock.phase("pack"):
+            pack, schedule = self._program(transport)
+            own = pack(state, self.ckpt.trailer_rows(host_state), *gather)
+        with self.ckpt.clock.phase("send_handoff"):
+            self.sender.start(step, own, schedule)
         self._inflight = (step, own, pec_version)
 
     def save(self, step: int, state: State, host_state: HostState, *,

@@ -226,8 +226,10 @@ class ScheduledStrategy(InMemoryStrategy):
             # Pack, then the plain step with marks: the sender thread sends each
             # window's chunks when the step opens it.
             transport = transport or self.ckpt.transport
-            own = self._pack(transport)(state, trailer, *gather)
-            self.sender.start(step, own, self.transfers.schedule_for(transport))
+            with self.ckpt.clock.phase("pack"):
+                own = self._pack(transport)(state, trailer, *gather)
+            with self.ckpt.clock.phase("send_handoff"):
+                self.sender.start(step, own, self.transfers.schedule_for(transport))
             state, metrics = train.step_fn(factors, self._hooks(hooks, transport))(state, batch)
             self._moved = (step, {"own": own, "received": None, "transport": transport},
                            version)
@@ -330,7 +332,8 @@ class ScheduledStrategy(InMemoryStrategy):
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
                 sender = self.sender
                 assert sender is not None, "only the threaded path leaves the peer's payload out"
-                payloads["received"] = sender.wait(version)  # [local devices, bytes]
+                with self.ckpt.clock.phase("peer_wait"):
+                    payloads["received"] = sender.wait(version)  # [local devices, bytes]
                 windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
                                         sender.last_spans, self._planned_on, sender.last_sends)
                 self._note_spills(windows)
