@@ -13,16 +13,17 @@ a profile: the whole version in one go, sent as soon as it is packed.
 
 Per save of version t:
 
-* the deferred version t-1 (packed and handed to the sender thread at the
-  previous save) is committed: the peer's payload is taken from the channel
-  (normally long complete: it had a whole step to travel) and
-  ``InMemoryCheckpointer.save_transferred`` runs the status round and hands
-  both payloads to the writers;
 * version t is packed by a jitted program (no collective; dispatched
   asynchronously, it reads ``state`` before the next step may donate it), and
   handed to the sender thread, which sends it when the pack is done. PEC:
   the version is decided now (K experts per layer) and only its payload
-  moves.
+  moves;
+* then the deferred version t-1 (packed and handed to the sender at the
+  previous save) is committed: the peer's payload is taken from the channel
+  (normally long complete: it had a whole step to travel) and
+  ``InMemoryCheckpointer.save_transferred`` runs the status round and hands
+  both payloads to the writers. (Committing first, measured: the pack's
+  dispatch took 7.0 ms of the save's 9.3 ms, behind the writers just woken.)
 
 So the training thread dispatches, and never waits for the network unless a
 version takes longer than a step to travel. A version is therefore committed
@@ -55,6 +56,8 @@ from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 
 _channels = itertools.count()  # channel keys: strategies are built in the same order on every host
+_InFlight = tuple[int, jax.Array, PecVersion | None]
+"""A version handed to the sender and not committed yet: (version, own payload, PEC version)."""
 _NO_LINK = LinkModel(0.0, 1.0)
 """The whole-version schedule has no window to fit: its link model is never read."""
 
@@ -107,7 +110,7 @@ class ChannelReplication(InMemoryStrategy):
         # kept so that its id is not reused while the entry lives)
         self._programs: dict[int, tuple[Any, Schedule, Transport]] = {}
         # The version handed to the sender and not committed yet.
-        self._inflight: tuple[int, jax.Array, PecVersion | None] | None = None
+        self._inflight: _InFlight | None = None
 
     def _program(self, transport: Transport) -> tuple[Any, Schedule]:
         key = id(transport)
@@ -118,12 +121,11 @@ class ChannelReplication(InMemoryStrategy):
         pack, schedule, _ = self._programs[key]
         return pack, schedule
 
-    def _commit(self) -> list[CheckpointEvent]:
-        """Commits the version in flight once the peer's payload is in."""
-        if self._inflight is None:
+    def _commit(self, inflight: _InFlight | None) -> list[CheckpointEvent]:
+        """Commits a version sent earlier once the peer's payload is in."""
+        if inflight is None:
             return []
-        version, own, pec_version = self._inflight
-        self._inflight = None
+        version, own, pec_version = inflight
         with self.ckpt.clock.phase("peer_wait"):
             received = self.sender.wait(version)  # [local devices, bytes]; bounded
         report = self.ckpt.save_transferred(version, own, [received], version=pec_version)
@@ -132,39 +134,46 @@ class ChannelReplication(InMemoryStrategy):
         return [event]
 
     def _send(self, step: int, state: State, host_state: HostState,
-              tokens_per_expert: np.ndarray | None) -> None:
+              tokens_per_expert: np.ndarray | None) -> _InFlight:
         """Packs version ``step`` and hands it to the sender thread."""
         gather: tuple[jax.Array, ...] = ()
         pec_version, transport = None, self.ckpt.transport
         if self.ckpt.pec is not None:
             pec_version = self.ckpt.plan_pec_version(step, tokens_per_expert)
             transport = pec_version.transport
-            if pec_version.gather is not None:
-                gather = (jax.device_put(pec_version.gather, self.train.replicated),)
         with self.ckpt.clock.phase("pack"):
+            if pec_version is not None and pec_version.gather is not None:
+                gather = (jax.device_put(pec_version.gather, self.train.replicated),)
             pack, schedule = self._program(transport)
             own = pack(state, self.ckpt.trailer_rows(host_state), *gather)
         with self.ckpt.clock.phase("send_handoff"):
             self.sender.start(step, own, schedule)
-        self._inflight = (step, own, pec_version)
+        return step, own, pec_version
 
     def save(self, step: int, state: State, host_state: HostState, *,
              tokens_per_expert: np.ndarray | None = None,
              next_step_profiled: bool = False) -> list[CheckpointEvent]:
-        """Commits the version in flight, then sends version ``step``.
+        """Sends version ``step``, then commits the previous one.
+
+        The pack is dispatched first, before the commit wakes the writers
+        (whose threads then compete with the dispatch for the interpreter)
+        and before the status round's dispatch, so it runs on the devices
+        ahead of the status round and the sender starts a status round
+        earlier. Versions are still committed once each, in version order.
 
         Returns:
           The ``checkpoint`` event of the version committed now (the previous
           save's), if any.
         """
-        events = self._commit()
-        self._send(step, state, host_state, tokens_per_expert)
-        return events
+        previous = self._inflight
+        self._inflight = self._send(step, state, host_state, tokens_per_expert)
+        return self._commit(previous)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the
         final version, so nothing is left behind)."""
-        return self._commit()
+        inflight, self._inflight = self._inflight, None
+        return self._commit(inflight)
 
     def close(self) -> None:
         self.sender.close()
