@@ -143,7 +143,7 @@ class ChannelReplication(InMemoryStrategy):
             transport = pec_version.transport
         with self.ckpt.clock.phase("pack"):
             if pec_version is not None and pec_version.gather is not None:
-                gather = (jax.device_put(pec_version.gather, self.train.replicated),)
+                gather = (transport.gather_input(pec_version.gather),)
             pack, schedule = self._program(transport)
             own = pack(state, self.ckpt.trailer_rows(host_state), *gather)
         with self.ckpt.clock.phase("send_handoff"):

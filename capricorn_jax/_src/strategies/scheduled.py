@@ -221,7 +221,7 @@ class ScheduledStrategy(InMemoryStrategy):
             version = self.ckpt.plan_pec_version(step, tokens_per_expert)
             transport = self._pec_transport = version.transport
             if version.gather is not None:
-                gather = (jax.device_put(version.gather, train.replicated),)
+                gather = (transport.gather_input(version.gather),)
         if self.sender is not None:
             # Pack, then the plain step with marks: the sender thread sends each
             # window's chunks when the step opens it.
