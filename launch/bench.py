@@ -117,7 +117,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     flags.DEFINE_list("strategies", ["none", "inmem"],
                       f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
                       f"(blocking writing to the scratch directory's disk instead of the RAM "
-                      f"disk).", flag_values=fv)
+                      f"disk; a *_in_graph row on the in-graph path).", flag_values=fv)
     flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.",
                          flag_values=fv)
     flags.DEFINE_integer("a2a_steps", 2,

@@ -19,9 +19,12 @@ from launch.metrics import different_work
 from launch.strategies import IN_MEMORY
 
 # Bench-only rows: a strategy on other media or another chunk path (name ->
-# the strategy it runs).
+# the strategy it runs); inmem_in_graph / pec_in_graph: inmem / pec
+# replicating in the in-graph exchange (gloo) beside their rows on the chunk
+# channel, to compare the transports in one interleaved run.
 VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
-            "capricorn_in_graph": "capricorn"}
+            "capricorn_in_graph": "capricorn", "inmem_in_graph": "inmem",
+            "pec_in_graph": "pec"}
 
 
 def summarize(raw: dict) -> dict:
