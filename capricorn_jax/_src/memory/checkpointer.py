@@ -224,17 +224,25 @@ class InMemoryCheckpointer(VersionWriters):
         rows = np.asarray(self._last_statuses)
         return bool(rows[:, 2 * self.hosts + 1].any())
 
-    def _skip(self, step: int) -> SaveReport:
+    def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
         """Takes no version at ``step``; the statuses still travel."""
-        report, status = self._begin_save()
-        with self.clock.phase("status_round"):
-            self._last_statuses = self.transport.gather_status(status)
+        if status_round is not None:
+            report, self._last_statuses = status_round
+        else:
+            report, status = self._begin_save()
+            with self.clock.phase("status_round"):
+                self._last_statuses = self.transport.gather_status(status)
         report.step, report.skipped = step, True
         return report
 
+    def begin_round(self) -> tuple[SaveReport, np.ndarray]:
+        """The first half of a ``save_transferred`` whose status round the
+        caller runs in a program of its own (``status_round=``): adopts the
+        previous save's statuses, decides removals, then takes the status
+        vector this save reports (in that order: ``retention``)."""
+        return self._begin_save()
+
     def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
-        """Adopts the previous save's statuses, decides removals, then takes the
-        status vector this save reports (in that order: ``retention``)."""
         with self.clock.phase("status_read"):
             report = self._read_statuses()
         with self.clock.phase("bookkeeping"):
@@ -282,7 +290,8 @@ class InMemoryCheckpointer(VersionWriters):
 
     def save_transferred(self, step: int, own, received: list, *,
                          tokens_per_expert: Any = None,
-                         version: PecVersion | None = None) -> SaveReport:
+                         version: PecVersion | None = None,
+                         status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
         """Commits version ``step`` whose payloads a scheduled step already moved.
 
         Args:
@@ -297,6 +306,9 @@ class InMemoryCheckpointer(VersionWriters):
             are then taken as packed with the full plan (a full version).
           version: PEC: the version ``plan_pec_version`` decided, whose
             ``transport.pack_local(leaves, trailer, gather)`` packed ``own``.
+          status_round: (the report of ``begin_round``, the statuses its
+            status vector was all-gathered into by the caller's program);
+            None: this call runs the round.
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
@@ -316,18 +328,21 @@ class InMemoryCheckpointer(VersionWriters):
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, version)
             if self._over_budget():  # the step moved it; nothing is written
-                return self._skip(step)
+                return self._skip(step, status_round)
         elif version is None:
             if self._over_budget():
                 self.pec.skip(step, tokens_per_expert)
-                return self._skip(step)
+                return self._skip(step, status_round)
             version = self.pec.version(step, tokens_per_expert, full=True)
         elif version.step != step or tokens_per_expert is not None:
             raise ValueError(f"version is PEC version {version.step} (already recorded, no "
                              f"tokens_per_expert), saving {step}")
-        report, status = self._begin_save()
-        with self.clock.phase("status_round"):
-            statuses = self.transport.gather_status(status)
+        if status_round is not None:
+            report, statuses = status_round
+        else:
+            report, status = self._begin_save()
+            with self.clock.phase("status_round"):
+                statuses = self.transport.gather_status(status)
         return self._enqueue(report, step, own, received, statuses, version)
 
     def plan_pec_version(self, step: int, tokens_per_expert: Any,

@@ -21,9 +21,11 @@ Per save of version t:
 * then the deferred version t-1 (packed and handed to the sender at the
   previous save) is committed: the peer's payload is taken from the channel
   (normally long complete: it had a whole step to travel) and
-  ``InMemoryCheckpointer.save_transferred`` runs the status round and hands
-  both payloads to the writers. (Committing first, measured: the pack's
-  dispatch took 7.0 ms of the save's 9.3 ms, behind the writers just woken.)
+  ``InMemoryCheckpointer.save_transferred`` hands both payloads to the
+  writers, with the save's status round (every host's status vector
+  all-gathered) run inside version t's pack program rather than as a
+  program of its own. (Committing first, measured: the pack's dispatch took
+  7.0 ms of the save's 9.3 ms, behind the writers just woken.)
 
 So the training thread dispatches, and never waits for the network unless a
 version takes longer than a step to travel. A version is therefore committed
@@ -40,16 +42,19 @@ floor, an upward arrow (tests/test_layering.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.pec_tier import PecVersion
 from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.scheduling.executor import pack_payload
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
 from capricorn_jax._src.scheduling.threaded import ChunkChannel, ThreadedSender, pack_program
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
@@ -82,6 +87,17 @@ def whole_version(payload_bytes: int, chunk_cap: int) -> Schedule:
     return partition(payload_bytes, (), _NO_LINK, chunk_cap)
 
 
+def _pack_with_status(transport: Transport, specs: list, state: Any, trailer: jax.Array,
+                      status: jax.Array, *gather: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The version's payload and every host's status vector all-gathered
+    (``Transport.gather_status``'s round), in one program."""
+    own = pack_payload(transport, specs, state, trailer, *gather)
+    statuses = jax.shard_map(lambda x: jax.lax.all_gather(x, transport.axes, tiled=True),
+                             mesh=transport.mesh, in_specs=P(transport.axes), out_specs=P(),
+                             check_vma=False)(status)
+    return own, statuses
+
+
 class ChannelReplication(InMemoryStrategy):
     """``inmem`` / ``pec`` replicating over the threaded chunk channel (see
     the module docstring).
@@ -106,68 +122,77 @@ class ChannelReplication(InMemoryStrategy):
         channel = channel or peer_channel(checkpointer)
         self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
                                      train.mesh, channel.timeout_s)
-        # transport id -> (pack program, whole-version schedule, the transport:
-        # kept so that its id is not reused while the entry lives)
-        self._programs: dict[int, tuple[Any, Schedule, Transport]] = {}
+        # transport id -> (pack program, pack + status round program,
+        # whole-version schedule, the transport: kept so that its id is not
+        # reused while the entry lives)
+        self._programs: dict[int, tuple[Any, Any, Schedule, Transport]] = {}
         # The version handed to the sender and not committed yet.
         self._inflight: _InFlight | None = None
 
-    def _program(self, transport: Transport) -> tuple[Any, Schedule]:
+    def _program(self, transport: Transport) -> tuple[Any, Any, Schedule]:
         key = id(transport)
         if key not in self._programs:
-            self._programs[key] = (pack_program(transport, self.train.state_shardings),
-                                   whole_version(transport.plan.payload_bytes, self.chunk_cap),
-                                   transport)
-        pack, schedule, _ = self._programs[key]
-        return pack, schedule
+            specs = [s.spec for s in jax.tree.leaves(self.train.state_shardings)]
+            self._programs[key] = (
+                pack_program(transport, self.train.state_shardings),
+                jax.jit(functools.partial(_pack_with_status, transport, specs)),
+                whole_version(transport.plan.payload_bytes, self.chunk_cap), transport)
+        pack, pack_status, schedule, _ = self._programs[key]
+        return pack, pack_status, schedule
 
-    def _commit(self, inflight: _InFlight | None) -> list[CheckpointEvent]:
-        """Commits a version sent earlier once the peer's payload is in."""
+    def _commit(self, inflight: _InFlight | None,
+                status_round: tuple[Any, Any] | None = None) -> list[CheckpointEvent]:
+        """Commits a version sent earlier once the peer's payload is in
+        (``status_round``: its save's round, already run with the pack)."""
         if inflight is None:
             return []
         version, own, pec_version = inflight
         with self.ckpt.clock.phase("peer_wait"):
             received = self.sender.wait(version)  # [local devices, bytes]; bounded
-        report = self.ckpt.save_transferred(version, own, [received], version=pec_version)
+        report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
+                                            status_round=status_round)
         event = self._event(version, report)
         event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
         return [event]
-
-    def _send(self, step: int, state: State, host_state: HostState,
-              tokens_per_expert: np.ndarray | None) -> _InFlight:
-        """Packs version ``step`` and hands it to the sender thread."""
-        gather: tuple[jax.Array, ...] = ()
-        pec_version, transport = None, self.ckpt.transport
-        if self.ckpt.pec is not None:
-            pec_version = self.ckpt.plan_pec_version(step, tokens_per_expert)
-            transport = pec_version.transport
-        with self.ckpt.clock.phase("pack"):
-            if pec_version is not None and pec_version.gather is not None:
-                gather = (transport.gather_input(pec_version.gather),)
-            pack, schedule = self._program(transport)
-            own = pack(state, self.ckpt.trailer_rows(host_state), *gather)
-        with self.ckpt.clock.phase("send_handoff"):
-            self.sender.start(step, own, schedule)
-        return step, own, pec_version
 
     def save(self, step: int, state: State, host_state: HostState, *,
              tokens_per_expert: np.ndarray | None = None,
              next_step_profiled: bool = False) -> list[CheckpointEvent]:
         """Sends version ``step``, then commits the previous one.
 
-        The pack is dispatched first, before the commit wakes the writers
-        (whose threads then compete with the dispatch for the interpreter)
-        and before the status round's dispatch, so it runs on the devices
-        ahead of the status round and the sender starts a status round
-        earlier. Versions are still committed once each, in version order.
+        The pack is dispatched before the commit wakes the writers (whose
+        threads then compete with the dispatch for the interpreter), and the
+        commit's status round runs inside the pack's program (one dispatch,
+        one program on the devices, instead of two); the sender starts a
+        status round earlier. Versions are still committed once each, in
+        version order.
 
         Returns:
           The ``checkpoint`` event of the version committed now (the previous
           save's), if any.
         """
-        previous = self._inflight
-        self._inflight = self._send(step, state, host_state, tokens_per_expert)
-        return self._commit(previous)
+        previous, round_ = self._inflight, None
+        gather: tuple[jax.Array, ...] = ()
+        pec_version, transport = None, self.ckpt.transport
+        if self.ckpt.pec is not None:
+            pec_version = self.ckpt.plan_pec_version(step, tokens_per_expert)
+            transport = pec_version.transport
+        if previous is not None:  # the same on every host: the collectives match
+            round_ = self.ckpt.begin_round()
+        with self.ckpt.clock.phase("pack"):
+            if pec_version is not None and pec_version.gather is not None:
+                gather = (transport.gather_input(pec_version.gather),)
+            pack, pack_status, schedule = self._program(transport)
+            trailer = self.ckpt.trailer_rows(host_state)
+            if round_ is None:
+                own = pack(state, trailer, *gather)
+            else:
+                status = self.ckpt.transport.rows_of(round_[1], np.int32)
+                own, statuses = pack_status(state, trailer, status, *gather)
+        with self.ckpt.clock.phase("send_handoff"):
+            self.sender.start(step, own, schedule)
+        self._inflight = (step, own, pec_version)
+        return self._commit(previous, None if round_ is None else (round_[0], statuses))
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the
