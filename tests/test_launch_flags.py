@@ -54,6 +54,21 @@ def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
         config.from_flags(fv)
 
 
+def test_inmem_on_the_chunk_channel_needs_two_replicas(tmp_path):
+    """--chunk_path=threaded puts inmem/pec on the chunk channel (one peer
+    replica); with --replicas=3 the flags are refused by name, and with 2 the
+    config carries the path to the strategy factory."""
+    base = ["train", f"--workdir={tmp_path}", "--hosts=4", "--ckpt=inmem",
+            "--chunk_path=threaded"]
+    fv = train.define_flags(flags.FlagValues())
+    fv([*base, "--replicas=3"])
+    with pytest.raises(config.FlagError, match=r"^--replicas=3: --chunk_path=threaded sends one "):
+        config.from_flags(fv)
+    fv = train.define_flags(flags.FlagValues())
+    fv([*base, "--replicas=2"])
+    assert config.from_flags(fv).checkpoint.chunk_path == "threaded"
+
+
 def test_shared_flags_differ_only_in_the_declared_defaults():
     train_fv = train.define_flags(flags.FlagValues())
     for name, module, own in (("bench", bench, bench.BENCH_DEFAULTS),
