@@ -33,6 +33,7 @@ from capricorn_jax._src.persistent.manager import CheckpointManager, RestoreInfo
 # and what the library asks of the caller's trainer.
 from capricorn_jax._src.profiling.train_step import TrainStep
 from capricorn_jax._src.strategies.base import Strategy
+from capricorn_jax._src.strategies.channel_replication import ChannelReplication
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointManager",
     "RestoreInfo",
     # strategies
+    "ChannelReplication",
     "InMemoryStrategy",
     "ScheduledStrategy",
     "Strategy",

@@ -99,7 +99,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     flags.DEFINE_list("strategies", ["none", "inmem"],
                       f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
                       f"(blocking writing to the scratch directory's disk instead of the RAM "
-                      f"disk).", flag_values=fv)
+                      f"disk; a *_in_graph row on the in-graph path).", flag_values=fv)
     flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.",
                          flag_values=fv)
     flags.DEFINE_integer("a2a_steps", 2,
@@ -249,6 +249,7 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                   "losses": {str(s): v for s, v in runner.losses.items()},
                   "buckets": {str(s): v for s, v in runner.buckets.items()},
                   "schedules": schedules, "saves": runner.saves,
+                  "transport": {name: config.transport_of(name) for name in strategies},
                   "blocked": runner.blocked, "emulation_checks": runner.emulation,
                   "emulation": (None if job.trainer.emulation is None
                                 else job.trainer.emulation.profile),

@@ -30,7 +30,7 @@ from launch.bench_report import VARIANTS
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions
 from launch.config import AcceleratorConfig
-from launch.strategies import PEC, STRATEGIES
+from launch.strategies import IN_MEMORY, PEC, STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,8 +128,21 @@ class BenchConfig:
                  + self.a2a_steps * (self.reps + 1)) * len(self.strategies))
 
     def chunk_path_of(self, name: str) -> str:
-        """The chunk path of a row: its variant's, else --chunk_path."""
-        return "in_graph" if name.endswith("_in_graph") else self.chunk_path
+        """The chunk path of a row: its variant's, else --chunk_path, where auto
+        is threaded for every in-memory row on CPU with --replicas=2 (inmem and
+        pec too: one transport per comparison)."""
+        if name.endswith("_in_graph"):
+            return "in_graph"
+        if self.chunk_path == "auto" and self.setup.platform != "gpu" and self.replicas == 2:
+            return "threaded"
+        return self.chunk_path
+
+    def transport_of(self, name: str) -> str | None:
+        """How an in-memory row's versions travel (None: not an in-memory row)."""
+        if VARIANTS.get(name, name) not in IN_MEMORY:
+            return None
+        path = self.chunk_path_of(name)
+        return "in_graph" if path == "auto" and self.setup.platform == "gpu" else path
 
     def record(self) -> dict[str, Any]:
         """The JSON's "config" (DESIGN.md contract): these flags' values."""

@@ -19,9 +19,12 @@ from launch.metrics import different_work
 from launch.strategies import IN_MEMORY
 
 # Bench-only rows: a strategy on other media or another chunk path (name ->
-# the strategy it runs).
+# the strategy it runs); inmem_in_graph / pec_in_graph: inmem / pec
+# replicating in the in-graph exchange (gloo) beside their rows on the chunk
+# channel, to compare the transports in one interleaved run.
 VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
-            "capricorn_in_graph": "capricorn"}
+            "capricorn_in_graph": "capricorn", "inmem_in_graph": "inmem",
+            "pec_in_graph": "pec"}
 
 
 def summarize(raw: dict) -> dict:
@@ -53,6 +56,10 @@ def summarize(raw: dict) -> dict:
             "store_bytes_per_host": [int(h[0]) for h in per_host],
             # Every timed step in order (blocks of --steps, repetitions interleaved).
             "step_s": [round(t, 6) for t in times],
+            # How an in-memory row's versions travel: "threaded" (the chunk
+            # channel) or "in_graph" (collectives in a jitted program); None
+            # for the other rows.
+            "transport": raw.get("transport", {}).get(name),
         }
         if name in raw.get("cpu", {}):
             steady = sum(not p and not c for _, p, c in steps)

@@ -123,6 +123,7 @@ class Runner:
                                    tokens_per_expert=np.asarray(out["tokens_per_expert"]),
                                    next_step_profiled=driver.profile_next)
             t_saved = time.perf_counter()
+            phases = strategy.blocked_phases()  # its run_step's and save's, by phase
             if run.profile is not None and trainer.emulation is not None and self.record:
                 self.emulation.setdefault(strategy.name, []).extend(step_stats.emulation_errors(
                     trainer.emulation, run.profile.segments,
@@ -140,7 +141,9 @@ class Runner:
                 times.append((time.perf_counter() - t0, run.profile is not None, compiled))
                 if self.record:
                     self.blocked.setdefault(strategy.name, []).append(
-                        {"step": t_stepped - t0, "save": t_saved - t_stepped})
+                        {"step": t_stepped - t0, "save": t_saved - t_stepped,
+                         "phases": phases,
+                         "steady": run.profile is None and not compiled})
                 if self.record:  # the timed repetitions, as the step times
                     used = cpu_account.delta(cpu_before, cpu_account.sample())
                     _add(self.cpu, strategy.name, used)

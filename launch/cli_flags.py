@@ -154,7 +154,11 @@ _spec("integer", "chunk_cap_bytes", 0,
 _spec("enum", "chunk_path", "auto", ["auto", "in_graph", "threaded"],
                   "--ckpt=gemini|capricorn: how a window's chunks move: collective-permutes "
                   "inside the jitted step (in_graph), or a sender thread outside it started "
-                  "by boundary marks (threaded); auto: in_graph on GPU, threaded otherwise.")
+                  "by boundary marks (threaded); auto: in_graph on GPU, threaded otherwise. "
+                  "--ckpt=inmem|pec replicate over the same chunk channel with threaded (the "
+                  "whole version as soon as it is packed, committed one save later), in the "
+                  "in-graph exchange otherwise; launch.bench resolves auto to threaded for "
+                  "every in-memory row on CPU with --replicas=2 (one transport per comparison).")
 _spec("string", "store_root", default_store_root(),
                     "Base directory of the host RAM stores (tmpfs).")
 _spec("float", "ckpt_budget", -1.0,

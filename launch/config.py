@@ -299,6 +299,9 @@ class CheckpointConfig:
         if self.scheduled and self.replicas != 2:
             raise FlagError(f"--replicas={self.replicas}: --ckpt={self.strategy} moves one peer "
                             f"replica inside the step; it needs --replicas=2")
+        if self.in_memory and self.chunk_path == "threaded" and self.replicas != 2:
+            raise FlagError(f"--replicas={self.replicas}: --chunk_path=threaded sends one peer "
+                            f"replica over the chunk channel; it needs --replicas=2")
         if self.budget_s != -1.0 and not self.in_memory:
             raise FlagError(f"--ckpt_budget bounds the in-memory tier: it needs --ckpt in "
                             f"{', '.join(IN_MEMORY)}, got --ckpt={self.strategy}")

@@ -30,14 +30,28 @@ def distribution(times: Sequence[float]) -> dict[str, float]:
     return {"mean_step_s": statistics.fmean(ordered), "p95_step_s": ordered[rank]}
 
 
-def blocked(parts: Sequence[dict[str, float]]) -> dict:
-    """Per step mean milliseconds of each part the training thread waited on,
-    and ``blocked_ms_per_step``: the strategy's own part (its ``save``)."""
-    if not parts:
+def _blocked_means(records: Sequence[dict]) -> dict[str, float]:
+    """Mean milliseconds per step of the step call, the save and each phase
+    (``phase.NAME``; a step without that phase counts 0)."""
+    flat = [{"step": r["step"], "save": r["save"],
+             **{f"phase.{k}": v for k, v in r.get("phases", {}).items()}} for r in records]
+    keys = sorted({k for p in flat for k in p})
+    return {k: round(statistics.fmean(p.get(k, 0.0) for p in flat) * 1e3, 3) for k in keys}
+
+
+def blocked(records: Sequence[dict]) -> dict:
+    """What the training thread waited on, mean milliseconds per timed step:
+    ``blocked_ms`` the step call, the strategy's save and the phases its
+    phase clock measured in them (``Strategy.blocked_phases``; a phase of the
+    strategy's ``run_step`` lies inside the step call), ``blocked_steady_ms``
+    the same over the steady steps only (neither profiled nor compiled; None
+    when there were none), and ``blocked_ms_per_step``: the save."""
+    if not records:
         return {}
-    keys = sorted({k for p in parts for k in p})
-    means = {k: round(statistics.fmean(p.get(k, 0.0) for p in parts) * 1e3, 3) for k in keys}
-    return {"blocked_ms_per_step": means.get("save", 0.0), "blocked_ms": means}
+    steady = [r for r in records if r.get("steady", True)]
+    means = _blocked_means(records)
+    return {"blocked_ms_per_step": means.get("save", 0.0), "blocked_ms": means,
+            "blocked_steady_ms": _blocked_means(steady) if steady else None}
 
 
 def emulation_errors(emulation, segments, tokens_per_expert,

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from capricorn_jax import InMemoryCheckpointer, InMemoryStrategy, ScheduledStrategy, Strategy
+from capricorn_jax import (
+    ChannelReplication,
+    InMemoryCheckpointer,
+    InMemoryStrategy,
+    ScheduledStrategy,
+    Strategy,
+)
 
 STRATEGIES = ("none", "blocking", "orbax_async", "orbax_emergency", "inmem", "gemini",
               "capricorn", "pec", "capricorn_pec")
@@ -55,7 +61,10 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
         persistent root, shared) writes.
       first_n: gemini's profiled steps (default: ``ProfilingOptions``').
       chunk_cap: the scheduled strategies' largest chunk in a window, bytes.
-      chunk_path: how they move chunks: "auto", "in_graph" or "threaded".
+      chunk_path: how they move chunks: "auto", "in_graph" or "threaded";
+        ``inmem``/``pec`` replicate over the threaded chunk channel
+        (``capricorn_jax.ChannelReplication``) with "threaded", in the
+        in-graph exchange otherwise.
       tier: ``orbax_async``'s restore tier ("persistent" disk or "local" RAM disk).
       local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
         writes its own folder in it).
@@ -87,4 +96,6 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
         return ScheduledStrategy(name, checkpointer, train,
                                  first_n=first_n or ProfilingOptions().first_n,
                                  chunk_cap=chunk_cap, chunk_path=chunk_path)
+    if chunk_path == "threaded":
+        return ChannelReplication(checkpointer, train, name, chunk_cap)
     return InMemoryStrategy(checkpointer, name)

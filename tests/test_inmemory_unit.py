@@ -279,6 +279,61 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
     fresh.close()
 
 
+def test_a_status_round_run_by_the_caller_commits_and_skips_as_the_save_s_own(trainer,
+                                                                              tmp_path):
+    """save_transferred(status_round=...): the caller took begin_round's status
+    vector and all-gathered it in a program of its own (ChannelReplication:
+    inside the pack); the budget's skips, the intervals and the commit
+    accounting are those of the cost-budget test above, where each save runs
+    its own round, and the last version restores."""
+    import threading
+
+    import capricorn_jax
+    from capricorn_jax._src.scheduling.threaded import pack_program
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
+                                         max_wait_s=0.0)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    release, begin = threading.Event(), ckpt.store.begin
+
+    def held_begin(*args, **kwargs):
+        assert release.wait(60)
+        return begin(*args, **kwargs)
+
+    ckpt.store.begin = held_begin
+    state = trainer.init_state(0)
+    pack = pack_program(ckpt.transport, trainer.state_shardings)
+    reports = {}
+
+    def save(step):
+        own = pack(state, ckpt.trailer_rows({"data": {"step": step}}))
+        report, status = ckpt.begin_round()
+        statuses = ckpt.transport.gather_status(status)  # the caller's round
+        reports[step] = ckpt.save_transferred(step, own, [], status_round=(report, statuses))
+
+    for step in (1, 2, 3, 4):
+        save(step)
+    release.set()
+    ckpt.wait_until_finished(60)
+    for step in (5, 6):
+        save(step)
+    ckpt.wait_until_finished(60)
+    assert {s: r.skipped for s, r in reports.items()} == {
+        1: False, 2: False, 3: True, 4: True, 5: True, 6: False}
+    assert {s: r.interval for s, r in reports.items()} == {
+        1: None, 2: 1, 3: None, 4: None, 5: None, 6: 4}
+    assert {s: r.newly_committed for s, r in reports.items()} == {
+        1: [], 2: [], 3: [], 4: [], 5: [], 6: [1, 2]}
+    final = ckpt.confirm(60)
+    assert final.newly_committed == [6] and final.safe_version == 6
+    ckpt.close()
+    fresh = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    assert capricorn_jax.recover(fresh).step == 6
+    fresh.close()
+
+
 def test_a_received_payload_of_the_wrong_shape_is_refused_by_name(trainer, tmp_path):
     """save_transferred takes the threaded path's receive buffer (numpy, this
     host's rows) as is; one that does not fit the plan is refused, nothing queued."""

@@ -85,7 +85,10 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     assert list(cfg.record()) == list(BENCH_RECORDED)
     assert cfg.strategies == ("none", "pec", "gemini_in_graph") and cfg.pec_k == 2
     assert cfg.chunk_path_of("gemini_in_graph") == "in_graph"
-    assert cfg.chunk_path_of("pec") == "auto"
+    # auto: the channel for every in-memory row on CPU with 2 replicas (one transport).
+    assert cfg.chunk_path_of("pec") == "threaded"
+    assert cfg.transport_of("pec") == "threaded" and cfg.transport_of("none") is None
+    assert cfg.transport_of("gemini_in_graph") == "in_graph"
     assert cfg.setup.overrides() == {"dispatch": "bucketed", "global_batch": 8}
     assert cfg.setup.link.record()["requested_gbps"] == 0.5
     assert cfg.total_steps() == (3 + 10 * 2 + 2 * 3) * 3
@@ -135,6 +138,21 @@ def test_chaos_config_names_a_bad_flag(argv, error, message):
     # A topology that does not parse stays a ValueError (the command never made
     # it a usage error); the others are FlagErrors, main's usage errors.
     assert (info.type is cli_flags.FlagError) == (error is cli_flags.FlagError)
+
+
+def test_inmem_on_the_chunk_channel_needs_two_replicas(tmp_path):
+    """--chunk_path=threaded puts inmem/pec on the chunk channel (one peer
+    replica); with --replicas=3 the flags are refused by name, and with 2 the
+    config carries the path to the strategy factory."""
+    base = ["train", f"--workdir={tmp_path}", "--hosts=4", "--ckpt=inmem",
+            "--chunk_path=threaded"]
+    fv = train.define_flags(flags.FlagValues())
+    fv([*base, "--replicas=3"])
+    with pytest.raises(config.FlagError, match=r"^--replicas=3: --chunk_path=threaded sends one "):
+        config.from_flags(fv)
+    fv = train.define_flags(flags.FlagValues())
+    fv([*base, "--replicas=2"])
+    assert config.from_flags(fv).checkpoint.chunk_path == "threaded"
 
 
 def test_shared_flags_differ_only_in_the_declared_defaults():

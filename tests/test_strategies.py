@@ -161,6 +161,33 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
+@pytest.mark.parametrize("strategy", ["inmem", pytest.param("pec", marks=pytest.mark.soak)])
+def test_inmem_over_the_chunk_channel_replicates_and_recovers_bitwise(tmp_path, cache, reference,
+                                                                      strategy):
+    """inmem (pec) with --chunk_path=threaded replicates over the scheduled
+    strategies' chunk channel (``capricorn_jax.ChannelReplication``): each
+    version sent whole when packed, committed one save later. Host 1 is lost
+    as a machine after step 4 (killed, its RAM store wiped): its shards come
+    back from host 0's replica, which only the channel carried; every loss
+    is the uninterrupted run's (inmem), so every byte arrived intact."""
+    records = _train(tmp_path, cache, f"--ckpt={strategy}", "--chunk_path=threaded",
+                     "--kill_host=1", f"--kill_at_step={KILL_AT}", "--kill_mode=host",
+                     *EXTRA.get(strategy, ()))
+    (recovery,) = _events(records, "recovery")
+    assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    checkpoints = _events(records, "checkpoint")
+    # Every version went over the channel (its sender's times), none in-graph.
+    assert checkpoints and all("chunk_times_s" in c for c in checkpoints)
+    assert {c["step"] for c in checkpoints} == set(range(1, STEPS + 1))
+    # The version in flight at the loss (not committed yet) is lost, no more.
+    assert KILL_AT - 1 <= recovery["step"] <= KILL_AT + 1
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
+    if strategy == "inmem":
+        assert _losses(records) == reference
+    else:
+        assert recovery["plt"] > 0
+
+
 def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
                                                                         reference):
     """Failure during recovery (--fault_plan): host 1 is killed after step 4;

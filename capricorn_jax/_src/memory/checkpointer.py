@@ -70,6 +70,7 @@ from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, encode_trailer, make_plan
 from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
+from capricorn_jax._src.memory.phase_clock import PhaseClock
 from capricorn_jax._src.memory.pinned import arena_copier
 from capricorn_jax._src.memory.reports import SaveReport, StoreRelease, release_store
 from capricorn_jax._src.memory.store import HostStore
@@ -167,6 +168,9 @@ class InMemoryCheckpointer(VersionWriters):
         self._last_statuses: Any = None  # the previous round's gathered statuses
         self._store_bytes = 0
         self._memory_kind = host_memory_kind(options.host_memory_kind, mesh.devices.flat[0])
+        # What the training thread waits for in each save, by phase (its
+        # strategy reads and resets it: ``Strategy.blocked_phases``).
+        self.clock = PhaseClock()
 
     def _decide_removals(self) -> None:
         """Marks what each owner's store no longer keeps (training thread, after
@@ -220,19 +224,30 @@ class InMemoryCheckpointer(VersionWriters):
         rows = np.asarray(self._last_statuses)
         return bool(rows[:, 2 * self.hosts + 1].any())
 
-    def _skip(self, step: int) -> SaveReport:
+    def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
         """Takes no version at ``step``; the statuses still travel."""
-        report, status = self._begin_save()
-        self._last_statuses = self.transport.gather_status(status)
+        if status_round is not None:
+            report, self._last_statuses = status_round
+        else:
+            report, status = self._begin_save()
+            with self.clock.phase("status_round"):
+                self._last_statuses = self.transport.gather_status(status)
         report.step, report.skipped = step, True
         return report
 
+    def begin_round(self) -> tuple[SaveReport, np.ndarray]:
+        """The first half of a ``save_transferred`` whose status round the
+        caller runs in a program of its own (``status_round=``): adopts the
+        previous save's statuses, decides removals, then takes the status
+        vector this save reports (in that order: ``retention``)."""
+        return self._begin_save()
+
     def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
-        """Adopts the previous save's statuses, decides removals, then takes the
-        status vector this save reports (in that order: ``retention``)."""
-        report = self._read_statuses()
-        self._decide_removals()
-        status = self.status_vector()
+        with self.clock.phase("status_read"):
+            report = self._read_statuses()
+        with self.clock.phase("bookkeeping"):
+            self._decide_removals()
+            status = self.status_vector()
         report.store_bytes = self._store_bytes  # walked by this save's status_vector
         return report, status
 
@@ -255,15 +270,18 @@ class InMemoryCheckpointer(VersionWriters):
             if self._over_budget():
                 return self._skip(step)
             report, status = self._begin_save()
-            own, received, statuses = self.transport.replicate(state, trailer, status)
+            with self.clock.phase("exchange"):
+                own, received, statuses = self.transport.replicate(state, trailer, status)
             return self._enqueue(report, step, own, received, statuses)
         if self._over_budget():
             self.pec.skip(step, tokens_per_expert)
             return self._skip(step)
-        version = self.pec.version(step, tokens_per_expert, expert_mask)
+        with self.clock.phase("pec_decision"):
+            version = self.pec.version(step, tokens_per_expert, expert_mask)
         report, status = self._begin_save()
-        own, received, statuses = version.transport.replicate(state, trailer, status,
-                                                              version.gather)
+        with self.clock.phase("exchange"):
+            own, received, statuses = version.transport.replicate(state, trailer, status,
+                                                                  version.gather)
         return self._enqueue(report, step, own, received, statuses, version)
 
     def trailer_rows(self, host_state: dict[str, Any]):
@@ -272,7 +290,8 @@ class InMemoryCheckpointer(VersionWriters):
 
     def save_transferred(self, step: int, own, received: list, *,
                          tokens_per_expert: Any = None,
-                         version: PecVersion | None = None) -> SaveReport:
+                         version: PecVersion | None = None,
+                         status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
         """Commits version ``step`` whose payloads a scheduled step already moved.
 
         Args:
@@ -287,6 +306,9 @@ class InMemoryCheckpointer(VersionWriters):
             are then taken as packed with the full plan (a full version).
           version: PEC: the version ``plan_pec_version`` decided, whose
             ``transport.pack_local(leaves, trailer, gather)`` packed ``own``.
+          status_round: (the report of ``begin_round``, the statuses its
+            status vector was all-gathered into by the caller's program);
+            None: this call runs the round.
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
@@ -306,17 +328,21 @@ class InMemoryCheckpointer(VersionWriters):
         if self.pec is None:
             _refuse_pec_args(tokens_per_expert, version)
             if self._over_budget():  # the step moved it; nothing is written
-                return self._skip(step)
+                return self._skip(step, status_round)
         elif version is None:
             if self._over_budget():
                 self.pec.skip(step, tokens_per_expert)
-                return self._skip(step)
+                return self._skip(step, status_round)
             version = self.pec.version(step, tokens_per_expert, full=True)
         elif version.step != step or tokens_per_expert is not None:
             raise ValueError(f"version is PEC version {version.step} (already recorded, no "
                              f"tokens_per_expert), saving {step}")
-        report, status = self._begin_save()
-        statuses = self.transport.gather_status(status)
+        if status_round is not None:
+            report, statuses = status_round
+        else:
+            report, status = self._begin_save()
+            with self.clock.phase("status_round"):
+                statuses = self.transport.gather_status(status)
         return self._enqueue(report, step, own, received, statuses, version)
 
     def plan_pec_version(self, step: int, tokens_per_expert: Any,
@@ -326,7 +352,8 @@ class InMemoryCheckpointer(VersionWriters):
         and ``save_transferred(..., version=...)`` that commits it."""
         if self.pec is None:
             raise ValueError("plan_pec_version needs PEC (InMemoryOptions.pec)")
-        return self.pec.version(step, tokens_per_expert, expert_mask)
+        with self.clock.phase("pec_decision"):
+            return self.pec.version(step, tokens_per_expert, expert_mask)
 
     def missing_for_read(self, step: int) -> list[int]:
         """Versions older than ``step`` that a read of this host's own version
@@ -362,11 +389,12 @@ class InMemoryCheckpointer(VersionWriters):
         # Start the device-to-host copies now; the writers read them. With a
         # copier (pinned.SlotCopier) this host's own rows go straight into a
         # slot taken now; its writer waits for the copy and checksums in place.
-        if self.copier is not None and not isinstance(own, np.ndarray):
-            own = self._copy_into_slot(step, own, plan)
-        else:
-            own = own if isinstance(own, np.ndarray) else self._to_host(own)
-        received = [a if isinstance(a, np.ndarray) else self._to_host(a) for a in received]
+        with self.clock.phase("d2h"):
+            if self.copier is not None and not isinstance(own, np.ndarray):
+                own = self._copy_into_slot(step, own, plan)
+            else:
+                own = own if isinstance(own, np.ndarray) else self._to_host(own)
+            received = [a if isinstance(a, np.ndarray) else self._to_host(a) for a in received]
         skipped = False
         wait = self.options.writer_timeout_s
         if self.options.max_wait_s is not None:
@@ -374,7 +402,8 @@ class InMemoryCheckpointer(VersionWriters):
         try:
             with self._lock:
                 self._own_queued.add(step)
-            self._own_q.put((step, own, plan, meta), timeout=wait)
+            with self.clock.phase("writer_handoff"):
+                self._own_q.put((step, own, plan, meta), timeout=wait)
             self._pending[step] = time.monotonic()
             if self._last_taken >= 0:
                 report.interval = step - self._last_taken

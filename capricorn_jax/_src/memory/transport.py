@@ -210,9 +210,18 @@ class Transport:
             if gather.shape != (ep.ranks, ep.count):
                 raise ValueError(f"gather indices of shape {gather.shape}, the plan carries "
                                  f"{(ep.ranks, ep.count)}")
-            args.append(jax.make_array_from_process_local_data(
-                self.replicated, np.ascontiguousarray(gather, np.int32)))
+            args.append(self.gather_input(gather))
         return self._replicate(*args)
+
+    def gather_input(self, gather: np.ndarray) -> jax.Array:
+        """A PEC version's gather indices (the same on every host) as the
+        replicated input of a program: from this process's copy, with no
+        cross-host check (``jax.device_put`` of a host array onto a sharding
+        over every process runs ``multihost_utils.assert_equal``, a collective
+        and a host sync on the caller's thread; measured ~1.7 ms per save in
+        the emulated bench: pec's pack 4.1 -> 2.3 ms)."""
+        return jax.make_array_from_process_local_data(self.replicated,
+                                                      np.ascontiguousarray(gather, np.int32))
 
     def serve(self, payloads: dict[int, np.ndarray], host_perm: dict[int, int]) -> jax.Array:
         """Sends payload rows between hosts (recovery from a peer's replica).

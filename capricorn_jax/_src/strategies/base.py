@@ -138,6 +138,13 @@ class Strategy(Protocol):
         """A JSON-able account of the schedules (None: the strategy has none)."""
         return None
 
+    def blocked_phases(self) -> dict[str, float]:
+        """Seconds the training thread spent, per phase, in this strategy's
+        work since the last call (its ``run_step`` and ``save``: pack, status
+        round, bookkeeping, ...; ``memory.phase_clock``), reset to none.
+        Default: no phases measured."""
+        return {}
+
     def resume_at(self, step: int) -> None:
         """The caller ran the steps before ``step`` without this strategy
         (benchmarks interleave strategies); the next ``save`` is version

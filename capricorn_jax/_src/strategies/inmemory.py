@@ -59,6 +59,10 @@ class InMemoryStrategy(Strategy):
     def close(self) -> None:
         self.ckpt.close()
 
+    def blocked_phases(self) -> dict[str, float]:
+        """The checkpointer's phase clock since the last call (``memory.phase_clock``)."""
+        return self.ckpt.clock.take()
+
     def restore(self) -> Recovered | None:
         return recover(self.ckpt)
 

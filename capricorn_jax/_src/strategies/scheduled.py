@@ -48,7 +48,6 @@ benchmark, with its own defaults.
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Any, NotRequired, TypedDict
 
 import jax
@@ -56,14 +55,12 @@ import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
 from capricorn_jax._src.scheduling.threaded import (
-    ChunkChannel,
     ThreadedSender,
     measure_channel,
     pack_program,
@@ -83,11 +80,11 @@ from capricorn_jax._src.strategies.base import (
     State,
     TrainStep,
 )
+from capricorn_jax._src.strategies.channel_replication import peer_channel
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 
 KINDS = ("gemini", "capricorn")
 CHUNK_PATHS = ("auto", "in_graph", "threaded")
-_channels = itertools.count()  # channel keys: strategies are built in the same order on every host
 PLAN_PROFILES = 3
 """capricorn plans on the shortest of each window over its last this many warm
 profiles: one profile is one noisy sample, and on this box a profile that
@@ -151,7 +148,7 @@ class ScheduledStrategy(InMemoryStrategy):
         self.chunk_path = resolve_chunk_path(chunk_path)
         self.sender: ThreadedSender | None = None
         if self.chunk_path == "threaded":
-            channel = self._channel(checkpointer)
+            channel = peer_channel(checkpointer)
             self.link = measure_channel(channel, jax.local_device_count())
             self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
                                          train.mesh, channel.timeout_s)
@@ -175,19 +172,6 @@ class ScheduledStrategy(InMemoryStrategy):
         self._recent: collections.deque[LayerProfile] = collections.deque(maxlen=PLAN_PROFILES)
         self._wants_profile = False
         self.spill_requests: list[int] = []  # versions after which it asked for a profile
-
-    @staticmethod
-    def _channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
-        """The threaded path's connections to the peer of replication round 0."""
-        client = distributed_client()
-        if client is None:
-            raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "
-                               "jax.distributed.initialize (or chunk_path='in_graph')")
-        destination = ckpt.rounds[0][ckpt.host]
-        source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
-        return ChunkChannel(ckpt.host, destination, source,
-                            f"{ckpt.options.job}/{next(_channels)}", client,
-                            ckpt.options.replication_timeout_s * 4)
 
     def _hooks(self, hooks: tuple, transport: Transport | None = None) -> tuple:
         """The boundary hooks of a step that moves chunks on the threaded path:
@@ -237,13 +221,15 @@ class ScheduledStrategy(InMemoryStrategy):
             version = self.ckpt.plan_pec_version(step, tokens_per_expert)
             transport = self._pec_transport = version.transport
             if version.gather is not None:
-                gather = (jax.device_put(version.gather, train.replicated),)
+                gather = (transport.gather_input(version.gather),)
         if self.sender is not None:
             # Pack, then the plain step with marks: the sender thread sends each
             # window's chunks when the step opens it.
             transport = transport or self.ckpt.transport
-            own = self._pack(transport)(state, trailer, *gather)
-            self.sender.start(step, own, self.transfers.schedule_for(transport))
+            with self.ckpt.clock.phase("pack"):
+                own = self._pack(transport)(state, trailer, *gather)
+            with self.ckpt.clock.phase("send_handoff"):
+                self.sender.start(step, own, self.transfers.schedule_for(transport))
             state, metrics = train.step_fn(factors, self._hooks(hooks, transport))(state, batch)
             self._moved = (step, {"own": own, "received": None, "transport": transport},
                            version)
@@ -346,7 +332,8 @@ class ScheduledStrategy(InMemoryStrategy):
             if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
                 sender = self.sender
                 assert sender is not None, "only the threaded path leaves the peer's payload out"
-                payloads["received"] = sender.wait(version)  # [local devices, bytes]
+                with self.ckpt.clock.phase("peer_wait"):
+                    payloads["received"] = sender.wait(version)  # [local devices, bytes]
                 windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
                                         sender.last_spans, self._planned_on, sender.last_sends)
                 self._note_spills(windows)

@@ -1,0 +1,205 @@
+"""``inmem`` and ``pec`` over the threaded chunk channel: one transport per comparison.
+
+On CPU the scheduled strategies (``strategies.scheduled``, ``chunk_path=
+"threaded"``) move their chunks over a TCP channel to the peer, outside the
+XLA program (``scheduling.threaded``), while ``inmem`` and ``pec`` replicate
+in the jitted pack + exchange program over gloo. The two paths do not carry
+bytes at the same rate (measured on the shaped links of this project: the
+channel ~0.77 Gbit/s per direction, the gloo exchange 0.42-0.52), so a
+comparison of the two families would measure the transport as much as the
+schedule. This strategy moves ``inmem``'s and ``pec``'s versions over the
+same channel, with the schedule the scheduled strategies would have without
+a profile: the whole version in one go, sent as soon as it is packed.
+
+Per save of version t:
+
+* version t is packed by a jitted program (no collective; dispatched
+  asynchronously, it reads ``state`` before the next step may donate it), and
+  handed to the sender thread, which sends it when the pack is done. PEC:
+  the version is decided now (K experts per layer) and only its payload
+  moves;
+* then the deferred version t-1 (packed and handed to the sender at the
+  previous save) is committed: the peer's payload is taken from the channel
+  (normally long complete: it had a whole step to travel) and
+  ``InMemoryCheckpointer.save_transferred`` hands both payloads to the
+  writers, with the save's status round (every host's status vector
+  all-gathered) run inside version t's pack program rather than as a
+  program of its own. (Committing first, measured: the pack's dispatch took
+  7.0 ms of the save's 9.3 ms, behind the writers just woken.)
+
+So the training thread dispatches, and never waits for the network unless a
+version takes longer than a step to travel. A version is therefore committed
+one save later than the in-graph path commits it; ``finish`` moves and
+commits the last version at once.
+
+Design choice: a strategy of its own on the strategies' floor, composed of the
+memory tier's checkpointer and the scheduling floor's sender, so the
+checkpointer keeps one transport (the in-graph one) and knows nothing of
+sockets. Alternative not taken: a transport switch inside
+``InMemoryCheckpointer.save``: the memory floor would import the scheduling
+floor, an upward arrow (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.pec_tier import PecVersion
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.scheduling.executor import pack_payload
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
+from capricorn_jax._src.scheduling.threaded import ChunkChannel, ThreadedSender, pack_program
+from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
+from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
+
+_channels = itertools.count()  # channel keys: strategies are built in the same order on every host
+_InFlight = tuple[int, jax.Array, PecVersion | None]
+"""A version handed to the sender and not committed yet: (version, own payload, PEC version)."""
+_NO_LINK = LinkModel(0.0, 1.0)
+"""The whole-version schedule has no window to fit: its link model is never read."""
+
+
+def peer_channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
+    """The chunk channel to the peer of ``ckpt``'s replication round 0 (and
+    from its source): every host builds its channels in the same order."""
+    client = distributed_client()
+    if client is None:
+        raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "
+                           "jax.distributed.initialize (or chunk_path='in_graph')")
+    destination = ckpt.rounds[0][ckpt.host]
+    source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
+    return ChunkChannel(ckpt.host, destination, source,
+                        f"{ckpt.options.job}/{next(_channels)}", client,
+                        ckpt.options.replication_timeout_s * 4)
+
+
+def whole_version(payload_bytes: int, chunk_cap: int) -> Schedule:
+    """The schedule that sends a payload at once: no window, every chunk in
+    the tail (``ThreadedSender`` sends the tail without waiting for a mark)."""
+    return partition(payload_bytes, (), _NO_LINK, chunk_cap)
+
+
+def _pack_with_status(transport: Transport, specs: list, state: Any, trailer: jax.Array,
+                      status: jax.Array, *gather: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The version's payload and every host's status vector all-gathered
+    (``Transport.gather_status``'s round), in one program."""
+    own = pack_payload(transport, specs, state, trailer, *gather)
+    statuses = jax.shard_map(lambda x: jax.lax.all_gather(x, transport.axes, tiled=True),
+                             mesh=transport.mesh, in_specs=P(transport.axes), out_specs=P(),
+                             check_vma=False)(status)
+    return own, statuses
+
+
+class ChannelReplication(InMemoryStrategy):
+    """``inmem`` / ``pec`` replicating over the threaded chunk channel (see
+    the module docstring).
+
+    Args:
+      checkpointer: the host's InMemoryCheckpointer, one peer replica (its
+        PEC options make this ``pec``).
+      train: the caller's TrainStep (its state shardings and mesh).
+      name: the strategy's name in events and reports.
+      chunk_cap: the largest frame the sender hands the channel, bytes.
+      channel: the connections to the peer (default: ``peer_channel``).
+    """
+
+    def __init__(self, checkpointer: InMemoryCheckpointer, train: TrainStep,
+                 name: str = "inmem", chunk_cap: int = 1 << 20,
+                 channel: ChunkChannel | None = None) -> None:
+        if len(checkpointer.sources) != 1:
+            raise ValueError(f"{name} over the chunk channel sends one peer replica; it needs "
+                             f"replicas=2, got {len(checkpointer.sources) + 1}")
+        super().__init__(checkpointer, name)
+        self.train, self.chunk_cap = train, chunk_cap
+        channel = channel or peer_channel(checkpointer)
+        self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
+                                     train.mesh, channel.timeout_s)
+        # transport id -> (pack program, pack + status round program,
+        # whole-version schedule, the transport: kept so that its id is not
+        # reused while the entry lives)
+        self._programs: dict[int, tuple[Any, Any, Schedule, Transport]] = {}
+        # The version handed to the sender and not committed yet.
+        self._inflight: _InFlight | None = None
+
+    def _program(self, transport: Transport) -> tuple[Any, Any, Schedule]:
+        key = id(transport)
+        if key not in self._programs:
+            specs = [s.spec for s in jax.tree.leaves(self.train.state_shardings)]
+            self._programs[key] = (
+                pack_program(transport, self.train.state_shardings),
+                jax.jit(functools.partial(_pack_with_status, transport, specs)),
+                whole_version(transport.plan.payload_bytes, self.chunk_cap), transport)
+        pack, pack_status, schedule, _ = self._programs[key]
+        return pack, pack_status, schedule
+
+    def _commit(self, inflight: _InFlight | None,
+                status_round: tuple[Any, Any] | None = None) -> list[CheckpointEvent]:
+        """Commits a version sent earlier once the peer's payload is in
+        (``status_round``: its save's round, already run with the pack)."""
+        if inflight is None:
+            return []
+        version, own, pec_version = inflight
+        with self.ckpt.clock.phase("peer_wait"):
+            received = self.sender.wait(version)  # [local devices, bytes]; bounded
+        report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
+                                            status_round=status_round)
+        event = self._event(version, report)
+        event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
+        return [event]
+
+    def save(self, step: int, state: State, host_state: HostState, *,
+             tokens_per_expert: np.ndarray | None = None,
+             next_step_profiled: bool = False) -> list[CheckpointEvent]:
+        """Sends version ``step``, then commits the previous one.
+
+        The pack is dispatched before the commit wakes the writers (whose
+        threads then compete with the dispatch for the interpreter), and the
+        commit's status round runs inside the pack's program (one dispatch,
+        one program on the devices, instead of two); the sender starts a
+        status round earlier. Versions are still committed once each, in
+        version order.
+
+        Returns:
+          The ``checkpoint`` event of the version committed now (the previous
+          save's), if any.
+        """
+        previous, round_ = self._inflight, None
+        gather: tuple[jax.Array, ...] = ()
+        pec_version, transport = None, self.ckpt.transport
+        if self.ckpt.pec is not None:
+            pec_version = self.ckpt.plan_pec_version(step, tokens_per_expert)
+            transport = pec_version.transport
+        if previous is not None:  # the same on every host: the collectives match
+            round_ = self.ckpt.begin_round()
+        with self.ckpt.clock.phase("pack"):
+            if pec_version is not None and pec_version.gather is not None:
+                gather = (transport.gather_input(pec_version.gather),)
+            pack, pack_status, schedule = self._program(transport)
+            trailer = self.ckpt.trailer_rows(host_state)
+            if round_ is None:
+                own = pack(state, trailer, *gather)
+            else:
+                status = self.ckpt.transport.rows_of(round_[1], np.int32)
+                own, statuses = pack_status(state, trailer, status, *gather)
+        with self.ckpt.clock.phase("send_handoff"):
+            self.sender.start(step, own, schedule)
+        self._inflight = (step, own, pec_version)
+        return self._commit(previous, None if round_ is None else (round_[0], statuses))
+
+    def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
+        """Commits the version in flight (the loop's last ``save`` sent the
+        final version, so nothing is left behind)."""
+        inflight, self._inflight = self._inflight, None
+        return self._commit(inflight)
+
+    def close(self) -> None:
+        self.sender.close()
+        super().close()
