@@ -243,9 +243,10 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
                                          max_wait_s=0.0)
     ckpt = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    release, begin = threading.Event(), ckpt.store.begin
+    release, entered, begin = threading.Event(), threading.Event(), ckpt.store.begin
 
     def held_begin(*args, **kwargs):
+        entered.set()
         assert release.wait(60)
         return begin(*args, **kwargs)
 
@@ -254,6 +255,8 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
     reports = {}
     for step in (1, 2, 3, 4):  # 1 is being written (held); 2 waits in the queue
         reports[step] = ckpt.save(step, state, {"data": {"step": step}})
+        if step == 1:  # the writer holds 1 before 2 is queued (else 2 finds it full)
+            assert entered.wait(60)
     release.set()
     ckpt.wait_until_finished(60)
     for step in (5, 6):  # 5 reads 4's statuses (busy); 6 reads 5's (idle)
@@ -295,9 +298,10 @@ def test_a_status_round_run_by_the_caller_commits_and_skips_as_the_save_s_own(tr
                                          max_wait_s=0.0)
     ckpt = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    release, begin = threading.Event(), ckpt.store.begin
+    release, entered, begin = threading.Event(), threading.Event(), ckpt.store.begin
 
     def held_begin(*args, **kwargs):
+        entered.set()
         assert release.wait(60)
         return begin(*args, **kwargs)
 
@@ -314,6 +318,8 @@ def test_a_status_round_run_by_the_caller_commits_and_skips_as_the_save_s_own(tr
 
     for step in (1, 2, 3, 4):
         save(step)
+        if step == 1:  # the writer holds 1 before 2 is queued (else 2 finds it full)
+            assert entered.wait(60)
     release.set()
     ckpt.wait_until_finished(60)
     for step in (5, 6):
