@@ -103,13 +103,13 @@ def segments(sc: Scenario, load: np.ndarray) -> list[tuple[str, str, float, floa
 def plain_step_s(sc: Scenario, load: np.ndarray) -> float:
     """The step with no checkpoint traffic: compute plus all-to-alls at the link rate."""
     rate = sc.cluster.link_bytes_per_s
-    return sum(c + b / rate for _, _, c, b in segments(sc, load))
+    return sc.cluster.host_step_s + sum(c + b / rate for _, _, c, b in segments(sc, load))
 
 
 def layer_profile(sc: Scenario, step: int, load: np.ndarray) -> cj.LayerProfile:
     """The library's LayerProfile of a step at ``load`` with a free link (what
     the profiler measures on a step that moves no chunks)."""
-    rate, t, segs = sc.cluster.link_bytes_per_s, 0.0, []
+    rate, t, segs = sc.cluster.link_bytes_per_s, sc.cluster.host_step_s, []
     for name, direction, compute, nbytes in segments(sc, load):
         a2a = nbytes / rate
         segs.append(ex.Segment(name, direction, t, compute + a2a, a2a))
@@ -162,7 +162,8 @@ class _Run:
         self.pec = strategy in ("pec", "capricorn_pec") and load.shape[1] > 0
         opts = sc.options
         self.sim = Sim()
-        self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send")
+        self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send",
+                         sc.cluster.link_discipline)
         self.sender = _Sender(self.sim, self.link, sc.cluster.alpha_s)
         self.linkmodel = ex.LinkModel(sc.cluster.alpha_s, sc.cluster.link_bytes_per_s)
         self.moe_layers = sc.profile.moe_layers
@@ -293,7 +294,7 @@ class _Run:
             self._after_step(step, tpe, profile)
             self._save(step, t0, tpe, schedule is not None)
 
-        segment(0)
+        self.sim.after(self.sc.cluster.host_step_s, lambda: segment(0))
 
     @property
     def copies(self) -> int:
