@@ -67,6 +67,11 @@ class Cluster:
         ``"fair"`` (processor sharing, a NIC under concurrent flows) or
         ``"fifo"`` (one collective at a time, as XLA:CPU over gloo runs
         in-graph collectives, so an all-to-all queues behind checkpoint bytes).
+      ckpt_blocks_step: the host's checkpoint send does not overlap its step's
+        compute (the step resumes when the bytes are through). Measured so on
+        the emulated CPU cluster (validation: the overhead there is the
+        version's link time, not what is left of it after the compute
+        windows); False on an accelerator, whose compute leaves the host free.
     """
 
     hosts: int
@@ -76,6 +81,7 @@ class Cluster:
     alpha_s: float = 50e-6
     host_step_s: float = 0.0
     link_discipline: str = "fair"
+    ckpt_blocks_step: bool = False
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -209,6 +215,7 @@ class StrategyOptions:
       first_n: gemini's profiled iterations.
       drift_threshold: the detector's drift threshold (jsd).
       window: versions kept after the safe one (``InMemoryOptions.window``).
+      pec_dynamic: PEC's K adapts to the lost tokens (``PecOptions.dynamic``).
     """
 
     replicas: int = 2
@@ -219,6 +226,7 @@ class StrategyOptions:
     first_n: int = 20
     drift_threshold: float = 0.05
     window: int = 1
+    pec_dynamic: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.pec_k < 1 or self.first_n < 1 or self.window < 1:
