@@ -204,7 +204,7 @@ def bootstrap(row: dict[str, Any], base: dict[str, Any], *, n: int = 2000,
     return {"lo": float(lo), "hi": float(hi), "sd": float(ratio.std())}
 
 
-def _causes(row: dict[str, Any], run: Any, timed: Any, error: float) -> list[str]:
+def _causes(row: dict[str, Any], run: Any, timed: Any, predicted: float) -> list[str]:
     """The modelled causes of a miss (what the planner leaves out that the run had)."""
     out = []
     compiled = int(row.get("steps_compiled") or 0)
@@ -222,12 +222,11 @@ def _causes(row: dict[str, Any], run: Any, timed: Any, error: float) -> list[str
     if save_ms:
         out.append(f"the training thread blocked {save_ms:.1f} ms/step in the save (host "
                    "work the planner counts as free)")
-    if error < 0:
-        out.append("under-predicted: the run's checkpoint traffic also costs host CPU on this "
-                   "2-core machine (pack, sender threads), which the link model does not see")
-    else:
-        out.append("over-predicted: the link model's rate for checkpoint bytes is the probe's; "
-                   "the chunk channel's sender overlaps the step better than one fifo link")
+    steady = row.get("steady_ratio")
+    if steady is not None and (compiled or profiled_bench):
+        out.append(f"on the plain steps only (no compile, no profile: the bench's steady "
+                   f"ratio) the run measured {100 * (steady - 1):+.1f}%, "
+                   f"{100 * (predicted - steady + 1):+.1f} points from the prediction")
     return out
 
 
@@ -269,7 +268,10 @@ def validate_bench(path: str | Path, *, seed: int = 0) -> dict[str, Any]:
                "variants": {f"{d}/{r}": predicted[(f"{d}/{r}", name)]["overhead"]
                             for d, r in VARIANTS}}
         if abs(error) > 0.10:
-            row["causes"] = _causes(rows[name], p["run"], p["timed"], error)
+            row["causes"] = _causes(rows[name], p["run"], p["timed"], p["overhead"])
+            if noise["lo"] <= p["overhead"] <= noise["hi"]:
+                row["causes"].append("the prediction lies inside the measurement's 95% "
+                                     "bootstrap interval (the run's noise)")
         out["rows"].append(row)
     return out
 
