@@ -10,8 +10,8 @@ training time lost per failure with the effective training-time ratio at
     python -m launch.plan --preset=gemini_paper --json=plan.json --plot=plan.png
     python -m launch.plan --preset=none --model=gpt_moe_1p3b_64e --hosts=8 \\
         --devices_per_host=8 --link_gbps=100 --trace=dynamic
-    python -m launch.plan --profile=prof.json --hosts=2 --devices_per_host=2 \\
-        --link_gbps=1 --model=tiny --validate=bench.json    # predicted vs measured
+    python -m launch.plan --validate=A.json,B.json   # predicted vs measured (emulated runs)
+    python -m launch.plan --projection               # paper-scale: presets x traces
 
 Flags are defined on a FlagValues of this module's own (``make_flags``), so
 importing it defines no global flag.
@@ -59,8 +59,19 @@ def make_flags() -> flags.FlagValues:
     flags.DEFINE_float("mtbf_h", 24.0, "mean time between failures, hours", flag_values=fv)
     flags.DEFINE_string("json", None, "write the results here", flag_values=fv)
     flags.DEFINE_string("plot", None, "write a plot here (matplotlib)", flag_values=fv)
-    flags.DEFINE_multi_string("validate", [], "bench JSON(s): print predicted against "
-                              "measured overhead per strategy", flag_values=fv)
+    flags.DEFINE_list("validate", [], "emulated bench JSON(s): derive each run's cluster "
+                      "from its JSON, simulate it, print predicted against measured overhead "
+                      "per strategy and write --validation_json (no other simulation)",
+                      flag_values=fv)
+    flags.DEFINE_string("validation_json", "results/planner/validation.json",
+                        "--validate writes its report here", flag_values=fv)
+    flags.DEFINE_bool("projection", False, "the paper-scale projection (launch.planner."
+                      "projection): presets x traces x strategies; writes --projection_json "
+                      "and --projection_png", flag_values=fv)
+    flags.DEFINE_string("projection_json", "results/planner/projection.json",
+                        "--projection writes its table here", flag_values=fv)
+    flags.DEFINE_string("projection_png", "results/planner/projection.png",
+                        "--projection writes its plot here", flag_values=fv)
     return fv
 
 
@@ -122,17 +133,17 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def validation_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'strategy':14} {'measured':>9} {'predicted':>9} {'error':>8}  (median "
-             f"overhead, points of none's step; mean / p95 where the bench has them)"]
-    for r in rows:
-        line = (f"{r['strategy']:14} {_pct(r['measured_median']):>9} "
-                f"{_pct(r['predicted_median']):>9} {_pct(r['error_median']):>8}")
-        for key in ("mean", "p95"):
-            if r[f"measured_{key}"] is not None:
-                line += (f"  {key} {_pct(r[f'measured_{key}'])} vs "
-                         f"{_pct(r[f'predicted_{key}'])}")
-        lines.append(line)
+def validation_table(doc: dict[str, Any]) -> str:
+    """Predicted against measured median overhead (points of none's step)."""
+    lines = [f"{'run':34} {'strategy':14} {'measured [95% boot]':>22} {'predicted':>9} "
+             f"{'error':>7}  model {doc['model']}"]
+    for run in doc["runs"]:
+        for r in run["rows"]:
+            noise = f"{_pct(r['measured'])} [{_pct(r['measured_lo'])},{_pct(r['measured_hi'])}]"
+            lines.append(f"{Path(run['file']).name:34} {r['strategy']:14} {noise:>22} "
+                         f"{_pct(r['predicted']):>9} {_pct(r['error']):>7}")
+    lines.append(f"max |error| {_pct(doc['max_abs_error'])}, mean {_pct(doc['mean_abs_error'])}"
+                 f", within 10 points: {doc['within_10_points']}/{doc['rows']}")
     return "\n".join(lines)
 
 
@@ -156,7 +167,30 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _write(path: str, doc: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1, default=float) + "\n")
+
+
 def run(fv: flags.FlagValues) -> dict[str, Any]:
+    if fv.validate:
+        doc = validate.validation_doc(fv.validate)
+        doc["command"] = "python -m launch.plan --validate=" + ",".join(fv.validate)
+        print(validation_table(doc))
+        for run_doc in doc["runs"]:
+            for r in run_doc["rows"]:
+                for cause in r.get("causes", []):
+                    print(f"  {Path(run_doc['file']).name} {r['strategy']}: {cause}")
+        _write(fv.validation_json, doc)
+        return doc
+    if fv.projection:
+        from launch.planner import projection
+
+        doc = projection.projection(steps=fv.steps if fv["steps"].present else None)
+        print(projection.table(doc))
+        _write(fv.projection_json, doc)
+        projection.plot(doc, fv.projection_png)
+        return doc
     unknown = [s for s in fv.strategies if s not in STRATEGIES]
     if unknown:
         raise app.UsageError(f"--strategies: unknown {unknown}; known {list(STRATEGIES)}")
@@ -181,15 +215,8 @@ def run(fv: flags.FlagValues) -> dict[str, Any]:
         "inputs": list(notes), "strategies": results,
         "wall_s": round(time.perf_counter() - t0, 2), "command": " ".join(sys.argv),
     }
-    if fv.validate:
-        doc["validation"] = {}
-        for path in fv.validate:
-            rows = validate.compare(validate.measured(path), results)
-            print(f"\nvalidation against {path}:")
-            print(validation_table(rows))
-            doc["validation"][path] = rows
     if fv.json:
-        Path(fv.json).write_text(json.dumps(doc, indent=1, default=float) + "\n")
+        _write(fv.json, doc)
     if fv.plot:
         plot(results, fv.plot, title)
     return doc

@@ -23,7 +23,7 @@ from launch.planner.inputs import (
     ModelSpec,
     StrategyOptions,
 )
-from launch.planner.simulate import Scenario, layer_profile, plain_step_s, simulate
+from launch.planner.simulate import Scenario, layer_profile, plain_step_s, segments, simulate
 
 DATA = Path(__file__).parent / "data"
 
@@ -228,10 +228,10 @@ def test_cli_table_json_and_validation(tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     fv = plan.make_flags()
     fv(["plan", "--preset=gemini_paper", "--steps=25", "--strategies=none,inmem,gemini",
-        f"--json={out}", f"--validate={fixture}", f"--plot={png}"])
-    doc = plan.run(fv)
+        f"--json={out}", f"--plot={png}"])
+    plan.run(fv)
     text = capsys.readouterr().out
-    assert "validation against" in text and "gemini" in text
+    assert "gemini" in text
     saved = json.loads(out.read_text())
     assert saved["simulated"] is True
     assert set(saved["strategies"]) == {"none", "inmem", "gemini"}
@@ -239,7 +239,6 @@ def test_cli_table_json_and_validation(tmp_path, capsys):
         for key in ("overhead_median", "overhead_mean", "overhead_p95", "versions_taken",
                     "versions_skipped", "ram_per_host_gb", "ettr"):
             assert key in row
-    assert [r["strategy"] for r in doc["validation"][str(fixture)]] == ["none", "inmem", "gemini"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -258,3 +257,156 @@ def test_flags_are_not_global():
 
     plan.make_flags()
     assert "preset" not in flags.FLAGS
+
+
+def test_fifo_link_runs_one_flow_at_a_time_in_arrival_order():
+    sim = Sim()
+    link = Link(sim, 100.0, discipline="fifo")
+    ends = {}
+    sim.at(0.0, lambda: link.send("ckpt", 300.0, lambda: ends.setdefault("ckpt", sim.now)))
+    sim.at(1.0, lambda: link.send("a2a", 50.0, lambda: ends.setdefault("a2a", sim.now)))
+    sim.run()
+    assert ends["ckpt"] == pytest.approx(3.0)  # alone at 100 B/s, never slowed
+    assert ends["a2a"] == pytest.approx(3.5)  # waits 2 s behind it, then 0.5 s
+    _link_within_rate(link)
+    assert link.bytes_out == pytest.approx({"ckpt": 300.0, "a2a": 50.0})
+
+
+def test_link_rejects_an_unknown_discipline():
+    with pytest.raises(ValueError, match="discipline 'lifo'"):
+        Link(Sim(), 1.0, discipline="lifo")
+    with pytest.raises(ValueError, match="link_discipline"):
+        Cluster(2, 1, 1.0, link_discipline="lifo")
+
+
+def _two_segment(discipline: str, host_s: float) -> Scenario:
+    """Two layers on 2 hosts (m=2), a link of 1e8 B/s (0.8 Gbit/s), no chunk
+    cost: block0 dense (1 s forward, 2 s backward, no all-to-all); block1 MoE
+    with ~0 s forward compute, 1 s backward compute and 1e8 B (1 s) of
+    all-to-all after each direction. A version is 3e8 B (3 s of link)."""
+    layer = LayerCosts("block0", 1.0, 2.0, 0.0, 0.0, 0.0)
+    moe = LayerCosts("block1", 0.0, 1.0, 1e-30, 1e-30, 100e6 / (64 / 2))
+    return Scenario(Cluster(2, 1, 0.8, alpha_s=0.0, host_step_s=host_s,
+                            link_discipline=discipline),
+                    AcceleratorProfile((layer, moe), "hand"),
+                    ModelSpec("m", 300e6, 0.0, 2, 1, 64), StrategyOptions())
+
+
+def test_host_step_and_fifo_give_hand_computed_step_times():
+    # Plain step: host 0.5 + fwd block0 1 + fwd a2a 1 + bwd block1 1 + bwd a2a 1
+    # + bwd block0 2 = 6.5 s.
+    shares = np.full((4, 1, 2), 0.5)
+    sc = _two_segment("fifo", 0.5)
+    assert plain_step_s(sc, np.full((1, 2), 32.0)) == pytest.approx(6.5)
+    assert simulate(sc, "none", shares)["_run"].step_s == pytest.approx([6.5] * 4)
+    # inmem, fifo: version t+1 (3 s of link) leaves at the end of step t; the
+    # next step's forward all-to-all arrives at 1.5 s and waits for it until
+    # 3 s: 3 + 1 (a2a) + 1 + 1 + 2 = 8 s, every step but the first.
+    fifo = simulate(sc, "inmem", shares)["_run"].step_s
+    assert fifo == pytest.approx([6.5, 8.0, 8.0, 8.0])
+    # fair: 1.5e8 B of the version are through at 1.5 s; then the all-to-all
+    # and the version share 1e8 B/s: the all-to-all ends at 3.5 s, the version
+    # at 4.0 s inside the backward compute (3.5-4.5 s); the backward a2a alone
+    # 4.5-5.5 s; + 2 s: 7.5 s.
+    fair = simulate(_two_segment("fair", 0.5), "inmem", shares)["_run"].step_s
+    assert fair == pytest.approx([6.5, 7.5, 7.5, 7.5])
+
+
+def test_emulation_and_planner_wait_the_same_compute_for_a_load():
+    from launch.planner.inputs import from_emulation
+    from models.config import get_config
+    from models.emulation.layers import expert_scale
+    from models.emulation.profile import load
+
+    cfg = get_config("tiny")
+    emu = load("a100_gpt_moe_350m_16e")
+    moe = tuple(cfg.is_moe(i) for i in range(cfg.n_layers))
+    routed = cfg.global_batch * cfg.seq_len * cfg.top_k
+    profile = from_emulation(emu, moe, routed, cfg.num_experts)
+    # A load: tokens per expert per MoE layer (sums to the routed assignments).
+    counts = np.array([[400, 100, 100, 100, 100, 100, 100, 1048],
+                       [256] * 8])
+    assert (counts.sum(axis=1) == routed).all()
+    sc = Scenario(Cluster(2, 2, 1.0), profile,
+                  ModelSpec("tiny", 1e6, 0.5, cfg.num_experts, cfg.top_k,
+                            cfg.global_batch * cfg.seq_len))
+    planner_s = sum(c for _, _, c, _ in segments(sc, counts.astype(float)))
+    # The emulation: each MoE layer's expert wait scaled by expert_scale of its
+    # received buffer (one source here, capacity 1100, d 2): a slot holds a token
+    # when non-zero.
+    expected_ms = 0.0
+    for i, times in enumerate(emu.on_layers(moe)):
+        buf = np.zeros((1, cfg.num_experts, 1100, 2), np.float32)
+        for e, n in enumerate(counts[i]):
+            buf[0, e, :n] = 1.0
+        scale = float(expert_scale(buf, routed / cfg.num_experts))
+        expected_ms += (times.dense_fwd_ms + times.dense_bwd_ms
+                        + scale * (times.expert_fwd_ms + times.expert_bwd_ms))
+    assert planner_s == pytest.approx(expected_ms / 1e3, rel=1e-6)
+    assert scale == 1.0 and planner_s > sum(c.dense_fwd_s + c.dense_bwd_s
+                                            for c in profile.layers)
+
+
+def test_blocking_checkpoint_adds_its_whole_link_time_to_the_step():
+    sc = _two_segment("fifo", 0.5)
+    sc = dataclasses.replace(sc, cluster=dataclasses.replace(sc.cluster, ckpt_blocks_step=True))
+    shares = np.full((4, 1, 2), 0.5)
+    # Every step: 6.5 s, then the version's 3 s on the link before the next starts.
+    assert simulate(sc, "inmem", shares)["_run"].step_s == pytest.approx([9.5] * 4)
+
+
+def test_validation_derives_the_run_from_its_json(tmp_path, capsys):
+    from launch import tables
+    from launch.planner.inputs import GBIT
+
+    path = DATA / "plan_emulated_bench.json"
+    doc = json.loads(path.read_text())
+    rows, link = doc["strategies"], doc["link"]
+    sc, shares, timed, derived = validate.bench_scenario(doc, discipline="blocking",
+                                                         rate="one_way")
+    # The bench's order: warm-up 3 + 2 probed, then 3 blocks of 8 + 2 probed, the
+    # first of each block untimed.
+    assert len(timed) == 5 + 3 * 10 and timed.sum() == 21 == rows["none"]["steps_timed"]
+    assert not timed[5] and timed[6:13].all() and not timed[13:16].any()
+    assert sc.model.state_bytes_per_host == rows["inmem"]["ckpt_bytes_per_step"] / 2
+    assert sc.cluster.link_gbps == link["one_way_gbps"]
+    assert sc.options.pec_k == 2 and not sc.options.pec_dynamic
+    # none's calibration: the planner's plain step is none's measured median.
+    assert plain_step_s(sc, np.full((2, 8), 256.0)) == pytest.approx(
+        rows["none"]["median_step_s"])
+    # A blocking version adds its whole link time: overhead = bytes / rate / none's step.
+    out = tmp_path / "validation.json"
+    fv = plan.make_flags()
+    fv(["plan", f"--validate={path}", f"--validation_json={out}"])
+    result = plan.run(fv)
+    (run,) = result["runs"]
+    inmem = next(r for r in run["rows"] if r["strategy"] == "inmem")
+    link_s = rows["inmem"]["ckpt_bytes_per_step"] / 2 / (link["one_way_gbps"] * GBIT)
+    assert inmem["predicted"] == pytest.approx(link_s / rows["none"]["median_step_s"])
+    assert inmem["measured"] == pytest.approx(rows["inmem"]["ratio"] - 1)
+    assert inmem["measured_lo"] <= inmem["measured"] <= inmem["measured_hi"]
+    assert inmem["error"] == pytest.approx(inmem["predicted"] - inmem["measured"])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == 4 and saved["model"] == "blocking/one_way"
+    assert "inmem" in capsys.readouterr().out
+    table = tables.validation_table(saved)
+    assert "| bench_2x2_dynamic_0.4gbps.json" not in table  # the fixture's own name
+    assert f"| plan_emulated_bench.json | 0.19 | inmem | {100 * inmem['measured']:+.1f}% |" in table
+    # A miss over 10 points names its causes.
+    for r in run["rows"]:
+        assert ("causes" in r) == (abs(r["error"]) > 0.10)
+
+
+def test_projection_grid_and_paper_anchor():
+    from launch import tables
+    from launch.planner import projection
+
+    doc = projection.projection(steps=30, validation=None)
+    labels = [label for label, _, _ in projection.scenarios()]
+    assert labels[:2] == ["gemini_paper", "moevement_paper"]
+    assert len(doc["rows"]) == len(labels) * 2 * 5
+    gemini = [r for r in doc["rows"] if r["scenario"] == "gemini_paper"
+              and r["strategy"] == "gemini"]
+    assert [r["overhead_median"] for r in gemini] == [0.0, 0.0]  # Gemini: no slowdown
+    text = tables.projection_table(doc)
+    assert text.count("| gemini_paper |") == 2 and "Simulated" in text

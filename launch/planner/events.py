@@ -1,11 +1,15 @@
 """The discrete-event core: a clock, a heap of timed callbacks, and links
 shared by fluid flows.
 
-A ``Link`` is one host's send direction. Flows on it (an all-to-all, a
-checkpoint chunk) share its rate equally while they are active (processor
-sharing, what competing TCP/RDMA flows on one NIC approach), so the link
-never carries more than its rate; a flow completes when its bytes are
-through. ``Sim.run`` advances the clock to the earlier of the next timed
+A ``Link`` is one host's send direction. Its ``discipline`` says how flows
+on it (an all-to-all, a checkpoint chunk) share it: ``"fair"``, they share
+its rate equally while they are active (processor sharing, what competing
+TCP/RDMA flows on one NIC approach); ``"fifo"``, the oldest flow gets the
+whole rate and the others wait behind it (what XLA:CPU over gloo does: it
+runs an in-graph collective to its end before the next, so a step's
+all-to-all queues behind a checkpoint exchange already on the link). Either
+way the link never carries more than its rate; a flow completes when its
+bytes are through. ``Sim.run`` advances the clock to the earlier of the next timed
 callback and the next flow completion, moves every active flow's bytes by
 its share, and fires what is due. Every interval of the link's use is kept
 (``Link.log``), so the tests check the invariants on the record: bytes in =
@@ -37,13 +41,21 @@ class Flow:
     started_s: float
 
 
-class Link:
-    """A link of ``rate`` bytes/s shared equally by its active flows."""
+DISCIPLINES = ("fair", "fifo")
 
-    def __init__(self, sim: Sim, rate: float, name: str = "link") -> None:
+
+class Link:
+    """A link of ``rate`` bytes/s: its active flows share it equally
+    (``"fair"``) or go one at a time in arrival order (``"fifo"``)."""
+
+    def __init__(self, sim: Sim, rate: float, name: str = "link",
+                 discipline: str = "fair") -> None:
         if not rate > 0:
             raise ValueError(f"link {name}: rate must be > 0, got {rate}")
+        if discipline not in DISCIPLINES:
+            raise ValueError(f"link {name}: discipline {discipline!r}, one of {DISCIPLINES}")
         self.sim, self.rate, self.name = sim, float(rate), name
+        self.discipline = discipline
         self.active: list[Flow] = []
         self.log: list[tuple[float, float, float]] = []  # (t0, t1, bytes/s carried)
         self.bytes_in: dict[str, float] = {}
@@ -62,11 +74,16 @@ class Link:
             return
         self.active.append(Flow(tag, nbytes, float(nbytes), on_done, self.sim.now))
 
+    def _moving(self) -> list[Flow]:
+        """The flows the link carries now (fifo: the oldest only)."""
+        return self.active[:1] if self.discipline == "fifo" else self.active
+
     def next_completion(self) -> float:
-        if not self.active:
+        moving = self._moving()
+        if not moving:
             return float("inf")
-        share = self.rate / len(self.active)
-        return self.sim.now + min(f.remaining for f in self.active) / share
+        share = self.rate / len(moving)
+        return self.sim.now + min(f.remaining for f in moving) / share
 
     def advance(self, dt: float, completes: bool) -> list[Flow]:
         """Moves the active flows' bytes over ``dt`` seconds; returns the finished.
@@ -75,14 +92,15 @@ class Link:
         flows with the least bytes left finish now whatever the rounding left
         of them (else a remainder below the clock's resolution never would).
         """
-        if not self.active:
+        moving = self._moving()
+        if not moving:
             return []
-        share = self.rate / len(self.active)
-        least = min(f.remaining for f in self.active)
+        share = self.rate / len(moving)
+        least = min(f.remaining for f in moving)
         if dt > 0:
-            self.log.append((self.sim.now, self.sim.now + dt, share * len(self.active)))
+            self.log.append((self.sim.now, self.sim.now + dt, share * len(moving)))
         done = []
-        for f in self.active:
+        for f in moving:
             moved = min(f.remaining, share * max(dt, 0.0))
             f.remaining -= moved
             self.bytes_out[f.tag] = self.bytes_out.get(f.tag, 0.0) + moved

@@ -59,6 +59,19 @@ class Cluster:
       link_gbps: each host's inter-host link, Gbit/s per direction.
       host_ram_gb: RAM per host (reported against the strategy's need).
       alpha_s: fixed cost of one checkpoint chunk (the partitioner's alpha).
+      host_step_s: the host's time per step outside device compute and the
+        link (dispatch, the runtime, the optimizer's host work), spent at the
+        step's start with the link free; the validator measures it from a
+        bench's ``none`` row.
+      link_discipline: how flows share a host's link (``events.Link``):
+        ``"fair"`` (processor sharing, a NIC under concurrent flows) or
+        ``"fifo"`` (one collective at a time, as XLA:CPU over gloo runs
+        in-graph collectives, so an all-to-all queues behind checkpoint bytes).
+      ckpt_blocks_step: the host's checkpoint send does not overlap its step's
+        compute (the step resumes when the bytes are through). Measured so on
+        the emulated CPU cluster (validation: the overhead there is the
+        version's link time, not what is left of it after the compute
+        windows); False on an accelerator, whose compute leaves the host free.
     """
 
     hosts: int
@@ -66,6 +79,9 @@ class Cluster:
     link_gbps: float
     host_ram_gb: float = 1024.0
     alpha_s: float = 50e-6
+    host_step_s: float = 0.0
+    link_discipline: str = "fair"
+    ckpt_blocks_step: bool = False
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.devices_per_host < 1:
@@ -74,6 +90,10 @@ class Cluster:
         _positive("Cluster", "link_gbps", self.link_gbps)
         _positive("Cluster", "host_ram_gb", self.host_ram_gb)
         _positive("Cluster", "alpha_s", self.alpha_s, zero_ok=True)
+        _positive("Cluster", "host_step_s", self.host_step_s, zero_ok=True)
+        if self.link_discipline not in ("fair", "fifo"):
+            raise ValueError(f"Cluster.link_discipline must be 'fair' or 'fifo', got "
+                             f"{self.link_discipline!r}")
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -195,6 +215,7 @@ class StrategyOptions:
       first_n: gemini's profiled iterations.
       drift_threshold: the detector's drift threshold (jsd).
       window: versions kept after the safe one (``InMemoryOptions.window``).
+      pec_dynamic: PEC's K adapts to the lost tokens (``PecOptions.dynamic``).
     """
 
     replicas: int = 2
@@ -205,6 +226,7 @@ class StrategyOptions:
     first_n: int = 20
     drift_threshold: float = 0.05
     window: int = 1
+    pec_dynamic: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.pec_k < 1 or self.first_n < 1 or self.window < 1:
@@ -241,3 +263,43 @@ class FailureModel:
         _positive("FailureModel", "restart_s", self.restart_s, zero_ok=True)
         if self.persist_every < 1:
             raise ValueError(f"FailureModel.persist_every must be >= 1, got {self.persist_every}")
+
+
+def from_emulation(profile: Any, moe: tuple[bool, ...], routed_per_step: float,
+                   num_experts: int, *,
+                   a2a_bytes_per_token: float | None = None) -> AcceleratorProfile:
+    """The planner's profile of the emulated accelerator: per layer, exactly
+    what ``models.emulation`` waits (one schema: the emulation's own
+    ``AcceleratorProfile.on_layers``).
+
+    The emulation waits, per layer, the dense time plus the expert time at
+    balanced load scaled by the busiest expert's tokens over the balanced
+    share (``models.emulation.layers.expert_scale``); the planner's compute
+    is ``dense + expert_s_per_token x peak`` with ``peak`` the busiest
+    expert's tokens, so ``expert_s_per_token`` = balanced time / balanced
+    share, the share being ``routed_per_step / num_experts``.
+
+    Args:
+      profile: a ``models.emulation.profile.AcceleratorProfile``.
+      moe: per layer of the emulated model, whether it is MoE.
+      routed_per_step: token-expert assignments of one MoE layer per step in
+        one expert group (``ModelSpec.routed_per_step`` when the expert axis
+        spans the cluster).
+      num_experts: experts per MoE layer.
+      a2a_bytes_per_token: all-to-all bytes per routed token per MoE segment
+        (None: the profile's ``a2a_bytes_per_routed_token``, the profiled
+        model's).
+    """
+    if routed_per_step <= 0 or num_experts < 1:
+        raise ValueError(f"from_emulation: routed_per_step={routed_per_step} and "
+                         f"num_experts={num_experts} must be positive")
+    balanced = routed_per_step / num_experts
+    out = []
+    for i, times in enumerate(profile.on_layers(moe)):
+        expert = times.kind == "moe"
+        a2a = (times.a2a_bytes_per_routed_token if a2a_bytes_per_token is None
+               else a2a_bytes_per_token) if expert else 0.0
+        out.append(LayerCosts(f"block{i}", times.dense_fwd_ms / 1e3, times.dense_bwd_ms / 1e3,
+                              times.expert_fwd_ms / 1e3 / balanced,
+                              times.expert_bwd_ms / 1e3 / balanced, a2a))
+    return AcceleratorProfile(tuple(out), f"{profile.name} (emulated)")

@@ -12,8 +12,11 @@ it receives as many, so every host's send link carries the same load):
   the partitioner's windows (``windows_from_profile`` of a profile built
   from the segments).
 * checkpoint traffic shares the link with the all-to-alls (``events.Link``,
-  processor sharing): a chunk still on the link when the all-to-all starts
-  slows it, and so the step.
+  processor sharing or fifo, ``Cluster.link_discipline``): a chunk still on
+  the link when the all-to-all starts slows it, and so the step. With
+  ``Cluster.ckpt_blocks_step`` the host's step does not run while its
+  checkpoint bytes are on the link (the next step, or the next segment after
+  a window's chunks, starts when they are through).
 
 The strategies' decisions are the library's own, called here:
 
@@ -103,13 +106,13 @@ def segments(sc: Scenario, load: np.ndarray) -> list[tuple[str, str, float, floa
 def plain_step_s(sc: Scenario, load: np.ndarray) -> float:
     """The step with no checkpoint traffic: compute plus all-to-alls at the link rate."""
     rate = sc.cluster.link_bytes_per_s
-    return sum(c + b / rate for _, _, c, b in segments(sc, load))
+    return sc.cluster.host_step_s + sum(c + b / rate for _, _, c, b in segments(sc, load))
 
 
 def layer_profile(sc: Scenario, step: int, load: np.ndarray) -> cj.LayerProfile:
     """The library's LayerProfile of a step at ``load`` with a free link (what
     the profiler measures on a step that moves no chunks)."""
-    rate, t, segs = sc.cluster.link_bytes_per_s, 0.0, []
+    rate, t, segs = sc.cluster.link_bytes_per_s, sc.cluster.host_step_s, []
     for name, direction, compute, nbytes in segments(sc, load):
         a2a = nbytes / rate
         segs.append(ex.Segment(name, direction, t, compute + a2a, a2a))
@@ -162,7 +165,8 @@ class _Run:
         self.pec = strategy in ("pec", "capricorn_pec") and load.shape[1] > 0
         opts = sc.options
         self.sim = Sim()
-        self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send")
+        self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send",
+                         sc.cluster.link_discipline)
         self.sender = _Sender(self.sim, self.link, sc.cluster.alpha_s)
         self.linkmodel = ex.LinkModel(sc.cluster.alpha_s, sc.cluster.link_bytes_per_s)
         self.moe_layers = sc.profile.moe_layers
@@ -171,7 +175,8 @@ class _Run:
         self.decision: Any = None  # the detector's Decision about the previous step
         if self.pec:
             self.tracker = ex.PltTracker(layers, experts, sc.model.top_k)
-            self.dyn = ex.DynamicK(cj.PecOptions(k=opts.pec_k), experts)
+            self.dyn = ex.DynamicK(cj.PecOptions(k=opts.pec_k, dynamic=opts.pec_dynamic),
+                                   experts)
             self.k = experts
         self.schedule: Any = None
         self._schedules: dict[int, Any] = {}
@@ -281,10 +286,17 @@ class _Run:
         def segment(i: int) -> None:
             if i == len(segs):
                 return end()
+            _, _, compute, nbytes = segs[i]
+
+            def run_segment() -> None:
+                self.sim.after(compute,
+                               lambda: self.link.send("a2a", nbytes, lambda: segment(i + 1)))
+
             if schedule is not None and schedule.chunks[i]:
                 self.sender.push(len(schedule.chunks[i]), schedule.bytes_in_window(i) * self.copies)
-            _, _, compute, nbytes = segs[i]
-            self.sim.after(compute, lambda: self.link.send("a2a", nbytes, lambda: segment(i + 1)))
+                if self.sc.cluster.ckpt_blocks_step:
+                    return self.sender.when_idle(run_segment)
+            run_segment()
 
         def end() -> None:
             profile = layer_profile(self.sc, step, tpe) if profiled else None
@@ -293,7 +305,7 @@ class _Run:
             self._after_step(step, tpe, profile)
             self._save(step, t0, tpe, schedule is not None)
 
-        segment(0)
+        self.sim.after(self.sc.cluster.host_step_s, lambda: segment(0))
 
     @property
     def copies(self) -> int:
@@ -320,6 +332,8 @@ class _Run:
                 return next_step((version, nbytes))  # moved inside the next step
             self.sender.push(max(1, math.ceil(nbytes / self.sc.options.chunk_cap_bytes)),
                              nbytes * self.copies)
+            if self.sc.cluster.ckpt_blocks_step:
+                return self.sender.when_idle(lambda: next_step(None))
             next_step(None)
 
         if moved:  # the version moved in this step commits when its last chunk is in

@@ -51,15 +51,7 @@ class Emulation:
         layer of the model takes its group's expert time as dense time (it has
         no experts to wait in), so the step's total is kept."""
         native.register()
-        layers = []
-        for times, is_moe in zip(profile.for_model(len(moe)), moe, strict=True):
-            if not is_moe and times.kind == "moe":
-                times = dataclasses.replace(
-                    times, kind="dense", dense_fwd_ms=times.dense_fwd_ms + times.expert_fwd_ms,
-                    dense_bwd_ms=times.dense_bwd_ms + times.expert_bwd_ms,
-                    expert_fwd_ms=0.0, expert_bwd_ms=0.0)
-            layers.append(times)
-        return cls(profile.name, tuple(layers))
+        return cls(profile.name, profile.on_layers(moe))
 
     @classmethod
     def for_config(cls, profile: AcceleratorProfile, cfg) -> Emulation:

@@ -105,6 +105,22 @@ class AcceleratorProfile:
                     (layer.a2a_bytes_per_routed_token for layer in moe), default=0.0)))
         return tuple(out)
 
+    def on_layers(self, moe: tuple[bool, ...]) -> tuple[LayerTimes, ...]:
+        """What the emulation waits per layer of a model whose layer i is MoE
+        where ``moe[i]``: ``for_model``'s groups, a dense layer of the model
+        taking its group's expert time as dense time (it has no experts to
+        wait in), so the step's total is kept. ``layers.Emulation`` and the
+        planner (``launch.planner.inputs.from_emulation``) both read this."""
+        out = []
+        for times, is_moe in zip(self.for_model(len(moe)), moe, strict=True):
+            if not is_moe and times.kind == "moe":
+                times = dataclasses.replace(
+                    times, kind="dense", dense_fwd_ms=times.dense_fwd_ms + times.expert_fwd_ms,
+                    dense_bwd_ms=times.dense_bwd_ms + times.expert_bwd_ms,
+                    expert_fwd_ms=0.0, expert_bwd_ms=0.0)
+            out.append(times)
+        return tuple(out)
+
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                    if f.name != "layers"},
