@@ -30,6 +30,12 @@ XLA:GPU issued every window's permute after the backward all-to-alls, start
 and done back to back (no overlap); with it each one is in flight while its
 window's layer computes (``hlo_schedule.check_windows``).
 
+With a window clock (``window_clock.WindowClock``, capricorn's spill signal)
+the step also carries unordered per-device marks: one on the activation or
+cotangent of each site that opens or closes a filled window, taken before
+the reception tie and the window's permutes, and one on each filled
+window's receptions; without one the program has no callback.
+
 Alternative not taken here: a host thread that sends chunks through
 ``jax.experimental.transfer`` when the profile says a window opens. It needs no
 recompilation per schedule, but its timing is a guess from the host clock and

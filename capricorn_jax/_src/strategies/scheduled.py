@@ -247,7 +247,8 @@ class ScheduledStrategy(InMemoryStrategy):
             self.clock.clear()
         state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
             state, batch, trailer, *gather)
-        self._moved = (step, {**moved, "transport": transport or self.ckpt.transport}, version)
+        self._moved = (step, {"own": moved["own"], "received": moved["received"],
+                              "transport": transport or self.ckpt.transport}, version)
         return state, metrics
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
