@@ -30,6 +30,12 @@ XLA:GPU issued every window's permute after the backward all-to-alls, start
 and done back to back (no overlap); with it each one is in flight while its
 window's layer computes (``hlo_schedule.check_windows``).
 
+With a window clock (``window_clock.WindowClock``, capricorn's spill signal)
+the step also carries unordered per-device marks: one on the activation or
+cotangent of each site that opens or closes a filled window, taken before
+the reception tie and the window's permutes, and one on each filled
+window's receptions; without one the program has no callback.
+
 Alternative not taken here: a host thread that sends chunks through
 ``jax.experimental.transfer`` when the profile says a window opens. It needs no
 recompilation per schedule, but its timing is a guess from the host clock and
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +63,17 @@ if TYPE_CHECKING:
 START = ("<start>", "fwd")
 AFTER = ("<after>", "bwd")
 Site = tuple[str, str]
+
+
+class SiteClock(Protocol):
+    """The window clock's side the executor calls (``window_clock.WindowClock``):
+    site marks on primal values and done marks on a window's receptions."""
+
+    def sites(self, schedule: Schedule) -> frozenset[Site]: ...
+
+    def mark_site(self, x: Any, site: Site) -> Any: ...
+
+    def mark_done(self, chunks: list[jax.Array], site: Site) -> list[jax.Array]: ...
 
 
 def pack_payload(transport: Transport, state_specs: list, state: Any, trailer: jax.Array,
@@ -101,15 +118,20 @@ class InStepSender:
       schedule: byte ranges of the payload per window, plus the tail.
       boundaries: the model's boundary names in forward order.
       round_index: which replication round (peer) the chunks go to.
+      clock: a ``window_clock.WindowClock`` whose marks time each filled
+        window (its sites and its receptions' arrival); None: no marks.
     """
 
     def __init__(self, transport: Transport, state_shardings: Any, schedule: Schedule,
-                 boundaries: list[str], round_index: int = 0, tie_receptions: bool = True):
+                 boundaries: list[str], round_index: int = 0, tie_receptions: bool = True,
+                 clock: SiteClock | None = None):
         if schedule.payload_bytes != transport.plan.payload_bytes:
             raise ValueError(f"schedule covers {schedule.payload_bytes} bytes, the payload has "
                              f"{transport.plan.payload_bytes}")
         self.transport, self.schedule, self.boundaries = transport, schedule, boundaries
         self.tie_receptions = tie_receptions
+        self.clock = clock
+        self.marked = clock.sites(schedule) if clock is not None else frozenset()
         self.state_specs = [s.spec for s in jax.tree.leaves(state_shardings)]
         self.perm = transport.perms[round_index]
         self.axes = transport.axes
@@ -158,8 +180,11 @@ class InStepSender:
             raise ValueError(f"{len(gather)} gather arrays for a "
                              f"{'PEC' if self.pec else 'full'} payload")
         payload = pack_payload(transport, self.state_specs, state, trailer, *gather)
-        start = [((lo, hi), self._permute(payload[:, lo:hi], None))
-                 for lo, hi in self.sites.get(START, [])]
+        if START in self.marked:
+            payload = self._mark(payload, START)
+        ranges = self.sites.get(START, [])
+        start = list(zip(ranges, self._done([self._permute(payload[:, lo:hi], None)
+                                             for lo, hi in ranges], START), strict=True))
         carriers = [jnp.zeros((payload.shape[0], -(-(hi - lo) // 4)), jnp.float32)
                     for lo, hi in self.bwd_chunks]
         return _Ctx(payload, self.sites, carriers, start)
@@ -178,6 +203,35 @@ class InStepSender:
         return jax.shard_map(body, mesh=self.transport.mesh, in_specs=(spec,) * (1 + len(chunks)),
                              out_specs=spec)(x, *chunks)
 
+    def _mark(self, x: Any, site: Site) -> Any:
+        """``x`` tied to ``site``'s clock mark (primal values only)."""
+        assert self.clock is not None
+        return self.clock.mark_site(x, site)
+
+    def _mark_differentiable(self, x: Any, site: Site) -> Any:
+        """``x`` tied to ``site``'s clock mark inside the differentiated
+        forward: an identity whose backward passes the cotangent through."""
+        @jax.custom_vjp
+        def ident(y):
+            return self._mark(y, site)
+
+        def fwd(y):
+            return self._mark(y, site), None
+
+        def bwd(_, g):
+            return (g,)
+
+        ident.defvjp(fwd, bwd)
+        return ident(x)
+
+    def _done(self, chunks: list[jax.Array], site: Site) -> list[jax.Array]:
+        """The window's receptions tied to its clock's done mark (no clock or
+        no chunks: unchanged). They carry no gradient: the stop only makes it
+        explicit to the differentiation around the forward ones."""
+        if self.clock is None or not chunks:
+            return chunks
+        return self.clock.mark_done([jax.lax.stop_gradient(c) for c in chunks], site)
+
     def hooks(self, ctx: _Ctx, carriers: list[jax.Array], received: list) -> tuple:
         bwd_index = {r: i for i, r in enumerate(self.bwd_chunks)}
         # Receptions of the window the next forward boundary closes (measured on
@@ -188,25 +242,28 @@ class InStepSender:
 
         def hook(x, name):
             nonlocal pending
+            if (name, "fwd") in self.marked:  # the layer is done: before the tie
+                x = self._mark_differentiable(x, (name, "fwd"))
             if pending and self.tie_receptions:
                 x = self._tie_receptions(x, pending)
-            pending = []
-            for lo, hi in ctx.chunks.get((name, "fwd"), []):
-                recv = self._permute(ctx.payload[:, lo:hi], x)
-                received.append(((lo, hi), recv))
-                pending.append(recv)
+            ranges = ctx.chunks.get((name, "fwd"), [])
+            pending = self._done([self._permute(ctx.payload[:, lo:hi], x) for lo, hi in ranges],
+                                 (name, "fwd"))
+            received.extend(zip(ranges, pending, strict=True))
             bwd = ctx.chunks.get((name, "bwd"), [])
-            if bwd or (self.tie_receptions and self.bwd_chunks):
+            if (bwd or (self.tie_receptions and self.bwd_chunks)
+                    or (name, "bwd") in self.marked):
                 # Every boundary gets the identity once backward chunks exist:
-                # one without chunks still ties the previous window's receptions.
-                x = self._bwd_identity(ctx, bwd_pending, bwd)(
+                # one without chunks still ties the previous window's receptions
+                # (or carries the clock's mark of a window it closes).
+                x = self._bwd_identity(ctx, bwd_pending, bwd, name)(
                     x, [carriers[bwd_index[r]] for r in bwd])
             return x
 
         return (hook,)
 
     def _bwd_identity(self, ctx: _Ctx, pending: list[list[jax.Array]],
-                      ranges: list[tuple[int, int]]):
+                      ranges: list[tuple[int, int]], name: str):
         """The boundary's identity whose backward ties the receptions of the
         window opened at the previous backward boundary (``pending[0]``) into
         the cotangent, then sends this boundary's chunks (``ranges``)."""
@@ -218,12 +275,14 @@ class InStepSender:
             return x, None
 
         def bwd(_, g):
+            if (name, "bwd") in self.marked:  # the layer's backward is done: before the tie
+                g = self._mark(g, (name, "bwd"))
             if pending[0] and self.tie_receptions:
                 g = self._tie_receptions(g, pending[0])
-            cts, pending[0] = [], []
-            for lo, hi in ranges:
-                recv = self._permute(ctx.payload[:, lo:hi], g)
-                pending[0].append(recv)
+            cts = []
+            pending[0] = self._done([self._permute(ctx.payload[:, lo:hi], g)
+                                     for lo, hi in ranges], (name, "bwd"))
+            for (lo, hi), recv in zip(ranges, pending[0], strict=True):
                 pad = -(-(hi - lo) // 4) * 4 - (hi - lo)
                 recv = jnp.pad(recv, ((0, 0), (0, pad)))
                 cts.append(jax.lax.bitcast_convert_type(

@@ -69,6 +69,7 @@ from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, fit_link_model
+from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
 
 log = logging.getLogger(__name__)
 
@@ -389,20 +390,12 @@ class ThreadedSender:
 
     def sites_in_order(self) -> list[Site]:
         """The sites at which windows open, in the order a step passes them."""
-        return ([START] + [(b, "fwd") for b in self.boundaries]
-                + [(b, "bwd") for b in reversed(self.boundaries)] + [AFTER])
+        return sites_in_order(self.boundaries)
 
     def _window_sites(self, schedule: Schedule) -> dict[int, tuple[Site, Site]]:
         """Window index -> (opening site, closing site: the next one a step
         passes) of each window with chunks."""
-        order = self.sites_in_order()
-        out = {}
-        for i, (window, chunks) in enumerate(zip(schedule.windows, schedule.chunks,
-                                                 strict=True)):
-            if chunks:
-                site = site_of(window, self.boundaries)
-                out[i] = (site, order[min(order.index(site) + 1, len(order) - 1)])
-        return out
+        return window_sites(schedule, self.boundaries)
 
     def hook(self, schedule: Schedule) -> ProfileHook:
         """The boundary hook of a step moving ``schedule``: an unordered mark

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
-from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
+from capricorn_jax._src.scheduling.executor import InStepSender, SiteClock, scheduled_step
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,
@@ -114,11 +114,15 @@ class ScheduledTransfers:
       link: the measured link model.
       chunk_cap: largest chunk in bytes.
       margin: windows are scaled by this before partitioning (safety).
+      clock: the in-graph path's window clock (``window_clock.WindowClock``),
+        whose marks the compiled steps carry; None: steps without marks.
     """
 
     def __init__(self, ckpt: InMemoryCheckpointer, trainer: TrainStep, boundaries: list[str],
-                 link: LinkModel, chunk_cap: int, margin: float = 0.8) -> None:
+                 link: LinkModel, chunk_cap: int, margin: float = 0.8,
+                 clock: SiteClock | None = None) -> None:
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
+        self.clock = clock
         self.link, self.chunk_cap, self.margin = link, chunk_cap, margin
         self.schedule: Schedule | None = None  # of the full payload (ckpt.plan)
         self.partitions = 0
@@ -174,7 +178,8 @@ class ScheduledTransfers:
         key = self._key(factors, hooks, transport)
         if key not in self._steps:
             sender = InStepSender(transport, self.trainer.state_shardings,
-                                  self.schedule_for(transport), self.boundaries)
+                                  self.schedule_for(transport), self.boundaries,
+                                  clock=self.clock)
             self._steps[key] = scheduled_step(self.trainer, sender, factors, hooks)
         return self._steps[key]
 

@@ -28,12 +28,16 @@ never moved twice: ``save`` defers version t when step t will move it, and
 saves it now otherwise. ``finish`` saves the last state, which no later step
 moves.
 
-On the threaded path each moved version's event reports, per filled window,
-the idle time the step gave it against the plan (``transfers.window_spills``);
+Each moved version's event reports, per filled window, the idle time the
+step gave it against the plan (``transfers.window_spills``): on the threaded
+path from the sender's marks; on the in-graph path, capricorn's only, from
+the window clock's marks inside the step (``scheduling.window_clock``: when
+each window's receptions arrived against the boundary that closes it; gemini,
+which would only report them, runs its steps without those marks).
 capricorn asks for a profile when its windows spilled in most of host 0's
-last ``SPILL_WINDOW`` moved versions (agreed through the checkpointer's status
-round), so a schedule planned on slower or faster steps than today's is
-re-planned; gemini keeps its schedule and only reports the spills.
+last ``SPILL_WINDOW`` moved versions (agreed through the checkpointer's
+status round), so a schedule planned on slower or faster steps than today's
+is re-planned; gemini keeps its schedule and only reports the spills.
 
 Design choice: the strategy does not decide which steps are profiled; the
 profiling driver (``strategies.driver.ProfilingDriver``) does, for every
@@ -73,6 +77,7 @@ from capricorn_jax._src.scheduling.transfers import (
     shortest_windows,
     window_spills,
 )
+from capricorn_jax._src.scheduling.window_clock import WindowClock
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
     HostState,
@@ -91,7 +96,7 @@ profiles: one profile is one noisy sample, and on this box a profile that
 caught a slow step (1.3-1.7x the others) planned the whole version into one
 window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
 SPILL_WINDOW = 4
-"""capricorn, threaded path: the moved versions over which host 0 counts the
+"""capricorn, both paths: the moved versions over which host 0 counts the
 ones in which a window spilled; more than half of them ask for a profile."""
 SPILL_TOLERANCE_S = 0.001
 """A window spills when its chunks' modelled link time exceeds its measured
@@ -147,6 +152,8 @@ class ScheduledStrategy(InMemoryStrategy):
         self.kind, self.train, self.first_n = kind, train, first_n
         self.chunk_path = resolve_chunk_path(chunk_path)
         self.sender: ThreadedSender | None = None
+        # capricorn, in-graph: the marks that time each window inside the step.
+        self.clock: WindowClock | None = None
         if self.chunk_path == "threaded":
             channel = peer_channel(checkpointer)
             self.link = measure_channel(channel, jax.local_device_count())
@@ -154,9 +161,11 @@ class ScheduledStrategy(InMemoryStrategy):
                                          train.mesh, channel.timeout_s)
         else:
             self.link = measure_link(checkpointer.transport)
+            if kind == "capricorn":
+                self.clock = WindowClock(train.mesh, train.boundaries)
         self._packs: dict[int, Any] = {}
         self.transfers = ScheduledTransfers(checkpointer, train, train.boundaries, self.link,
-                                            chunk_cap)
+                                            chunk_cap, clock=self.clock)
         self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
         self._profiles_seen = 0  # gemini: profiles seen (cold ones too)
         self._moved: tuple[int, MovedPayloads, Any] | None = None
@@ -165,7 +174,7 @@ class ScheduledStrategy(InMemoryStrategy):
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
-        # capricorn, threaded: whether a window spilled in each of this host's
+        # capricorn: whether a window spilled in each of this host's
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
         self._spills: collections.deque[bool] = collections.deque(maxlen=SPILL_WINDOW)
@@ -234,9 +243,12 @@ class ScheduledStrategy(InMemoryStrategy):
             self._moved = (step, {"own": own, "received": None, "transport": transport},
                            version)
             return state, metrics
+        if self.clock is not None:
+            self.clock.clear()
         state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
             state, batch, trailer, *gather)
-        self._moved = (step, moved, version)
+        self._moved = (step, {"own": moved["own"], "received": moved["received"],
+                              "transport": transport or self.ckpt.transport}, version)
         return state, metrics
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
@@ -291,6 +303,15 @@ class ScheduledStrategy(InMemoryStrategy):
             self._wants_profile = True
             self.spill_requests.append(version)
 
+    def in_graph_windows(self, payloads: MovedPayloads, state: State) -> list[dict[str, Any]]:
+        """The ``window_spills`` records of the in-graph step that moved
+        ``payloads`` and returned ``state``, from the window clock's marks
+        (waits until both are ready: every mark is tied into one of them)."""
+        assert self.clock is not None, "only capricorn's in-graph steps carry the marks"
+        jax.block_until_ready((payloads["received"], state))
+        transport = payloads.get("transport", self.ckpt.transport)
+        return self.clock.windows(self.transfers.schedule_for(transport), self._planned_on)
+
     def profile_requested(self) -> bool:
         """capricorn: the windows its schedule filled spilled in most of the
         last checked steps (the same answer on every host)."""
@@ -337,6 +358,9 @@ class ScheduledStrategy(InMemoryStrategy):
                 windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
                                         sender.last_spans, self._planned_on, sender.last_sends)
                 self._note_spills(windows)
+            elif self.clock is not None:  # in-graph: the step's marks, once it is done
+                windows = self.in_graph_windows(payloads, state)
+                self._note_spills(windows)
             report = self.ckpt.save_transferred(version, payloads["own"],
                                                 [payloads["received"]], version=pec_version)
             self._last_saved = version
@@ -344,6 +368,7 @@ class ScheduledStrategy(InMemoryStrategy):
             if self.sender is not None:  # threaded: when its chunks went (seconds from start)
                 event["chunk_times_s"] = {k: round(v, 4) for k, v in
                                           self.sender.last_times.items()}
+            if windows is not None:
                 event["windows"] = windows
                 self._check_spills(version)
             events.append(event)
