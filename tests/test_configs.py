@@ -92,7 +92,20 @@ def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
     for d in docs:
         assert {"none", "inmem", "capricorn"} <= set(d["strategies"])
         assert d["command"].startswith("python -m launch.bench")
-    assert headline_table(docs) in (root / "README.md").read_text()
+    readme = (root / "README.md").read_text()
+    assert headline_table(docs, recovery=False) in readme
+    assert "Recovery of the whole state" not in readme  # docs/results.md has it
+
+
+def test_readme_sweep_table_is_generated_from_the_sweep_json_beside_it():
+    from launch.tables import sweep_table
+
+    root = Path(__file__).resolve().parent.parent
+    paths = sorted((root / "results" / "emulated" / "sweep").glob("bench_*.json"))
+    docs = [json.loads(p.read_text()) for p in paths]
+    assert len(docs) >= 5 and all(d["config"]["accelerator"] == "emulated" for d in docs)
+    assert sweep_table(docs) in (root / "README.md").read_text()
+    assert (root / "results" / "emulated" / "sweep.png").stat().st_size > 0
 
 
 def test_shaped_table_has_a_row_per_run_with_each_strategys_ratio_and_spread():
