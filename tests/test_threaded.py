@@ -21,14 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.profiling.boundary import boundary_hooks, layer_boundary
-from capricorn_jax._src.scheduling import threaded
+from capricorn_jax._src.scheduling import chunk_channel
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.threaded import (
-    ChunkChannel,
-    ThreadedSender,
-    WindowMarks,
-)
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, WindowMarks
 
 
 class _DictStore:
@@ -132,9 +129,9 @@ def test_channel_accepts_only_its_jobs_source_host_and_logs_why(caplog):
                                               ).rsplit(":", 1)
     strangers = [socket.create_connection((host, int(port))) for _ in range(3)]
     strangers[0].sendall(b"GET / HTTP/1.0\r\n\r\n")
-    strangers[1].sendall(threaded._HELLO.pack(threaded._MAGIC, 1, 5) + b"job-b")
-    strangers[2].sendall(threaded._HELLO.pack(threaded._MAGIC, 5, 5) + b"job-a")
-    with caplog.at_level("WARNING", logger=threaded.log.name):
+    strangers[1].sendall(chunk_channel._HELLO.pack(chunk_channel._MAGIC, 1, 5) + b"job-b")
+    strangers[2].sendall(chunk_channel._HELLO.pack(chunk_channel._MAGIC, 5, 5) + b"job-a")
+    with caplog.at_level("WARNING", logger=chunk_channel.log.name):
         one = ChunkChannel(1, 0, 0, "job-a", store, 10.0, address="127.0.0.1")
         zero.join(20)
     try:
@@ -154,7 +151,7 @@ def test_channel_accepts_only_its_jobs_source_host_and_logs_why(caplog):
 
 
 def test_the_advertised_address_is_the_one_the_coordinator_is_reached_from():
-    assert threaded.job_address("127.0.0.1:1234") == "127.0.0.1"
+    assert chunk_channel.job_address("127.0.0.1:1234") == "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("192.0.2.1", 9))  # any routed address: this machine's own
@@ -163,7 +160,7 @@ def test_the_advertised_address_is_the_one_the_coordinator_is_reached_from():
             own = "127.0.0.1"
     if own.startswith("127."):
         pytest.skip("no non-loopback address on this machine")
-    assert threaded.job_address(f"{own}:1234") == own  # not a loopback alias
+    assert chunk_channel.job_address(f"{own}:1234") == own  # not a loopback alias
 
 
 def _model(x):
@@ -369,7 +366,7 @@ def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised()
             return [1000, 2000], self.runs.pop(0)
 
     noisy, good = [0.5, 0.1], [0.001, 0.002]
-    link = threaded.measure_channel(Measured(noisy, noisy, good), rows=1)
+    link = chunk_channel.measure_channel(Measured(noisy, noisy, good), rows=1)
     assert link.bytes_per_s == pytest.approx(1e6)
     with pytest.raises(ValueError, match="times do not grow with size"):
-        threaded.measure_channel(Measured(noisy, noisy, noisy, good), rows=1)
+        chunk_channel.measure_channel(Measured(noisy, noisy, noisy, good), rows=1)

@@ -17,17 +17,10 @@ XLA program while the step computes:
   to its capacity; the marks' times give each filled window's real length
   (``last_spans``), which the strategy compares with its plan
   (``transfers.window_spills``);
-* the bytes go over a TCP connection per replication round (this host to its
-  peer), on the address this host reaches the job's coordinator from
-  (``job_address``: behind shaped links, the link the all-to-alls use; never
-  a loopback alias such as 127.0.1.1 unless the coordinator itself is on
-  loopback); a receiver thread writes the peer's frames into the version's
+* the bytes go over the chunk channel (``scheduling.chunk_channel``: a TCP
+  connection per replication round, on the job's address, accepting only its
+  job's peer); a receiver thread writes the peer's frames into the version's
   buffer, and ``wait`` hands the complete buffer to the commit.
-* the listener accepts only its job's peer: the connecting side first sends a
-  hello (a magic, its host index, the job's token); a connection with
-  another token or host index is closed with a logged reason and the
-  listener goes on waiting (an identity check against stray or stale
-  connections, not an authentication).
 
 Why not XLA programs issued from a second thread (a chunk's ppermute program
 while the step runs): measured on this box (jax 0.10.2, gloo), two programs
@@ -54,57 +47,22 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-import socket
-import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from capricorn_jax._src.memory.transport import local_rows
-from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.profiler import ProfileHook
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, fit_link_model
+from capricorn_jax._src.scheduling.partitioner import Schedule
 from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
 
 log = logging.getLogger(__name__)
-
-# version, offset, length (bytes per row), rows
-_HEADER = struct.Struct("<qqqq")
-SEND_BUFFER = 128 << 10
-_KEY = "capricorn/chunk_channel/{job}/{host}"
-# The connecting side's hello: magic, its host index, the token's length; then the token.
-_HELLO = struct.Struct("<4sqi")
-_MAGIC = b"CJX1"
-_MAX_TOKEN = 4096
-
-
-def job_address(coordinator: str | None) -> str:
-    """The address this host advertises to its peers: the one it reaches the
-    job's coordinator (``host:port``) from, so a peer that reaches the
-    coordinator reaches it too (behind shaped links: this host's end of its
-    link). Without a coordinator (one process), the address this host's name
-    resolves to.
-
-    Raises:
-      OSError: the coordinator is on another machine and this host would
-        advertise a loopback address (e.g. 127.0.1.1), which peers cannot reach.
-    """
-    if coordinator is None:
-        return socket.gethostbyname(socket.gethostname())
-    host = coordinator.rsplit(":", 1)[0].strip("[]")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # no packet is sent: this only picks the route
-        address = probe.getsockname()[0]
-    coordinator_local = socket.gethostbyname(host).startswith("127.")
-    if address.startswith("127.") and not coordinator_local:
-        raise OSError(f"this host would advertise the loopback address {address} to reach the "
-                      f"coordinator {coordinator}; its peers cannot connect there")
-    return address
 
 
 class WindowMarks:
@@ -155,188 +113,6 @@ class WindowMarks:
                     return False
                 self._cond.wait(left)
             return True
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        view = view[n:]
-
-
-class ChunkChannel:
-    """TCP connections to this host's replication peer (round 0) and from its source.
-
-    Args:
-      host: this process's index.
-      destination, source: the hosts this one sends to and receives from.
-      job: a name unique to the job (the key-value store's keys, and the
-        token of the hello a peer's connection must start with).
-      client: the jax.distributed key-value client (exchanges the addresses).
-      timeout_s: bound on connecting and on every send and receive.
-      address: the address to listen on and advertise (default:
-        ``job_address`` of the jax.distributed coordinator).
-    """
-
-    def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
-                 timeout_s: float = 120.0, address: str | None = None) -> None:
-        self.host, self.destination, self.source = host, destination, source
-        self.timeout_s = timeout_s
-        self.token = job.encode()
-        if len(self.token) > _MAX_TOKEN:
-            raise ValueError(f"job name of {len(self.token)} bytes; at most {_MAX_TOKEN}")
-        if address is None:
-            from jax._src import distributed
-
-            address = job_address(distributed.global_state.coordinator_address)
-        listener = socket.create_server((address, 0))
-        client.key_value_set(_KEY.format(job=job, host=host),
-                             f"{address}:{listener.getsockname()[1]}")
-        peer = client.blocking_key_value_get(_KEY.format(job=job, host=destination),
-                                             int(timeout_s * 1000))
-        peer_address, port = peer.rsplit(":", 1)
-        result: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        acceptor = threading.Thread(target=self._accept, args=(listener, deadline, result),
-                                    daemon=True)
-        acceptor.start()
-        try:
-            self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
-            self.out.sendall(_HELLO.pack(_MAGIC, host, len(self.token)) + self.token)
-        except OSError:
-            listener.close()
-            raise
-        acceptor.join(timeout_s + 1.0)
-        listener.close()
-        if "in" not in result:
-            self.out.close()
-            raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
-                               f"within {timeout_s:g}s ({result.get('error', 'no connection')})")
-        self.inc: socket.socket = result["in"]
-        for s in (self.out, self.inc):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(timeout_s)
-        # A small send buffer: ``send`` returns when a window's bytes are
-        # nearly on the link, not parked in the kernel to leave during the
-        # next all-to-all (pacing to the window).
-        self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-
-    def _accept(self, listener: socket.socket, deadline: float, result: dict[str, Any]) -> None:
-        """Accepts connections until one from this job's source host, with this
-        job's token, says hello; any other is closed with a logged reason."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                result.setdefault("error", "no connection")
-                return
-            try:
-                listener.settimeout(left)
-                conn, peer = listener.accept()
-            except OSError as e:  # timed out, or the listener closed (the connect failed)
-                result["error"] = e
-                return
-            why = self._refusal(conn, min(left, self.timeout_s))
-            if why is None:
-                result["in"] = conn
-                return
-            log.warning("host %d: chunk channel refused a connection from %s: %s", self.host,
-                        peer, why)
-            result["error"] = why
-            conn.close()
-
-    def _refusal(self, conn: socket.socket, timeout_s: float) -> str | None:
-        """Why ``conn`` is not this job's source host (None: it is)."""
-        conn.settimeout(timeout_s)
-        try:
-            hello = bytearray(_HELLO.size)
-            _recv_exact(conn, memoryview(hello))
-            magic, host, size = _HELLO.unpack(hello)
-            if magic != _MAGIC or not 0 <= size <= _MAX_TOKEN:
-                return f"not a chunk channel hello ({bytes(hello[:4])!r})"
-            token = bytearray(size)
-            _recv_exact(conn, memoryview(token))
-        except (OSError, ConnectionError) as e:
-            return f"no hello ({type(e).__name__}: {e})"
-        if bytes(token) != self.token:
-            return f"another job's token ({bytes(token)[:64]!r})"
-        if host != self.source:
-            return f"host {host}, not this host's source host {self.source}"
-        return None
-
-    def send(self, version: int, offset: int, rows: np.ndarray | Sequence[np.ndarray]) -> None:
-        """Sends ``rows`` (one uint8 row of n bytes per local device: a
-        [devices, n] array or views of each device's buffer) as bytes
-        [offset, offset + n) of ``version``; each row goes from its own memory,
-        without a copy when it is contiguous."""
-        lengths = {len(r) for r in rows}
-        if len(lengths) != 1:
-            raise ValueError(f"rows of different lengths {sorted(lengths)}")
-        self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows)))
-        for row in rows:
-            self.out.sendall(np.ascontiguousarray(row).data.cast("B"))
-
-    def receive_into(self, buffers: Callable[[int], np.ndarray | None]
-                     ) -> tuple[int, int, int]:
-        """Receives one frame into ``buffers(version)``; (version, offset, length).
-        When ``buffers`` gives None the frame is read and discarded."""
-        header = bytearray(_HEADER.size)
-        _recv_exact(self.inc, memoryview(header))
-        version, offset, length, rows = _HEADER.unpack(header)
-        target = buffers(version)
-        if target is None:
-            scratch = memoryview(bytearray(min(max(length, 1), 1 << 20)))
-            left = rows * length
-            while left:
-                n = min(left, len(scratch))
-                _recv_exact(self.inc, scratch[:n])
-                left -= n
-            return version, offset, length
-        if rows != target.shape[0] or offset + length > target.shape[1]:
-            raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
-                             f"{offset} from host {self.source} does not fit version "
-                             f"{version}'s {target.shape}")
-        for r in range(rows):
-            _recv_exact(self.inc, target[r, offset:offset + length].data)
-        return version, offset, length
-
-    def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,
-                rows: int = 1) -> tuple[list[int], list[float]]:
-        """Fastest time per size of every host sending ``rows`` x size bytes to
-        its peer at once (the replication's pattern), receiving its source's;
-        every host calls it at the same point."""
-        times = []
-        for size in sizes:
-            data = np.zeros((rows, size), np.uint8)
-            sink = np.empty((rows, size), np.uint8)
-            best = float("inf")
-            for i in range(repeats):
-                errors: list[BaseException] = []
-
-                def receive(sink: np.ndarray = sink, errors: list = errors) -> None:
-                    try:
-                        self.receive_into(lambda _: sink)
-                    except BaseException as e:  # noqa: BLE001
-                        errors.append(e)
-
-                t0 = time.perf_counter()
-                receiver = threading.Thread(target=receive, daemon=True)
-                receiver.start()
-                self.send(-1 - i, 0, data)
-                receiver.join(self.timeout_s)
-                if errors or receiver.is_alive():
-                    raise ConnectionError(f"host {self.host}: measuring the chunk channel "
-                                          f"failed") from (errors[0] if errors else None)
-                best = min(best, time.perf_counter() - t0)
-            times.append(best)
-        return list(sizes), times
-
-    def close(self) -> None:
-        for s in (self.out, self.inc):
-            try:
-                s.close()
-            except OSError:
-                pass
 
 
 class _Version:
@@ -551,29 +327,6 @@ class ThreadedSender:
         self._jobs.put(None)
         self.channel.close()
         self._sender.join(5.0)
-
-
-MEASURE_ATTEMPTS = 3
-"""Measurements of the channel before its fit's error is raised: on a busy
-host the smallest size's fastest time can exceed the largest's (measured on
-this box beside a CPU-bound process: a fit with a negative slope)."""
-
-
-def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
-    """alpha + bytes/B of the chunk channel, host 0's fit on every host; a fit
-    that fails (times that do not grow with size) is measured again, up to
-    ``MEASURE_ATTEMPTS`` times (every host decides alike: host 0's times)."""
-    for attempt in range(MEASURE_ATTEMPTS):
-        sizes, times = channel.measure(rows=rows)
-        # Per-row bytes (the schedule's unit): every local row of a range goes at once.
-        agreed = agree_measured(times, what="the chunk channel's measured times")
-        try:
-            return fit_link_model(sizes, agreed)
-        except ValueError as e:
-            if attempt == MEASURE_ATTEMPTS - 1:
-                raise
-            log.info("host %d: chunk channel measured again (%s)", channel.host, e)
-    raise AssertionError("unreachable")
 
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:

@@ -54,9 +54,10 @@ from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.pec_tier import PecVersion
 from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import pack_payload
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
-from capricorn_jax._src.scheduling.threaded import ChunkChannel, ThreadedSender, pack_program
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 

@@ -63,12 +63,9 @@ from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
+from capricorn_jax._src.scheduling.chunk_channel import measure_channel
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
-from capricorn_jax._src.scheduling.threaded import (
-    ThreadedSender,
-    measure_channel,
-    pack_program,
-)
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
 from capricorn_jax._src.scheduling.transfers import (
     ScheduledTransfers,
     average_windows,
