@@ -53,7 +53,6 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +74,12 @@ from capricorn_jax._src.persistent.memory_read import (
     check_tree,
     read_own_blocks,
     read_pec_blocks,
+)
+from capricorn_jax._src.persistent.outcomes import (
+    PeerFailed,
+    PeerOutcomes,
+    poll_until,
+    wait_watching,
 )
 
 log = logging.getLogger("capricorn_jax")
@@ -249,12 +254,24 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             raise RuntimeError(f"the persistent PEC record is for step {pec_step['step']}, "
                                f"the in-memory version for step {memory.step}")
         self._saves += 1
-        future = _PersistFuture(self, epath.Path(directory), memory, pec_step, self._saves)
+        future = _PersistFuture(self, epath.Path(directory), memory, pec_step,
+                                self._peer_outcomes(memory.step))
         with self._lock:
             self._reader = (memory.step, future.read)
             self._writer = future
         future.start()
         return future
+
+    def _peer_outcomes(self, step: int) -> PeerOutcomes | None:
+        """The outcomes of this save on every host; None with one host."""
+        ckpt = self.checkpointer
+        if ckpt is None or ckpt.hosts == 1 or jax.process_count() == 1:
+            return None
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        assert client is not None, "jax.distributed is initialized when several processes run"
+        return PeerOutcomes(client, self._saves, step, ckpt.host, ckpt.hosts)
 
     def abort(self) -> None:
         """Stops the persistent write in flight (its Orbax save failed elsewhere)."""
@@ -281,22 +298,19 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             future.read.set()
         self._hook(step, "read")
         # Orbax creates the step's directories in the background (primary host);
-        # the write starts once this item's directory exists.
-        deadline = time.monotonic() + self.read_timeout_s
-        while not directory.exists():
-            if future.cancelled.is_set():
-                raise _Aborted(f"persistent save of step {step} aborted")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{directory} not created after {self.read_timeout_s:.0f}s")
-            time.sleep(0.01)
+        # the write starts once this item's directory exists. Every wait from
+        # here on stops at once when another host's write failed (outcomes).
+        peers = future.peers
+        poll_until(directory.exists, self.read_timeout_s, f"{directory} not created", peers,
+                   future.cancelled.is_set,
+                   lambda: _Aborted(f"persistent save of step {step} aborted"))
         kind = host_memory_kind(self.host_memory_kind, ckpt.mesh.devices.flat[0])
         tree = global_arrays(blocks, ckpt.abstract_state, ckpt.state_shardings, ckpt.mesh, kind,
                              shapes)
         del blocks
         futures = asyncio.run(self._inner.async_save(directory,
                                                      args=ocp.args.StandardSave(tree)))
-        for f in futures or []:
-            f.result(timeout=self.read_timeout_s)
+        wait_watching(futures or [], self.read_timeout_s, peers)
         del tree, futures
         (directory / HOST_STATE_FILE.format(host=ckpt.host)).write_text(json.dumps(host_state))
         self._hook(step, "written")
@@ -311,31 +325,17 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         barrier and the step is dropped everywhere at once. Keys of their own
         (not ``multihost.agree``'s numbered agreements, which the training
         thread runs meanwhile)."""
-        ckpt = self.checkpointer
-        if ckpt is None or ckpt.hosts == 1 or jax.process_count() == 1:
+        if future.peers is None:  # one host
             if mine:
                 assert future.error is not None, "an outcome is set only with its error"
                 raise future.error
             return
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        assert client is not None, "jax.distributed is initialized when several processes run"
-        key = f"capricorn/persist/{future.seq}/{future.memory.step}/{{host}}"
-        client.key_value_set(key.format(host=ckpt.host), mine or "ok")
-        deadline = time.monotonic() + self.write_timeout_s
-        failed = []
-        for host in range(ckpt.hosts):
-            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            try:
-                outcome = client.blocking_key_value_get(key.format(host=host), left_ms)
-            except Exception:  # noqa: BLE001 - the store's deadline error
-                outcome = f"no outcome within {self.write_timeout_s:g}s"
-            if outcome != "ok":
-                failed.append(f"host {host}: {outcome}")
+        future.peers.publish(mine)
+        failed = future.peers.gather(self.write_timeout_s)
         if failed:
-            raise RuntimeError(f"host {ckpt.host}: persistent step {future.memory.step} dropped "
-                               f"on every host: " + "; ".join(failed)) from future.error
+            raise RuntimeError(f"host {future.peers.host}: persistent step "
+                               f"{future.memory.step} dropped on every host: "
+                               + "; ".join(failed)) from future.error
 
     def _hook(self, step: int, phase: str) -> None:
         if self.on_persist is not None:
@@ -448,9 +448,9 @@ class _PersistFuture:
     """
 
     def __init__(self, handler: CapricornHandler, directory: epath.Path, memory: _MemorySave,
-                 pec: dict[str, Any] | None = None, seq: int = 0):
+                 pec: dict[str, Any] | None = None, peers: PeerOutcomes | None = None):
         self.handler, self.directory, self.memory = handler, directory, memory
-        self.seq = seq  # the handler's count of persistent saves (the outcome's key)
+        self.peers = peers  # every host's outcome of this save (None: one host)
         self.error: BaseException | None = None  # this host's own failure
         self.pec = pec  # the PEC record of the step (experts carried, ...), None: full
         self.read = threading.Event()  # the version's bytes are in RAM (or the read failed)
@@ -469,6 +469,10 @@ class _PersistFuture:
         except _Aborted as e:
             log.info("%s", e)
             self.error, mine = e, f"aborted: {e}"
+        except PeerFailed as e:  # another host's failure, reported by that host
+            log.info("host %d: persistent save of step %d %s", jax.process_index(),
+                     self.memory.step, e)
+            self.error, mine = e, str(e)
         except BaseException as e:  # noqa: BLE001 - raised by result()
             log.error("persistent save of step %d failed on host %d: %s: %s", self.memory.step,
                       jax.process_index(), type(e).__name__, e)
