@@ -108,6 +108,16 @@ def test_readme_sweep_table_is_generated_from_the_sweep_json_beside_it():
     assert (root / "results" / "emulated" / "sweep.png").stat().st_size > 0
 
 
+def test_readme_projection_is_generated_from_the_planner_json_beside_it():
+    from launch.tables import projection_table
+
+    root = Path(__file__).resolve().parent.parent
+    doc = json.loads((root / "results" / "planner" / "projection.json").read_text())
+    readme = (root / "README.md").read_text()
+    assert projection_table(doc) in readme and "(simulated)" in readme
+    assert (root / "results" / "planner" / "projection.png").stat().st_size > 0
+
+
 def test_shaped_table_has_a_row_per_run_with_each_strategys_ratio_and_spread():
     from launch.tables import shaped_table
 
