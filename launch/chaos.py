@@ -208,11 +208,15 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
 
 def _writer_lags(trial: Trial, fault: Fault) -> bool:
     """Whether a mid-replication fault strikes a host whose replica writer was
-    stalled at or before the fault's step: it writes that version halfway only
-    when the stall ends, while training goes on, so the kill (and the newest
-    version every owner committed) may be any number of steps later."""
+    stalled at or before the version it pauses in: it writes that version
+    halfway only when the stall ends, while training goes on, so the kill (and
+    the newest version every owner committed) may be any number of steps later.
+
+    Both count versions: the fault at step s pauses in version s + 1 (the
+    version its step saves), and the stall is at a version (seed 32, trial 15:
+    the stall at version 9 held the pause in version 9 until step 12)."""
     return (fault.point == "mid_replication" and trial.stall is not None
-            and trial.stall[0] in fault.hosts and trial.stall[1] <= fault.step)
+            and trial.stall[0] in fault.hosts and trial.stall[1] <= fault.step + 1)
 
 
 def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], steps: int,

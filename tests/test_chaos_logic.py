@@ -149,6 +149,16 @@ def test_a_mid_replication_fault_behind_a_stalled_writer_may_strike_late():
                {"event": "recovery", "step": 8, "tier": "local", "seconds": 0.25}]
     stalled = Trial(0, 0, TOPOLOGIES[0], "inmem", 0, (fault,), (0, 4))
     assert check_trial(stalled, records, REF, 8, strikes=1)[0] == []
+    # The fault at step 4 pauses in version 5: a stall at version 5 comes
+    # first too (seed 32, trial 15); one at version 6 comes after the pause.
+    at_its_version = Trial(0, 0, TOPOLOGIES[0], "inmem", 0, (fault,), (0, 5))
+    assert check_trial(at_its_version, records, REF, 8, strikes=1)[0] == []
+    after = Trial(0, 0, TOPOLOGIES[0], "inmem", 0, (fault,), (0, 6))
+    assert check_trial(after, records, REF, 8, strikes=1)[0] == [
+        "recovery to 8, after the fault at step 4 (mid_replication)"]
+    other_host = Trial(0, 0, TOPOLOGIES[0], "inmem", 0, (fault,), (1, 4))
+    assert check_trial(other_host, records, REF, 8, strikes=1)[0] == [
+        "recovery to 8, after the fault at step 4 (mid_replication)"]
     assert check_trial(_trial(fault), records, REF, 8, strikes=1)[0] == [
         "recovery to 8, after the fault at step 4 (mid_replication)"]
 
