@@ -231,7 +231,8 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                   "steady": allgather_floats(runner.steady_cpu.get(name, zeros), job.hosts)}
            for name in strategies}
     schedules = {name: {**summary, "profiled_steps": drivers[name].profiled_steps,
-                        "cache_replan_steps": drivers[name].cache_replans}
+                        "cache_replan_steps": drivers[name].cache_replans,
+                        "model_replan_steps": drivers[name].model_replans}
                  for name, strategy in strategies.items()
                  if (summary := strategy.schedule_summary()) is not None}
     recovery = {name: recovery_times(ckpts[name], job, config.replicas)

@@ -159,11 +159,18 @@ def test_bench_scheduled_strategies(tmp_path):
     # Gemini partitions once, from its first profiled steps, and never again.
     assert result["gemini"]["schedule"]["partitions"] == 1
     assert len(result["gemini"]["schedule"]["repartition_steps"]) == 1
-    for name in ("gemini", "capricorn"):  # a re-partition follows a profiled step,
-        schedule = result[name]["schedule"]  # or a cache hit on another capacity tuple
-        assert set(schedule["repartition_steps"]) <= (set(schedule["profiled_steps"])
-                                                      | set(schedule["cache_replan_steps"]))
+    for name in ("gemini", "capricorn"):  # a re-partition follows a profiled step, a
+        schedule = result[name]["schedule"]  # cache hit on another capacity tuple, or
+        assert set(schedule["repartition_steps"]) <= (  # capricorn's cost model at a load
+            set(schedule["profiled_steps"]) | set(schedule["cache_replan_steps"])
+            | set(schedule["model_replan_steps"]))
+        # Each one says what it was planned on: the model's exactly at its steps.
+        pairs = list(zip(schedule["repartition_steps"], schedule["repartition_sources"],
+                         strict=True))
+        assert {s for s, src in pairs if src == "cost_model"} == set(
+            schedule["model_replan_steps"])
     assert not result["gemini"]["schedule"]["cache_replan_steps"]
+    assert not result["gemini"]["schedule"]["model_replan_steps"]
 
 
 @pytest.mark.soak

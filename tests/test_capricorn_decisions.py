@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
+from capricorn_jax._src.scheduling.load_windows import windows_at_load
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Window,
@@ -143,6 +144,7 @@ def _strategy(kind: str, first_n: int = 3) -> ScheduledStrategy:
     s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
     s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
     s._wants_profile, s.repartitions, s.spill_requests = False, [], []
+    s.repartition_sources = []
     return s
 
 
@@ -179,6 +181,100 @@ def test_the_gate_is_capricorns_only():
     assert not capricorn.allow_profile(detector, _load(10))
     assert capricorn.allow_profile(detector, _load(4))
     assert gemini.allow_profile(detector, _load(10))  # gemini: the driver decides alone
+
+
+# ------------------------------------------- the re-partition from the cost model
+
+
+def _two_layer_detector() -> DynamicityDetector:
+    """Layer 0 fwd: 0.5 + 0.05 * peak s; layer 1 fwd: 2.0 s at any peak; both
+    fitted on peaks 10 and 20."""
+    detector = DynamicityDetector()
+    for step, peak in enumerate((10, 20)):
+        detector.record_profile(step, _load(peak, peak),
+                                {(0, "fwd"): 0.5 + 0.05 * peak, (1, "fwd"): 2.0})
+    return detector
+
+
+def test_windows_at_load_predict_each_moe_window_less_its_all_to_all():
+    profile = _profile(1, 1.0, 1.0)  # each segment has 0.2 s of all-to-all
+    got = windows_at_load(profile, _two_layer_detector(), _load(16, 12), MOE)
+    assert [(w.name, w.direction) for w in got] == [("block0", "fwd"), ("block1", "fwd")]
+    assert [w.duration_s for w in got] == pytest.approx([1.3 - 0.2, 2.0 - 0.2])
+    # A window the model predicts under its all-to-all is empty, not negative.
+    tiny = _profile(1, 1.0, 1.0, a2a=2.5)
+    assert [w.duration_s for w in windows_at_load(tiny, _two_layer_detector(),
+                                                  _load(16, 12), MOE)] == [0.0, 0.0]
+
+
+def test_windows_at_load_answer_only_inside_the_loads_the_models_saw():
+    """Peaks 10 and 20 seen, 10% margin: 9 to 22 is answered, outside is not
+    (the caller profiles there); a layer without a model, or with one load
+    seen, answers nothing."""
+    profile, detector = _profile(1, 1.0, 1.0), _two_layer_detector()
+    answered = {peak: windows_at_load(profile, detector, _load(peak, 15), MOE) is not None
+                for peak in (8, 9, 15, 22, 23)}
+    assert answered == {8: False, 9: True, 15: True, 22: True, 23: False}
+    assert windows_at_load(profile, detector, _load(15, 30), MOE) is None  # layer 1's load
+    assert windows_at_load(profile, detector, _load(23, 15), MOE, margin=0.2) is not None
+    one_load = DynamicityDetector()
+    for step in range(3):
+        one_load.record_profile(step, _load(10, 10), {(0, "fwd"): 1.0, (1, "fwd"): 2.0})
+    assert windows_at_load(profile, one_load, _load(10, 10), MOE) is None
+    assert windows_at_load(profile, _detector((10, 1.0), (20, 1.5)), _load(15), MOE) is None
+    # A segment that is no MoE layer keeps its profiled window.
+    dense = LayerProfile(1, 3.0, (*profile.segments, Segment("embed", "bwd", 2.0, 1.0)))
+    assert windows_at_load(dense, detector, _load(15, 15), MOE)[-1] == Window("embed", "bwd", 1.0)
+
+
+def test_capricorn_replans_on_its_cost_model_where_it_covers_the_load():
+    s = _strategy("capricorn")
+    detector = _two_layer_detector()
+    assert s.replan_at_load(2, detector, _load(16, 12)) is None  # nothing planned on yet
+    s.on_profile(3, _profile(3, 1.0, 1.0), cold=False)
+    s._spills = collections.deque([True, True], maxlen=4)
+    event = s.replan_at_load(5, detector, _load(16, 12))
+    assert event["source"] == "cost_model" and event["windows_s"] == [1.1, 1.8]
+    assert [w.duration_s for w in s.transfers.plans[-1]] == pytest.approx([1.1, 1.8])
+    assert s.repartitions == [3, 5] and s.repartition_sources == ["profile", "cost_model"]
+    assert not s._spills  # the new schedule's spills count afresh
+    assert s._planned_on.step == 3  # the profiled base stays
+    assert s.replan_at_load(6, detector, _load(40, 12)) is None  # outside: profile
+    assert s.repartitions == [3, 5]
+    gemini = _strategy("gemini", first_n=1)
+    gemini.on_profile(3, _profile(3, 1.0, 1.0), cold=False)
+    assert gemini.replan_at_load(5, detector, _load(16, 12)) is None  # Gemini stays Gemini
+
+
+def test_the_driver_replans_from_the_model_instead_of_profiling():
+    """A profile is due (the drift trigger, the gate agrees): a strategy that
+    re-plans from its cost model takes the place of the profiled step."""
+    from capricorn_jax import ProfilingDriver, ProfilingOptions
+    from capricorn_jax._src.strategies.base import Strategy
+
+    class Modelling(Strategy):
+        name, plans_on_profiles = "modelling", True
+
+        def __init__(self, answer):
+            self.answer, self.asked = answer, []
+
+        def replan_at_load(self, step, detector, tokens_per_expert):
+            self.asked.append(step)
+            return self.answer
+
+    tpe = np.full((1, 4), 8.0)
+    for answer, profiled in (({"source": "cost_model"}, False), (None, True)):
+        strategy = Modelling(answer)
+        driver = ProfilingDriver(object(), strategy, ProfilingOptions("speculative",
+                                                                      trigger="drift"))
+        event = driver._detect(3, (1.0,), {}, tpe, None, False)  # no reference: drifted
+        assert strategy.asked == [3]
+        assert event["profile_next"] is profiled and event["modelled"] is not profiled
+        assert driver._modelled == answer
+    # Not asked when no profile is due (the load has not moved since a profile).
+    driver.detector.record_profile(3, tpe, {})
+    event = driver._detect(4, (1.0,), {}, tpe, None, False)
+    assert strategy.asked == [3] and not event["modelled"]
 
 
 # ------------------------------------------------- the spill note and its agreement

@@ -120,6 +120,32 @@ def test_cost_model_with_fewer_than_two_distinct_points():
     assert model.predict(1000) == pytest.approx(0.6)
 
 
+def test_cost_model_covers_only_loads_between_those_seen_once_its_slope_is_known():
+    model = CostModel()
+    assert not model.covers(10)
+    model.update(10, 1.0)
+    model.update(10, 1.2)
+    assert not model.covers(10)  # one load seen: no slope
+    model.update(20, 1.5)
+    assert (model.x_min, model.x_max) == (10, 20)
+    assert [model.covers(x) for x in (9.9, 10, 15, 20, 20.1)] == [False, True, True, True, False]
+    assert model.covers(9, margin=0.1) and model.covers(22, margin=0.1)
+    assert not model.covers(22.1, margin=0.1)
+    with pytest.raises(ValueError, match="margin"):
+        model.covers(10, margin=-0.1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=10), st.integers(0, 12_000),
+       st.sampled_from([0.0, 0.1, 0.5]))
+def test_cost_model_covers_exactly_the_widened_range_of_distinct_loads(xs, x, margin):
+    model = CostModel()
+    for v in xs:
+        model.update(v, 0.001 * v)
+    expect = len(set(xs)) > 1 and min(xs) * (1 - margin) <= x <= max(xs) * (1 + margin)
+    assert model.covers(x, margin) is expect
+
+
 def test_detector_predicts_from_this_hosts_max_load():
     det = DynamicityDetector(DetectorOptions(host_experts=(4, 5, 6, 7)))
     for peak in (100, 300):

@@ -211,7 +211,7 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
         sender.close()
     assert (received == own_np).all()
     # The closing boundaries are marked too, and each filled window's span runs
-    # from its opening mark (the step's issue for the first) to its closing
+    # from its opening mark (the packed payload for the first) to its closing
     # one; the tail window closes after the step (no mark): not timed.
     assert set(opened) == {("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd"), ("b0", "bwd")}
     order = [opened[s] for s in (("b0", "fwd"), ("b1", "fwd"), ("b1", "bwd"), ("b0", "bwd"))]
@@ -222,7 +222,10 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     for i, (a, b) in enumerate(zip(starts, ends, strict=True)):
         begun = sender.last_spans[i] if a is None else opened[b] - opened[a]
         assert sender.last_spans[i] == begun >= 0.0
-    assert 0.0 <= sender.last_spans[0] <= order[0] - t_issue
+    # Window 0 opens when the payload was packed (the pack's time is no idle
+    # link time of the step), after the step's issue.
+    packed = sender.last_times["packed_s"]
+    assert packed > 0.0 and 0.0 <= sender.last_spans[0] <= order[0] - t_issue - packed
     # When each window's last frame left, from its opening (the tail window
     # too: its opening is marked); none before its window opened.
     assert set(sender.last_sends) == {0, 1, 2, 3, 4}

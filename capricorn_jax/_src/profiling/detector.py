@@ -140,10 +140,12 @@ class CostModel:
         self.count = 0
         self._mean_x = self._mean_y = 0.0
         self._sxx = self._sxy = 0.0
+        self.x_min, self.x_max = math.inf, -math.inf  # the loads seen
 
     def update(self, x: float, duration_s: float) -> None:
         """Adds one observation: max tokens on an expert, measured seconds."""
         self.count += 1
+        self.x_min, self.x_max = min(self.x_min, float(x)), max(self.x_max, float(x))
         dx = float(x) - self._mean_x
         self._mean_x += dx / self.count
         self._mean_y += (float(duration_s) - self._mean_y) / self.count
@@ -164,6 +166,15 @@ class CostModel:
         """Predicted seconds at max load ``x`` (None before any observation)."""
         coef = self.coefficients
         return None if coef is None else coef[0] + coef[1] * float(x)
+
+    def covers(self, x: float, margin: float = 0.0) -> bool:
+        """Whether the model interpolates at load ``x``: its slope is known
+        (two distinct loads seen) and ``x`` lies within the loads seen,
+        widened by ``margin`` (a fraction) on each side."""
+        if not margin >= 0.0:
+            raise ValueError(f"margin must be >= 0, got {margin!r}")
+        return (self._sxx > 0.0
+                and self.x_min * (1.0 - margin) <= float(x) <= self.x_max * (1.0 + margin))
 
 
 LayerKey = tuple[int, Hashable]

@@ -125,6 +125,18 @@ class Strategy(Protocol):
         load (the same answer on every host). Default: always."""
         return True
 
+    def replan_at_load(self, step: int, detector: DynamicityDetector,
+                       tokens_per_expert: np.ndarray) -> dict[str, Any] | None:
+        """Called after step ``step`` instead of profiling the next step, when
+        the detector asked for a profile and ``allow_profile`` agreed: the
+        strategy may re-plan from its own model of the step at this load.
+
+        Returns:
+          The fields of a ``repartition`` event when it re-planned (then no
+          profile is taken), else None (the default: the profile is taken).
+        """
+        return None
+
     def profile_requested(self) -> bool:
         """Whether the strategy asks for the next step to be profiled, whatever
         the trigger says (the same answer on every host). Default: never."""

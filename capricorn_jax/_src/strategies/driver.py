@@ -58,6 +58,8 @@ class ProfilingDriver:
       profiled_steps: every profiled step, cold ones too.
       cache_replans: the steps after which the strategy re-planned from a
         cached profile (a cache hit on another capacity tuple).
+      model_replans: the steps after which the strategy re-planned from its
+        cost model instead of profiling the next step (``replan_at_load``).
       detector: the dynamicity detector (speculative only, else None).
     """
 
@@ -83,6 +85,10 @@ class ProfilingDriver:
         self._planned_key: tuple[float, ...] | None = None
         self._next_key: tuple[float, ...] | None = None
         self.cache_replans: list[int] = []  # steps after which a cache hit re-planned
+        # Steps after which the strategy re-planned from its cost model
+        # (``Strategy.replan_at_load``) instead of profiling the next step.
+        self.model_replans: list[int] = []
+        self._modelled: dict[str, Any] | None = None
         self.iterations = (FirstNProfiler(options.first_n)
                            if options.policy is ProfilePolicy.FIRST_N else None)
         self.decision: Decision | None = None  # the detector's, about the previous step
@@ -150,7 +156,9 @@ class ProfilingDriver:
             tpe = np.asarray(metrics["tokens_per_expert"])
             events.append(self._detect(step, factors, metrics, tpe, profile, compiled))
             self._reprofile = profile is not None and compiled
-            replanned = self._replan_from_cache(step, events[-1])
+            replanned = self._replan_from_cache(step, events[-1]) or self._modelled
+            if self._modelled is not None:
+                self.model_replans.append(step)
         for plan in (repartition, replanned):
             if plan is not None:
                 events.append({"event": "repartition", "step": step,
@@ -202,6 +210,12 @@ class ProfilingDriver:
         gated = decision.profile_next and not self.strategy.allow_profile(self.detector, tpe)
         if gated:
             decision = dataclasses.replace(decision, profile_next=False)
+        # A profile is due, unless the strategy re-plans from its cost model.
+        self._modelled = None
+        if decision.profile_next:
+            self._modelled = self.strategy.replan_at_load(step, self.detector, tpe)
+            if self._modelled is not None:
+                decision = dataclasses.replace(decision, profile_next=False)
         # The strategy's own request (capricorn: its windows spilled in the
         # steps it measured), past the trigger and the cache.
         requested = not decision.profile_next and self.strategy.profile_requested()
@@ -212,7 +226,7 @@ class ProfilingDriver:
             "event": "detector", "step": step,
             "scores": [None if s == float("inf") else round(s, 5) for s in decision.scores],
             "profile_next": decision.profile_next, "repartition": decision.repartition,
-            "gated": gated, "requested": requested,
+            "gated": gated, "requested": requested, "modelled": self._modelled is not None,
             # Profile cache (None without it): a profile was asked for and the
             # next step's capacity tuple has enough young cached profiles;
             # cache_steps: the steps those profiles were measured at (their

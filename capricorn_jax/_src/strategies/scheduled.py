@@ -64,6 +64,7 @@ from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
+from capricorn_jax._src.scheduling.load_windows import windows_at_load
 from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
 from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
 from capricorn_jax._src.scheduling.transfers import (
@@ -171,6 +172,9 @@ class ScheduledStrategy(InMemoryStrategy):
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
         self.repartitions: list[int] = []
+        # What each re-partition was planned on: "profile" (a measured one,
+        # newly taken or cached) or "cost_model" (``replan_at_load``).
+        self.repartition_sources: list[str] = []
         # capricorn: whether a window spilled in each of this host's
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
@@ -269,12 +273,36 @@ class ScheduledStrategy(InMemoryStrategy):
             windows = shortest_windows(list(self._recent), windows_from_profile)
             self._wants_profile = False  # a warm profile answers a spill's request
             self._spills.clear()
-        self.transfers.repartition(windows)
         self._planned_on = profile
+        return self._repartition(step, windows, "profile")
+
+    def _repartition(self, step: int, windows: list, source: str) -> dict[str, Any]:
+        """Re-partitions the payload into ``windows`` (planned on ``source``);
+        the fields of its ``repartition`` event."""
+        self.transfers.repartition(windows)
         self.repartitions.append(step)
+        self.repartition_sources.append(source)
         return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
-                "link_bytes_per_s": self.link.bytes_per_s,
+                "link_bytes_per_s": self.link.bytes_per_s, "source": source,
                 "windows_s": [round(w.duration_s, 6) for w in windows]}
+
+    def replan_at_load(self, step: int, detector: DynamicityDetector,
+                       tokens_per_expert: np.ndarray) -> dict[str, Any] | None:
+        """capricorn: when the load shifted enough to put its schedule at risk,
+        re-partitions on the windows its cost models predict at this load
+        (``scheduling.load_windows``), with no profiled step, where every
+        filled MoE window's model covers the load; None (profile instead)
+        elsewhere, and always for gemini. The same answer on every host: the
+        models are fitted on host 0's agreed profiles and the load is
+        replicated."""
+        if self.kind != "capricorn" or self._planned_on is None:
+            return None
+        windows = windows_at_load(self._planned_on, detector, tokens_per_expert,
+                                  self.train.moe_layers)
+        if windows is None:
+            return None
+        self._spills.clear()  # a new schedule in force: its spills count afresh
+        return self._repartition(step, windows, "cost_model")
 
     def _note_spills(self, windows: list[dict[str, Any]]) -> None:
         """Counts this host's recent spilled versions into the status note of
@@ -392,4 +420,5 @@ class ScheduledStrategy(InMemoryStrategy):
 
     def schedule_summary(self) -> dict[str, Any] | None:
         return {**self.transfers.summary(), "repartition_steps": self.repartitions,
+                "repartition_sources": self.repartition_sources,
                 "spill_request_versions": self.spill_requests}
