@@ -183,12 +183,11 @@ class ScheduledStrategy(InMemoryStrategy):
         self._wants_profile = False
         self.spill_requests: list[int] = []  # versions after which it asked for a profile
 
-    def _hooks(self, hooks: tuple, transport: Transport | None = None) -> tuple:
+    def _hooks(self, hooks: tuple) -> tuple:
         """The boundary hooks of a step that moves chunks on the threaded path:
-        ``hooks`` and the marks of the windows the schedule fills."""
+        ``hooks`` and the sender's marks (the same for every schedule)."""
         assert self.sender is not None
-        schedule = self.transfers.schedule_for(transport or self.ckpt.transport)
-        return (*hooks, self.sender.hook(schedule))
+        return (*hooks, self.sender.hook())
 
     def _pack(self, transport: Transport) -> Any:
         """The pack program of ``transport``'s payload (kept with the transport,
@@ -210,7 +209,7 @@ class ScheduledStrategy(InMemoryStrategy):
             if self.ckpt.pec is not None and self._pec_transport is None:
                 return False
             if self.sender is not None:
-                return (train.has_step(factors, self._hooks(hooks, self._pec_transport))
+                return (train.has_step(factors, self._hooks(hooks))
                         and id(self._pec_transport or self.ckpt.transport) in self._packs)
             return self.transfers.has_step(factors, hooks, self._pec_transport)
         return train.has_step(factors, hooks)
@@ -240,7 +239,7 @@ class ScheduledStrategy(InMemoryStrategy):
                 own = self._pack(transport)(state, trailer, *gather)
             with self.ckpt.clock.phase("send_handoff"):
                 self.sender.start(step, own, self.transfers.schedule_for(transport))
-            state, metrics = train.step_fn(factors, self._hooks(hooks, transport))(state, batch)
+            state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
             self._moved = (step, {"own": own, "received": None, "transport": transport},
                            version)
             return state, metrics
