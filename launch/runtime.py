@@ -81,7 +81,8 @@ def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int
 
 
 def exit_now_on_failure(fn, *args) -> None:
-    """Runs fn; on any exception logs it and exits at once with code 1.
+    """Runs fn; on any exception logs it and exits at once with code 1; when
+    it returns, ends the process with ``exit_in_order``.
 
     A normal exit would wait in jax.distributed's shutdown barrier for hosts
     that are still running, and never return.
@@ -95,3 +96,53 @@ def exit_now_on_failure(fn, *args) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+    exit_in_order()
+
+
+EXIT_KEY = "launch/exit/{host}"
+EXIT_GRACE_S = 0.5
+"""How long host 0 keeps the job's key-value store up after the last other
+host said it is leaving (each leaves right after saying so)."""
+
+
+def exit_in_order(timeout_s: float = 60.0) -> None:
+    """Ends a worker whose work is done, host 0 (whose process serves the
+    job's key-value store) last: every other host says it is leaving and
+    exits at once (``os._exit(0)``); host 0 waits (bounded) until all have
+    said so, then ``EXIT_GRACE_S``, then exits.
+
+    Why not the interpreter's exit: it runs jax.distributed's shutdown while
+    background threads may still poll the store (Orbax's write of a
+    persistent step that another host's failure dropped waits for the
+    primary's files and signals until its own timeout), and a poll that meets
+    the store already gone aborts the process inside jaxlib (SIGABRT, exit
+    134, after a job that trained to its end: chaos seed 34, trial 15).
+    ``os._exit`` ends those threads with the process, and the order keeps
+    the store up while any other host can still poll it. One process: the
+    interpreter's exit.
+    """
+    import jax
+    from absl import logging
+
+    from capricorn_jax.experimental import distributed_client
+
+    client = distributed_client()
+    if client is None or jax.process_count() == 1:
+        return
+    host, hosts = jax.process_index(), jax.process_count()
+    try:
+        client.key_value_set(EXIT_KEY.format(host=host), "leaving")
+        if host == 0:
+            import time
+
+            deadline = time.monotonic() + timeout_s
+            for other in range(1, hosts):
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                client.blocking_key_value_get(EXIT_KEY.format(host=other), left_ms)
+            time.sleep(EXIT_GRACE_S)
+    except Exception as e:  # noqa: BLE001 - a host that never said so: leave anyway
+        logging.warning("host %d: leaving without every host's word (%s)", host, e)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
