@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
-from capricorn_jax._src.scheduling.load_windows import windows_at_load
+from capricorn_jax._src.scheduling.load_windows import MODEL_MARGIN, windows_at_load
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Window,
@@ -144,7 +144,7 @@ def _strategy(kind: str, first_n: int = 3) -> ScheduledStrategy:
     s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
     s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
     s._wants_profile, s.repartitions, s.spill_requests = False, [], []
-    s.repartition_sources = []
+    s.repartition_sources, s._modelled_windows = [], None
     return s
 
 
@@ -207,16 +207,18 @@ def test_windows_at_load_predict_each_moe_window_less_its_all_to_all():
                                                   _load(16, 12), MOE)] == [0.0, 0.0]
 
 
-def test_windows_at_load_answer_only_inside_the_loads_the_models_saw():
-    """Peaks 10 and 20 seen, 10% margin: 9 to 22 is answered, outside is not
-    (the caller profiles there); a layer without a model, or with one load
-    seen, answers nothing."""
+def test_windows_at_load_answer_only_near_the_loads_the_models_saw():
+    """Peaks 10 and 20 seen, the default 50% margin: 5 to 30 is answered,
+    outside is not (the caller profiles there); a layer without a model, or
+    with one load seen, answers nothing."""
+    assert MODEL_MARGIN == 0.5
     profile, detector = _profile(1, 1.0, 1.0), _two_layer_detector()
     answered = {peak: windows_at_load(profile, detector, _load(peak, 15), MOE) is not None
-                for peak in (8, 9, 15, 22, 23)}
-    assert answered == {8: False, 9: True, 15: True, 22: True, 23: False}
-    assert windows_at_load(profile, detector, _load(15, 30), MOE) is None  # layer 1's load
-    assert windows_at_load(profile, detector, _load(23, 15), MOE, margin=0.2) is not None
+                for peak in (4, 5, 15, 30, 31)}
+    assert answered == {4: False, 5: True, 15: True, 30: True, 31: False}
+    assert windows_at_load(profile, detector, _load(15, 31), MOE) is None  # layer 1's load
+    assert windows_at_load(profile, detector, _load(23, 15), MOE, margin=0.1) is None
+    assert windows_at_load(profile, detector, _load(22, 15), MOE, margin=0.1) is not None
     one_load = DynamicityDetector()
     for step in range(3):
         one_load.record_profile(step, _load(10, 10), {(0, "fwd"): 1.0, (1, "fwd"): 2.0})
@@ -239,7 +241,10 @@ def test_capricorn_replans_on_its_cost_model_where_it_covers_the_load():
     assert s.repartitions == [3, 5] and s.repartition_sources == ["profile", "cost_model"]
     assert not s._spills  # the new schedule's spills count afresh
     assert s._planned_on.step == 3  # the profiled base stays
-    assert s.replan_at_load(6, detector, _load(40, 12)) is None  # outside: profile
+    # The same load again: the model's plan is in force; no profile, no re-plan.
+    assert s.replan_at_load(6, detector, _load(16, 12)) == {}
+    assert s.repartitions == [3, 5] and len(s.transfers.plans) == 2
+    assert s.replan_at_load(7, detector, _load(40, 12)) is None  # outside: profile
     assert s.repartitions == [3, 5]
     gemini = _strategy("gemini", first_n=1)
     gemini.on_profile(3, _profile(3, 1.0, 1.0), cold=False)
@@ -263,7 +268,7 @@ def test_the_driver_replans_from_the_model_instead_of_profiling():
             return self.answer
 
     tpe = np.full((1, 4), 8.0)
-    for answer, profiled in (({"source": "cost_model"}, False), (None, True)):
+    for answer, profiled in (({"source": "cost_model"}, False), ({}, False), (None, True)):
         strategy = Modelling(answer)
         driver = ProfilingDriver(object(), strategy, ProfilingOptions("speculative",
                                                                       trigger="drift"))

@@ -132,7 +132,8 @@ class Strategy(Protocol):
         strategy may re-plan from its own model of the step at this load.
 
         Returns:
-          The fields of a ``repartition`` event when it re-planned (then no
+          The fields of a ``repartition`` event when it re-planned, ``{}``
+          when its plan at this load is in force already (either way no
           profile is taken), else None (the default: the profile is taken).
         """
         return None

@@ -157,10 +157,10 @@ class ProfilingDriver:
             events.append(self._detect(step, factors, metrics, tpe, profile, compiled))
             self._reprofile = profile is not None and compiled
             replanned = self._replan_from_cache(step, events[-1]) or self._modelled
-            if self._modelled is not None:
+            if self._modelled:  # {}: the model's plan at this load was in force already
                 self.model_replans.append(step)
         for plan in (repartition, replanned):
-            if plan is not None:
+            if plan:
                 events.append({"event": "repartition", "step": step,
                                "strategy": self.strategy.name, **plan})
         return events

@@ -175,6 +175,7 @@ class ScheduledStrategy(InMemoryStrategy):
         # What each re-partition was planned on: "profile" (a measured one,
         # newly taken or cached) or "cost_model" (``replan_at_load``).
         self.repartition_sources: list[str] = []
+        self._modelled_windows: list | None = None  # the model's windows in force, if any
         # capricorn: whether a window spilled in each of this host's
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
@@ -272,7 +273,7 @@ class ScheduledStrategy(InMemoryStrategy):
             windows = shortest_windows(list(self._recent), windows_from_profile)
             self._wants_profile = False  # a warm profile answers a spill's request
             self._spills.clear()
-        self._planned_on = profile
+        self._planned_on, self._modelled_windows = profile, None
         return self._repartition(step, windows, "profile")
 
     def _repartition(self, step: int, windows: list, source: str) -> dict[str, Any]:
@@ -293,13 +294,23 @@ class ScheduledStrategy(InMemoryStrategy):
         filled MoE window's model covers the load; None (profile instead)
         elsewhere, and always for gemini. The same answer on every host: the
         models are fitted on host 0's agreed profiles and the load is
-        replicated."""
+        replicated (as for ``allow_profile``, the detector reads every
+        expert's load: ``DetectorOptions.host_experts`` None, the driver's
+        default).
+
+        Returns:
+          The ``repartition`` event's fields; ``{}`` when the schedule in
+          force already is the model's at this load (no profile either);
+          None to profile."""
         if self.kind != "capricorn" or self._planned_on is None:
             return None
         windows = windows_at_load(self._planned_on, detector, tokens_per_expert,
                                   self.train.moe_layers)
         if windows is None:
             return None
+        if windows == self._modelled_windows:
+            return {}  # the plan in force already is the model's at this load
+        self._modelled_windows = windows
         self._spills.clear()  # a new schedule in force: its spills count afresh
         return self._repartition(step, windows, "cost_model")
 
