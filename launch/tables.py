@@ -256,11 +256,15 @@ def results_page(root: Path) -> str:
               shaped_table(_load(sorted((res / "shaped").glob("*.json")))), ""]
     chaos = sorted(res.glob("chaos_*.json"))
     if chaos:
-        parts += ["## Chaos soak", "", "| file | seed | trials passed | failed |", "|---|---|---|---|"]
+        parts += ["## Chaos soak", "",
+                  "| file | seed | trials passed | failed | replayed after a fix |",
+                  "|---|---|---|---|---|"]
         for p in chaos:
             d = json.loads(p.read_text())
+            replays = "; ".join(f"trial {r['trial']} {'ok' if r['ok'] else 'failed'} "
+                                f"({r['fix']}, {r['commit']})" for r in d.get("replays", []))
             parts.append(f"| `results/{p.name}` | {d.get('seed', '-')} | {d['passed']} | "
-                         f"{d['failed']} |")
+                         f"{d['failed']} | {replays or '-'} |")
         parts.append("")
     parts += ["## Model configs", "", model_table(), ""]
     return "\n".join(parts)
