@@ -65,3 +65,24 @@ def assert_no_orphans(text: str, grace_s: float = 5.0) -> None:
     while processes_mentioning(text) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_mentioning(text) == [], f"processes left behind: {processes_mentioning(text)}"
+
+
+def two_host_transport():
+    """The tiny model's trainer on the 4 forced CPU devices as 2 hosts x 2
+    devices, its pack plan (256 KiB chunks) and its transport (one peer
+    replica, 3 versions): what the in-graph step tests move.
+
+    Returns:
+      (trainer, plan, transport).
+    """
+    from capricorn_jax._src.memory.packing import make_plan
+    from capricorn_jax._src.memory.placement import send_rounds
+    from capricorn_jax._src.memory.transport import Transport
+    from launch.trainer import OptimizerOptions, Trainer, make_mesh
+    from models import get_config
+
+    trainer = Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
+    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh, 1 << 18,
+                     device_host=[0, 0, 1, 1])
+    transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 3)
+    return trainer, plan, transport

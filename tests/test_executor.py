@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 
 from capricorn_jax._src.scheduling.executor import AFTER, START, InStepSender, scheduled_step, site_of
-from capricorn_jax._src.memory.packing import encode_trailer, make_plan
+from capricorn_jax._src.memory.packing import encode_trailer
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.memory.placement import send_rounds
-from capricorn_jax._src.memory.transport import Transport
-from launch.trainer import OptimizerOptions, Trainer, make_mesh
-from models import get_config
+from tests.helpers import two_host_transport
 from tests.tree_utils import assert_trees_equal
 
 BOUNDARIES = ["block0", "block1"]
@@ -32,10 +29,7 @@ def test_windows_open_at_the_right_boundary():
 
 @pytest.fixture(scope="module")
 def setup():
-    trainer = Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
-    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh, 1 << 18,
-                     device_host=[0, 0, 1, 1])
-    transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 3)
+    trainer, plan, transport = two_host_transport()
     # 200 kB per window at 100 kB chunks; the rest (about 124 kB) is the tail.
     schedule = partition(plan.payload_bytes, WINDOWS, LinkModel(0.0, 2e8), chunk_cap=100_000)
     assert schedule.tail_bytes > 0 and all(schedule.bytes_in_window(i) for i in range(5))

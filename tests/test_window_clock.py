@@ -20,9 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.packing import encode_trailer, make_plan
-from capricorn_jax._src.memory.placement import send_rounds
-from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.packing import encode_trailer
 from capricorn_jax._src.scheduling.executor import AFTER, START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.transfers import ScheduledTransfers, window_spills
@@ -34,8 +32,7 @@ from capricorn_jax._src.scheduling.window_clock import (
 )
 from capricorn_jax._src.strategies import scheduled
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
-from launch.trainer import OptimizerOptions, Trainer, make_mesh
-from models import get_config
+from tests.helpers import two_host_transport
 from tests.tree_utils import assert_trees_equal
 
 BOUNDARIES = ["block0", "block1"]
@@ -109,10 +106,7 @@ def test_times_are_differences_of_the_latest_devices_marks(sites, dones, skew):
 
 @pytest.fixture(scope="module")
 def setup():
-    trainer = Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
-    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh, 1 << 18,
-                     device_host=[0, 0, 1, 1])
-    transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 3)
+    trainer, plan, transport = two_host_transport()
     batch = trainer.global_batch(
         np.random.default_rng(0).integers(0, 256, (16, 65)).astype(np.int32))
     trailer = encode_trailer({"data": 7})
