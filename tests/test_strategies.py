@@ -279,30 +279,35 @@ def test_orbax_emergency_restores_its_local_tier_on_a_mesh_with_replicas(tmp_pat
                   if p.name.isdigit())[-1] % 3 == 0  # its persistent tier, every 3 steps
 
 
+def _persist_fault_job(root, cache, host: int, point: str, steps: int,
+                       persist_timeout_s: float) -> tuple[list[dict], dict, list[int]]:
+    """A 2-host inmem job (``_train``: exit 0, no orphan) of ``steps`` steps
+    persisting every 4 with ``point`` injected into ``host``'s persistent
+    write of version 4; it must log exactly one persist_error, for step 4. Returns its records, that
+    event and the committed persistent steps."""
+    plan = json.dumps([{"hosts": [host], "step": 3, "point": point}])
+    records = _train(root, cache, f"--steps={steps}", "--ckpt=inmem", "--persist_every=4",
+                     f"--persist_timeout_s={persist_timeout_s:g}", f"--fault_plan={plan}")
+    (error,) = _events(records, "persist_error")
+    assert error["step"] == 4
+    committed = sorted(int(p.name) for p in (root / "w" / "checkpoints").iterdir()
+                       if p.name.isdigit())
+    return records, error, committed
+
+
 def test_an_io_error_on_the_primary_host_stops_the_others_write_at_once(tmp_path, cache):
     """Host 0 (Orbax's primary) fails its persistent write of version 4 with an
     I/O error: host 1, waiting inside Orbax for the primary's files, stops as
     soon as host 0's outcome is published (its outcome names host 0) instead
     of at its 120 s write timeout; step 4 is dropped everywhere, step 8 is
     written and the memory tier loses nothing."""
-    plan = json.dumps([{"hosts": [0], "step": 3, "point": "persist_error"}])
-    root = tmp_path
-    proc = run_train("--hosts=2", "--devices_per_host=1", "--model=tiny", "--steps=10",
-                     "--eval_sequences=0", "--log_every=4", "--ckpt=inmem",
-                     "--persist_every=4", "--persist_timeout_s=120", f"--fault_plan={plan}",
-                     f"--workdir={root / 'w'}", f"--store_root={root / 's'}",
-                     timeout=600, env=cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert_no_orphans(str(root / "w"))
-    records = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
-    (error,) = _events(records, "persist_error")
-    assert error["step"] == 4
+    records, error, committed = _persist_fault_job(tmp_path, cache, host=0,
+                                                   point="persist_error", steps=10,
+                                                   persist_timeout_s=120)
     injected = ("OSError: [Errno 5] injected I/O error in host 0's persistent write of "
                 "version 4")
     assert (f"persistent step 4 dropped on every host: host 0: {injected}; "
             f"host 1: stopped: host 0 failed ({injected})") in error["error"], error["error"]
-    committed = sorted(int(p.name) for p in (root / "w" / "checkpoints").iterdir()
-                       if p.name.isdigit())
     assert 4 not in committed and 8 in committed
     versions = {v for c in _events(records, "checkpoint") for v in c["newly_committed"]}
     assert set(range(2, 9)) <= versions
@@ -315,18 +320,8 @@ def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_pa
     hangs) after the hosts' pre-check: every host drops step 4 (host 0 names
     host 1), the job goes on, step 8 is written, and the memory tier commits
     every version (nothing lost from it)."""
-    plan = json.dumps([{"hosts": [1], "step": 3, "point": point}])
-    root = tmp_path
-    proc = run_train("--hosts=2", "--devices_per_host=1", "--model=tiny", "--steps=12",
-                     "--eval_sequences=0", "--log_every=4", "--ckpt=inmem",
-                     "--persist_every=4", "--persist_timeout_s=5", f"--fault_plan={plan}",
-                     f"--workdir={root / 'w'}", f"--store_root={root / 's'}",
-                     timeout=600, env=cache)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert_no_orphans(str(root / "w"))
-    records = [json.loads(x) for x in (root / "w" / "metrics.jsonl").read_text().splitlines()]
-    (error,) = _events(records, "persist_error")
-    assert error["step"] == 4
+    records, error, committed = _persist_fault_job(tmp_path, cache, host=1, point=point,
+                                                   steps=12, persist_timeout_s=5)
     # Host 0 either finished its write first or was still writing when host 1's
     # outcome stopped it (outcomes.PeerFailed): exactly these two.
     head = "persistent step 4 dropped on every host: "
@@ -337,8 +332,6 @@ def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_pa
     else:
         assert "host 1: no outcome within 10s" in error["error"]
     assert {p["step"] for p in _events(records, "persist")} >= {4, 8}
-    committed = sorted(int(p.name) for p in (root / "w" / "checkpoints").iterdir()
-                       if p.name.isdigit())
     assert 4 not in committed and 8 in committed
     checkpoints = _events(records, "checkpoint")
     versions = {v for c in checkpoints for v in c["newly_committed"]}
