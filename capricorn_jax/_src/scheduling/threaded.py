@@ -296,8 +296,7 @@ class ThreadedSender:
         in the step (window index -> from its opening mark, or for window 0
         from when the payload was packed, to its closing mark) and
         ``last_sends`` when, from its opening, its last frame was handed to
-        the kernel (call it after the step,
-        before the next ``start``)."""
+        the kernel (call it after the step, before the next ``start``)."""
         t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
