@@ -230,7 +230,8 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     # Window 0 opens when the payload was packed (the pack's time is no idle
     # link time of the step), after the step's issue.
     packed = sender.last_times["packed_s"]
-    assert packed > 0.0 and 0.0 <= sender.last_spans[0] <= order[0] - t_issue - packed
+    # On a busy box the sender may see the payload after the first mark: 0 then.
+    assert packed > 0.0 and 0.0 <= sender.last_spans[0] <= max(0.0, order[0] - t_issue - packed)
     # When each window's last frame left, from its opening (the tail window
     # too: its opening is marked); none before its window opened.
     assert set(sender.last_sends) == {0, 1, 2, 3, 4}

@@ -317,8 +317,10 @@ class ThreadedSender:
         # Window 0 opens when the payload is packed: the pack program runs
         # before the step on the same devices, and its time is no idle link
         # time of the step (window 0's span once included it: 2-28 ms).
+        # The sender thread may see the packed payload only after window 0's
+        # closing mark (a busy box): that window then gave it no time, 0.
         opened = {**self.marks.opened_at, START: entry.t0 + entry.times["packed_s"]}
-        self.last_spans = {i: opened[close] - opened[open_]
+        self.last_spans = {i: max(0.0, opened[close] - opened[open_])
                            for i, (open_, close) in entry.window_sites.items()
                            if open_ in opened and close in opened}
         self.last_sends = {i: entry.site_sent[open_] - opened[open_]
