@@ -100,6 +100,7 @@ def exit_now_on_failure(fn, *args) -> None:
 
 
 EXIT_KEY = "launch/exit/{host}"
+EXIT_BARRIER = "launch/exit"
 EXIT_GRACE_S = 0.5
 """How long host 0 keeps the job's key-value store up after the last other
 host said it is leaving (each leaves right after saying so)."""
@@ -107,9 +108,11 @@ host said it is leaving (each leaves right after saying so)."""
 
 def exit_in_order(timeout_s: float = 60.0) -> None:
     """Ends a worker whose work is done, host 0 (whose process serves the
-    job's key-value store) last: every other host says it is leaving and
-    exits at once (``os._exit(0)``); host 0 waits (bounded) until all have
-    said so, then ``EXIT_GRACE_S``, then exits.
+    job's key-value store) last: every host first waits (bounded) at a
+    barrier until all have arrived, i.e. finished their collectives; then
+    every other host says it is leaving and exits at once (``os._exit(0)``);
+    host 0 waits (bounded) until all have said so, then ``EXIT_GRACE_S``,
+    then exits.
 
     Why not the interpreter's exit: it runs jax.distributed's shutdown while
     background threads may still poll the store (Orbax's write of a
@@ -131,6 +134,12 @@ def exit_in_order(timeout_s: float = 60.0) -> None:
         return
     host, hosts = jax.process_index(), jax.process_count()
     try:
+        # No host leaves while another is still inside a collective: a host
+        # whose part of an all-gather is done could otherwise exit while its
+        # peer still reads that collective's socket, and the peer's read
+        # fails with "connection reset by peer" (seen once in CI: host 0 in
+        # release()'s status round, host 1 already gone).
+        client.wait_at_barrier(EXIT_BARRIER, int(timeout_s * 1000))
         client.key_value_set(EXIT_KEY.format(host=host), "leaving")
         if host == 0:
             import time
