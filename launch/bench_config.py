@@ -28,7 +28,7 @@ from absl import flags
 
 from launch.bench_report import VARIANTS
 from launch.cli_flags import FlagError
-from launch.cluster.netns import LinkOptions
+from launch.cluster.netns import LinkOptions, link_from_flags
 from launch.config import AcceleratorConfig
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES
 
@@ -100,7 +100,7 @@ class BenchConfig:
         try:
             accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                             profile=fv.accelerator_profile)
-            link = LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms)
+            link = link_from_flags(fv)
         except ValueError as e:
             raise FlagError(str(e)) from None
         if link.shaped and fv.platform == "gpu":

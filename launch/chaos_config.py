@@ -21,7 +21,7 @@ import dataclasses
 from absl import flags
 
 from launch.cli_flags import FlagError
-from launch.cluster.netns import LinkError, LinkOptions, check_available
+from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
 from launch.config import AcceleratorConfig
 
 IN_MEMORY_STRATEGIES = ("inmem", "gemini", "capricorn", "pec")
@@ -94,7 +94,7 @@ class ChaosConfig:
         try:
             accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                             profile=fv.accelerator_profile)
-            link = LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms)
+            link = link_from_flags(fv)
             if link.shaped:
                 check_available(link)
         except (ValueError, LinkError) as e:
@@ -104,8 +104,8 @@ class ChaosConfig:
     def job_flags(self) -> list[str]:
         """Flags every job of every trial gets (the reference runs' too): the
         links, the accelerator."""
-        out = ([f"--link_gbps={self.link.gbps:g}", f"--link_latency_ms={self.link.latency_ms:g}"]
-               if self.link.shaped else [])
+        out = ([f"--link_gbps={self.link.gbps:g}", f"--link_latency_ms={self.link.latency_ms:g}",
+                f"--link_burst_kb={self.link.burst_kb:g}"] if self.link.shaped else [])
         if self.accelerator.accelerator != "none":
             out.append(f"--accelerator={self.accelerator.accelerator}")
         if self.accelerator.profile:

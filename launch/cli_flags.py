@@ -89,6 +89,10 @@ _spec("float", "link_gbps", 0.0,
 _spec("float", "link_latency_ms", 0.0,
                    "One-way latency between two hosts on the shaped links (netem); needs "
                    "--link_gbps.")
+_spec("float", "link_burst_kb", 0.0,
+                   "The shaped links' token bucket (tc tbf burst), KB a host may send at "
+                   "loopback speed after an idle spell; 0 = max(256 KB, 2 ms of the rate). "
+                   "A real link's is a frame or two; needs --link_gbps.")
 
 _in("model")
 _spec("string", "model", "tiny", f"Model config: {', '.join(CONFIGS)}.")

@@ -62,6 +62,7 @@ class ClusterConfig:
     coordinator: str
     link_gbps: float = 0.0
     link_latency_ms: float = 0.0
+    link_burst_kb: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -85,7 +86,8 @@ class ClusterConfig:
 
     @property
     def link(self) -> LinkOptions:
-        return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms)
+        return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms,
+                           burst_kb=self.link_burst_kb)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -420,7 +422,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
     cluster = ClusterConfig(
         hosts=fv.hosts, devices_per_host=fv.devices_per_host, pin_hosts=fv.pin_hosts,
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
-        coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms)
+        coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms,
+        link_burst_kb=fv.link_burst_kb)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,

@@ -126,10 +126,10 @@ def main(argv: list[str]) -> None:
     del argv
     from launch import runtime
     from launch.cluster import processes as cluster_lib
-    from launch.cluster.netns import LinkOptions
+    from launch.cluster.netns import link_from_flags
 
     try:
-        link = LinkOptions(gbps=FLAGS.link_gbps, latency_ms=FLAGS.link_latency_ms)
+        link = link_from_flags(FLAGS)
         if FLAGS.hosts < 2:
             raise ValueError(f"--hosts must be >= 2 to measure a link, got {FLAGS.hosts}")
     except ValueError as e:

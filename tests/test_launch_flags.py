@@ -101,6 +101,7 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     (["--strategies=pec", "--pec_k=0"], "--pec_k=0: the pec rows checkpoint K experts"),
     (["--accelerator_profile=h100"], "--accelerator_profile='h100' needs --accelerator=emulated"),
     (["--link_latency_ms=2"], "--link_latency_ms needs --link_gbps > 0"),
+    (["--link_burst_kb=20"], "--link_burst_kb needs --link_gbps > 0"),
     (["--link_gbps=1", "--platform=gpu"], "--link_gbps shapes the simulated CPU hosts' links"),
 ])
 def test_bench_config_names_a_bad_flag(tmp_path, argv, message):
@@ -122,6 +123,8 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
     assert cfg.strategies == ("inmem", "gemini", "capricorn", "pec")
     assert cfg.job_flags() == ["--accelerator=emulated"]
     assert _chaos().job_flags() == []
+    shaped = _chaos("--link_gbps=0.2", "--link_burst_kb=20")
+    assert shaped.job_flags() == ["--link_gbps=0.2", "--link_latency_ms=0", "--link_burst_kb=20"]
 
 
 @pytest.mark.parametrize("argv, error, message", [

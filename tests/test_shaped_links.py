@@ -32,6 +32,9 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": float("nan")}, "--link_gbps"),
     ({"gbps": 1.0, "latency_ms": -2.0}, "--link_latency_ms"),
     ({"gbps": 0.0, "latency_ms": 2.0}, "--link_latency_ms needs --link_gbps"),
+    ({"gbps": 1.0, "burst_kb": 1.0}, "--link_burst_kb must be 0 .* or >= 2 .*got 1.0"),
+    ({"gbps": 1.0, "burst_kb": -3.0}, "--link_burst_kb must be"),
+    ({"gbps": 0.0, "burst_kb": 20.0}, "--link_burst_kb needs --link_gbps"),
 ])
 def test_bad_link_options_name_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -42,6 +45,17 @@ def test_unshaped_is_the_default():
     assert not netns.LinkOptions().shaped
     assert netns.LinkOptions().describe() == "unshaped loopback"
     assert netns.LinkOptions(gbps=0.5).describe() == "0.5 Gbit/s each way per host"
+
+
+def test_the_bucket_is_the_flag_or_the_default():
+    # Default: at least 256 KB, else 2 ms of the rate (8 Gbit/s: 1 GB/s -> 2 MB).
+    assert netns.LinkOptions(gbps=0.154).burst_bytes() == 256 << 10
+    assert netns.LinkOptions(gbps=8.0).burst_bytes() == 2_000_000
+    small = netns.LinkOptions(gbps=0.154, burst_kb=20)
+    assert small.burst_bytes() == 20_000
+    assert small.describe() == "0.154 Gbit/s each way per host, a 20 KB bucket"
+    assert small.record()["burst_bytes"] == 20_000
+    assert netns.LinkOptions().record()["burst_bytes"] is None
 
 
 def test_not_root_gives_one_line_error(tmp_path):
@@ -87,17 +101,17 @@ def test_latency_needs_netem_or_is_applied(tmp_path):
 
 @needs_root
 def test_network_layout_and_removal():
-    with netns.ShapedNetwork(3, netns.LinkOptions(gbps=0.25)) as net:
+    with netns.ShapedNetwork(3, netns.LinkOptions(gbps=0.25, burst_kb=20)) as net:
         names = set(_job_namespaces(os.getpid()))
         assert names == {net.switch, *(net.host_namespace(h) for h in range(3))}
         for h in range(3):
             ns = net.host_namespace(h)
             qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "eth0"],
                                    capture_output=True, text=True, check=True).stdout
-            assert "tbf" in qdisc and "250Mbit" in qdisc, qdisc
+            assert "tbf" in qdisc and "250Mbit" in qdisc and "burst 20000b" in qdisc, qdisc
             down = subprocess.run(["tc", "-n", net.switch, "qdisc", "show", "dev", f"h{h}"],
                                   capture_output=True, text=True, check=True).stdout
-            assert "tbf" in down and "250Mbit" in down, down
+            assert "tbf" in down and "250Mbit" in down and "burst 20000b" in down, down
             hosts = (netns.NETNS_ETC / ns / "hosts").read_text()
             assert f"{net.address(h)} " in hosts
             # The host reaches every other host over the bridge, and nothing else.

@@ -48,17 +48,38 @@ NETNS_ETC = Path("/etc/netns")
 _NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
 
 
+MIN_BURST_KB = 2.0
+"""The smallest bucket: one full Ethernet frame with its headers (a larger GSO
+packet is split by tbf into frames)."""
+DEFAULT_BURST_FLOOR = 256 << 10
+DEFAULT_BURST_S = 2e-3
+"""The default bucket: at least 256 KB (a few GSO segments of a veth), else
+2 ms of the rate; every run before ``--link_burst_kb`` used it."""
+
+
 class LinkError(RuntimeError):
     """Shaped links cannot be set up here; the message says why, on one line."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkOptions:
-    """A simulated host's link: ``gbps`` each way (0: unshaped loopback) and
-    ``latency_ms`` one way between two hosts (needs netem)."""
+    """A simulated host's link: ``gbps`` each way (0: unshaped loopback),
+    ``latency_ms`` one way between two hosts (needs netem), and ``burst_kb``,
+    the tbf bucket: how many KB a host may send at the machine's own speed
+    after an idle spell (0: ``DEFAULT_BURST``).
+
+    The bucket matters to this project's question: a real link has no credit
+    beyond a frame or two, while a large bucket lets the bytes that follow an
+    idle spell (here: the next all-to-all) pass at loopback speed, so any
+    checkpoint byte sent in that idle spell costs the all-to-all its free
+    ride (measured 2026-12-04 on the emulated 2x2 run at 0.154 Gbit/s: none's
+    all-to-alls took 128 ms per step with the 256 KB bucket, 220 ms with
+    20 KB).
+    """
 
     gbps: float = 0.0
     latency_ms: float = 0.0
+    burst_kb: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.gbps >= 0:
@@ -67,21 +88,41 @@ class LinkOptions:
             raise ValueError(f"--link_latency_ms must be >= 0, got {self.latency_ms}")
         if self.latency_ms and not self.gbps:
             raise ValueError("--link_latency_ms needs --link_gbps > 0 (the hosts' own links)")
+        if not (self.burst_kb == 0 or self.burst_kb >= MIN_BURST_KB):
+            raise ValueError(f"--link_burst_kb must be 0 (the default bucket) or >= "
+                             f"{MIN_BURST_KB:g} (one full frame), got {self.burst_kb}")
+        if self.burst_kb and not self.gbps:
+            raise ValueError("--link_burst_kb needs --link_gbps > 0 (the hosts' own links)")
 
     @property
     def shaped(self) -> bool:
         return self.gbps > 0
 
+    def burst_bytes(self) -> int:
+        """The tbf bucket in bytes: ``burst_kb``, or ``DEFAULT_BURST`` of the rate."""
+        if self.burst_kb:
+            return int(self.burst_kb * 1000)
+        return max(DEFAULT_BURST_FLOOR, int(self.gbps * 1e9 / 8 * DEFAULT_BURST_S))
+
     def record(self) -> dict:
         """What was asked for, as the JSONs of the bench and the link probe hold it."""
         return {"requested_gbps": self.gbps or None, "latency_ms": self.latency_ms,
+                "burst_bytes": self.burst_bytes() if self.shaped else None,
                 "describe": self.describe()}
 
     def describe(self) -> str:
         if not self.shaped:
             return "unshaped loopback"
         lat = f", {self.latency_ms:g} ms one way" if self.latency_ms else ""
-        return f"{self.gbps:g} Gbit/s each way per host{lat}"
+        burst = f", a {self.burst_bytes() / 1000:g} KB bucket" if self.burst_kb else ""
+        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}"
+
+
+def link_from_flags(fv: object) -> LinkOptions:
+    """The link the parsed flags ask for (``--link_gbps``, ``--link_latency_ms``,
+    ``--link_burst_kb``); raises ValueError naming a bad one."""
+    return LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms,  # type: ignore[attr-defined]
+                       burst_kb=fv.link_burst_kb)  # type: ignore[attr-defined]
 
 
 def _run(*cmd: str) -> str:
@@ -188,9 +229,7 @@ def check_available(options: LinkOptions) -> None:
 
 
 def _tbf(namespace: str, dev: str, options: LinkOptions) -> None:
-    rate_bytes_s = options.gbps * 1e9 / 8
-    # At least 256 KB (a few GSO segments of a veth), else 2 ms of the rate.
-    burst = max(256 << 10, int(rate_bytes_s * 2e-3))
+    burst = options.burst_bytes()
     _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
          "rate", f"{options.gbps * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
     if options.latency_ms:
