@@ -208,7 +208,7 @@ class Block(nn.Module):
         drop = nn.Dropout(cfg.dropout, deterministic=deterministic)
         x = x + drop(Attention(cfg, emulate, name="attn")(nn.LayerNorm(name="ln1")(x)))
         if emulate:  # the dense part's time: attention (+ the dense FFN below)
-            x = emulated.dense(x, self.times)
+            x = emulated.dense(x, self.times, self.mesh, P(BATCH_AXES))
         h = nn.LayerNorm(name="ln2")(x)
         stats = None
         if self.moe:

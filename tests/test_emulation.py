@@ -121,6 +121,35 @@ def test_emulated_model_is_deterministic_and_updates_every_parameter():
     assert min(_timed(grad, params, repeats=2)) >= emulation.step_ms() / 1e3
 
 
+def _collectives(hlo: str) -> dict[str, int]:
+    kinds = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    return {k: sum(f" {k}(" in line or f" {k}-start(" in line for line in hlo.splitlines())
+            for k in kinds}
+
+
+def test_the_emulated_step_adds_no_collective_to_the_real_models():
+    """Every device waits on its own shard: the emulated step's gradient has
+    the real model's all-to-alls and gradient all-reduces and nothing more
+    (a wait outside a shard_map made XLA gather its whole operand onto every
+    device: an all-gather over the hosts' link before each dense wait)."""
+    cfg = get_config("tiny")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "expert"))
+    emulation = Emulation.of(load("a100_gpt_moe_350m_16e"), (True, True))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 256, (16, cfg.seq_len)), jnp.int32)
+    params = GPTMoE(cfg, None, 4).init(jax.random.key(0), tokens)["params"]
+
+    def hlo(model):
+        def loss(p):
+            logits, _ = model.apply({"params": p}, tokens)
+            return -jnp.mean(jax.nn.log_softmax(logits)[..., 1])
+        return jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+
+    real = _collectives(hlo(GPTMoE(cfg, mesh)))
+    emulated = _collectives(hlo(GPTMoE(cfg, mesh, emulation=emulation)))
+    assert emulated["all-to-all"] == 8  # dispatch and combine, 2 MoE layers, fwd and bwd
+    assert emulated == real
+
+
 @pytest.mark.slow
 def test_profiled_windows_follow_the_emulated_waits(tmp_path):
     """A 2-host job on loopback, every step profiled: each MoE layer's window
