@@ -59,6 +59,7 @@ def define_flags() -> None:
     flags.DEFINE_float("budget_above_r", 1.0, "Points with a larger target R run with a budget.")
     flags.DEFINE_float("ckpt_budget", 0.0, "bench --ckpt_budget for those points (seconds).")
     flags.DEFINE_string("accelerator_profile", "", "bench --accelerator_profile ('' = default).")
+    flags.DEFINE_float("link_burst_kb", 0.0, "bench --link_burst_kb (0 = bench's default).")
     flags.DEFINE_integer("point_timeout_s", 1800, "A point's bench is killed after this long.")
     flags.DEFINE_bool("dry_run", False, "Print the commands only.")
     flags.DEFINE_string("png", "results/emulated/sweep.png", "plot: the PNG to write.")
@@ -112,6 +113,8 @@ def bench_argv(point: dict, out: Path) -> list[str]:
             f"--json={out / point_name(point)}"]
     if FLAGS.accelerator_profile:
         argv.append(f"--accelerator_profile={FLAGS.accelerator_profile}")
+    if FLAGS.link_burst_kb:
+        argv.append(f"--link_burst_kb={FLAGS.link_burst_kb:g}")
     if point["budget"]:
         argv.append(f"--ckpt_budget={FLAGS.ckpt_budget}")
     return argv
