@@ -171,6 +171,7 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
             DetectorOptions(threshold=config.drift_threshold), trigger=config.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
                                                       collectives=job.trainer.all_to_alls,
+                                                      reductions=job.trainer.gradient_reductions,
                                                       next_factors=job.trainer.next_factors)
     return strategies, drivers, ckpts
 

@@ -63,6 +63,7 @@ def _make_driver(config: Config, trainer, strategy) -> capricorn_jax.ProfilingDr
     options = config.profile.options(trainer.cfg.dispatch)
     return capricorn_jax.ProfilingDriver(trainer, strategy, options,
                                          collectives=trainer.all_to_alls,
+                                         reductions=trainer.gradient_reductions,
                                          next_factors=trainer.next_factors)
 
 

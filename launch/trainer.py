@@ -119,6 +119,19 @@ class Trainer:
         capacity factors (the profiler's collective estimate)."""
         return all_to_all_buffers(self.cfg, self.tokens_per_group, factors)
 
+    def gradient_reductions(self) -> list[jax.ShapeDtypeStruct]:
+        """The per-device gradient buffers the step all-reduces over every
+        device: the parameters every device holds in full (their sharding is
+        replicated), i.e. all but the experts' (the profiler's estimate of the
+        step's closing collective). Expert parameters are reduced only over
+        the data axis; with one data row, never."""
+        params = self.abstract_state["params"]
+        specs = self.state_shardings["params"]
+        return [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(specs),
+                                          strict=True)
+                if all(axis is None for axis in sharding.spec)]
+
     def _init(self, seed: jax.Array) -> State:
         key = jax.random.key(seed)
         init_key, state_key = jax.random.split(key)

@@ -75,7 +75,8 @@ def test_segments_tile_the_step_and_add_up_to_its_wall_time(setup):
         starts = np.cumsum([0.0] + [s.duration_s for s in profile.segments[:-1]])
         np.testing.assert_allclose([s.start_s for s in profile.segments], starts, atol=1e-9)
         assert all(s.duration_s >= 0 for s in profile.segments)
-        ratios.append(profile.span_s / profile.total_s)
+        marks = len(profile.segments) * profile.mark_cost_s  # taken off the segments
+        ratios.append((profile.span_s + marks) / profile.total_s)
     # The rest is the host's dispatch before the first device starts.
     assert 0.9 <= statistics.median(ratios) <= 1.0, ratios
 
@@ -113,6 +114,50 @@ def test_profile_json_round_trip_and_collective_split():
     assert again == profile and isinstance(again.segments[0], Segment)
 
 
+def test_each_segment_is_its_marks_gap_less_one_marks_cost():
+    names = ["block0", "block1"]
+    order = layer_profile.event_order(names)
+    times = {(n, d, 0): 1.0 + 0.1 * i for i, (n, d) in enumerate(order)}
+    times[("block1", "fwd", 0)] = times[("block0", "fwd", 0)] + 0.01  # a gap below the cost
+    raw = layer_profile.build_profile(3, 0.7, names, times)
+    net = layer_profile.build_profile(3, 0.7, names, times, mark_cost_s=0.03)
+    assert raw.mark_cost_s == 0.0 and net.mark_cost_s == 0.03
+    want = [max(0.0, s.duration_s - 0.03) for s in raw.segments]
+    np.testing.assert_allclose([s.duration_s for s in net.segments], want)
+    assert net.segments[1].duration_s == 0.0  # the 0.01 s gap
+    np.testing.assert_allclose([s.start_s for s in net.segments],
+                               np.cumsum([0.0] + want[:-1]), atol=1e-12)
+    assert LayerProfile.from_json(net.to_json()) == net
+    old = {k: v for k, v in raw.to_dict().items() if k != "mark_cost_s"}  # before the field
+    assert LayerProfile.from_dict(old) == raw
+    with pytest.raises(ValueError, match="mark_cost_s must be >= 0, got -0.001"):
+        layer_profile.build_profile(3, 0.7, names, times, mark_cost_s=-0.001)
+
+
+def test_the_marks_cost_is_measured_once_per_trainer_and_taken_off(setup, monkeypatch):
+    from capricorn_jax._src.profiling import profiler
+
+    trainer, batch = setup
+    measured = profiler.time_marks(trainer.mesh, marks=4, repeats=3)
+    assert np.isfinite(measured) and measured >= 0.0
+    with pytest.raises(ValueError, match="marks >= 1"):
+        profiler.time_marks(trainer.mesh, marks=0)
+    calls = []
+
+    def fake(mesh, *args, **kwargs):
+        calls.append(mesh)
+        return 0.0015
+
+    monkeypatch.setattr(profiler, "time_marks", fake)
+    fresh = Trainer(trainer.cfg, trainer.mesh, OptimizerOptions())  # no variants cached yet
+    first = make_profiled_step(fresh, FACTORS)
+    second = make_profiled_step(fresh, (1.0, 2.0))
+    assert calls == [fresh.mesh]  # once per trainer
+    assert first.mark_cost_s == second.mark_cost_s == 0.0015
+    _, _, profile = first(fresh.init_state(0), batch)
+    assert profile.mark_cost_s == 0.0015
+
+
 def test_build_profile_rejects_missing_or_disordered_marks():
     names = ["block0"]
     order = layer_profile.event_order(names)
@@ -134,6 +179,52 @@ def test_all_to_all_estimate_for_the_moe_layers(setup):
     assert [b.shape for b in bufs["block0"]] == [(cfg.num_experts, cap, cfg.d_model)] * 2
     seconds = time_all_to_all(trainer.mesh, "expert", bufs["block0"][0], repeats=3)
     assert 0.0 <= seconds < 1.0
+
+
+def test_the_gradient_all_reduce_is_the_tails_collective(setup, monkeypatch):
+    """The parameters every device holds are all-reduced after the backward:
+    their buffers, timed as one all-reduce, go into the TAIL segment's
+    collective estimate, and only there."""
+    from capricorn_jax._src.profiling import probe, profiler
+
+    trainer, batch = setup
+    reduced = trainer.gradient_reductions()
+    params, specs = trainer.abstract_state["params"], trainer.state_shardings["params"]
+    replicated = [(leaf.shape, leaf.dtype) for leaf, s in
+                  zip(jax.tree.leaves(params), jax.tree.leaves(specs), strict=True)
+                  if s.spec == jax.sharding.PartitionSpec()]
+    assert [(b.shape, b.dtype) for b in reduced] == replicated
+    expert_shapes = {leaf.shape for leaf, s in zip(jax.tree.leaves(params),
+                                                    jax.tree.leaves(specs), strict=True)
+                     if "expert" in s.spec}
+    assert expert_shapes and not expert_shapes & {b.shape for b in reduced}
+    seconds = probe.time_all_reduce(trainer.mesh, reduced, repeats=3)
+    assert np.isfinite(seconds) and seconds >= 0.0
+    assert probe.time_all_reduce(trainer.mesh, []) == 0.0
+
+    monkeypatch.setattr(profiler, "time_all_reduce", lambda mesh, bufs: 0.004)
+    monkeypatch.setattr(profiler, "time_marks", lambda mesh: 0.0)
+    fresh = Trainer(trainer.cfg, trainer.mesh, OptimizerOptions())
+    a2a = trainer.all_to_alls(FACTORS)
+    _, _, plain = make_profiled_step(fresh, FACTORS, a2a)(fresh.init_state(0), batch)
+    _, _, tail = make_profiled_step(fresh, FACTORS, a2a, reductions=reduced)(
+        fresh.init_state(0), batch)
+    want = {(s.name, s.direction): s.collective_s for s in plain.segments}
+    want[("tail", "bwd")] += 0.004
+    assert {(s.name, s.direction): s.collective_s for s in tail.segments} == want
+
+
+def test_build_profile_adds_the_tail_collective_to_the_tail_only():
+    names = ["block0", "block1"]
+    order = layer_profile.event_order(names)
+    times = {(n, d, 0): 1.0 + 0.1 * i for i, (n, d) in enumerate(order)}
+    with_a2a = layer_profile.build_profile(0, 0.7, names, times, {"block0": 0.02},
+                                           tail_collective_s=0.01)
+    got = {(s.name, s.direction): s.collective_s for s in with_a2a.segments}
+    assert got == {("block0", "fwd"): 0.02, ("block1", "fwd"): None, ("head", "fwd"): None,
+                   ("block1", "bwd"): None, ("tail", "bwd"): 0.03}
+    alone = layer_profile.build_profile(0, 0.7, names, times, tail_collective_s=0.01)
+    assert [s.collective_s for s in alone.segments] == [None, None, None, None, 0.01]
 
 
 @pytest.mark.slow  # long: compiles or many examples

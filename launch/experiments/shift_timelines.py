@@ -64,7 +64,8 @@ def profile_at(records: list[dict], step: int):
     e = events[-1]
     segments = tuple(Segment(s["name"], s["direction"], s["start_s"], s["duration_s"],
                              s["collective_s"]) for s in e["layers"])
-    return LayerProfile(step, e["total_s"], segments, e.get("devices", 1))
+    return LayerProfile(step, e["total_s"], segments, e.get("devices", 1),
+                        e.get("mark_cost_s", 0.0))
 
 
 def schedule_in_force(records: list[dict], step: int, chunk_cap: int):

@@ -42,8 +42,10 @@ class Segment:
     Attributes:
       name: the boundary closing the layer (``"block3"``), or HEAD / TAIL.
       direction: FWD or BWD (see the module docstring for HEAD and TAIL).
-      start_s: when the segment began, seconds after the step's start mark.
-      duration_s: its length in seconds.
+      start_s: when the segment began, seconds after the step's start mark
+        (the sum of the segments before it).
+      duration_s: its length in seconds (the gap between its two marks less
+        one mark's cost, ``LayerProfile.mark_cost_s``).
       collective_s: estimated all-to-all time inside it, or None if unknown.
     """
 
@@ -68,18 +70,23 @@ class LayerProfile:
     Attributes:
       step: the train step (``state["step"]`` before the update).
       total_s: host wall time of the call, dispatch to outputs ready.
-      segments: in execution order; they tile [start mark, end mark].
+      segments: in execution order; they tile [start mark, end mark], each
+        less ``mark_cost_s``.
       devices: local devices whose marks were merged.
+      mark_cost_s: what one mark adds to a step, taken off every segment
+        (``build_profile``): the profile is of the step without its marks.
     """
 
     step: int
     total_s: float
     segments: tuple[Segment, ...]
     devices: int = 1
+    mark_cost_s: float = 0.0
 
     @property
     def span_s(self) -> float:
-        """Time from the start mark to the end mark (sum of the segments)."""
+        """The sum of the segments: the time from the start mark to the end
+        mark less one mark's cost per segment."""
         return sum(s.duration_s for s in self.segments)
 
     def durations(self) -> dict[EventKey, float]:
@@ -95,7 +102,8 @@ class LayerProfile:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerProfile:
         segments = tuple(Segment(**s) for s in d["segments"])
-        return cls(int(d["step"]), float(d["total_s"]), segments, int(d.get("devices", 1)))
+        return cls(int(d["step"]), float(d["total_s"]), segments, int(d.get("devices", 1)),
+                   float(d.get("mark_cost_s", 0.0)))
 
     @classmethod
     def from_json(cls, text: str) -> LayerProfile:
@@ -183,6 +191,8 @@ def build_profile(
     names: Sequence[str],
     times: Mapping[tuple[str, str, int], float],
     collectives_s: Mapping[str, float] | None = None,
+    mark_cost_s: float = 0.0,
+    tail_collective_s: float = 0.0,
 ) -> LayerProfile:
     """Turns one step's timestamps into a LayerProfile.
 
@@ -193,6 +203,14 @@ def build_profile(
       times: {(name, direction, device): perf_counter seconds} from a Recorder.
       collectives_s: estimated collective seconds per boundary name, applied to
         both directions of that layer; others get None.
+      mark_cost_s: what one mark adds to a step (``profiler.time_marks``):
+        the time between two marks holds the rest of the first mark's
+        callback and the start of the second's, about one mark's cost, so
+        each segment's duration is its marks' gap less this (at least 0).
+      tail_collective_s: estimated seconds of the collectives after the last
+        boundary (the gradient all-reduce of the parameters every device
+        holds, which XLA runs after the backward), added to the TAIL
+        segment's collective estimate.
 
     Raises:
       RuntimeError: a mark is missing or the marks are out of order.
@@ -207,15 +225,21 @@ def build_profile(
     stamps = [merged[k] for k in order]
     if any(b < a for a, b in zip(stamps, stamps[1:], strict=False)):
         raise RuntimeError(f"profiler: marks out of order: {list(zip(order, stamps, strict=True))}")
+    if not mark_cost_s >= 0:
+        raise ValueError(f"mark_cost_s must be >= 0, got {mark_cost_s}")
     layer_of = {(n, d): n for n in names for d in (FWD, BWD)}
     layer_of[(TAIL, BWD)] = names[0]
-    segments = []
+    segments, start = [], 0.0
     for key, t0, t1 in zip(_segment_keys(names), stamps[:-1], stamps[1:], strict=True):
         layer = layer_of.get(key)
         coll = None if collectives_s is None or layer is None else collectives_s.get(layer)
-        segments.append(Segment(key[0], key[1], t0 - stamps[0], t1 - t0, coll))
+        if key == (TAIL, BWD) and tail_collective_s:
+            coll = (coll or 0.0) + tail_collective_s
+        duration = max(0.0, t1 - t0 - mark_cost_s)
+        segments.append(Segment(key[0], key[1], start, duration, coll))
+        start += duration
     devices = len({d for (_, _, d) in times})
-    return LayerProfile(step, total_s, tuple(segments), devices)
+    return LayerProfile(step, total_s, tuple(segments), devices, float(mark_cost_s))
 
 
 def moe_segments(profile: LayerProfile, moe_layers: Sequence[int]) -> dict[EventKey, int]:

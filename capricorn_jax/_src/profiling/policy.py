@@ -229,6 +229,7 @@ def profile_event(step: int, profile: LayerProfile, compiled: bool,
     return {
         "event": "profile", "step": step, "total_s": round_us(profile.total_s),
         "compiled": compiled, "devices": profile.devices,
+        "mark_cost_s": round_us(profile.mark_cost_s),
         "layers": [{"name": s.name, "direction": s.direction, "start_s": round_us(s.start_s),
                     "duration_s": round_us(s.duration_s), "collective_s": round_us(s.collective_s),
                     "moe_layer": moe.get((s.name, s.direction))}

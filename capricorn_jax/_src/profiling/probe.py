@@ -133,14 +133,51 @@ def time_all_to_all(
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
 
+    return _per_op_s(program, (x,), repeats, chain)
+
+
+def _per_op_s(program: Callable[[int], Callable], args: tuple, repeats: int,
+              chain: int) -> float:
+    """Seconds of one op: the median time of ``program(1 + chain)`` (a chain
+    of that many dependent ops) less ``program(1)``'s, over ``chain``; each
+    program run once untimed first (its compile)."""
     def median_s(fn: Callable) -> float:
-        jax.block_until_ready(fn(x))
+        jax.block_until_ready(fn(*args))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
+            jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
     one, many = median_s(program(1)), median_s(program(1 + chain))
     return max(0.0, (many - one) / chain)
+
+
+def time_all_reduce(mesh: Mesh, buffers: Sequence[jax.ShapeDtypeStruct], repeats: int = 5,
+                    chain: int = 10) -> float:
+    """Median seconds of one all-reduce (a sum over every device of ``mesh``)
+    of ``buffers``, each one device's (e.g. the gradients of the parameters
+    every device holds), reduced together as XLA combines a step's gradient
+    all-reduces. As ``time_all_to_all``: programs of 1 and 1 + ``chain``
+    dependent reductions, the difference over ``chain``. 0 for no buffers.
+    """
+    if not buffers:
+        return 0.0
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    xs = tuple(jax.device_put(jnp.zeros((b.shape[0] * mesh.size, *b.shape[1:]) if b.shape
+                                        else (mesh.size,), b.dtype), sharding)
+               for b in buffers)
+
+    def program(n: int) -> Callable:
+        def body(*bs: jax.Array) -> tuple[jax.Array, ...]:
+            return jax.lax.fori_loop(0, n, lambda _, v: jax.lax.psum(v, axes), bs)
+
+        # check_vma=False: a psum's result is the same on every device, and
+        # the loop carries it back in as each device's own buffer.
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(xs),
+                                     out_specs=(spec,) * len(xs), check_vma=False))
+
+    return _per_op_s(program, xs, repeats, chain)

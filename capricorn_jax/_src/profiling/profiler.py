@@ -60,8 +60,21 @@ model knows them, the library does not), each one is timed *in isolation*
 ``collective_s`` is that estimate (the forward runs the all-to-alls, the
 backward their transposes, the same shapes); ``compute_s`` is the measured
 duration minus it, so waiting for a slower peer counts as compute. Without
-``collectives`` both are None. Gradient all-reduces of replicated parameters
-are not split out.
+``collectives`` both are None. The gradient all-reduce of the parameters
+every device holds runs after the last boundary's backward mark (XLA:CPU's
+schedule of the tiny 2x2 step: one combined all-reduce after layer 0's
+backward); given its buffers (``reductions``) it is timed the same way and
+added to the TAIL segment's estimate.
+
+The marks' own cost. A mark (a host callback per device) costs ~0.5 ms on
+4 CPU devices, inside the segments it bounds: the time between two marks
+holds the rest of one callback and the start of the next. ``time_marks``
+measures it once per trainer (a chain of marks against the same chain
+without them, on the trainer's mesh) and every segment is its marks' gap
+less that cost (``LayerProfile.mark_cost_s``), so a plan sizes its windows
+on the step without its marks. Alternative not taken: a second mark right
+after each mark (their gap is one mark's cost in the step itself), which
+doubles the profiled step's callbacks.
 
 Caching. ``make_profiled_step`` keeps the variants and the all-to-all timings
 of a trainer in a weak mapping keyed by the trainer, so they live and die
@@ -96,7 +109,7 @@ from capricorn_jax._src.profiling.layer_profile import (
     Recorder,
     build_profile,
 )
-from capricorn_jax._src.profiling.probe import probe_scalar, time_all_to_all
+from capricorn_jax._src.profiling.probe import probe_scalar, time_all_reduce, time_all_to_all
 
 if TYPE_CHECKING:
     from capricorn_jax._src.profiling.train_step import State, TrainStep
@@ -148,6 +161,47 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: MarkSink, name: str, direc
         check_vma=False,
     )(*leaves)
     return jax.tree.unflatten(treedef, out)
+
+
+def time_marks(mesh: Mesh, marks: int = 8, repeats: int = 5) -> float:
+    """Seconds one ordered mark adds to a program on ``mesh`` (at least 0).
+
+    Times, alternating, a jitted chain of ``marks`` marks (``mark``, as the
+    profiled step places them: per device, ordered, tied to the data) on a
+    small array sharded over every device, and the same chain without them;
+    the median difference over ``repeats`` rounds (after one untimed round
+    that compiles both), per mark. A collective in the mesh's sense: every
+    process calls it at the same point (each times its own devices).
+    """
+    if marks < 1 or repeats < 1:
+        raise ValueError(f"time_marks needs marks >= 1 and repeats >= 1, got {marks}, {repeats}")
+    axes = tuple(mesh.axis_names)
+    spec = P(axes)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    x = jax.make_array_from_callback((mesh.size, 8), sharding,
+                                     lambda index: np.zeros((mesh.size, 8), np.float32)[index])
+    sink = Recorder()
+
+    def chain(marked: bool) -> Callable[[jax.Array], jax.Array]:
+        def body(y: jax.Array) -> jax.Array:
+            for i in range(marks):
+                if marked:
+                    y = mark(y, spec, mesh, sink, f"calibration{i}", FWD)
+                y = y + 1.0
+            return y
+        return jax.jit(body, in_shardings=sharding, out_shardings=sharding)
+
+    programs = {"plain": chain(False), "marked": chain(True)}
+    times: dict[str, list[float]] = {"plain": [], "marked": []}
+    for round_ in range(repeats + 1):
+        for name in (("plain", "marked") if round_ % 2 else ("marked", "plain")):
+            t0 = time.perf_counter()
+            jax.block_until_ready(programs[name](x))
+            if round_:
+                times[name].append(time.perf_counter() - t0)
+    sink.clear()
+    extra = statistics.median(times["marked"]) - statistics.median(times["plain"])
+    return max(0.0, extra / marks)
 
 
 class ProfileHook:
@@ -220,8 +274,11 @@ class ProfiledStep:
         trainer: TrainStep,
         factors: tuple[float, ...],
         collectives_s: Mapping[str, float] | None = None,
+        mark_cost_s: float = 0.0,
+        tail_collective_s: float = 0.0,
     ) -> None:
         self.mesh: Mesh = trainer.mesh
+        self.mark_cost_s, self.tail_collective_s = mark_cost_s, tail_collective_s
         self.recorder = Recorder()
         self.hook = ProfileHook(self.mesh, self.recorder)
         self.collectives_s = dict(collectives_s) if collectives_s is not None else None
@@ -253,7 +310,8 @@ class ProfiledStep:
         total = time.perf_counter() - t0
         step = int(np.asarray(new_state["step"].addressable_data(0))) - 1  # replicated
         profile = build_profile(step, total, self.hook.names, self.recorder.drain(),
-                                self.collectives_s)
+                                self.collectives_s, self.mark_cost_s,
+                                self.tail_collective_s)
         return new_state, metrics, profile
 
 
@@ -263,6 +321,8 @@ class _Variants:
     def __init__(self) -> None:
         self.steps: dict[Any, ProfiledStep] = {}
         self.all_to_all_s: dict[tuple, float] = {}
+        self.all_reduce_s: dict[tuple, float] = {}
+        self.mark_cost_s: float | None = None  # time_marks on the trainer's mesh, once
 
 
 _VARIANTS: weakref.WeakKeyDictionary[Any, _Variants] = weakref.WeakKeyDictionary()
@@ -273,6 +333,7 @@ def make_profiled_step(
     factors: Sequence[float],
     collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] | None = None,
     collective_axis: str = "expert",
+    reductions: Sequence[jax.ShapeDtypeStruct] | None = None,
 ) -> ProfiledStep:
     """The profiled variant of ``trainer.step_fn(factors)``, cached per factors.
 
@@ -286,13 +347,21 @@ def make_profiled_step(
         module docstring). The model provides them (for GPTMoE:
         ``models.gpt.all_to_all_buffers``).
       collective_axis: the mesh axis the all-to-alls run over.
+      reductions: optional per-device gradient buffers the step all-reduces
+        over every device after the backward (the parameters every device
+        holds); timed together in isolation (``probe.time_all_reduce``) and
+        added to the TAIL segment's collective estimate, so the last window
+        does not count that traffic as idle link.
 
     Returns:
-      A callable (state, batch) -> (new state, metrics, LayerProfile).
+      A callable (state, batch) -> (new state, metrics, LayerProfile); its
+      profiles are net of the marks' cost (``time_marks``, measured once per
+      trainer, at its first profiled variant).
     """
     factors = tuple(float(f) for f in factors)
     variants = _VARIANTS.setdefault(trainer, _Variants())
-    key = (factors, _collectives_key(collectives), collective_axis)
+    key = (factors, _collectives_key(collectives), collective_axis,
+           _collectives_key({"": reductions} if reductions else None))
     if key not in variants.steps:
         estimate = None
         if collectives is not None:
@@ -308,7 +377,15 @@ def make_profiled_step(
                 return timed[shape_key]
 
             estimate = {name: sum(seconds(b) for b in bufs) for name, bufs in collectives.items()}
-        variants.steps[key] = ProfiledStep(trainer, factors, estimate)
+        if variants.mark_cost_s is None:
+            variants.mark_cost_s = time_marks(trainer.mesh)
+        tail = 0.0
+        if reductions:
+            reduce_key = _collectives_key({"": reductions})
+            if reduce_key not in variants.all_reduce_s:
+                variants.all_reduce_s[reduce_key] = time_all_reduce(trainer.mesh, reductions)
+            tail = variants.all_reduce_s[reduce_key]
+        variants.steps[key] = ProfiledStep(trainer, factors, estimate, variants.mark_cost_s, tail)
     return variants.steps[key]
 
 

@@ -52,6 +52,9 @@ class ProfilingDriver:
       next_factors: a step's metrics -> the next step's capacity tuple; the
         profile cache and the capacity trigger need it (the model's capacity
         rule).
+      reductions: () -> the per-device gradient buffers the step all-reduces
+        over every device after the backward (``make_profiled_step``); None:
+        no estimate of that traffic.
 
     Attributes:
       profile_next: whether the next step this driver runs is profiled.
@@ -67,8 +70,11 @@ class ProfilingDriver:
                  options: ProfilingOptions | None = None, *,
                  collectives: Callable[[tuple[float, ...]],
                                        Mapping[str, Sequence[jax.ShapeDtypeStruct]]] | None = None,
-                 next_factors: Callable[[Metrics], Sequence[float]] | None = None) -> None:
+                 next_factors: Callable[[Metrics], Sequence[float]] | None = None,
+                 reductions: Callable[[], Sequence[jax.ShapeDtypeStruct]] | None = None
+                 ) -> None:
         self.train, self.strategy = train, strategy
+        self.reductions = reductions
         self.options = options = options or ProfilingOptions()
         self.collectives, self.next_factors = collectives, next_factors
         speculative = options.policy is ProfilePolicy.SPECULATIVE
@@ -119,7 +125,9 @@ class ProfilingDriver:
             compiled = factors not in self._variants
             self._variants.add(factors)
             buffers = None if self.collectives is None else self.collectives(factors)
-            state, metrics, profile = make_profiled_step(self.train, factors, buffers)(state, batch)
+            reduced = None if self.reductions is None else self.reductions()
+            state, metrics, profile = make_profiled_step(self.train, factors, buffers,
+                                                         reductions=reduced)(state, batch)
             if not compiled and self.strategy.plans_on_profiles:
                 profile = agree_profile(profile)  # host 0's durations drive every host
             self.profiled_steps.append(step)
