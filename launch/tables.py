@@ -233,9 +233,19 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    current = sorted((res / "emulated" / "sweep2").glob("bench_*.json"))
+    if current:
+        parts += ["## Emulated accelerator: the sweep of R (the dense wait per device, "
+                  "20 KB link bucket)", "", sweep_table(_load(current)), "",
+                  "The points' commands and every column:", "", emulated_table(_load(current)),
+                  ""]
     sweep = sorted((res / "emulated" / "sweep").glob("bench_*.json"))
     if sweep:
-        parts += ["## Emulated accelerator: the sweep of R", "", sweep_table(_load(sweep)), "",
+        parts += ["## Emulated accelerator: the first sweep of R (superseded)", "",
+                  "Superseded by the sweep above: every point's emulated dense waits also "
+                  "all-gathered the activation over the link, and the links' 256 KB bucket let "
+                  "the all-to-alls after an idle spell pass at loopback speed (BUILD_NOTES).", "",
+                  sweep_table(_load(sweep)), "",
                   "The points' commands and every column:", "", emulated_table(_load(sweep)), ""]
     emulated = sorted((res / "emulated").glob("bench_*.json"))
     if emulated:

@@ -151,10 +151,15 @@ def plot(docs: Sequence[dict], png: Path) -> None:
     if not data:
         raise ValueError("no sweep JSON with a measured R and a none row")
     fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.2), squeeze=False)
+    # One colour per strategy (the same in every panel and topology), the
+    # topology by line and marker.
+    strategies = sorted({key.rsplit(" ", 1)[0] for lines in data.values() for key in lines})
+    colour = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(strategies)}
     for ax, (workload, lines) in zip(axes[0], sorted(data.items()), strict=True):
         for key, pts in sorted(lines.items()):
             style = "-o" if key.endswith("2x2") else "--s"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
+                    color=colour[key.rsplit(" ", 1)[0]])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{workload} workload (emulated accelerator)",
                xlabel="R: version link time / idle link time per step",
