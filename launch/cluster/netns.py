@@ -66,7 +66,8 @@ class LinkOptions:
     """A simulated host's link: ``gbps`` each way (0: unshaped loopback),
     ``latency_ms`` one way between two hosts (needs netem), and ``burst_kb``,
     the tbf bucket: how many KB a host may send at the machine's own speed
-    after an idle spell (0: ``DEFAULT_BURST``).
+    after an idle spell (0: the default, ``DEFAULT_BURST_FLOOR`` or
+    ``DEFAULT_BURST_S`` of the rate, whichever is larger).
 
     The bucket matters to this project's question: a real link has no credit
     beyond a frame or two, while a large bucket lets the bytes that follow an
@@ -99,7 +100,7 @@ class LinkOptions:
         return self.gbps > 0
 
     def burst_bytes(self) -> int:
-        """The tbf bucket in bytes: ``burst_kb``, or ``DEFAULT_BURST`` of the rate."""
+        """The tbf bucket in bytes: ``burst_kb``, or the default (see the class)."""
         if self.burst_kb:
             return int(self.burst_kb * 1000)
         return max(DEFAULT_BURST_FLOOR, int(self.gbps * 1e9 / 8 * DEFAULT_BURST_S))

@@ -360,8 +360,8 @@ def make_profiled_step(
     """
     factors = tuple(float(f) for f in factors)
     variants = _VARIANTS.setdefault(trainer, _Variants())
-    key = (factors, _collectives_key(collectives), collective_axis,
-           _collectives_key({"": reductions} if reductions else None))
+    reduce_key = _collectives_key({"": reductions} if reductions else None)
+    key = (factors, _collectives_key(collectives), collective_axis, reduce_key)
     if key not in variants.steps:
         estimate = None
         if collectives is not None:
@@ -381,7 +381,6 @@ def make_profiled_step(
             variants.mark_cost_s = time_marks(trainer.mesh)
         tail = 0.0
         if reductions:
-            reduce_key = _collectives_key({"": reductions})
             if reduce_key not in variants.all_reduce_s:
                 variants.all_reduce_s[reduce_key] = time_all_reduce(trainer.mesh, reductions)
             tail = variants.all_reduce_s[reduce_key]
