@@ -162,7 +162,8 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
         strategies[name] = make_strategy(
             base, job.trainer, checkpointer=ckpts.get(name),
             directory=directories.get(name), first_n=config.profile_first_n,
-            chunk_cap=config.chunk_bytes, chunk_path=config.chunk_path_of(name), tier="local",
+            chunk_cap=config.chunk_bytes, chunk_path=config.chunk_path_of(name),
+            span_windows=not name.endswith("_layers"), tier="local",
             local_directory=ram / "orbax_local",
             persist_every=config.persist_every or 10)
         strategies[name].name = name  # a variant's row keeps its own name

@@ -21,10 +21,13 @@ from launch.strategies import IN_MEMORY
 # Bench-only rows: a strategy on other media or another chunk path (name ->
 # the strategy it runs); inmem_in_graph / pec_in_graph: inmem / pec
 # replicating in the in-graph exchange (gloo) beside their rows on the chunk
-# channel, to compare the transports in one interleaved run.
+# channel, to compare the transports in one interleaved run; gemini_layers /
+# capricorn_layers: one window per layer segment instead of the idle spans
+# between its all-to-alls (the threaded path's default), to measure the spans.
 VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
             "capricorn_in_graph": "capricorn", "inmem_in_graph": "inmem",
-            "pec_in_graph": "pec"}
+            "pec_in_graph": "pec", "gemini_layers": "gemini",
+            "capricorn_layers": "capricorn"}
 
 
 def summarize(raw: dict) -> dict:

@@ -47,7 +47,7 @@ STRATEGY_PROFILE = {"gemini": "first_n", "capricorn": "speculative",
 def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None = None,
                   directory: Path | None = None, first_n: int | None = None,
                   chunk_cap: int = 1 << 20, chunk_path: str = "auto",
-                  tier: str = "persistent",
+                  span_windows: bool = True, tier: str = "persistent",
                   local_directory: Path | None = None, persist_every: int = 10) -> Strategy:
     """The strategy ``name`` of this host.
 
@@ -65,6 +65,9 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
         ``inmem``/``pec`` replicate over the threaded chunk channel
         (``capricorn_jax.ChannelReplication``) with "threaded", in the
         in-graph exchange otherwise.
+      span_windows: the scheduled strategies plan on the idle spans between
+        a layer's all-to-alls on the threaded path (False: one window per
+        layer segment, the bench's ``*_layers`` rows).
       tier: ``orbax_async``'s restore tier ("persistent" disk or "local" RAM disk).
       local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
         writes its own folder in it).
@@ -95,7 +98,8 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
     if name in SCHEDULED:
         return ScheduledStrategy(name, checkpointer, train,
                                  first_n=first_n or ProfilingOptions().first_n,
-                                 chunk_cap=chunk_cap, chunk_path=chunk_path)
+                                 chunk_cap=chunk_cap, chunk_path=chunk_path,
+                                 spans=None if span_windows else False)
     if chunk_path == "threaded":
         return ChannelReplication(checkpointer, train, name, chunk_cap)
     return InMemoryStrategy(checkpointer, name)

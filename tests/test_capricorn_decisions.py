@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, Span
 from capricorn_jax._src.scheduling.load_windows import MODEL_MARGIN, windows_at_load
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
@@ -134,7 +134,7 @@ class _Transfers:
         return {"scheduled": self.schedule is not None}
 
 
-def _strategy(kind: str, first_n: int = 3) -> ScheduledStrategy:
+def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStrategy:
     s = ScheduledStrategy.__new__(ScheduledStrategy)
     s.kind, s.first_n, s.link = kind, first_n, LINK
     s.transfers = _Transfers()
@@ -145,6 +145,7 @@ def _strategy(kind: str, first_n: int = 3) -> ScheduledStrategy:
     s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
     s._wants_profile, s.repartitions, s.spill_requests = False, [], []
     s.repartition_sources, s._modelled_windows = [], None
+    s.spans = spans
     return s
 
 
@@ -171,6 +172,20 @@ def test_capricorn_replans_on_every_warm_profile_from_the_shortest_of_its_recent
     assert [[w.duration_s for w in plan] for plan in s.transfers.plans] == [
         [2.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 3.0]]
     assert s.repartitions == [2, 3, 4, 5] and s._planned_on.step == 5
+
+
+def test_on_the_threaded_path_capricorn_plans_on_the_spans_between_all_to_alls():
+    spans = (Span("", 0.25, 0.1), Span("fwd:dispatch.end", 0.5, 0.1),
+             Span("fwd:combine.end", 0.05, 0.0))
+    profile = LayerProfile(2, 1.0, (Segment("block0", "fwd", 0.0, 1.0, 0.2, spans),))
+    s = _strategy("capricorn", spans=True)
+    s.on_profile(2, profile, cold=False)
+    assert s.transfers.plans == [[Window("block0", "fwd", 0.25),
+                                  Window("block0", "fwd", 0.5, "fwd:dispatch.end"),
+                                  Window("block0", "fwd", 0.05, "fwd:combine.end")]]
+    g = _strategy("gemini", first_n=1, spans=False)
+    g.on_profile(2, profile, cold=False)
+    assert g.transfers.plans == [[Window("block0", "fwd", 0.8)]]
 
 
 def test_the_gate_is_capricorns_only():

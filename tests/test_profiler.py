@@ -58,10 +58,28 @@ def test_marks_fire_once_per_device_in_layer_order(setup):
     assert step.hook.names == ["block0", "block1"]
     assert order[1:5] == [("block0", "fwd"), ("block1", "fwd"), ("block1", "bwd"),
                           ("block0", "bwd")]
-    assert set(times) == {(n, d, dev) for n, d in order for dev in range(4)}
+    # The MoE layers' all-to-all edges too, in the order their collectives
+    # run: forward begin -> end, backward (the transposes) end -> begin.
+    moe = [f"block{i}" for i in trainer.moe_layers]
+    assert moe
+    fwd_edges = ["fwd:dispatch.begin", "fwd:dispatch.end", "fwd:combine.begin",
+                 "fwd:combine.end"]
+    bwd_edges = ["bwd:combine.end", "bwd:combine.begin", "bwd:dispatch.end",
+                 "bwd:dispatch.begin"]
+    edges = [(n, e) for n in moe for e in fwd_edges + bwd_edges]
+    assert set(times) == {(n, d, dev) for n, d in order + edges for dev in range(4)}
     for dev in range(4):
         stamps = [times[(n, d, dev)] for n, d in order]
         assert stamps == sorted(stamps), f"device {dev}: marks out of order"
+        for n in moe:
+            i = step.hook.names.index(n)
+            opens = order[0] if i == 0 else (step.hook.names[i - 1], "fwd")
+            fwd = [times[(*opens, dev)]] + [times[(n, e, dev)] for e in fwd_edges] + [
+                times[(n, "fwd", dev)]]
+            closes = ("step", "end") if i == 0 else (step.hook.names[i - 1], "bwd")
+            bwd = [times[(n, "bwd", dev)]] + [times[(n, e, dev)] for e in bwd_edges] + [
+                times[(*closes, dev)]]
+            assert fwd == sorted(fwd) and bwd == sorted(bwd), f"device {dev}: {n}'s edges"
 
 
 def test_segments_tile_the_step_and_add_up_to_its_wall_time(setup):
@@ -75,7 +93,10 @@ def test_segments_tile_the_step_and_add_up_to_its_wall_time(setup):
         starts = np.cumsum([0.0] + [s.duration_s for s in profile.segments[:-1]])
         np.testing.assert_allclose([s.start_s for s in profile.segments], starts, atol=1e-9)
         assert all(s.duration_s >= 0 for s in profile.segments)
-        marks = len(profile.segments) * profile.mark_cost_s  # taken off the segments
+        # Taken off the segments: one mark per segment, and one per edge of
+        # its collectives (2 per collective, one collective between spans).
+        marks = sum(1 + 2 * (len(s.spans) - 1 if s.spans else 0)
+                    for s in profile.segments) * profile.mark_cost_s
         ratios.append((profile.span_s + marks) / profile.total_s)
     # The rest is the host's dispatch before the first device starts.
     assert 0.9 <= statistics.median(ratios) <= 1.0, ratios
@@ -89,8 +110,10 @@ def test_only_the_profiled_variant_is_instrumented(setup):
     step = make_profiled_step(trainer, FACTORS)
     profiled = step.jitted.lower(abstract, batch).compile().as_text()
     assert "custom-call" not in plain and "python_cpu_callback" not in plain
-    # start, a fwd and a bwd mark per boundary, end.
-    assert profiled.count("python_cpu_callback") == 2 + 2 * len(step.hook.names)
+    # start, a fwd and a bwd mark per boundary, end; 8 all-to-all edges per
+    # MoE layer (dispatch and combine, begin and end, forward and backward).
+    assert profiled.count("python_cpu_callback") == (2 + 2 * len(step.hook.names)
+                                                     + 8 * len(trainer.moe_layers))
     assert make_profiled_step(trainer, FACTORS) is step
     assert trainer.step_fn(FACTORS) is trainer.step_fn(FACTORS)
 

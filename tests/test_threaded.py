@@ -20,7 +20,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.transport import local_rows
-from capricorn_jax._src.profiling.boundary import boundary_hooks, layer_boundary
+from capricorn_jax._src.profiling.boundary import (
+    boundary_hooks,
+    collective_boundary,
+    layer_boundary,
+)
 from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import START
@@ -169,6 +173,19 @@ def _model(x):
     return jnp.sum(x ** 2)
 
 
+def _log_sends(channel, sender):
+    """(offset, the sites open then) of every frame ``channel`` sends, in order."""
+    sent, send = [], channel.send
+
+    def logging_send(version, offset, data):
+        with sender.marks._cond:
+            sent.append((offset, set(sender.marks._open)))
+        send(version, offset, data)
+
+    channel.send = logging_send
+    return sent
+
+
 def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     devices = jax.devices()[:4]
     mesh = Mesh(np.array(devices), ("x",))
@@ -181,15 +198,7 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     store = _DictStore()
     channel = ChunkChannel(0, 0, 0, "self", store, timeout_s=20.0)  # host 0 to itself
     sender = ThreadedSender(channel, ["b0", "b1"], local_devices=4, mesh=mesh, timeout_s=20.0)
-    opened_at_send = []
-    send = channel.send
-
-    def logging_send(version, offset, data):
-        with sender.marks._cond:
-            opened_at_send.append((offset, set(sender.marks._open)))
-        send(version, offset, data)
-
-    channel.send = logging_send
+    opened_at_send = _log_sends(channel, sender)
     windows = [Window("b0", "fwd", 1e-3), Window("b1", "fwd", 1e-3), Window("head", "fwd", 1e-3),
                Window("b1", "bwd", 1e-3), Window("tail", "bwd", 1e-3)]
     link = LinkModel(alpha_s=0.0, bytes_per_s=8e6)  # 8 kB per window: a tail too
@@ -253,6 +262,67 @@ def test_sender_sends_each_window_after_its_mark_and_the_peer_gets_every_byte():
     assert START not in site_of_offset.values()
 
 
+
+
+def _model_with_all_to_all(mesh):
+    """b0, then an all-to-all inside a shard_map (its edges marked with
+    ``collective_boundary``, as GPTMoE's), then b1."""
+    def exchange(y):
+        y = collective_boundary(y, "b1", "dispatch.begin", ("x",))
+        y = jax.lax.all_to_all(y, "x", 0, 0, tiled=True)
+        y = collective_boundary(y, "b1", "dispatch.end", ("x",))
+        return jnp.tanh(y * 1.1)
+
+    def model(x):
+        x = layer_boundary(jnp.tanh(x * 1.5), "b0")
+        x = jax.shard_map(exchange, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+        x = layer_boundary(jnp.tanh(x @ jnp.ones((16, 16)) / 16), "b1")
+        return jnp.sum(x ** 2)
+
+    return model
+
+
+def test_span_windows_open_at_the_edge_that_ends_their_all_to_all():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    rows = NamedSharding(mesh, P("x"))
+    payload_bytes = 40_000
+    own_np = np.random.default_rng(1).integers(0, 256, (4, payload_bytes), dtype=np.uint8)
+    own = jax.device_put(own_np, rows)
+    channel = ChunkChannel(0, 0, 0, "spans", _DictStore(), timeout_s=20.0)
+    sender = ThreadedSender(channel, ["b0", "b1"], local_devices=4, mesh=mesh, timeout_s=20.0)
+    opened_at_send = _log_sends(channel, sender)
+    edge_fwd, edge_bwd = ("b1", "fwd:dispatch.end"), ("b1", "bwd:dispatch.begin")
+    windows = [Window("b0", "fwd", 1e-3), Window("b1", "fwd", 1e-3),
+               Window("b1", "fwd", 1e-3, edge_fwd[1]), Window("head", "fwd", 1e-3),
+               Window("b1", "bwd", 1e-3), Window("b1", "bwd", 1e-3, edge_bwd[1]),
+               Window("tail", "bwd", 1e-3)]
+    schedule = partition(payload_bytes, windows, LinkModel(0.0, 4e6), chunk_cap=4096)
+    assert all(schedule.chunks)
+    try:
+        grad = jax.jit(jax.grad(_model_with_all_to_all(mesh)), in_shardings=rows,
+                       out_shardings=rows)
+        x = jax.device_put(np.ones((16, 16), np.float32), rows)
+        with boundary_hooks(sender.hook()):
+            step = grad.lower(x).compile()
+        sender.start(5, own, schedule)
+        jax.block_until_ready(step(x))
+        received = sender.wait(5)
+        opened = dict(sender.marks.opened_at)
+    finally:
+        sender.close()
+    assert (received == own_np).all()
+    # Only the edges that end the all-to-all (forward .end, backward .begin) are marked.
+    order = [("b0", "fwd"), edge_fwd, ("b1", "fwd"), ("b1", "bwd"), edge_bwd, ("b0", "bwd")]
+    assert set(opened) == set(order)
+    assert [opened[s] for s in order] == sorted(opened[s] for s in order)
+    # Each span window's frames left after its edge's mark; it closes at the next site.
+    for i, edge in ((2, edge_fwd), (5, edge_bwd)):
+        for c in schedule.chunks[i]:
+            assert all(edge in sites for offset, sites in opened_at_send if offset == c.start)
+        after = order[order.index(edge) + 1]
+        assert sender.last_spans[i] == opened[after] - opened[edge]
+    # The window before an edge closes at it.
+    assert sender.last_spans[1] == opened[edge_fwd] - opened[("b0", "fwd")]
 
 
 # ------------------------------------------------------------------ failures

@@ -35,6 +35,39 @@ HEAD, TAIL = "head", "tail"
 EventKey = tuple[str, str]  # (boundary name or STEP, FWD | BWD | START | END)
 
 
+def is_edge(direction: str) -> bool:
+    """Whether a mark's direction is a collective edge's (``"fwd:dispatch.end"``)
+    rather than a boundary's (FWD, BWD) or the step's (START, END)."""
+    return ":" in direction
+
+
+def opens_span(edge: str) -> bool:
+    """Whether a collective edge ends its collective in the step's order, so
+    that an idle span of the link begins there: in the forward pass a
+    collective runs from its ``.begin`` edge to its ``.end`` edge; in the
+    backward pass its transpose runs from ``.end`` to ``.begin``."""
+    direction, phase = edge.split(":", 1)
+    return phase.endswith(".end" if direction == FWD else ".begin")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """An idle span of the link inside a segment, between its collectives.
+
+    Attributes:
+      edge: the collective edge that opens it (``"fwd:dispatch.end"``), or ""
+        for the segment's opening mark.
+      idle_s: seconds until the next collective begins (or the segment ends).
+      busy_s: seconds of the collective that closes it (0 for the last span,
+        closed by the segment's end; the TAIL's last span holds the gradient
+        all-reduce estimate).
+    """
+
+    edge: str
+    idle_s: float
+    busy_s: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """The wall time between two consecutive marks of one step.
@@ -47,6 +80,10 @@ class Segment:
       duration_s: its length in seconds (the gap between its two marks less
         one mark's cost, ``LayerProfile.mark_cost_s``).
       collective_s: estimated all-to-all time inside it, or None if unknown.
+      spans: its idle spans between collectives, in step order, when the
+        step marked its collectives' edges (``collective_boundary``): they
+        tile the segment with their collectives (sum of idle and busy is its
+        duration); None when it was not measured.
     """
 
     name: str
@@ -54,6 +91,14 @@ class Segment:
     start_s: float
     duration_s: float
     collective_s: float | None = None
+    spans: tuple[Span, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.spans is not None:  # from JSON: lists or dicts
+            spans = tuple(s if isinstance(s, Span) else
+                          Span(**s) if isinstance(s, Mapping) else Span(*s)
+                          for s in self.spans)
+            object.__setattr__(self, "spans", spans)
 
     @property
     def compute_s(self) -> float | None:
@@ -229,17 +274,63 @@ def build_profile(
         raise ValueError(f"mark_cost_s must be >= 0, got {mark_cost_s}")
     layer_of = {(n, d): n for n in names for d in (FWD, BWD)}
     layer_of[(TAIL, BWD)] = names[0]
+    edges = _edges_by_layer(merged)
     segments, start = [], 0.0
     for key, t0, t1 in zip(_segment_keys(names), stamps[:-1], stamps[1:], strict=True):
         layer = layer_of.get(key)
         coll = None if collectives_s is None or layer is None else collectives_s.get(layer)
-        if key == (TAIL, BWD) and tail_collective_s:
-            coll = (coll or 0.0) + tail_collective_s
-        duration = max(0.0, t1 - t0 - mark_cost_s)
-        segments.append(Segment(key[0], key[1], start, duration, coll))
+        tail = tail_collective_s if key == (TAIL, BWD) else 0.0
+        if tail:
+            coll = (coll or 0.0) + tail
+        inside = {} if layer is None else {
+            e: t for e, t in edges.get((layer, key[1]), {}).items() if t0 <= t <= t1}
+        # Every gap between two marks holds about one mark's cost.
+        duration = max(0.0, t1 - t0 - (len(inside) + 1) * mark_cost_s)
+        spans = _spans(t0, t1, inside, mark_cost_s, tail) if inside else None
+        segments.append(Segment(key[0], key[1], start, duration, coll, spans))
         start += duration
     devices = len({d for (_, _, d) in times})
     return LayerProfile(step, total_s, tuple(segments), devices, float(mark_cost_s))
+
+
+def _edges_by_layer(merged: Mapping[EventKey, float]) -> dict[tuple[str, str], dict[str, float]]:
+    """{(layer, FWD | BWD): {edge: time}} of the collective edges among the marks."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for (name, direction), t in merged.items():
+        if is_edge(direction):
+            out.setdefault((name, direction.split(":", 1)[0]), {})[direction] = t
+    return out
+
+
+def _spans(t0: float, t1: float, edges: Mapping[str, float], mark_cost_s: float,
+           tail_s: float) -> tuple[Span, ...] | None:
+    """The idle spans of a segment [t0, t1] whose collectives' edges are
+    ``edges`` ({"fwd:dispatch.begin": time, ...}, both edges of each); None
+    when some collective misses an edge or two collectives overlap. ``tail_s``
+    (the gradient all-reduce, which runs in the segment's last span) moves
+    from the last span's idle time to its busy time."""
+    by_collective: dict[str, list[tuple[float, str]]] = {}
+    for edge, t in edges.items():
+        by_collective.setdefault(edge.rsplit(".", 1)[0], []).append((t, edge))
+    busy = []
+    for marks in by_collective.values():
+        if len(marks) != 2:
+            return None
+        (begin, _), (end, closing) = sorted(marks)
+        if not opens_span(closing):
+            return None
+        busy.append((begin, end, closing))
+    busy.sort()
+    spans, cursor, opening = [], t0, ""
+    for begin, end, closing in busy:
+        if begin < cursor:
+            return None
+        spans.append(Span(opening, max(0.0, begin - cursor - mark_cost_s),
+                          max(0.0, end - begin - mark_cost_s)))
+        cursor, opening = end, closing
+    last = max(0.0, t1 - cursor - mark_cost_s)
+    spans.append(Span(opening, max(0.0, last - tail_s), min(last, tail_s)))
+    return tuple(spans)
 
 
 def moe_segments(profile: LayerProfile, moe_layers: Sequence[int]) -> dict[EventKey, int]:

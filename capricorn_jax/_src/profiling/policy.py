@@ -39,10 +39,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from capricorn_jax._src.multihost.agree import agree_floats
+import numpy as np
+
+from capricorn_jax._src.multihost.agree import agree_floats, broadcast_json
 from capricorn_jax._src.profiling.cache import CacheOptions
 from capricorn_jax._src.profiling.detector import Decision, DetectorOptions
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Span, moe_segments
 from capricorn_jax._src.profiling.train_step import Metrics, State
 
 DEFAULT_FIRST_N = 20
@@ -201,19 +203,27 @@ class StepOutcome:
 
 
 def agree_profile(profile: LayerProfile) -> LayerProfile:
-    """``profile`` with host 0's segment durations and all-to-all estimates, on
-    every host (one broadcast per profile). A strategy that plans on profiles
+    """``profile`` with host 0's segment durations, all-to-all estimates and
+    idle spans, on every host (two broadcasts per profile). A strategy that plans on profiles
     gets only agreed ones, for its schedule and for the detector's cost models,
     so every host takes the same decisions from them (capricorn's gate) with no
     collective per step."""
     segments = profile.segments
     n = len(segments)
     got = agree_floats([s.duration_s for s in segments] + [s.collective_s for s in segments])
+    # The idle spans (``Segment.spans``), host 0's, rounded as agree_floats rounds.
+    mine = [None if s.spans is None else [[p.edge, p.idle_s, p.busy_s] for p in s.spans]
+            for s in segments]
+    spans = broadcast_json(mine, what="agree_profile spans")
     agreed = []
     for i, s in enumerate(segments):
         duration = got[i]
         assert duration is not None, "agree_floats keeps a measured duration measured"
-        agreed.append(dataclasses.replace(s, duration_s=duration, collective_s=got[n + i]))
+        agreed.append(dataclasses.replace(
+            s, duration_s=duration, collective_s=got[n + i],
+            spans=None if spans[i] is None else tuple(
+                Span(edge, float(np.float32(idle)), float(np.float32(busy)))
+                for edge, idle, busy in spans[i])))
     return dataclasses.replace(profile, segments=tuple(agreed))
 
 
@@ -224,7 +234,9 @@ def round_us(x: float | None) -> float | None:
 def profile_event(step: int, profile: LayerProfile, compiled: bool,
                   moe_layers: Sequence[int]) -> dict[str, Any]:
     """The ``profile`` event of a profiled step (floats rounded to 1 us;
-    ``moe_layer``: the segment's row of tokens_per_expert, None for others)."""
+    ``moe_layer``: the segment's row of tokens_per_expert, None for others;
+    ``spans``, where measured: [opening edge, idle_s, busy_s] of each idle
+    span between its collectives, ``Segment.spans``)."""
     moe = moe_segments(profile, moe_layers)
     return {
         "event": "profile", "step": step, "total_s": round_us(profile.total_s),
@@ -232,6 +244,8 @@ def profile_event(step: int, profile: LayerProfile, compiled: bool,
         "mark_cost_s": round_us(profile.mark_cost_s),
         "layers": [{"name": s.name, "direction": s.direction, "start_s": round_us(s.start_s),
                     "duration_s": round_us(s.duration_s), "collective_s": round_us(s.collective_s),
-                    "moe_layer": moe.get((s.name, s.direction))}
+                    "moe_layer": moe.get((s.name, s.direction)),
+                    **({} if s.spans is None else {"spans": [
+                        [p.edge, round_us(p.idle_s), round_us(p.busy_s)] for p in s.spans]})}
                    for s in profile.segments],
     }

@@ -43,6 +43,47 @@ def probe_scalar(leaves: Sequence[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.add, parts, jnp.zeros((), jnp.float32))
 
 
+def _stamp(tree: Any, callback: Callable, axes: tuple[str, ...], ordered: bool) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    device = jax.lax.axis_index(axes).astype(jnp.float32)
+    tag = jnp.stack([device, probe_scalar(leaves)])
+    result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag, ordered=ordered)
+    leaves, _ = jax.lax.optimization_barrier((leaves, result))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def both_passes(x: Any, forward: Callable[[Any], Any], backward: Callable[[Any], Any]) -> Any:
+    """``forward(x)`` in the forward pass; in the backward pass the cotangent
+    goes through ``backward`` (both value-preserving: marks)."""
+    @jax.custom_vjp
+    def ident(y):
+        return forward(y)
+
+    def fwd(y):
+        return forward(y), None
+
+    def bwd(_, g):
+        return (backward(g),)
+
+    ident.defvjp(fwd, bwd)
+    return ident(x)
+
+
+def edge_marked(x: Any, axes: tuple[str, ...], forward: Callable | None,
+                backward: Callable | None, ordered: bool = True) -> Any:
+    """``x`` (a per-device buffer inside a ``shard_map`` over ``axes``) tied to
+    a host callback ``forward(tag)`` in the forward pass and, on its
+    cotangent, ``backward(tag)`` in the backward pass (tag: float32[2],
+    device index and a probe of the data); None: that pass is not marked.
+    ``ordered``: see ``profiler.mark``."""
+    def marker(callback: Callable | None) -> Callable[[Any], Any]:
+        if callback is None:
+            return lambda y: y
+        return lambda y: _stamp(y, callback, axes, ordered)
+
+    return both_passes(x, marker(forward), marker(backward))
+
+
 class CollectiveProbe:
     """A hook that times the collective phases a model marks with
     ``collective_boundary`` (the MoE all-to-alls), in the forward and the
@@ -64,30 +105,8 @@ class CollectiveProbe:
         return x
 
     def collective(self, x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
-        callback_fwd = functools.partial(self.recorder.record, name, f"{FWD}:{phase}")
-        callback_bwd = functools.partial(self.recorder.record, name, f"{BWD}:{phase}")
-
-        def stamp(tree: Any, callback: Callable) -> Any:
-            leaves, treedef = jax.tree.flatten(tree)
-            device = jax.lax.axis_index(axes).astype(jnp.float32)
-            tag = jnp.stack([device, probe_scalar(leaves)])
-            result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag,
-                                 ordered=True)
-            leaves, _ = jax.lax.optimization_barrier((leaves, result))
-            return jax.tree.unflatten(treedef, leaves)
-
-        @jax.custom_vjp
-        def ident(y):
-            return stamp(y, callback_fwd)
-
-        def fwd(y):
-            return stamp(y, callback_fwd), None
-
-        def bwd(_, g):
-            return (stamp(g, callback_bwd),)
-
-        ident.defvjp(fwd, bwd)
-        return ident(x)
+        return edge_marked(x, axes, functools.partial(self.recorder.record, name, f"{FWD}:{phase}"),
+                           functools.partial(self.recorder.record, name, f"{BWD}:{phase}"))
 
     def phase_seconds(self) -> dict[tuple[str, str, str], float]:
         """{(layer, direction, collective): seconds} of the one step stamped

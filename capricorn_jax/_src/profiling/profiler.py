@@ -66,6 +66,19 @@ schedule of the tiny 2x2 step: one combined all-reduce after layer 0's
 backward); given its buffers (``reductions``) it is timed the same way and
 added to the TAIL segment's estimate.
 
+Idle spans. The profiled step also marks every edge of the collectives a
+model marks with ``collective_boundary`` (the MoE all-to-alls: dispatch and
+combine, forward and backward), inside the model's ``shard_map``, ordered
+with the boundary marks. Each segment then has its idle spans
+(``Segment.spans``): the times between one collective's end and the next
+one's begin, each with the collective that closes it, measured in the step.
+A window opened at a layer boundary is not idle from its start: a layer's
+backward begins with the combine's transposed all-to-all, so bytes sent at
+the boundary meet it on the link (measured in the emulated 2x2 runs: the
+backward combines took 15 -> 31 ms and 23 -> 41 ms under capricorn's
+boundary windows). The threaded sender opens span windows at those edges.
+An MoE layer costs 4 marks more per direction (2 per all-to-all).
+
 The marks' own cost. A mark (a host callback per device) costs ~0.5 ms on
 4 CPU devices, inside the segments it bounds: the time between two marks
 holds the rest of one callback and the start of the next. ``time_marks``
@@ -108,8 +121,15 @@ from capricorn_jax._src.profiling.layer_profile import (
     LayerProfile,
     Recorder,
     build_profile,
+    opens_span,
 )
-from capricorn_jax._src.profiling.probe import probe_scalar, time_all_reduce, time_all_to_all
+from capricorn_jax._src.profiling.probe import (
+    both_passes,
+    edge_marked,
+    probe_scalar,
+    time_all_reduce,
+    time_all_to_all,
+)
 
 if TYPE_CHECKING:
     from capricorn_jax._src.profiling.train_step import State, TrainStep
@@ -210,13 +230,21 @@ class ProfileHook:
     The activation is assumed sharded on its leading (batch) dimension over
     all mesh axes, as GPTMoE's is; other leaves of a pytree activation too.
     ``sites``: only these (name, direction) marks (None: all); ``ordered``:
-    see ``mark``.
+    see ``mark``. ``edges``: the collective edges it marks too
+    (``collective_boundary``, keyed (layer, "fwd:dispatch.begin")): None,
+    none; ``"all"``, every edge (the profiled step: a segment's idle spans
+    between its collectives, ``Segment.spans``); ``"opening"``, the edges
+    that open an idle span (``layer_profile.opens_span``: the threaded
+    sender's span windows).
     """
 
     def __init__(self, mesh: Mesh, recorder: MarkSink,
-                 sites: frozenset[tuple[str, str]] | None = None, ordered: bool = True) -> None:
+                 sites: frozenset[tuple[str, str]] | None = None, ordered: bool = True,
+                 edges: str | None = None) -> None:
+        if edges not in (None, "all", "opening"):
+            raise ValueError(f"ProfileHook edges must be None, 'all' or 'opening', got {edges!r}")
         self.mesh, self.recorder = mesh, recorder
-        self.sites, self.ordered = sites, ordered
+        self.sites, self.ordered, self.edges = sites, ordered, edges
         self.names: list[str] = []  # boundaries in forward (trace) order
 
     def _specs(self, x: Any) -> Any:
@@ -238,23 +266,26 @@ class ProfileHook:
         specs = self._specs(x)
         mesh, rec, sites, ordered = self.mesh, self.recorder, self.sites, self.ordered
 
-        def marked(y, direction):
+        def marker(direction: str) -> Callable[[Any], Any]:
             if sites is not None and (name, direction) not in sites:
-                return y
-            return mark(y, specs, mesh, rec, name, direction, ordered)
+                return lambda y: y
+            return lambda y: mark(y, specs, mesh, rec, name, direction, ordered)
 
-        @jax.custom_vjp
-        def ident(y):
-            return marked(y, FWD)
+        return both_passes(x, marker(FWD), marker(BWD))
 
-        def fwd(y):
-            return marked(y, FWD), None
+    def collective(self, x: Any, name: str, phase: str, axes: tuple[str, ...]) -> Any:
+        """Marks the edges of a collective phase as ``edges`` says (inside the
+        model's ``shard_map``; see the class docstring)."""
+        if self.edges is None:
+            return x
 
-        def bwd(_, g):
-            return (marked(g, BWD),)
+        def callback(direction: str) -> Callable | None:
+            edge = f"{direction}:{phase}"
+            if self.edges == "opening" and not opens_span(edge):
+                return None
+            return functools.partial(self.recorder.record, name, edge)
 
-        ident.defvjp(fwd, bwd)
-        return ident(x)
+        return edge_marked(x, axes, callback(FWD), callback(BWD), self.ordered)
 
 
 def _specs_of(shardings: Any) -> Any:
@@ -280,7 +311,7 @@ class ProfiledStep:
         self.mesh: Mesh = trainer.mesh
         self.mark_cost_s, self.tail_collective_s = mark_cost_s, tail_collective_s
         self.recorder = Recorder()
-        self.hook = ProfileHook(self.mesh, self.recorder)
+        self.hook = ProfileHook(self.mesh, self.recorder, edges="all")
         self.collectives_s = dict(collectives_s) if collectives_s is not None else None
         self._batch_spec = trainer.batch_sharding.spec
         self._state_specs = _specs_of(trainer.state_shardings)

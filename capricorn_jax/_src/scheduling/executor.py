@@ -90,7 +90,11 @@ def pack_payload(transport: Transport, state_specs: list, state: Any, trailer: j
 
 
 def site_of(window: Window, boundaries: list[str]) -> Site:
-    """The boundary (name, direction) at which ``window`` opens."""
+    """The mark (name, direction) at which ``window`` opens: a layer boundary,
+    or for a span window (``Window.edge``) the collective edge of its layer."""
+    if window.edge:
+        layer = boundaries[0] if window.name == "tail" else window.name
+        return (layer, window.edge)
     if window.direction == "fwd":
         if window.name == "head":
             return (boundaries[-1], "fwd")
@@ -128,6 +132,10 @@ class InStepSender:
         if schedule.payload_bytes != transport.plan.payload_bytes:
             raise ValueError(f"schedule covers {schedule.payload_bytes} bytes, the payload has "
                              f"{transport.plan.payload_bytes}")
+        spans = [f"{w.name}/{w.direction}@{w.edge}" for w in schedule.windows if w.edge]
+        if spans:
+            raise ValueError(f"the in-graph path places chunks at layer boundaries; the span "
+                             f"windows {spans[:3]} open at collective edges (the threaded path's)")
         self.transport, self.schedule, self.boundaries = transport, schedule, boundaries
         self.tie_receptions = tie_receptions
         self.clock = clock

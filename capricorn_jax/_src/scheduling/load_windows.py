@@ -23,11 +23,11 @@ which would move windows that do not depend on the load.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, moe_segments
 from capricorn_jax._src.scheduling.partitioner import Window, windows_from_profile
 
 MODEL_MARGIN = 0.5
@@ -38,9 +38,64 @@ is reached exactly when the load leaves the range seen (at 0.1 the emulated
 range), and a window the model overestimates spills and asks for a profile."""
 
 
+def windows_at(profile: LayerProfile, predicted: Callable[[int, str], float | None],
+               moe_layers: Sequence[int], spans: bool = False) -> list[Window] | None:
+    """``profile``'s windows (``windows_from_profile``) with each MoE
+    segment's at its predicted duration; None when some prediction is None.
+
+    A segment's window is the predicted duration less the profile's
+    all-to-all estimate. Its span windows (``spans``) keep their measured
+    lengths but for the change, predicted less profiled duration, which goes
+    to its interior spans (between two collectives: the experts' compute,
+    the part that follows the load), in proportion to their idle time (all
+    spans when it has no interior one). No window falls below 0.
+
+    Args:
+      profile: the profile a schedule is planned on.
+      predicted: (MoE layer index, direction) -> seconds of its segment.
+      moe_layers: the model's MoE layer indices.
+      spans: span windows where the profile measured them.
+    """
+    layer_of = moe_segments(profile, moe_layers)
+    segments = {(s.name, s.direction): s for s in profile.segments}
+    change: dict[tuple[str, str], float] = {}
+    for key, layer in layer_of.items():
+        seconds = predicted(layer, key[1])
+        if seconds is None:
+            return None
+        change[key] = seconds - segments[key].duration_s
+    out = []
+    for window in windows_from_profile(profile, spans):
+        key = (window.name, window.direction)
+        seg = segments[key]
+        if key not in change:
+            out.append(window)
+        elif not (spans and seg.spans):
+            idle = change[key] + seg.duration_s - (seg.collective_s or 0.0)
+            out.append(dataclasses.replace(window, duration_s=max(0.0, idle)))
+        else:
+            out.append(dataclasses.replace(
+                window, duration_s=max(0.0, window.duration_s + _share(seg, window.edge)
+                                       * change[key])))
+    return out
+
+
+def _share(segment: Segment, edge: str) -> float:
+    """The share of a segment's predicted change that its span opened at
+    ``edge`` takes (see ``windows_at``)."""
+    spans = list(segment.spans or ())
+    interior = spans[1:-1] or spans
+    if edge not in {s.edge for s in interior}:
+        return 0.0
+    total = sum(s.idle_s for s in interior)
+    if total <= 0:
+        return 1.0 / len(interior)
+    return next(s.idle_s for s in interior if s.edge == edge) / total
+
+
 def windows_at_load(profile: LayerProfile, detector: DynamicityDetector, tokens_per_expert: Any,
-                    moe_layers: Sequence[int], margin: float = MODEL_MARGIN
-                    ) -> list[Window] | None:
+                    moe_layers: Sequence[int], margin: float = MODEL_MARGIN,
+                    spans: bool = False) -> list[Window] | None:
     """``profile``'s windows with each MoE window predicted at this load.
 
     Args:
@@ -51,26 +106,18 @@ def windows_at_load(profile: LayerProfile, detector: DynamicityDetector, tokens_
       tokens_per_expert: [moe_layers, experts] load now.
       moe_layers: the model's MoE layer indices.
       margin: see ``MODEL_MARGIN``.
+      spans: span windows (``windows_at``).
 
     Returns:
       The windows in step order (a predicted window below 0 is 0), or None
       when some MoE window's model does not cover this load.
     """
-    layer_of = moe_segments(profile, moe_layers)
-    collective = {(s.name, s.direction): s.collective_s or 0.0 for s in profile.segments}
     peaks = detector.max_load(tokens_per_expert)
-    out = []
-    for window in windows_from_profile(profile):
-        key = (window.name, window.direction)
-        if key not in layer_of:
-            out.append(window)
-            continue
-        layer = layer_of[key]
-        model = detector.cost_models.get((layer, window.direction))
+
+    def predicted(layer: int, direction: str) -> float | None:
+        model = detector.cost_models.get((layer, direction))
         if model is None or not model.covers(peaks[layer], margin):
             return None
-        predicted = model.predict(peaks[layer])
-        assert predicted is not None, "a model that covers a load has points"
-        out.append(dataclasses.replace(window,
-                                       duration_s=max(0.0, predicted - collective[key])))
-    return out
+        return model.predict(peaks[layer])
+
+    return windows_at(profile, predicted, moe_layers, spans)

@@ -153,28 +153,40 @@ class Window:
       name: the layer boundary that opens it (``profiler.Segment.name``).
       direction: "fwd" or "bwd" (the segment's direction).
       duration_s: its length, seconds, >= 0.
+      edge: the collective edge that opens it inside its segment
+        (``layer_profile.Span.edge``, e.g. "bwd:combine.begin"), or "" when
+        the segment's opening boundary does (a whole segment's window, or its
+        first span).
     """
 
     name: str
     direction: str
     duration_s: float
+    edge: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "duration_s", _finite("duration_s", self.duration_s))
 
 
-def windows_from_profile(profile: LayerProfile) -> list[Window]:
-    """One window per segment of a profiled step, in step order.
+def windows_from_profile(profile: LayerProfile, spans: bool = False) -> list[Window]:
+    """The idle windows of a profiled step, in step order.
 
-    A segment's window is its compute time (duration minus the all-to-all
+    One window per segment: its compute time (duration minus the all-to-all
     estimate) when the profile knows its collective time, else its whole
-    duration. Segments are taken in the order they happen in the step
+    duration. With ``spans``, a segment whose idle spans were measured
+    (``Segment.spans``) gives one window per span instead (opened by its
+    edge; its idle time), so no window's bytes are sent while the segment's
+    collectives run. Segments are taken in the order they happen in the step
     (forward, then backward; sorted by start time, ties kept in profile
     order). A negative measured duration (clock noise) becomes 0.
     """
     segments = sorted(profile.segments, key=lambda s: s.start_s)
-    out = []
+    out: list[Window] = []
     for seg in segments:
+        if spans and seg.spans:
+            out.extend(Window(seg.name, seg.direction, max(0.0, float(span.idle_s)), span.edge)
+                       for span in seg.spans)
+            continue
         compute = seg.compute_s  # None exactly when the collective time is unknown
         idle = seg.duration_s if compute is None else compute
         out.append(Window(seg.name, seg.direction, max(0.0, float(idle))))

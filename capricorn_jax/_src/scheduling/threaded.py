@@ -10,8 +10,9 @@ XLA program while the step computes:
   boundary (``profiler.ProfileHook``: an unordered host callback per device,
   tied to the boundary's data, so placed by that dependency alone; the same
   marks for every schedule, so a re-partition compiles nothing);
-* a mark on every local device of a boundary opens the windows whose site it
-  is (``executor.site_of``); the sender thread sends each window's ranges,
+* a mark on every local device of a boundary, or of a collective edge that
+  opens an idle span (a span window, ``Window.edge``), opens the windows
+  whose site it is (``executor.site_of``); the sender thread sends each window's ranges,
   in step order, as soon as its window is open, and the schedule's tail
   after the last window, so each window carries what the partitioner sized
   to its capacity; the marks' times give each filled window's real length
@@ -164,10 +165,6 @@ class ThreadedSender:
         self.last_spans: dict[int, float] = {}
         self.last_sends: dict[int, float] = {}
 
-    def sites_in_order(self) -> list[Site]:
-        """The sites at which windows open, in the order a step passes them."""
-        return sites_in_order(self.boundaries)
-
     def _window_sites(self, schedule: Schedule) -> dict[int, tuple[Site, Site]]:
         """Window index -> (opening site, closing site: the next one a step
         passes) of each window with chunks."""
@@ -180,10 +177,14 @@ class ThreadedSender:
         windows: ``last_spans``). One hook for every schedule, so a
         re-partition never compiles a new step program (each cost 5.7 s
         against a 0.5 s step in the emulated 2x2 runs); a mark at a boundary
-        no filled window uses costs one host callback per device."""
+        no filled window uses costs one host callback per device. The
+        collective edges that open an idle span (``layer_profile.opens_span``,
+        2 per MoE layer and direction) are marked too: span windows
+        (``Window.edge``) open there."""
         if self._hook is None:
-            sites = frozenset(self.sites_in_order()) - {START, AFTER}
-            self._hook = ProfileHook(self.mesh, self.marks, sites=sites, ordered=False)
+            sites = frozenset(sites_in_order(self.boundaries)) - {START, AFTER}
+            self._hook = ProfileHook(self.mesh, self.marks, sites=sites, ordered=False,
+                                     edges="opening")
         return self._hook
 
     def start(self, version: int, own: jax.Array, schedule: Schedule) -> None:
@@ -203,19 +204,19 @@ class ThreadedSender:
         with self._lock:
             self._versions[version] = entry
         epoch = self.marks.reset()
-        self._jobs.put((entry, epoch, by_site))
+        self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, schedule.windows)))
 
     def _send_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            entry, epoch, by_site = job
+            entry, epoch, by_site, order = job
             try:
                 t0 = entry.t0
                 local = local_rows(entry.own, copy=False)  # views of the packed payload
                 entry.times["packed_s"] = time.perf_counter() - t0
-                for site in self.sites_in_order():
+                for site in order:
                     ranges = by_site.get(site)
                     if not ranges:
                         continue

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.executor import InStepSender, SiteClock, scheduled_step
+from capricorn_jax._src.scheduling.load_windows import windows_at
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,
@@ -72,14 +73,17 @@ def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20,
     return fit_link_model(list(sizes), agree_measured(best))
 
 
+WindowKey = tuple[str, str, str]  # name, direction, edge
+
+
 def _per_window(profiles: Sequence[LayerProfile], windows_of: Callable[[LayerProfile], list[Window]]
-                ) -> tuple[list[tuple[str, str]], dict[tuple[str, str], list[float]]]:
+                ) -> tuple[list[WindowKey], dict[WindowKey, list[float]]]:
     """The windows' keys in step order, and each key's durations over ``profiles``."""
-    per_key: dict[tuple[str, str], list[float]] = {}
-    order: list[tuple[str, str]] = []
+    per_key: dict[WindowKey, list[float]] = {}
+    order: list[WindowKey] = []
     for profile in profiles:
         for w in windows_of(profile):
-            key = (w.name, w.direction)
+            key = (w.name, w.direction, w.edge)
             if key not in per_key:
                 per_key[key] = []
                 order.append(key)
@@ -89,19 +93,19 @@ def _per_window(profiles: Sequence[LayerProfile], windows_of: Callable[[LayerPro
 
 def average_windows(profiles: Sequence[LayerProfile],
                     windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
-    """Mean window per (name, direction) over several profiles, in step order."""
+    """Mean window per (name, direction, edge) over several profiles, in step order."""
     order, per_key = _per_window(profiles, windows_of)
-    return [Window(n, d, float(np.mean(per_key[(n, d)]))) for n, d in order]
+    return [Window(n, d, float(np.mean(per_key[(n, d, e)])), e) for n, d, e in order]
 
 
 def shortest_windows(profiles: Sequence[LayerProfile],
                      windows_of: Callable[[LayerProfile], list[Window]]) -> list[Window]:
-    """Shortest window per (name, direction) over several profiles, in step
-    order: a plan that holds if the step is as fast as the fastest of them (a
-    profile that caught a slow step only lengthens windows, so it cannot
-    overfill one)."""
+    """Shortest window per (name, direction, edge) over several profiles, in
+    step order: a plan that holds if the step is as fast as the fastest of
+    them (a profile that caught a slow step only lengthens windows, so it
+    cannot overfill one)."""
     order, per_key = _per_window(profiles, windows_of)
-    return [Window(n, d, float(min(per_key[(n, d)]))) for n, d in order]
+    return [Window(n, d, float(min(per_key[(n, d, e)])), e) for n, d, e in order]
 
 
 class ScheduledTransfers:
@@ -199,14 +203,15 @@ def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
 
     Capricorn's gate on speculative profiling: a drift of the load only
     matters to the checkpoint if a window the schedule fills shrinks below its
-    chunks. Each MoE window is predicted by the detector's cost model (its
-    segment's duration at this load minus the all-to-all estimate of
-    ``profile``, the one the schedule was planned on); other windows do not
-    depend on the load. At risk when some window's chunks cost more than its
-    predicted length (the partitioner filled only a share of each window, so
-    a small shrink is absorbed), when the schedule has a tail that grown
-    windows might take, or when a model has fewer than two profiles to fit
-    (exploration: the model must see the load move).
+    chunks. Each MoE window is predicted from the detector's cost model of
+    its segment at this load (``load_windows.windows_at`` on ``profile``, the
+    one the schedule was planned on, span windows when the schedule has
+    them); other windows do not depend on the load. At risk when some
+    window's chunks cost more than its predicted length (the partitioner
+    filled only a share of each window, so a small shrink is absorbed), when
+    the schedule has a tail that grown windows might take, or when a model
+    has fewer than two profiles to fit (exploration: the model must see the
+    load move).
 
     Args:
       schedule: the schedule in force (None: at risk, there is none).
@@ -218,21 +223,25 @@ def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
     """
     if schedule is None or profile is None or schedule.tail_bytes > 0:
         return True
-    segments = {(s.name, s.direction): s for s in profile.segments}
     layer_of = moe_segments(profile, moe_layers)
-    predicted = detector.predict(tokens_per_expert)
     for i, window in enumerate(schedule.windows):
-        key = (window.name, window.direction)
-        if not schedule.chunks[i] or key not in layer_of:
+        if not schedule.chunks[i] or (window.name, window.direction) not in layer_of:
             continue
-        model = detector.cost_models.get((layer_of[key], window.direction))
+        model = detector.cost_models.get((layer_of[(window.name, window.direction)],
+                                          window.direction))
         if model is None or model.count < 2:
             return True
-        seg = segments[key]
-        room = predicted[(layer_of[key], window.direction)] - (seg.collective_s or 0.0)
-        if schedule.window_cost_s(i) > room:
-            return True
-    return False
+    durations = detector.predict(tokens_per_expert)
+    for (name, direction), layer in layer_of.items():  # no model: as profiled (none filled)
+        durations.setdefault((layer, direction), next(
+            s.duration_s for s in profile.segments if (s.name, s.direction) == (name, direction)))
+    spans = any(w.edge for w in schedule.windows)
+    room = {(w.name, w.direction, w.edge): w.duration_s
+            for w in windows_at(profile, lambda layer, d: durations[(layer, d)], moe_layers,
+                                spans) or ()}
+    return any(schedule.chunks[i] and (w.name, w.direction) in layer_of
+               and schedule.window_cost_s(i) > room.get((w.name, w.direction, w.edge), 0.0)
+               for i, w in enumerate(schedule.windows))
 
 
 def window_spills(schedule: Schedule, spans_s: dict[int, float],
@@ -265,20 +274,34 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
       measured), chunks_s (its chunks' link time, modelled), spill_s, and
       with ``sends_s`` sent_s and late_s.
     """
-    collective = {} if profile is None else {
-        (seg.name, seg.direction): seg.collective_s or 0.0 for seg in profile.segments}
+    busy = {} if profile is None else _busy_after(profile, any(w.edge for w in schedule.windows))
     out = []
     for i in sorted(spans_s):
         if not schedule.chunks[i]:
             continue
         window = schedule.windows[i]
-        idle = max(0.0, spans_s[i] - collective.get((window.name, window.direction), 0.0))
+        idle = max(0.0, spans_s[i] - busy.get((window.name, window.direction, window.edge), 0.0))
         cost = schedule.window_cost_s(i)
-        record = {"window": f"{window.name}/{window.direction}",
+        name = f"{window.name}/{window.direction}" + (f"@{window.edge}" if window.edge else "")
+        record = {"window": name,
                   "planned_s": round(window.duration_s, 6), "observed_s": round(idle, 6),
                   "chunks_s": round(cost, 6), "spill_s": round(max(0.0, cost - idle), 6)}
         if sends_s is not None and i in sends_s:
             record["sent_s"] = round(sends_s[i], 6)
             record["late_s"] = round(max(0.0, sends_s[i] - spans_s[i]), 6)
         out.append(record)
+    return out
+
+
+def _busy_after(profile: LayerProfile, spans: bool) -> dict[WindowKey, float]:
+    """Per window key, the link-busy time between its opening mark and the
+    next window's (the marks a step's span measures): a segment window's
+    all-to-all estimate; with ``spans``, a span window's closing collective
+    (``windows_from_profile``'s windows)."""
+    out: dict[WindowKey, float] = {}
+    for seg in profile.segments:
+        if spans and seg.spans:
+            out.update({(seg.name, seg.direction, s.edge): s.busy_s for s in seg.spans})
+        else:
+            out[(seg.name, seg.direction, "")] = seg.collective_s or 0.0
     return out

@@ -37,6 +37,8 @@ serialise the step's callbacks, and only the sites of filled windows matter.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -46,23 +48,34 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Recorder
 from capricorn_jax._src.profiling.profiler import mark
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, site_of
-from capricorn_jax._src.scheduling.partitioner import Schedule
+from capricorn_jax._src.scheduling.partitioner import Schedule, Window
 from capricorn_jax._src.scheduling.transfers import window_spills
 
 DONE = ":done"
 """Suffix of a done mark's direction: (opening site name, direction + DONE)."""
 
 
-def sites_in_order(boundaries: list[str]) -> list[Site]:
-    """The sites at which windows open, in the order a step passes them."""
-    return ([START] + [(b, "fwd") for b in boundaries]
+def sites_in_order(boundaries: list[str], windows: Sequence[Window] = ()) -> list[Site]:
+    """The sites at which windows open, in the order a step passes them: the
+    boundaries, and after each the collective edges at which ``windows``'
+    span windows (``Window.edge``) of the segment it opens open, in their
+    order in ``windows`` (step order)."""
+    base = ([START] + [(b, "fwd") for b in boundaries]
             + [(b, "bwd") for b in reversed(boundaries)] + [AFTER])
+    edges: dict[Site, list[Site]] = {}
+    for window in windows:
+        if window.edge:
+            opener = site_of(dataclasses.replace(window, edge=""), boundaries)
+            site = site_of(window, boundaries)
+            if site not in edges.setdefault(opener, []):
+                edges[opener].append(site)
+    return [s for site in base for s in (site, *edges.get(site, ()))]
 
 
 def window_sites(schedule: Schedule, boundaries: list[str]) -> dict[int, tuple[Site, Site]]:
     """Window index -> (opening site, closing site: the next one a step
     passes) of each window of ``schedule`` with chunks."""
-    order = sites_in_order(boundaries)
+    order = sites_in_order(boundaries, schedule.windows)
     out = {}
     for i, (window, chunks) in enumerate(zip(schedule.windows, schedule.chunks, strict=True)):
         if chunks:

@@ -20,7 +20,11 @@ thread outside the XLA program, started by boundary marks, over a TCP channel
 to the peer (``scheduling.threaded``), on CPU, where an in-graph permute adds
 its link time to the step. ``auto`` takes in_graph on GPU, threaded otherwise.
 Both commit the same bytes (tested); the link model each schedules with is
-measured on its own path.
+measured on its own path. On the threaded path the windows are the idle
+spans between a layer's all-to-alls (``spans``: the profile's
+``Segment.spans``, opened at the collective edges the step marks), so a
+window's bytes do not meet the all-to-all that begins its layer's backward;
+the in-graph path keeps one window per layer segment.
 
 A step that is profiled, or runs before a schedule exists, moves no chunks:
 its version moves unscheduled after the step (as ``inmem``). A version is
@@ -65,7 +69,7 @@ from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
 from capricorn_jax._src.scheduling.load_windows import windows_at_load
-from capricorn_jax._src.scheduling.partitioner import Schedule, windows_from_profile
+from capricorn_jax._src.scheduling.partitioner import Schedule, Window, windows_from_profile
 from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
 from capricorn_jax._src.scheduling.transfers import (
     ScheduledTransfers,
@@ -133,13 +137,18 @@ class ScheduledStrategy(InMemoryStrategy):
       first_n: gemini: the profiled steps its fixed schedule is built from.
       chunk_cap: the partitioner's largest chunk, in bytes.
       chunk_path: "auto", "in_graph" or "threaded" (module docstring).
+      spans: plan on span windows (``partitioner.windows_from_profile``:
+        the idle spans between a layer's all-to-alls, opened at their edges)
+        rather than one window per layer segment; threaded path only (the
+        in-graph path places chunks at boundaries). None: on the threaded
+        path.
     """
 
     plans_on_profiles = True
 
     def __init__(self, name: str, checkpointer: InMemoryCheckpointer, train: TrainStep,
                  first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20,
-                 chunk_path: str = "auto") -> None:
+                 chunk_path: str = "auto", spans: bool | None = None) -> None:
         kind = name.removesuffix("_pec")
         if kind not in KINDS:
             raise ValueError(f"unknown scheduled strategy {name!r}")
@@ -149,6 +158,10 @@ class ScheduledStrategy(InMemoryStrategy):
         super().__init__(checkpointer, name)
         self.kind, self.train, self.first_n = kind, train, first_n
         self.chunk_path = resolve_chunk_path(chunk_path)
+        if spans and self.chunk_path != "threaded":
+            raise ValueError(f"{name}: span windows open at collective edges, which only the "
+                             f"threaded chunk path marks; chunk_path={self.chunk_path!r}")
+        self.spans = self.chunk_path == "threaded" if spans is None else spans
         self.sender: ThreadedSender | None = None
         # capricorn, in-graph: the marks that time each window inside the step.
         self.clock: WindowClock | None = None
@@ -264,17 +277,21 @@ class ScheduledStrategy(InMemoryStrategy):
             if self._profiles_seen < self.first_n:
                 return None
             # Gemini: the iteration timeline of the first n steps, kept for good.
-            windows = average_windows(self._profiles or [profile], windows_from_profile)
+            windows = average_windows(self._profiles or [profile], self._windows_of)
             self._profiles.clear()
         else:
             if cold:
                 return None
             self._recent.append(profile)
-            windows = shortest_windows(list(self._recent), windows_from_profile)
+            windows = shortest_windows(list(self._recent), self._windows_of)
             self._wants_profile = False  # a warm profile answers a spill's request
             self._spills.clear()
         self._planned_on, self._modelled_windows = profile, None
         return self._repartition(step, windows, "profile")
+
+    def _windows_of(self, profile: LayerProfile) -> list[Window]:
+        """The windows a profile gives this strategy (span windows or not)."""
+        return windows_from_profile(profile, spans=self.spans)
 
     def _repartition(self, step: int, windows: list, source: str) -> dict[str, Any]:
         """Re-partitions the payload into ``windows`` (planned on ``source``);
@@ -305,7 +322,7 @@ class ScheduledStrategy(InMemoryStrategy):
         if self.kind != "capricorn" or self._planned_on is None:
             return None
         windows = windows_at_load(self._planned_on, detector, tokens_per_expert,
-                                  self.train.moe_layers)
+                                  self.train.moe_layers, spans=self.spans)
         if windows is None:
             return None
         if windows == self._modelled_windows:
