@@ -31,7 +31,11 @@ from capricorn_jax._src.scheduling.partitioner import (
     partition,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.transfers import schedule_at_risk, window_spills
+from capricorn_jax._src.scheduling.transfers import (
+    ScheduledTransfers,
+    schedule_at_risk,
+    window_spills,
+)
 from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
 
 NAMES = ["block0", "block1"]
@@ -221,3 +225,18 @@ def test_segment_windows_keep_the_all_to_all_estimate():
                                             (Span("", 0.5, 0.25), Span("x", 0.25, 0.0))),))
     schedule = partition(50, windows_from_profile(profile), LinkModel(0.0, 100.0), 100)
     assert window_spills(schedule, {0: 1.0}, profile)[0]["observed_s"] == 0.75
+
+
+def test_a_repartition_keeps_each_windows_edge():
+    """The schedule in force opens its span windows at their edges (one
+    round: host 0's durations are this host's)."""
+    windows = windows_from_profile(_profile(), spans=True)
+    ckpt = types.SimpleNamespace(transport=types.SimpleNamespace(
+        plan=types.SimpleNamespace(payload_bytes=5_000)))
+    transfers = ScheduledTransfers(ckpt, None, NAMES, LinkModel(0.0, 100.0), chunk_cap=100,
+                                   margin=0.5)
+    schedule = transfers.repartition(windows)
+    assert [(w.name, w.direction, w.edge) for w in schedule.windows] == [
+        (w.name, w.direction, w.edge) for w in windows]
+    assert [w.duration_s for w in schedule.windows] == pytest.approx(
+        [np.float32(w.duration_s) * 0.5 for w in windows])

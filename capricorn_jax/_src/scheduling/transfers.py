@@ -21,6 +21,7 @@ detector fires.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -138,7 +139,8 @@ class ScheduledTransfers:
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
         durations = agree_measured([w.duration_s for w in windows])
-        windows = [Window(w.name, w.direction, d) for w, d in zip(windows, durations, strict=True)]
+        windows = [dataclasses.replace(w, duration_s=d)
+                   for w, d in zip(windows, durations, strict=True)]
         self._windows = scale_windows(windows, self.margin)
         self._schedules = {}
         self.schedule = self.schedule_for(self.ckpt.transport)
@@ -157,7 +159,7 @@ class ScheduledTransfers:
         size = transport.plan.payload_bytes
         if size not in self._schedules:
             s = partition(size, self._windows, self.link, self.chunk_cap)
-            where = (tuple((w.name, w.direction, tuple((c.start, c.stop) for c in cs))
+            where = (tuple((w.name, w.direction, w.edge, tuple((c.start, c.stop) for c in cs))
                            for w, cs in zip(s.windows, s.chunks, strict=True)),
                      tuple((c.start, c.stop) for c in s.tail))
             self._schedules[size] = (s, where)
