@@ -23,6 +23,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     fit_link_model,
     partition,
     scale_windows,
+    spread,
     windows_from_profile,
 )
 
@@ -405,3 +406,21 @@ def test_agree_profile_keeps_the_profile_in_one_process():
                                                      float(np.float32(0.3))]
     assert got.segments[0].collective_s == float(np.float32(0.01))
     assert got.segments[1].collective_s is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(payload=st.integers(0, 5000), durations=st.lists(st.floats(0, 0.2), min_size=1,
+                                                          max_size=4),
+       max_steps=st.integers(1, 6))
+def test_spread_takes_the_fewest_steps_whose_windows_hold_the_payload(payload, durations,
+                                                                      max_steps):
+    link = LinkModel(alpha_s=0.001, bytes_per_s=10_000.0)
+    windows = [Window(f"block{i}", "fwd", d) for i, d in enumerate(durations)]
+    schedule, k = spread(payload, windows, link, chunk_cap=300, max_steps=max_steps)
+    schedule.validate()
+    assert 1 <= k <= max_steps and schedule.windows == tuple(windows) * k
+    if k < max_steps:
+        assert schedule.tail_bytes == 0
+    if k > 1:  # one step fewer left a tail
+        assert partition(payload, windows * (k - 1), link, 300).tail_bytes > 0
+    assert schedule == partition(payload, windows * k, link, 300)

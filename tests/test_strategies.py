@@ -161,6 +161,32 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
+def test_capricorn_under_a_budget_spreads_a_version_over_steps_and_recovers(tmp_path, cache,
+                                                                          reference):
+    """A link too slow for one step's windows (0.05 Gbit/s) with the cost
+    budget on: each moved version goes over the windows of several steps and
+    the versions of the steps in between are skipped (the interval grows);
+    host 1 is then lost as a machine mid-spread and the job restores the
+    last committed version bit for bit."""
+    records = _train(tmp_path, cache, "--ckpt=capricorn", "--ckpt_budget=0", "--link_gbps=0.05",
+                     "--kill_host=1", f"--kill_at_step={KILL_AT}", "--kill_mode=host")
+    events = _events(records, "checkpoint")
+    # A moved version is committed after the versions of the steps its chunks
+    # went in were skipped.
+    spread = [c for i, c in enumerate(events) if "moved_in_step" in c
+              and any(e["skipped"] and e["step"] > c["step"] for e in events[:i])]
+    assert spread, events
+    skipped = {c["step"] for c in events if c["skipped"]}
+    grown = [c for c in events if not c["skipped"] and (c["interval"] or 1) > 1]
+    assert grown, events
+    for c in grown:  # the steps between it and the version taken before it took none
+        assert set(range(c["step"] - c["interval"] + 1, c["step"])) <= skipped, (c, skipped)
+    (recovery,) = _events(records, "recovery")
+    assert recovery["step"] not in skipped
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
+
+
 @pytest.mark.parametrize("strategy", ["inmem", pytest.param("pec", marks=pytest.mark.soak)])
 def test_inmem_over_the_chunk_channel_replicates_and_recovers_bitwise(tmp_path, cache, reference,
                                                                       strategy):

@@ -28,7 +28,7 @@ from capricorn_jax._src.profiling.boundary import (
 from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import START
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition, spread
 from capricorn_jax._src.scheduling.threaded import ThreadedSender, WindowMarks
 
 
@@ -371,6 +371,47 @@ def test_a_mark_that_never_fires_sends_its_window_at_the_bound_and_the_version_c
         for s in senders:  # the window was sent, not its span measured
             assert s.last_spans == {} and s.failure is None
         _round(mesh, senders, 2, _schedule(split=True))
+    finally:
+        for s in senders:
+            s.close()
+
+
+def _fire(sender, site):
+    sender.marks.record(site[0], site[1], np.zeros(2, np.float32))  # device 0: all local
+
+
+def test_a_spread_version_sends_one_steps_windows_per_part_and_completes_after_the_last():
+    mesh, senders = _senders(timeout_s=20.0)
+    windows = [Window("b0", "fwd", 1e-5), Window("b1", "fwd", 1.0)]
+    schedule, parts = spread(PAYLOAD, windows, LinkModel(0.0, 8e3), 4096, max_steps=8)
+    assert parts == 3 and not schedule.tail  # 1 s per step holds 8 KB: 3 steps for 20 KB
+    try:
+        data = {}
+        for h, sender in enumerate(senders):
+            data[h], own = _own(mesh, 7, h)
+            sender.start(7, own, schedule, parts)
+            assert sender.parts_left(7) == 2
+        for part in range(parts):
+            if part:
+                for sender in senders:
+                    sender.resume(7)
+            time.sleep(0.2)  # no part completes the version before its last
+            assert not any(s._versions[7].complete.is_set() for s in senders) or part == 2
+            for sender in senders:
+                _fire(sender, ("b0", "fwd"))  # opens this step's second window
+        for h, sender in enumerate(senders):
+            assert (sender.wait(7, 20.0) == data[1 - h]).all()
+            assert 7 not in sender._versions  # finished: forgotten
+        # flush: every part left goes at once, no mark needed.
+        for h, sender in enumerate(senders):
+            data[h], own = _own(mesh, 8, h)
+            sender.start(8, own, schedule, parts)
+            sender.resume(8, flush=True)
+            assert sender.parts_left(8) == 0
+            with pytest.raises(ValueError, match="all 3 parts were sent"):
+                sender.resume(8)
+        for h, sender in enumerate(senders):
+            assert (sender.wait(8, 20.0) == data[1 - h]).all()
     finally:
         for s in senders:
             s.close()

@@ -235,6 +235,18 @@ class InMemoryCheckpointer(VersionWriters):
         report.step, report.skipped = step, True
         return report
 
+    def skip(self, step: int, tokens_per_expert: Any = None) -> SaveReport:
+        """Takes no version at ``step`` on purpose (every host calls it at the
+        same step: the status round still runs): a scheduled strategy whose
+        previous version is still on the link under a cost budget. PEC:
+        ``tokens_per_expert`` of the step that made ``step`` (its lost
+        tokens are counted as for a budget's skip)."""
+        if self.pec is not None:
+            self.pec.skip(step, tokens_per_expert)
+        else:
+            _refuse_pec_args(tokens_per_expert, None)
+        return self._skip(step)
+
     def begin_round(self) -> tuple[SaveReport, np.ndarray]:
         """The first half of a ``save_transferred`` whose status round the
         caller runs in a program of its own (``status_round=``): adopts the

@@ -489,3 +489,30 @@ def partition(payload_bytes: int, windows: Sequence[Window], link: LinkModel,
         pos = stop
     return Schedule(windows, tuple(per_window), tuple(tail), payload_bytes, chunk_cap, link,
                     min_chunk)
+
+
+def spread(payload_bytes: int, windows: Sequence[Window], link: LinkModel, chunk_cap: int,
+           max_steps: int, min_chunk: int = 1) -> tuple[Schedule, int]:
+    """One payload over the windows of the fewest consecutive steps that hold it.
+
+    A version that does not fit in one step's idle windows (a tail) goes
+    over ``k`` steps instead: the schedule of ``windows`` repeated ``k``
+    times (step j's windows are ``k``-th copies j * len(windows) ..), with the
+    smallest ``k`` <= ``max_steps`` whose schedule has no tail; at
+    ``max_steps`` what is left is still the tail (after the last step).
+    Greedy filling makes the tail shrink as ``k`` grows, so the first ``k``
+    without one is the least.
+
+    Returns:
+      (the schedule, k).
+
+    Raises:
+      ValueError: ``max_steps`` < 1, or as ``partition``.
+    """
+    max_steps = _index("max_steps", max_steps, 1)
+    windows = tuple(windows)
+    for k in range(1, max_steps + 1):
+        schedule = partition(payload_bytes, windows * k, link, chunk_cap, min_chunk)
+        if not schedule.tail or k == max_steps or not windows:
+            return schedule, k
+    raise AssertionError("unreachable")

@@ -45,6 +45,7 @@ frame that arrives twice counts once, and the next version goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -130,6 +131,11 @@ class _Version:
         # window index -> (the site opening it, the site closing it)
         self.window_sites: dict[int, tuple[Site, Site]] = {}
         self.site_sent: dict[Site, float] = {}  # when a site's last frame was handed over
+        # A version spread over several steps (``parts``): its schedule, the
+        # windows of one step, the next part to send and when the last one began.
+        self.schedule: Schedule | None = None
+        self.parts, self.per_part, self.next_part = 1, 0, 0
+        self.part_t0 = self.t0
 
 
 class ThreadedSender:
@@ -165,11 +171,6 @@ class ThreadedSender:
         self.last_spans: dict[int, float] = {}
         self.last_sends: dict[int, float] = {}
 
-    def _window_sites(self, schedule: Schedule) -> dict[int, tuple[Site, Site]]:
-        """Window index -> (opening site, closing site: the next one a step
-        passes) of each window with chunks."""
-        return window_sites(schedule, self.boundaries)
-
     def hook(self) -> ProfileHook:
         """The boundary hook of a step moving chunks: an unordered mark (placed
         by its data dependency alone) at every boundary a window can open or
@@ -187,35 +188,74 @@ class ThreadedSender:
                                      edges="opening")
         return self._hook
 
-    def start(self, version: int, own: jax.Array, schedule: Schedule) -> None:
+    def start(self, version: int, own: jax.Array, schedule: Schedule, parts: int = 1) -> None:
         """Version ``version``'s chunks go as the step about to be dispatched
-        opens its windows. ``own``: its packed payload [devices, bytes]."""
+        opens its windows. ``own``: its packed payload [devices, bytes].
+        ``parts`` > 1: the schedule's windows are ``parts`` steps' windows
+        (``partitioner.spread``); this step sends the first step's, and each
+        ``resume`` the next's."""
         if self.failure is not None:
             raise RuntimeError("the chunk channel failed earlier") from self.failure
-        by_site: dict[Site, list[tuple[int, int]]] = {}
-        for window, chunks in zip(schedule.windows, schedule.chunks, strict=True):
-            by_site.setdefault(site_of(window, self.boundaries), []).extend(
-                (c.start, c.stop) for c in chunks)
-        by_site.setdefault(AFTER, []).extend((c.start, c.stop) for c in schedule.tail)
+        if parts < 1 or len(schedule.windows) % parts:
+            raise ValueError(f"{len(schedule.windows)} windows are not {parts} steps' windows")
         rows = self.marks.local_devices
         entry = _Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
-                         [r for rs in by_site.values() for r in rs])
-        entry.window_sites = self._window_sites(schedule)
+                         [(c.start, c.stop) for c in schedule.all_chunks()])
+        entry.schedule, entry.parts = schedule, parts
+        entry.per_part = len(schedule.windows) // parts
         with self._lock:
             self._versions[version] = entry
+        self._queue_part(entry)
+
+    def resume(self, version: int, flush: bool = False) -> None:
+        """The next step's part of spread version ``version`` goes as the step
+        about to be dispatched opens its windows; ``flush``: every part left
+        goes now, without waiting for any mark (before a step that carries no
+        marks, e.g. a profiled one)."""
+        with self._lock:
+            entry = self._versions[version]
+        if entry.next_part >= entry.parts:
+            raise ValueError(f"version {version}: all {entry.parts} parts were sent")
+        self._queue_part(entry, flush)
+
+    def parts_left(self, version: int) -> int:
+        """Parts of ``version`` not yet handed to the sender thread."""
+        with self._lock:
+            entry = self._versions[version]
+        return entry.parts - entry.next_part
+
+    def _queue_part(self, entry: _Version, flush: bool = False) -> None:
+        schedule, n, part = entry.schedule, entry.per_part, entry.next_part
+        assert schedule is not None
+        last = entry.parts if flush else part + 1
+        entry.next_part = last
+        by_site: dict[Site, list[tuple[int, int]]] = {}
+        indices = range(part * n, last * n)
+        for i in indices:
+            site = START if flush else site_of(schedule.windows[i], self.boundaries)
+            by_site.setdefault(site, []).extend((c.start, c.stop) for c in schedule.chunks[i])
+        if last == entry.parts:
+            by_site.setdefault(AFTER, []).extend((c.start, c.stop) for c in schedule.tail)
+        step_windows = schedule.windows[part * n:(part + 1) * n]
+        pairs = window_sites(dataclasses.replace(
+            schedule, windows=step_windows, chunks=schedule.chunks[part * n:(part + 1) * n]),
+            self.boundaries)
+        entry.window_sites = {} if flush else {part * n + i: p for i, p in pairs.items()}
+        entry.part_t0 = time.perf_counter()
         epoch = self.marks.reset()
-        self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, schedule.windows)))
+        self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, step_windows),
+                        last == entry.parts))
 
     def _send_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            entry, epoch, by_site, order = job
+            entry, epoch, by_site, order, last = job
             try:
                 t0 = entry.t0
                 local = local_rows(entry.own, copy=False)  # views of the packed payload
-                entry.times["packed_s"] = time.perf_counter() - t0
+                entry.times.setdefault("packed_s", time.perf_counter() - t0)
                 for site in order:
                     ranges = by_site.get(site)
                     if not ranges:
@@ -227,13 +267,16 @@ class ThreadedSender:
                     for lo, hi in ranges:
                         self.channel.send(entry.version, lo, [row[lo:hi] for row in local])
                     entry.site_sent[site] = time.perf_counter()
-                entry.times["sent_s"] = time.perf_counter() - t0
+                if last:
+                    entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
                 self.failure = e
                 entry.complete.set()
-            finally:
                 entry.sent.set()
+            else:
+                if last:
+                    entry.sent.set()
 
     def _buffer(self, version: int) -> np.ndarray | None:
         """The buffer of a frame of ``version``; None (discard the frame) for a
@@ -320,7 +363,11 @@ class ThreadedSender:
         # time of the step (window 0's span once included it: 2-28 ms).
         # The sender thread may see the packed payload only after window 0's
         # closing mark (a busy box): that window then gave it no time, 0.
-        opened = {**self.marks.opened_at, START: entry.t0 + entry.times["packed_s"]}
+        # A later part of a spread version: its step's start window opens
+        # when that part was handed over.
+        start = (entry.t0 + entry.times["packed_s"] if entry.parts == 1
+                 else max(entry.part_t0, entry.t0 + entry.times["packed_s"]))
+        opened = {**self.marks.opened_at, START: start}
         self.last_spans = {i: max(0.0, opened[close] - opened[open_])
                            for i, (open_, close) in entry.window_sites.items()
                            if open_ in opened and close in opened}

@@ -41,6 +41,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     fit_link_model,
     partition,
     scale_windows,
+    spread,
 )
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ class ScheduledTransfers:
         self._windows: list[Window] | None = None
         # payload bytes -> (schedule in force, where its bytes go: the variants' key)
         self._schedules: dict[int, tuple[Schedule, tuple]] = {}
+        self._spreads: dict[tuple[int, int], tuple[Schedule, int]] = {}
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
@@ -143,6 +145,7 @@ class ScheduledTransfers:
                    for w, d in zip(windows, durations, strict=True)]
         self._windows = scale_windows(windows, self.margin)
         self._schedules = {}
+        self._spreads = {}
         self.schedule = self.schedule_for(self.ckpt.transport)
         self.partitions += 1
         return self.schedule
@@ -151,6 +154,20 @@ class ScheduledTransfers:
         """The schedule in force for a payload of ``transport``'s plan (a PEC
         version's payload is smaller: the same windows, partitioned again)."""
         return self._planned(transport)[0]
+
+    def spread_for(self, transport: Transport, max_steps: int) -> tuple[Schedule, int]:
+        """(schedule, k): ``transport``'s payload over the windows of the
+        fewest steps k <= ``max_steps`` that hold it (``partitioner.spread``;
+        k = 1 is ``schedule_for``'s)."""
+        schedule = self.schedule_for(transport)
+        if not schedule.tail or max_steps == 1:
+            return schedule, 1
+        key = (transport.plan.payload_bytes, max_steps)
+        if key not in self._spreads:
+            assert self._windows is not None  # schedule_for raised otherwise
+            self._spreads[key] = spread(transport.plan.payload_bytes, self._windows, self.link,
+                                        self.chunk_cap, max_steps)
+        return self._spreads[key]
 
     def _planned(self, transport: Transport) -> tuple[Schedule, tuple]:
         """(schedule, where its bytes go) for ``transport``'s payload size."""

@@ -100,6 +100,11 @@ window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
 SPILL_WINDOW = 4
 """capricorn, both paths: the moved versions over which host 0 counts the
 ones in which a window spilled; more than half of them ask for a profile."""
+MAX_SPREAD = 8
+"""Under a cost budget, the most steps one version's chunks may spread over
+(``partitioner.spread``): a version the windows of one step cannot hold goes
+over the windows of the fewest steps that hold it, and the versions of the
+steps in between are not taken."""
 SPILL_TOLERANCE_S = 0.001
 """A window spills when its chunks' modelled link time exceeds its measured
 idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
@@ -113,6 +118,7 @@ class MovedPayloads(TypedDict):
     own: jax.Array
     received: jax.Array | np.ndarray | None
     transport: NotRequired[Transport]
+    schedule: NotRequired[Schedule]
 
 
 def resolve_chunk_path(path: str) -> str:
@@ -180,6 +186,8 @@ class ScheduledStrategy(InMemoryStrategy):
         self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
         self._profiles_seen = 0  # gemini: profiles seen (cold ones too)
         self._moved: tuple[int, MovedPayloads, Any] | None = None
+        # Under a budget, threaded: a version whose chunks still have steps to go.
+        self._spread: tuple[int, MovedPayloads, Any] | None = None
         self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
         self._last_saved = -1
         self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
@@ -219,6 +227,8 @@ class ScheduledStrategy(InMemoryStrategy):
                  hooks: tuple = ()) -> bool:
         """Under PEC it assumes the payload of the last version moved (K is
         fixed in the bench; a new K compiles a variant)."""
+        if self._spread is not None:
+            return train.has_step(factors, self._hooks(hooks))
         if self._moves(step):
             if self.ckpt.pec is not None and self._pec_transport is None:
                 return False
@@ -231,7 +241,10 @@ class ScheduledStrategy(InMemoryStrategy):
     def run_step(self, train: TrainStep, step: int, factors: tuple[float, ...], state: State,
                  batch: jax.Array, hooks: tuple = ()) -> tuple[State, Metrics]:
         """Step ``step``, moving version ``step`` in it when a schedule exists;
-        ``hooks``: extra boundary hooks (the bench's CollectiveProbe)."""
+        ``hooks``: extra boundary hooks (the bench's CollectiveProbe). While a
+        spread version has parts left, the step sends its next part instead."""
+        if self._spread is not None:
+            return self._continue_spread(train, factors, state, batch, hooks)
         if not self._moves(step):
             return train.step_fn(factors, hooks)(state, batch)
         host_state, tokens_per_expert = self._host_states[step]
@@ -251,11 +264,18 @@ class ScheduledStrategy(InMemoryStrategy):
             transport = transport or self.ckpt.transport
             with self.ckpt.clock.phase("pack"):
                 own = self._pack(transport)(state, trailer, *gather)
+            schedule, parts = self.transfers.spread_for(
+                transport, MAX_SPREAD if self.ckpt.options.max_wait_s is not None else 1)
             with self.ckpt.clock.phase("send_handoff"):
-                self.sender.start(step, own, self.transfers.schedule_for(transport))
+                self.sender.start(step, own, schedule, parts)
             state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
-            self._moved = (step, {"own": own, "received": None, "transport": transport},
-                           version)
+            sent: tuple[int, MovedPayloads, Any] = (
+                step, {"own": own, "received": None, "transport": transport,
+                       "schedule": schedule}, version)
+            if parts > 1:
+                self._spread = sent  # committed after its last part's step
+            else:
+                self._moved = sent
             return state, metrics
         if self.clock is not None:
             self.clock.clear()
@@ -264,6 +284,29 @@ class ScheduledStrategy(InMemoryStrategy):
         self._moved = (step, {"own": moved["own"], "received": moved["received"],
                               "transport": transport or self.ckpt.transport}, version)
         return state, metrics
+
+    def _continue_spread(self, train: TrainStep, factors: tuple[float, ...], state: State,
+                         batch: jax.Array, hooks: tuple) -> tuple[State, Metrics]:
+        """A step that sends the next part of the spread version (no pack, no
+        new version); after the last part the version is committed as a
+        moved one."""
+        assert self._spread is not None and self.sender is not None
+        version = self._spread[0]
+        with self.ckpt.clock.phase("send_handoff"):
+            self.sender.resume(version)
+        state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
+        if self.sender.parts_left(version) == 0:
+            self._moved, self._spread = self._spread, None
+        return state, metrics
+
+    def _flush_spread(self) -> None:
+        """Sends every part left of the spread version now (before a step that
+        carries no sender marks, or at the end); it is committed as moved."""
+        if self._spread is not None:
+            assert self.sender is not None
+            with self.ckpt.clock.phase("send_handoff"):
+                self.sender.resume(self._spread[0], flush=True)
+            self._moved, self._spread = self._spread, None
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
         """Re-partitions from the profile when the strategy does (gemini: once,
@@ -395,47 +438,67 @@ class ScheduledStrategy(InMemoryStrategy):
           The ``checkpoint`` events of the versions committed now: the one
           moved in the step, and ``step`` when it is saved now.
         """
+        if self._spread is not None:
+            if not next_step_profiled:
+                # The spread version still has steps to go: version ``step``
+                # is not taken (every host alike: the same schedule).
+                self._host_states = {}
+                report = self.ckpt.skip(
+                    step, tokens_per_expert if self.ckpt.pec is not None else None)
+                return [self._event(step, report)]
+            self._flush_spread()  # a profiled step carries no sender marks
         will_move = self.transfers.schedule is not None and not next_step_profiled
         self._host_states = {step: (host_state, tokens_per_expert)} if will_move else {}
-        moved, self._moved = self._moved, None
-        events = []
-        if moved is not None:
-            version, payloads, pec_version = moved
-            windows = None
-            if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
-                sender = self.sender
-                assert sender is not None, "only the threaded path leaves the peer's payload out"
-                with self.ckpt.clock.phase("peer_wait"):
-                    payloads["received"] = sender.wait(version)  # [local devices, bytes]
-                windows = window_spills(self.transfers.schedule_for(payloads["transport"]),
-                                        sender.last_spans, self._planned_on, sender.last_sends)
-                self._note_spills(windows)
-            elif self.clock is not None:  # in-graph: the step's marks, once it is done
-                windows = self.in_graph_windows(payloads, state)
-                self._note_spills(windows)
-            report = self.ckpt.save_transferred(version, payloads["own"],
-                                                [payloads["received"]], version=pec_version)
-            self._last_saved = version
-            event = {**self._event(version, report), "moved_in_step": version}
-            if self.sender is not None:  # threaded: when its chunks went (seconds from start)
-                event["chunk_times_s"] = {k: round(v, 4) for k, v in
-                                          self.sender.last_times.items()}
-            if windows is not None:
-                event["windows"] = windows
-                self._check_spills(version)
-            events.append(event)
+        events = self._commit_moved(state)
         if not will_move:
             self._last_saved = step
             events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
         return events
 
-    def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
-        """Saves the final state (version ``step``), which no later step moves."""
-        if self._last_saved == step:
+    def _commit_moved(self, state: State) -> list[CheckpointEvent]:
+        """Commits the version the last step(s) moved, if any: its event
+        (``state``: the last step's, whose marks the in-graph path reads)."""
+        moved, self._moved = self._moved, None
+        if moved is None:
             return []
+        version, payloads, pec_version = moved
+        windows = None
+        if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
+            sender = self.sender
+            assert sender is not None, "only the threaded path leaves the peer's payload out"
+            with self.ckpt.clock.phase("peer_wait"):
+                payloads["received"] = sender.wait(version)  # [local devices, bytes]
+            schedule = payloads.get("schedule") or self.transfers.schedule_for(
+                payloads["transport"])  # a spread version's: its last step's windows timed
+            windows = window_spills(schedule, sender.last_spans, self._planned_on,
+                                    sender.last_sends)
+            self._note_spills(windows)
+        elif self.clock is not None:  # in-graph: the step's marks, once it is done
+            windows = self.in_graph_windows(payloads, state)
+            self._note_spills(windows)
+        report = self.ckpt.save_transferred(version, payloads["own"],
+                                            [payloads["received"]], version=pec_version)
+        self._last_saved = version
+        event = {**self._event(version, report), "moved_in_step": version}
+        if self.sender is not None:  # threaded: when its chunks went (seconds from start)
+            event["chunk_times_s"] = {k: round(v, 4) for k, v in
+                                      self.sender.last_times.items()}
+        if windows is not None:
+            event["windows"] = windows
+            self._check_spills(version)
+        return [event]
+
+    def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
+        """Saves the final state (version ``step``), which no later step moves;
+        a spread version still on its way is sent whole and committed first."""
+        self._flush_spread()
+        events = self._commit_moved(state)
+        if self._last_saved == step:
+            return events
         self._last_saved = step
         _, tokens_per_expert = self._host_states.get(step, (None, None))
-        return super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
+        return events + super().save(step, state, host_state,
+                                     tokens_per_expert=tokens_per_expert)
 
     def close(self) -> None:
         if self.sender is not None:
