@@ -37,7 +37,8 @@ class InMemoryStrategy(Strategy):
         self.bytes_per_step = 0
 
     def _event(self, version: int, report: SaveReport) -> CheckpointEvent:
-        self.bytes_per_step = report.bytes
+        if not report.skipped:  # a skipped version moved nothing: keep the last version's
+            self.bytes_per_step = report.bytes
         event = {"version": version, "bytes": report.bytes, "store_bytes": report.store_bytes,
                  "store_kib_per_host": report.store_kib_per_host,
                  "committed": report.committed, "replicated": report.safe_version,
