@@ -233,11 +233,25 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
-    current = sorted((res / "emulated" / "sweep2").glob("bench_*.json"))
+    current = sorted((res / "emulated" / "sweep3").glob("bench_*.json"))
     if current:
-        parts += ["## Emulated accelerator: the sweep of R (the dense wait per device, "
-                  "20 KB link bucket)", "", sweep_table(_load(current)), "",
+        parts += ["## Emulated accelerator: the sweep of R (span windows, the budget's spread)",
+                  "", sweep_table(_load(current)), "",
                   "The points' commands and every column:", "", emulated_table(_load(current)),
+                  ""]
+    spans = sorted((res / "emulated" / "spans").glob("bench_*.json"))
+    if spans:
+        parts += ["## Emulated accelerator: span windows against layer windows (one run)", "",
+                  "capricorn plans on the idle spans between each layer's all-to-alls; "
+                  "capricorn_layers on one window per layer segment (BUILD_NOTES, \"Span "
+                  "windows\").", "", emulated_table(_load(spans)), ""]
+    previous = sorted((res / "emulated" / "sweep2").glob("bench_*.json"))
+    if previous:
+        parts += ["## Emulated accelerator: the sweep before span windows (superseded)", "",
+                  "The same points before capricorn's profile was net of its marks' cost, "
+                  "before span windows and before the budget spread a version over steps "
+                  "(2026-12-04, code 1f6799d).", "", sweep_table(_load(previous)), "",
+                  "The points' commands and every column:", "", emulated_table(_load(previous)),
                   ""]
     sweep = sorted((res / "emulated" / "sweep").glob("bench_*.json"))
     if sweep:

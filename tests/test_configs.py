@@ -101,12 +101,12 @@ def test_readme_sweep_table_is_generated_from_the_sweep_json_beside_it():
     from launch.tables import sweep_table
 
     root = Path(__file__).resolve().parent.parent
-    paths = sorted((root / "results" / "emulated" / "sweep2").glob("bench_*.json"))
+    paths = sorted((root / "results" / "emulated" / "sweep3").glob("bench_*.json"))
     docs = [json.loads(p.read_text()) for p in paths]
     assert len(docs) >= 5 and all(d["config"]["accelerator"] == "emulated" for d in docs)
     assert all(d["link"]["burst_bytes"] == 20_000 for d in docs)
     assert sweep_table(docs) in (root / "README.md").read_text()
-    assert (root / "results" / "emulated" / "sweep2.png").stat().st_size > 0
+    assert (root / "results" / "emulated" / "sweep3.png").stat().st_size > 0
 
 
 def test_readme_projection_is_generated_from_the_planner_json_beside_it():
