@@ -102,11 +102,16 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
                       f"disk; a *_in_graph row on the in-graph path).", flag_values=fv)
     flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.",
                          flag_values=fv)
-    flags.DEFINE_integer("a2a_steps", 2,
+    flags.DEFINE_integer("a2a_steps", 0,
                          "Steps per block (after the timed ones, not timed) that run with the "
                          "all-to-all probe: per-device stamps around each MoE all-to-all, under "
-                         "the strategy's own checkpoint traffic; 0 = no all-to-all column.",
-                         flag_values=fv)
+                         "the strategy's own checkpoint traffic (with --nocollectives: the "
+                         "all-to-all column's only samples).", flag_values=fv)
+    flags.DEFINE_boolean("collectives", True,
+                         "The all-to-all probe on every step of every strategy (its timed "
+                         "steps' records: the JSON's \"collectives\" and \"expert_spans\"; "
+                         "the all-to-all column from them); its callbacks cost every "
+                         "strategy alike.", flag_values=fv)
     flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.",
                          flag_values=fv)
     flags.DEFINE_string("json", None, "Write the results here as JSON.", flag_values=fv)
@@ -157,10 +162,12 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
                    "orbax_emergency": workdir / "orbax_emergency"}
     for name in config.strategies:
         base = VARIANTS.get(name, name)
+        # Its own step cache: it compiles what it would compile in its own run.
+        trainer = job.trainer.with_own_steps()
         if base in IN_MEMORY:
             ckpts[name] = _checkpointer(name, job, config)
         strategies[name] = make_strategy(
-            base, job.trainer, checkpointer=ckpts.get(name),
+            base, trainer, checkpointer=ckpts.get(name),
             directory=directories.get(name), first_n=config.profile_first_n,
             chunk_cap=config.chunk_bytes, chunk_path=config.chunk_path_of(name),
             span_windows=not name.endswith("_layers"), tier="local",
@@ -170,10 +177,10 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
         options = capricorn_jax.ProfilingOptions(
             STRATEGY_PROFILE.get(base, "off"), config.profile_first_n,
             DetectorOptions(threshold=config.drift_threshold), trigger=config.profile_trigger)
-        drivers[name] = capricorn_jax.ProfilingDriver(job.trainer, strategies[name], options,
-                                                      collectives=job.trainer.all_to_alls,
-                                                      reductions=job.trainer.gradient_reductions,
-                                                      next_factors=job.trainer.next_factors)
+        drivers[name] = capricorn_jax.ProfilingDriver(trainer, strategies[name], options,
+                                                      collectives=trainer.all_to_alls,
+                                                      reductions=trainer.gradient_reductions,
+                                                      next_factors=trainer.next_factors)
     return strategies, drivers, ckpts
 
 
@@ -196,13 +203,18 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
 
         link = measure_link(config.link_probe_mib)
     strategies, drivers, ckpts = _strategies(job, workdir, config)
-    runner = Runner(job, setup.seed)
+    runner = Runner(job, setup.seed, every_step=config.collectives)
     probed = config.a2a_steps
+    warmup = {}
     for name, strategy in strategies.items():
         # Compiles the probed variant too.
+        compiles, t0 = runner.compiles, time.perf_counter()
         runner.block(strategy, drivers[name], config.warmup + probed, probed)
+        warmup[name] = {"seconds": time.perf_counter() - t0, "steps": config.warmup + probed,
+                        "compiles": runner.compiles - compiles}
         if job.host == 0:
-            print(f"warm-up of {name} done", flush=True)
+            print(f"warm-up of {name} done ({warmup[name]['seconds']:.1f} s, "
+                  f"{warmup[name]['compiles']} compiles)", flush=True)
     samples = {name: [] for name in strategies}  # (seconds, profiled, compiled) per step
     a2a = {name: [] for name in strategies}
     names = list(strategies)
@@ -254,6 +266,11 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                   "schedules": schedules, "saves": runner.saves,
                   "transport": {name: config.transport_of(name) for name in strategies},
                   "blocked": runner.blocked, "emulation_checks": runner.emulation,
+                  "warmup": warmup, "records": runner.records,
+                  # Profiling that a strategy does once (gemini's first steps):
+                  # a one-time cost; capricorn's re-profiles recur.
+                  "one_time_profiling": [n for n in strategies if STRATEGY_PROFILE.get(
+                      VARIANTS.get(n, n)) == "first_n"],
                   "emulation": (None if job.trainer.emulation is None
                                 else job.trainer.emulation.profile),
                   "device_kind": (None if jax.devices()[0].platform == "cpu"
@@ -305,7 +322,8 @@ def _link_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | No
     none = results.get("none", {})
     per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / setup.hosts
     rate = link.get("one_way_gbps") or (setup.link.gbps or None)
-    return step_stats.link_idle_share(per_host, rate, none.get("median_step_s"),
+    return step_stats.link_idle_share(per_host, rate,
+                                      none.get("steady_median_s") or none.get("median_step_s"),
                                       none.get("a2a_median_s"))
 
 

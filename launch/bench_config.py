@@ -71,6 +71,7 @@ class BenchConfig:
     strategies: tuple[str, ...]
     reps: int
     a2a_steps: int
+    collectives: bool
     warmup: int
     json: str | None
     png: str | None
@@ -114,7 +115,8 @@ class BenchConfig:
             workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
             shift_every=fv.shift_every, accelerator=accelerator)
         return BenchConfig(
-            setup=setup, reps=fv.reps, a2a_steps=fv.a2a_steps, warmup=fv.warmup,
+            setup=setup, reps=fv.reps, a2a_steps=fv.a2a_steps, collectives=fv.collectives,
+            warmup=fv.warmup,
             json=fv.json, png=fv.png, bandwidth_mib=fv.bandwidth_mib,
             link_probe_mib=fv.link_probe_mib, replicas=fv.replicas,
             chunk_bytes=fv.chunk_bytes, chunk_path=fv.chunk_path, store_root=fv.store_root,
@@ -147,11 +149,13 @@ class BenchConfig:
     def record(self) -> dict[str, Any]:
         """The JSON's "config" (DESIGN.md contract): these flags' values."""
         s = self.setup
-        return {"model": s.model, "workload": s.workload, "steps": s.steps, "reps": self.reps,
+        return {"model": s.model, "workload": s.workload, "shift_every": s.shift_every,
+                "steps": s.steps, "reps": self.reps,
                 "hosts": s.hosts, "devices_per_host": s.devices_per_host,
                 "dispatch": s.dispatch, "replicas": self.replicas,
                 "global_batch": s.global_batch, "platform": s.platform,
-                "a2a_steps": self.a2a_steps, "ckpt_budget": self.ckpt_budget,
+                "a2a_steps": self.a2a_steps, "collectives": self.collectives,
+                "ckpt_budget": self.ckpt_budget,
                 "accelerator": s.accelerator.accelerator,
                 "accelerator_profile": s.accelerator.profile}
 

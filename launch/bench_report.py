@@ -81,10 +81,20 @@ def summarize(raw: dict) -> dict:
                              a2a_samples=len(a2a))
     base = out.get("none", {}).get("median_step_s")
     steady = out.get("none", {}).get("steady_median_s")
-    for row in out.values():
+    mean = out.get("none", {}).get("mean_step_s")
+    for name, row in out.items():
         row["ratio"] = row["median_step_s"] / base if base else None
         row["steady_ratio"] = (row["steady_median_s"] / steady
                                if steady and "steady_median_s" in row else None)
+        row["long_run_ratio"] = row["mean_step_s"] / mean if mean else None
+        row["warmup_s"] = warmup_seconds(
+            raw["samples"][name], (raw.get("warmup") or {}).get(name),
+            name in raw.get("one_time_profiling", ()))
+        records = (raw.get("records") or {}).get(name)
+        if records is not None:  # per timed step, in step_s's order
+            row["record_steps"] = [r["step"] for r in records]
+            for key in ("windows", "collectives", "expert_spans"):
+                row[key] = [r[key] for r in records]
     for name, schedule in raw.get("schedules", {}).items():
         out[name]["schedule"] = schedule
     for name, records in raw.get("emulation_checks", {}).items():
@@ -108,6 +118,25 @@ def summarize(raw: dict) -> dict:
     return out
 
 
+def warmup_seconds(steps: list, warmup: dict | None, one_time_profiling: bool
+                   ) -> float | None:
+    """A strategy's one-time cost (DESIGN.md "Long-run accounting"): what
+    its warm-up block and its timed steps that compiled (a step variant for a
+    new capacity bucket, a program its save needs) or ran its one-time
+    profiling (``one_time_profiling``: gemini's first steps) took beyond its
+    steady median, in seconds. None without a steady step. A recurring cost
+    (capricorn's re-profiles, skipped versions) is not in it: the long-run
+    ratio holds it."""
+    steady = [t for t, p, c in steps if not p and not c]
+    if not steady:
+        return None
+    base = statistics.median(steady)
+    extra = sum(t - base for t, p, c in steps if c or (p and one_time_profiling))
+    if warmup:
+        extra += warmup["seconds"] - warmup["steps"] * base
+    return round(extra, 3)
+
+
 def cpu_per_step(per_host: list[list[float]], steps: int) -> dict[str, float]:
     """CPU milliseconds per timed step, summed over the hosts' processes, per
     ``launch.cluster.cpu_account`` group, with their ``total`` (which the box's cores
@@ -127,10 +156,11 @@ def _iqr(values: list[float]) -> float:
 
 def markdown(results: dict) -> str:
     """The console table of ``summarize``'s results, with CPU and recovery lines."""
-    lines = ["| strategy | median step, all steps (ms) | spread IQR (ms) | ratio to none | "
+    lines = ["| strategy | steady ratio | long-run ratio | warm-up (s) | median step, all "
+             "steps (ms) | spread IQR (ms) | ratio to none | "
              "steps timed / profiled / compiled | steady state only (ms, ratio) | all-to-all "
              "(ms, IQR) | ckpt bytes/step (all hosts) | store RAM per host (MB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
         ram = ", ".join(f"{b / 1e6:.1f}" for b in r["store_bytes_per_host"]) or "-"
@@ -147,7 +177,11 @@ def markdown(results: dict) -> str:
                     f"{r['max_commit_lag']} saves)")
         elif r.get("versions_taken") is not None and r["versions_taken"] < 1:
             name = f"{name} (a version at {r['versions_taken']:.0%} of steps)"
-        lines.append(f"| {name} | {r['median_step_s'] * 1e3:.1f} | {r['spread_s'] * 1e3:.1f} | "
+        three = " | ".join("-" if r.get(k) is None else f"{r[k]:.3f}" if k != "warmup_s"
+                           else f"{r[k]:.1f}"
+                           for k in ("steady_ratio", "long_run_ratio", "warmup_s"))
+        lines.append(f"| {name} | {three} | {r['median_step_s'] * 1e3:.1f} | "
+                     f"{r['spread_s'] * 1e3:.1f} | "
                      f"{ratio} | {counts} | {steady} | {a2a} | {r['ckpt_bytes_per_step']:,} | "
                      f"{ram} |")
     for name, r in results.items():

@@ -21,7 +21,7 @@ from launch.cluster import cpu_account
 class Runner:
     """Steps the job under a given strategy, timing each step."""
 
-    def __init__(self, job, seed: int):
+    def __init__(self, job, seed: int, every_step: bool = False):
         import jax
 
         import capricorn_jax
@@ -57,6 +57,19 @@ class Runner:
         # and the emulated windows' check records (step_stats.emulation_errors).
         self.blocked: dict[str, list[dict[str, float]]] = {}
         self.emulation: dict[str, list[dict]] = {}
+        # ``every_step``: the probe rides on every step (but the profiled ones,
+        # which carry the profiler's marks); strategy -> per timed step, what
+        # its windows and collectives did (``step_record``).
+        self.every_step = every_step
+        self.records: dict[str, list[dict]] = {}
+        # The emulated backward compute after the step's last all-to-all
+        # edge (the first MoE layer's attention and every layer below it):
+        # taken off the closing span to leave the gradient all-reduce.
+        self.after_last_edge_s = 0.0
+        if job.trainer.emulation is not None and job.trainer.moe_layers:
+            first = min(job.trainer.moe_layers)
+            self.after_last_edge_s = sum(
+                t.dense_bwd_ms for t in job.trainer.emulation.layers[:first + 1]) / 1e3
 
         def on_event(event: str, seconds: float, **_) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
@@ -97,7 +110,7 @@ class Runner:
 
         trainer, times, a2a = self.job.trainer, [], []
         for i in range(n):
-            hooks = (self.probe,) if i >= n - probed else ()
+            hooks = (self.probe,) if self.every_step or i >= n - probed else ()
             factors = self.choose(self.job.cfg, self.max_routed, trainer.tokens_per_group)
             compiles = self.compiles
             cpu_before = cpu_account.sample()
@@ -111,11 +124,13 @@ class Runner:
                 self.losses.setdefault(self.step, {})[strategy.name] = loss
                 self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
             cached = not run.compiled and run.profile is None and self.compiles == compiles
+            collectives = None
             if hooks:
                 jax.block_until_ready(self.state)  # the backward pass's stamps are in
-                phases = self.probe.phase_seconds()
-                if cached and phases:
-                    a2a.append(sum(phases.values()))
+                t_ready = time.perf_counter()
+                collectives = self.probe.step_record()
+                if cached and collectives.phases and i > 0:
+                    a2a.append(sum(collectives.phases.values()))
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
             strategy.resume_at(self.step)  # the other strategies ran the steps in between
             events = strategy.save(self.step + 1, self.state,
@@ -133,12 +148,18 @@ class Runner:
             count[1] += any(e.get("skipped") for e in events)
             index = self.save_index[strategy.name] = self.save_index.get(strategy.name, 0) + 1
             self.committed(strategy.name, events)
-            if i > 0 and not hooks:
+            timed = i > 0 and i < n - probed
+            if timed:
                 self.timed_versions.setdefault(strategy.name, []).append((self.step + 1, index))
             # Checked after the save: it may compile too (e.g. PEC packing).
-            if i > 0 and not hooks:
+            if timed:
                 compiled = run.compiled or self.compiles != compiles
                 times.append((time.perf_counter() - t0, run.profile is not None, compiled))
+                if self.record:
+                    self.records.setdefault(strategy.name, []).append(step_record(
+                        self.step, events, collectives,
+                        None if collectives is None or collectives.last_edge is None
+                        else max(0.0, t_ready - collectives.last_edge - self.after_last_edge_s)))
                 if self.record:
                     self.blocked.setdefault(strategy.name, []).append(
                         {"step": t_stepped - t0, "save": t_saved - t_stepped,
@@ -163,3 +184,29 @@ class Runner:
 def _add(totals: dict[str, list[float]], name: str, values: list[float]) -> None:
     total = totals.get(name, [0.0] * len(values))
     totals[name] = [a + b for a, b in zip(total, values, strict=True)]
+
+
+def step_record(step: int, events: list[dict], collectives, grad_all_reduce_s: float | None
+                ) -> dict:
+    """One timed step's record (DESIGN.md contracts, "Long-run accounting"):
+    its windows (from the checkpoint events' window records: the threaded
+    path's, ``scheduling.transfers.window_spills``), its collectives (each
+    all-to-all phase from the probe, and the gradient all-reduce) and each
+    MoE layer's expert span (the idle link between its all-to-alls)."""
+    windows = [{"name": w["window"], "planned_idle_s": w["planned_s"],
+                "observed_idle_s": w["observed_s"], "bytes_planned": w.get("bytes_planned"),
+                "bytes_sent": w.get("bytes_sent"), "bytes_late": w.get("bytes_late"),
+                "late_s": w.get("late_s"), "spill_s": w["spill_s"]}
+               for e in events for w in e.get("windows") or ()]
+    out: dict = {"step": step, "windows": windows, "collectives": [], "expert_spans": []}
+    if collectives is not None:
+        out["collectives"] = [{"name": f"{layer}/{direction}/{phase}", "seconds": round(t, 6)}
+                              for (layer, direction, phase), t
+                              in sorted(collectives.phases.items())]
+        if grad_all_reduce_s is not None:
+            out["collectives"].append({"name": "grad_all_reduce",
+                                       "seconds": round(grad_all_reduce_s, 6)})
+        spans = sorted(collectives.expert_spans.items())
+        out["expert_spans"] = [{"name": f"{layer}/{direction}", "seconds": round(t, 6)}
+                               for (layer, direction), t in spans]
+    return out

@@ -90,6 +90,20 @@ class Trainer:
         self._init_jit = jax.jit(self._init, out_shardings=self.state_shardings)
         self._steps: dict[tuple, Callable] = {}
 
+    def with_own_steps(self) -> Trainer:
+        """This trainer with a step cache of its own (the model, mesh,
+        optimizer and shardings shared): its step variants are traced and
+        compiled anew, as in a run that never saw this trainer's. The bench
+        gives each strategy one, so that every strategy compiles in its timed
+        steps whatever it would compile in its own run, ``none`` too (with one
+        cache, the strategies that run the plain step compiled each new
+        capacity bucket's program for whoever met it next)."""
+        import copy
+
+        view = copy.copy(self)
+        view._steps = {}
+        return view
+
     @property
     def tokens_per_group(self) -> int:
         """Tokens of one device in one step (one capacity group)."""

@@ -22,6 +22,7 @@ the profiled step's segments, which hold the layer's compute too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -108,24 +109,79 @@ class CollectiveProbe:
         return edge_marked(x, axes, functools.partial(self.recorder.record, name, f"{FWD}:{phase}"),
                            functools.partial(self.recorder.record, name, f"{BWD}:{phase}"))
 
+    def step_record(self) -> StepCollectives:
+        """What the one step stamped since the last call (forgets its stamps):
+        each phase's time (as ``phase_seconds``), each MoE layer's expert
+        span per direction (from the dispatch's end to the combine's start in
+        the forward pass; in the backward pass from the transposed combine's
+        end to the transposed dispatch's start: the layer's idle link, the
+        slowest device's) and when the step's last collective ended (the
+        latest stamp, ``time.perf_counter``), from which the bench measures
+        the step's closing gradient all-reduce."""
+        times = self.recorder.drain()
+        return StepCollectives(_phases(times), _expert_spans(times),
+                               max(times.values(), default=None))
+
     def phase_seconds(self) -> dict[tuple[str, str, str], float]:
         """{(layer, direction, collective): seconds} of the one step stamped
         since the last call (forgets its stamps): per device the time from the
         phase's first edge to its second in that direction, the slowest
         device's. A phase missing an edge on some device is left out."""
-        times = self.recorder.drain()
-        out: dict[tuple[str, str, str], float] = {}
-        for (name, key, device), t in times.items():
-            direction, phase = key.split(":", 1)
-            collective, edge = phase.rsplit(".", 1)
-            other = times.get((name, f"{direction}:{collective}."
-                               f"{'end' if edge == 'begin' else 'begin'}", device))
-            if edge != "begin" or other is None:
-                continue
-            seconds = abs(other - t)
-            k = (name, direction, collective)
-            out[k] = max(out.get(k, 0.0), seconds)
-        return out
+        return _phases(self.recorder.drain())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCollectives:
+    """One step's collective times (``CollectiveProbe.step_record``).
+
+    Attributes:
+      phases: {(layer, direction, collective): seconds}.
+      expert_spans: {(layer, direction): seconds} between a layer's two
+        all-to-alls (its experts' compute).
+      last_edge: ``time.perf_counter`` of the step's last stamp (None: none).
+    """
+
+    phases: dict[tuple[str, str, str], float]
+    expert_spans: dict[tuple[str, str], float]
+    last_edge: float | None
+
+
+def _phases(times: dict[tuple[str, str, int], float]) -> dict[tuple[str, str, str], float]:
+    """Per (layer, direction, collective) its time: per device from its first
+    edge to its second, the slowest device's (a phase missing an edge on some
+    device left out)."""
+    out: dict[tuple[str, str, str], float] = {}
+    for (name, key, device), t in times.items():
+        direction, phase = key.split(":", 1)
+        collective, edge = phase.rsplit(".", 1)
+        other = times.get((name, f"{direction}:{collective}."
+                           f"{'end' if edge == 'begin' else 'begin'}", device))
+        if edge != "begin" or other is None:
+            continue
+        seconds = abs(other - t)
+        k = (name, direction, collective)
+        out[k] = max(out.get(k, 0.0), seconds)
+    return out
+
+
+def _expert_spans(times: dict[tuple[str, str, int], float]) -> dict[tuple[str, str], float]:
+    """Per (layer, direction) the span between its dispatch and its combine
+    (``CollectiveProbe.step_record``), the slowest device's; a layer missing
+    an edge on some device left out."""
+    # (opening edge, closing edge) per direction: the backward pass runs the
+    # transposed combine first, from its end edge to its begin edge.
+    edges = {FWD: ("dispatch.end", "combine.begin"), BWD: ("combine.begin", "dispatch.end")}
+    out: dict[tuple[str, str], float] = {}
+    for (name, key, device), t in times.items():
+        direction, phase = key.split(":", 1)
+        opening, closing = edges.get(direction, ("", ""))
+        if phase != opening:
+            continue
+        close = times.get((name, f"{direction}:{closing}", device))
+        if close is None:
+            continue
+        out[(name, direction)] = max(out.get((name, direction), 0.0), close - t)
+    return out
 
 
 def time_all_to_all(

@@ -74,12 +74,18 @@ class WindowMarks:
     thread waits on ``wait_open``.
     """
 
-    def __init__(self, local_devices: int) -> None:
+    def __init__(self, local_devices: int,
+                 queued: Callable[[], int | None] | None = None) -> None:
         self.local_devices = local_devices
         self._cond = threading.Condition()
         self._seen: dict[tuple[str, str], set[int]] = {}
         self._open: set[tuple[str, str]] = set()
         self.opened_at: dict[tuple[str, str], float] = {}  # site -> when it opened
+        # site -> the chunk bytes still on their way to the peer when it opened
+        # (``queued``: the channel's unacknowledged bytes), i.e. the bytes that
+        # meet the collective a window's closing site starts.
+        self.queued_at: dict[tuple[str, str], int | None] = {}
+        self._queued = queued
         self._epoch = 0
 
     def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
@@ -90,6 +96,8 @@ class WindowMarks:
             if len(seen) >= self.local_devices and (name, direction) not in self._open:
                 self._open.add((name, direction))
                 self.opened_at[(name, direction)] = time.perf_counter()
+                if self._queued is not None:
+                    self.queued_at[(name, direction)] = self._queued()
                 self._cond.notify_all()
         return np.zeros((), np.float32)
 
@@ -99,6 +107,7 @@ class WindowMarks:
             self._seen.clear()
             self._open.clear()
             self.opened_at = {}
+            self.queued_at = {}
             self._epoch += 1
             self._cond.notify_all()
             return self._epoch
@@ -131,6 +140,8 @@ class _Version:
         # window index -> (the site opening it, the site closing it)
         self.window_sites: dict[int, tuple[Site, Site]] = {}
         self.site_sent: dict[Site, float] = {}  # when a site's last frame was handed over
+        # Every frame handed to the kernel: (its site, start, end, bytes).
+        self.frames: list[tuple[Site, float, float, int]] = []
         # A version spread over several steps (``parts``): its schedule, the
         # windows of one step, the next part to send and when the last one began.
         self.schedule: Schedule | None = None
@@ -152,7 +163,7 @@ class ThreadedSender:
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
                  mesh: Any, timeout_s: float = 120.0) -> None:
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
-        self.marks = WindowMarks(local_devices)
+        self.marks = WindowMarks(local_devices, channel.queued_bytes)
         self.mesh = mesh
         self._hook: ProfileHook | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -170,6 +181,7 @@ class ThreadedSender:
         self.last_times: dict[str, float] = {}
         self.last_spans: dict[int, float] = {}
         self.last_sends: dict[int, float] = {}
+        self.last_bytes: dict[int, WindowBytes] = {}
 
     def hook(self) -> ProfileHook:
         """The boundary hook of a step moving chunks: an unordered mark (placed
@@ -265,7 +277,10 @@ class ThreadedSender:
                         # ended another way) sends at once rather than never.
                         self.marks.wait_open(site, epoch, self.timeout_s)
                     for lo, hi in ranges:
+                        t_frame = time.perf_counter()
                         self.channel.send(entry.version, lo, [row[lo:hi] for row in local])
+                        entry.frames.append((site, t_frame, time.perf_counter(),
+                                             (hi - lo) * len(local)))
                     entry.site_sent[site] = time.perf_counter()
                 if last:
                     entry.times["sent_s"] = time.perf_counter() - t0
@@ -374,6 +389,10 @@ class ThreadedSender:
         self.last_sends = {i: entry.site_sent[open_] - opened[open_]
                            for i, (open_, _) in entry.window_sites.items()
                            if open_ in opened and open_ in entry.site_sent}
+        # A spread version's earlier parts went in earlier steps: this step's
+        # windows hold the frames handed over since its part began.
+        self.last_bytes = window_bytes([f for f in entry.frames if f[1] >= entry.part_t0],
+                                       entry.window_sites, opened, self.marks.queued_at)
         return entry.received
 
     def close(self) -> None:
@@ -381,6 +400,67 @@ class ThreadedSender:
         self._jobs.put(None)
         self.channel.close()
         self._sender.join(5.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowBytes:
+    """Where a window's bytes went, on this host's link to its peer.
+
+    Attributes:
+      planned: the window's chunk bytes (all its rows).
+      sent: those handed to the kernel before the window's closing mark and
+        no longer queued then (on their way or across: they did not meet the
+        collective that mark starts).
+      late: the rest: handed over after the closing mark, or still queued
+        (unacknowledged) at it, i.e. bytes that met the collective.
+    """
+
+    planned: int
+    sent: int
+    late: int
+
+
+def window_bytes(frames: list[tuple[Site, float, float, int]],
+                 window_sites: dict[int, tuple[Site, Site]],
+                 opened: dict[Site, float],
+                 queued_at: dict[Site, int | None]) -> dict[int, WindowBytes]:
+    """Per window (index -> WindowBytes) of one step, from its frames (pure).
+
+    Args:
+      frames: (the site a frame was sent for, when its send began, when it
+        ended, its bytes), every frame of the step.
+      window_sites: window index -> (opening site, closing site).
+      opened: site -> when its mark opened it (windows whose closing site
+        never opened count every byte as sent).
+      queued_at: site -> the channel's unacknowledged bytes when it opened
+        (None or absent: unknown, counted as 0).
+
+    A frame whose send spans the closing mark is split in proportion to the
+    time on either side (a send's bytes leave at the link's rate). The bytes
+    queued at the closing mark are the last ones handed over (the queue is
+    first in, first out), so they count against this window's bytes handed
+    over before the mark, at most all of them (the rest were an earlier
+    window's). Alternative not taken: per-packet timestamps
+    (``SO_TIMESTAMPING``), finer but a kernel feature per platform.
+    """
+    out = {}
+    for i, (open_, close) in window_sites.items():
+        mine = [(t0, t1, n) for site, t0, t1, n in frames if site == open_]
+        planned = sum(n for _, _, n in mine)
+        t_close = opened.get(close)
+        if t_close is None:
+            out[i] = WindowBytes(planned, planned, 0)
+            continue
+        before = 0.0
+        for t0, t1, n in mine:
+            if t1 <= t_close:
+                before += n
+            elif t0 < t_close:
+                before += n * (t_close - t0) / (t1 - t0)
+        handed = int(round(before))
+        queued = min(handed, max(0, queued_at.get(close) or 0))
+        out[i] = WindowBytes(planned, handed - queued, planned - handed + queued)
+    return out
 
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:

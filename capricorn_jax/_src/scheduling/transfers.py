@@ -265,7 +265,8 @@ def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
 
 def window_spills(schedule: Schedule, spans_s: dict[int, float],
                   profile: LayerProfile | None,
-                  sends_s: dict[int, float] | None = None) -> list[dict[str, Any]]:
+                  sends_s: dict[int, float] | None = None,
+                  window_bytes: dict[int, Any] | None = None) -> list[dict[str, Any]]:
     """What each filled window of a step that moved ``schedule`` really held.
 
     A window's idle time in the step is the span between the marks of the
@@ -285,13 +286,17 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
       profile: the LayerProfile the schedule was planned on.
       sends_s: window index -> seconds from its opening mark until its last
         frame was sent (None: not measured).
+      window_bytes: window index -> its bytes planned, sent inside it and
+        late (``threaded.WindowBytes``: measured on the threaded path; None:
+        not measured: the in-graph path).
 
     Returns:
       One record per window in ``spans_s`` with chunks, in step order:
       window ("name/direction"), planned_s (the window the schedule was
       partitioned into: measured x the safety margin), observed_s (idle time
       measured), chunks_s (its chunks' link time, modelled), spill_s, and
-      with ``sends_s`` sent_s and late_s.
+      with ``sends_s`` sent_s and late_s; bytes_planned, bytes_sent and
+      bytes_late from ``window_bytes`` (None without).
     """
     busy = {} if profile is None else _busy_after(profile, any(w.edge for w in schedule.windows))
     out = []
@@ -305,6 +310,10 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
         record = {"window": name,
                   "planned_s": round(window.duration_s, 6), "observed_s": round(idle, 6),
                   "chunks_s": round(cost, 6), "spill_s": round(max(0.0, cost - idle), 6)}
+        measured = (window_bytes or {}).get(i)
+        record["bytes_planned"] = None if measured is None else measured.planned
+        record["bytes_sent"] = None if measured is None else measured.sent
+        record["bytes_late"] = None if measured is None else measured.late
         if sends_s is not None and i in sends_s:
             record["sent_s"] = round(sends_s[i], 6)
             record["late_s"] = round(max(0.0, sends_s[i] - spans_s[i]), 6)

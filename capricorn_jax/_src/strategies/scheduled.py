@@ -471,7 +471,7 @@ class ScheduledStrategy(InMemoryStrategy):
             schedule = payloads.get("schedule") or self.transfers.schedule_for(
                 payloads["transport"])  # a spread version's: its last step's windows timed
             windows = window_spills(schedule, sender.last_spans, self._planned_on,
-                                    sender.last_sends)
+                                    sender.last_sends, sender.last_bytes)
             self._note_spills(windows)
         elif self.clock is not None:  # in-graph: the step's marks, once it is done
             windows = self.in_graph_windows(payloads, state)
