@@ -29,7 +29,7 @@ from absl import flags
 from launch.bench_report import VARIANTS
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions, link_from_flags
-from launch.config import AcceleratorConfig
+from launch.config import AcceleratorConfig, resolve_routing_bias
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES
 
 
@@ -54,12 +54,15 @@ class BenchSetup:
     workload: str
     shift_every: int
     accelerator: AcceleratorConfig
+    routing_bias: str = "none"  # --routing_bias, resolved (launch.config.resolve_routing_bias)
 
     def overrides(self) -> dict[str, Any]:
-        """The model config's overrides (``--dispatch``, ``--global_batch``)."""
+        """The model config's overrides (``--dispatch``, ``--global_batch``, the routing bias)."""
         out: dict[str, Any] = {"dispatch": self.dispatch} if self.dispatch else {}
         if self.global_batch:
             out["global_batch"] = self.global_batch
+        if self.routing_bias != "none":
+            out["routing_bias"] = self.routing_bias
         return out
 
 
@@ -113,7 +116,8 @@ class BenchConfig:
             link=link, model=fv.model, expert_parallel=fv.expert_parallel,
             dispatch=fv.dispatch, global_batch=fv.global_batch, steps=fv.steps,
             workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
-            shift_every=fv.shift_every, accelerator=accelerator)
+            shift_every=fv.shift_every, accelerator=accelerator,
+            routing_bias=resolve_routing_bias(fv.routing_bias, fv.accelerator, fv.workload))
         return BenchConfig(
             setup=setup, reps=fv.reps, a2a_steps=fv.a2a_steps, collectives=fv.collectives,
             warmup=fv.warmup,
@@ -157,7 +161,7 @@ class BenchConfig:
                 "a2a_steps": self.a2a_steps, "collectives": self.collectives,
                 "ckpt_budget": self.ckpt_budget,
                 "accelerator": s.accelerator.accelerator,
-                "accelerator_profile": s.accelerator.profile}
+                "accelerator_profile": s.accelerator.profile, "routing_bias": s.routing_bias}
 
 
 def _check_strategies(strategies: tuple[str, ...], pec_k: int) -> None:

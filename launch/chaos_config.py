@@ -22,7 +22,7 @@ from absl import flags
 
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
-from launch.config import AcceleratorConfig
+from launch.config import AcceleratorConfig, resolve_routing_bias
 
 IN_MEMORY_STRATEGIES = ("inmem", "gemini", "capricorn", "pec")
 
@@ -94,6 +94,8 @@ class ChaosConfig:
         try:
             accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                             profile=fv.accelerator_profile)
+            # The trials' jobs run the steady workload: auto is none there, a schedule an error.
+            resolve_routing_bias(fv.routing_bias, fv.accelerator, "steady")
             link = link_from_flags(fv)
             if link.shaped:
                 check_available(link)

@@ -44,6 +44,7 @@ from launch.strategies import STRATEGIES
 from models.config import CONFIGS, DISPATCH_MODES
 from models.emulation.profile import DEFAULT_PROFILE
 from models.emulation.profile import available as available_profiles
+from models.routing_bias import VALUES as ROUTING_BIASES
 
 
 class FlagError(ValueError):
@@ -277,6 +278,13 @@ _spec("enum", "accelerator", "none", list(ACCELERATORS),
 _spec("string", "accelerator_profile", "",
       f"--accelerator=emulated: a shipped profile ({', '.join(available_profiles())}; "
       f"default {DEFAULT_PROFILE}) or a profile JSON file.")
+# In this group because its default follows --accelerator, and every command takes the group.
+_spec("enum", "routing_bias", "auto", list(ROUTING_BIASES),
+      "Bias the router of training steps to a published schedule of expert loads "
+      "(models.routing_bias): one hot expert per MoE layer that changes with the dynamic "
+      "workload's domain, its load over the mean fluctuating early, stable later. auto: "
+      "cong24 under --accelerator=emulated --workload=dynamic, none otherwise; a named "
+      "schedule needs --workload=dynamic.")
 
 GROUPS = tuple(_SPECS)
 

@@ -41,6 +41,7 @@ from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions
 from launch.fault_plan import FaultConfig
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
+from models import routing_bias
 from models.config import CONFIGS, ModelConfig, get_config
 
 
@@ -110,6 +111,7 @@ class TrainConfig:
     resume: bool
     fresh: bool = False
     verbose: bool = False
+    routing_bias: str = "none"
     cluster: InitVar[ClusterConfig]
 
     def __post_init__(self, cluster: ClusterConfig) -> None:
@@ -146,12 +148,15 @@ class TrainConfig:
 
     @property
     def overrides(self) -> dict:
-        """The model config's fields that flags override (``--dispatch``, ``--global_batch``)."""
-        overrides = {}
+        """The model config's fields that flags override (``--dispatch``, ``--global_batch``,
+        ``--routing_bias`` resolved)."""
+        overrides: dict = {}
         if self.dispatch:
             overrides["dispatch"] = self.dispatch
         if self.global_batch:
             overrides["global_batch"] = self.global_batch
+        if self.routing_bias != "none":
+            overrides["routing_bias"] = self.routing_bias
         return overrides
 
     @functools.cached_property
@@ -416,6 +421,15 @@ class Config:
     accelerator: AcceleratorConfig = AcceleratorConfig()
 
 
+def resolve_routing_bias(value: str, accelerator: str, workload: str) -> str:
+    """``--routing_bias`` resolved against ``--accelerator`` and ``--workload``
+    (``models.routing_bias.resolve``); raises FlagError naming the bad value."""
+    try:
+        return routing_bias.resolve(value, accelerator=accelerator, workload=workload)
+    except ValueError as err:
+        raise FlagError(str(err)) from None
+
+
 def from_flags(fv: flags.FlagValues) -> Config:
     """The parsed flags ``fv`` (``launch.cli_flags``) as a ``Config``; raises FlagError."""
     given = frozenset(name for name in fv if fv[name].present)
@@ -429,7 +443,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,
         expert_parallel=fv.expert_parallel, learning_rate=fv.learning_rate,
         warmup_steps=fv.warmup_steps, log_every=fv.log_every, eval_sequences=fv.eval_sequences,
-        resume=fv.resume, fresh=fv.fresh, verbose=fv.verbose, cluster=cluster)
+        resume=fv.resume, fresh=fv.fresh, verbose=fv.verbose, cluster=cluster,
+        routing_bias=resolve_routing_bias(fv.routing_bias, fv.accelerator, fv.workload))
     profile = ProfileConfig(
         profile=fv.profile, first_n=fv.profile_first_n, drift_threshold=fv.drift_threshold,
         drift_metric=fv.drift_metric, cache_max_age=fv.profile_cache_max_age,

@@ -70,14 +70,36 @@ def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int
                      devices)
     from launch import accelerator as accel
 
-    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps),
-                      accel.emulation(accelerator, accelerator_profile, cfg))
     host, hosts = jax.process_index(), jax.process_count()
     options = DataOptions(seq_len=cfg.seq_len, batch_per_host=cfg.global_batch // hosts,
                           workload=workload, shift_every=shift_every, seed=seed)
     corpus = None if workload == "synthetic" else Corpus.load(options.max_bytes_per_domain)
     data = DataIterator(options, host, hosts, corpus)
+    trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps),
+                      accel.emulation(accelerator, accelerator_profile, cfg),
+                      routing_bias_table(cfg, workload, shift_every, corpus, seed))
     return Job(cfg, mesh, trainer, data, options, corpus, host, hosts)
+
+
+def routing_bias_table(cfg: ModelConfig, workload: str, shift_every: int, corpus,
+                       seed: int):
+    """The job's routing bias table (``models.routing_bias``), or None when
+    ``cfg.routing_bias`` is "none". Its rotation is the data's: the corpus's
+    domains every ``shift_every`` steps.
+
+    Raises:
+      ValueError: a bias without the dynamic workload.
+    """
+    from models import routing_bias
+
+    if cfg.routing_bias == routing_bias.NONE:
+        return None
+    if workload != "dynamic":
+        raise ValueError(f"routing bias {cfg.routing_bias!r} follows the dynamic workload's "
+                         f"domains; the job runs --workload={workload}")
+    return routing_bias.build(cfg.routing_bias, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                              n_moe=len(cfg.moe_layers), n_domains=len(corpus.names),
+                              shift_every=shift_every, seed=seed)
 
 
 def exit_now_on_failure(fn, *args) -> None:

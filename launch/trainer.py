@@ -5,6 +5,10 @@ The train state is a plain dict pytree, what the checkpoint tiers snapshot:
 (the RNG as raw key data, so it stores like any other array). The step is
 jitted with NamedShardings over the (data, expert) mesh, donates the state,
 and is compiled once per capacity-factor tuple (bucketed dispatch).
+
+With a routing bias (``models.routing_bias``, ``--routing_bias``) the step
+reads its row of the bias table from the traced ``state["step"]``: the table
+is a constant of the program, so no step compiles anew for it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax import BoundaryHook, boundary_hooks
 from models.config import ModelConfig
 from models.gpt import BATCH_AXES, DATA, EXPERT, GPTMoE, all_to_all_buffers, param_partition_specs
+from models.routing_bias import RoutingBias
 
 State = dict[str, Any]
 StepBody = Callable[[State, jax.Array], tuple[State, dict]]
@@ -70,7 +75,8 @@ class Trainer:
     ``step_with_sender``.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions, emulation=None):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, opt: OptimizerOptions, emulation=None,
+                 routing_bias: RoutingBias | None = None):
         if cfg.num_experts % mesh.shape[EXPERT]:
             raise ValueError(
                 f"num_experts={cfg.num_experts} not divisible by the expert axis "
@@ -80,6 +86,11 @@ class Trainer:
             raise ValueError(f"global_batch={cfg.global_batch} not divisible by {mesh.size} devices")
         self.cfg, self.mesh = cfg, mesh
         self.emulation = emulation  # models.emulation.layers.Emulation, or None
+        self.routing_bias = routing_bias  # added to the router logits of training steps
+        if routing_bias is not None and routing_bias.table.shape[1:] != (
+                len(cfg.moe_layers), cfg.num_experts):
+            raise ValueError(f"routing bias table {routing_bias.table.shape} does not fit "
+                             f"{len(cfg.moe_layers)} MoE layers of {cfg.num_experts} experts")
         self.model = GPTMoE(cfg, mesh, emulation=emulation)
         self.optimizer = make_optimizer(opt)
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
@@ -177,11 +188,12 @@ class Trainer:
     def init_state(self, seed: int) -> State:
         return self._init_jit(jnp.uint32(seed))
 
-    def _loss(self, params, batch, rng, factors):
+    def _loss(self, params, batch, rng, factors, step):
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        bias = None if self.routing_bias is None else self.routing_bias.at(step)
         logits, stats = self.model.apply(
             {"params": params}, inputs, factors, deterministic=self.cfg.dropout == 0.0,
-            rngs={"dropout": rng},
+            rngs={"dropout": rng}, router_bias=bias,
         )
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
         total = ce + self.cfg.aux_loss_coef * stats.aux_loss + self.cfg.z_loss_coef * stats.z_loss
@@ -201,7 +213,7 @@ class Trainer:
         extra = None
         if sender is None:
             grads, (ce, stats) = jax.grad(self._loss, has_aux=True)(
-                state["params"], batch, dropout_rng, factors
+                state["params"], batch, dropout_rng, factors, state["step"]
             )
         else:
             ctx = sender.begin(state, *sender_args)
@@ -209,7 +221,7 @@ class Trainer:
             def loss(params, carriers):
                 received: list = []
                 with boundary_hooks(*sender.hooks(ctx, carriers, received)):
-                    total, aux = self._loss(params, batch, dropout_rng, factors)
+                    total, aux = self._loss(params, batch, dropout_rng, factors, state["step"])
                 return total, (aux, received)
 
             (grads, carrier_cts), ((ce, stats), received) = jax.grad(
@@ -276,7 +288,8 @@ class Trainer:
         return jax.make_array_from_process_local_data(self.batch_sharding, local_batch)
 
     def eval_loss_fn(self) -> Callable[[State, jax.Array], jax.Array]:
-        """Jitted cross-entropy of the model on a batch, no dropout, fixed capacity."""
+        """Jitted cross-entropy of the model on a batch, no dropout, fixed capacity,
+        no routing bias (the bias shapes the training load, not the evaluation)."""
 
         def loss(state, batch):
             logits, _ = self.model.apply({"params": state["params"]}, batch[:, :-1])

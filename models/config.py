@@ -41,6 +41,9 @@ class ModelConfig:
       z_loss_coef: weight of the router z-loss (0 disables it).
       dropout: residual dropout rate (uses the train state's RNG key).
       global_batch: sequences per step over all hosts.
+      routing_bias: "none", or the ``models.routing_bias`` schedule whose
+        target loads the router is biased to in training steps (the launchers'
+        ``--routing_bias``, resolved; needs the dynamic workload's rotation).
     """
 
     name: str
@@ -61,6 +64,7 @@ class ModelConfig:
     z_loss_coef: float = 1e-3
     dropout: float = 0.0
     global_batch: int = 16
+    routing_bias: str = "none"
 
     def __post_init__(self) -> None:
         if self.top_k not in (1, 2):

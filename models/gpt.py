@@ -40,6 +40,7 @@ from models.config import ModelConfig, capacity
 from models.emulation import layers as emulated
 from models.emulation.profile import LayerTimes
 from models.routing import combine, dispatch, route
+from models.routing_bias import apply as apply_bias
 
 DATA = "data"
 EXPERT = "expert"
@@ -79,12 +80,19 @@ def _emulated_experts(buf, w_in, w_out, times: LayerTimes, balanced: float):
     return buf + emulated.TOUCH * _experts(buf[..., :1, :], w_in, w_out)
 
 
-def _moe_local(x, router, w_in, w_out, *, top_k, cap, num_groups, times=None):
+def _logits(x, router, bias, top_k):
+    """Router logits, under the step's routing bias (models.routing_bias) if any."""
+    logits = x @ router
+    return logits if bias is None else apply_bias(logits, bias, top_k)
+
+
+def _moe_local(x, router, w_in, w_out, bias=None, *, top_k, cap, num_groups, times=None):
     """The MoE layer on one device with ``num_groups`` capacity groups."""
     b, s, d = x.shape
     num_experts = w_in.shape[0]
     xg = x.reshape(num_groups, b * s // num_groups, d)
-    r = jax.vmap(functools.partial(route, top_k=top_k, capacity=cap))(xg @ router)
+    logits = jax.vmap(lambda g: _logits(g, router, bias, top_k))(xg)
+    r = jax.vmap(functools.partial(route, top_k=top_k, capacity=cap))(logits)
     buf = jax.vmap(functools.partial(dispatch, num_experts=num_experts, capacity=cap))(xg, r)
     if times is None:
         y = _experts(buf, w_in, w_out)
@@ -108,12 +116,12 @@ def _all_to_all(x, name: str, phase: str, axes: tuple[str, ...]):
     return collective_boundary(x, name, f"{phase}.end", axes)
 
 
-def _moe_shard(x, router, w_in, w_out, *, top_k, cap, num_experts, expert_shards, name, axes,
-               times=None):
+def _moe_shard(x, router, w_in, w_out, bias=None, *, top_k, cap, num_experts, expert_shards,
+               name, axes, times=None):
     """shard_map body: one device's tokens, its E/expert_shards experts."""
     b, s, d = x.shape
     xt = x.reshape(b * s, d)
-    r = route(xt @ router, top_k, cap)
+    r = route(_logits(xt, router, bias, top_k), top_k, cap)
     buf = dispatch(xt, r, num_experts, cap).reshape(
         expert_shards, num_experts // expert_shards, cap, d
     )
@@ -143,7 +151,8 @@ class MoEFeedForward(nn.Module):
     times: LayerTimes | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, capacity_factor: float) -> tuple[jax.Array, tuple]:
+    def __call__(self, x: jax.Array, capacity_factor: float,
+                 bias: jax.Array | None = None) -> tuple[jax.Array, tuple]:
         cfg = self.cfg
         d, e, f = cfg.d_model, cfg.num_experts, cfg.d_expert
         init = nn.initializers.normal(0.02)
@@ -153,7 +162,7 @@ class MoEFeedForward(nn.Module):
         b, s, _ = x.shape
         if self.mesh is None:
             cap = capacity(cfg, b * s // self.num_groups, capacity_factor)
-            return _moe_local(x, router, w_in, w_out, top_k=cfg.top_k, cap=cap,
+            return _moe_local(x, router, w_in, w_out, bias, top_k=cfg.top_k, cap=cap,
                               num_groups=self.num_groups, times=self.times)
         devices = self.mesh.size
         cap = capacity(cfg, b * s // devices, capacity_factor)
@@ -167,11 +176,13 @@ class MoEFeedForward(nn.Module):
         )
         tokens = P(BATCH_AXES)
         experts = P(EXPERT)
+        args, specs = (x, router, w_in, w_out), (tokens, P(), experts, experts)
+        if bias is not None:  # replicated: every device biases its own tokens alike
+            args, specs = (*args, bias), (*specs, P())
         return jax.shard_map(
-            body, mesh=self.mesh,
-            in_specs=(tokens, P(), experts, experts),
+            body, mesh=self.mesh, in_specs=specs,
             out_specs=(tokens, (P(), P(), P(), P(), P())),
-        )(x, router, w_in, w_out)
+        )(*args)
 
 
 class Attention(nn.Module):
@@ -202,7 +213,7 @@ class Block(nn.Module):
     times: LayerTimes | None = None  # emulated accelerator: this layer's profile
 
     @nn.compact
-    def __call__(self, x, capacity_factor, deterministic):
+    def __call__(self, x, capacity_factor, deterministic, bias=None):
         cfg = self.cfg
         emulate = self.times is not None
         drop = nn.Dropout(cfg.dropout, deterministic=deterministic)
@@ -213,7 +224,7 @@ class Block(nn.Module):
         stats = None
         if self.moe:
             h, stats = MoEFeedForward(cfg, self.mesh, self.num_groups, self.times, name="moe")(
-                h, capacity_factor
+                h, capacity_factor, bias
             )
         else:
             init = nn.initializers.normal(0.02)
@@ -247,6 +258,7 @@ class GPTMoE(nn.Module):
         tokens: jax.Array,
         capacity_factors: tuple[float, ...] | None = None,
         deterministic: bool = True,
+        router_bias: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats]:
         """Runs the model.
 
@@ -254,6 +266,9 @@ class GPTMoE(nn.Module):
           tokens: [B, S] int32 byte ids.
           capacity_factors: one per MoE layer (static); None = cfg.capacity_factor.
           deterministic: False enables dropout (needs a "dropout" rng).
+          router_bias: [moe_layers, num_experts] float32, the step's target
+            load per expert relative to the mean (models.routing_bias.apply
+            biases the router logits to it); None routes on the router alone.
 
         Returns:
           logits [B, S, vocab] float32 and the MoEStats of the step.
@@ -272,8 +287,9 @@ class GPTMoE(nn.Module):
         for i in range(cfg.n_layers):
             factor = capacity_factors[len(collected)] if cfg.is_moe(i) else 0.0
             times = None if self.emulation is None else self.emulation.layers[i]
+            bias = None if router_bias is None or not cfg.is_moe(i) else router_bias[len(collected)]
             x, stats = Block(cfg, cfg.is_moe(i), self.mesh, self.num_groups, times,
-                             name=f"block{i}")(x, factor, deterministic)
+                             name=f"block{i}")(x, factor, deterministic, bias)
             if stats is not None:
                 collected.append(stats)
             x = layer_boundary(x, f"block{i}")
