@@ -131,7 +131,8 @@ class BenchConfig:
     def total_steps(self) -> int:
         """Steps a host runs: every strategy's warm-up, timed and probed steps."""
         return ((self.warmup + self.setup.steps * self.reps
-                 + self.a2a_steps * (self.reps + 1)) * len(self.strategies))
+                 + max(self.a2a_steps, 0) * (self.reps + 1) + (self.a2a_steps == 0))
+                * len(self.strategies))
 
     def chunk_path_of(self, name: str) -> str:
         """The chunk path of a row: its variant's, else --chunk_path, where auto

@@ -87,6 +87,7 @@ def summarize(raw: dict) -> dict:
         row["steady_ratio"] = (row["steady_median_s"] / steady
                                if steady and "steady_median_s" in row else None)
         row["long_run_ratio"] = row["mean_step_s"] / mean if mean else None
+        row["warmup_compiles"] = ((raw.get("warmup") or {}).get(name) or {}).get("compiles")
         row["warmup_s"] = warmup_seconds(
             raw["samples"][name], (raw.get("warmup") or {}).get(name),
             name in raw.get("one_time_profiling", ()))

@@ -123,14 +123,11 @@ class Runner:
             if self.record:
                 self.losses.setdefault(self.step, {})[strategy.name] = loss
                 self.buckets.setdefault(self.step, {})[strategy.name] = list(factors)
-            cached = not run.compiled and run.profile is None and self.compiles == compiles
             collectives = None
             if hooks:
                 jax.block_until_ready(self.state)  # the backward pass's stamps are in
                 t_ready = time.perf_counter()
                 collectives = self.probe.step_record()
-                if cached and collectives.phases and i > 0:
-                    a2a.append(sum(collectives.phases.values()))
             self.max_routed = [int(v) for v in np.asarray(out["max_routed"])]
             strategy.resume_at(self.step)  # the other strategies ran the steps in between
             events = strategy.save(self.step + 1, self.state,
@@ -149,7 +146,13 @@ class Runner:
             index = self.save_index[strategy.name] = self.save_index.get(strategy.name, 0) + 1
             self.committed(strategy.name, events)
             timed = i > 0 and i < n - probed
-            if timed:
+            # The all-to-all column: every timed step that compiled nothing
+            # (the probe on every step), else the block's probed tail.
+            sampled = timed if self.every_step else i >= n - probed
+            if (sampled and collectives is not None and collectives.phases
+                    and run.profile is None and not run.compiled and self.compiles == compiles):
+                a2a.append(sum(collectives.phases.values()))
+            if timed and self.record:  # the timed repetitions' versions
                 self.timed_versions.setdefault(strategy.name, []).append((self.step + 1, index))
             # Checked after the save: it may compile too (e.g. PEC packing).
             if timed:

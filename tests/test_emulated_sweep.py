@@ -55,3 +55,19 @@ def test_plot_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no sweep JSON"):
         sweep.plot([_doc(None, 2, 2, "dynamic", {"none": 0.4})], tmp_path / "x.png")
+
+
+def test_series_of_the_long_run_ratios():
+    doc = _doc(0.5, 2, 2, "dynamic", {"none": 0.4, "inmem": 0.5, "gemini": 0.6})
+    doc["strategies"]["none"]["long_run_ratio"] = 1.0
+    doc["strategies"]["inmem"]["long_run_ratio"] = 1.5  # gemini has none: left out
+    assert sweep.series([doc], "long_run_ratio") == {"dynamic": {"inmem 2x2": [(0.5, 1.5)]}}
+
+
+def test_plot_panels_per_ratio(tmp_path):
+    doc = _doc(0.5, 2, 2, "dynamic", {"none": 0.4, "inmem": 0.5})
+    for name, row in doc["strategies"].items():
+        row.update(steady_ratio=1.0 if name == "none" else 1.2, long_run_ratio=1.3)
+    png = tmp_path / "long_run.png"
+    sweep.plot([doc], png, ("steady_ratio", "long_run_ratio"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -66,9 +66,9 @@ def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
         config.from_flags(fv)
 
 
-BENCH_RECORDED = ("model", "workload", "steps", "reps", "hosts", "devices_per_host", "dispatch",
-                  "replicas", "global_batch", "platform", "a2a_steps", "ckpt_budget",
-                  "accelerator", "accelerator_profile")
+BENCH_RECORDED = ("model", "workload", "shift_every", "steps", "reps", "hosts",
+                  "devices_per_host", "dispatch", "replicas", "global_batch", "platform",
+                  "a2a_steps", "collectives", "ckpt_budget", "accelerator", "accelerator_profile")
 
 
 def _bench(tmp_path, *argv):
@@ -94,7 +94,8 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     assert cfg.transport_of("gemini_in_graph") == "in_graph"
     assert cfg.setup.overrides() == {"dispatch": "bucketed", "global_batch": 8}
     assert cfg.setup.link.record()["requested_gbps"] == 0.5
-    assert cfg.total_steps() == (3 + 10 * 2 + 2 * 3) * 3
+    # No --a2a_steps (every step is probed): the last repetition's untimed step.
+    assert cfg.total_steps() == (3 + 10 * 2 + 1) * 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.reps = 3
 

@@ -63,6 +63,9 @@ def define_flags() -> None:
     flags.DEFINE_integer("point_timeout_s", 1800, "A point's bench is killed after this long.")
     flags.DEFINE_bool("dry_run", False, "Print the commands only.")
     flags.DEFINE_string("png", "results/emulated/sweep.png", "plot: the PNG to write.")
+    flags.DEFINE_list("ratios", ["median"],
+                      "plot: one panel per workload and ratio: median (median step over "
+                      "none's), steady_ratio or long_run_ratio (the bench JSON's).")
 
 
 def parse_topology(text: str) -> tuple[int, int]:
@@ -120,8 +123,11 @@ def bench_argv(point: dict, out: Path) -> list[str]:
     return argv
 
 
-def series(docs: Sequence[dict]) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """workload -> "strategy topology" -> [(measured R, median over none's)], by R.
+def series(docs: Sequence[dict], ratio: str = "median"
+           ) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """workload -> "strategy topology" -> [(measured R, ratio)], by R; the
+    ratio: "median" (median step over none's) or a bench JSON field
+    (``steady_ratio``, ``long_run_ratio``; a row without it left out).
 
     A run without a measured R (unshaped link) or without ``none`` is left out."""
     out: dict[str, dict[str, list[tuple[float, float]]]] = {}
@@ -134,28 +140,33 @@ def series(docs: Sequence[dict]) -> dict[str, dict[str, list[tuple[float, float]
             if name == "none":
                 continue
             key = f"{name} {c['hosts']}x{c['devices_per_host']}"
-            out.setdefault(c["workload"], {}).setdefault(key, []).append(
-                (float(r), row["median_step_s"] / base))
+            value = row["median_step_s"] / base if ratio == "median" else row.get(ratio)
+            if value is None:
+                continue
+            out.setdefault(c["workload"], {}).setdefault(key, []).append((float(r), value))
     for per_workload in out.values():
         for pts in per_workload.values():
             pts.sort()
     return out
 
 
-def plot(docs: Sequence[dict], png: Path) -> None:
+def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = series(docs)
-    if not data:
+    panels = [(ratio, workload, lines) for ratio in ratios
+              for workload, lines in sorted(series(docs, ratio).items())]
+    if not panels:
         raise ValueError("no sweep JSON with a measured R and a none row")
-    fig, axes = plt.subplots(1, len(data), figsize=(6 * len(data), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     # One colour per strategy (the same in every panel and topology), the
     # topology by line and marker.
-    strategies = sorted({key.rsplit(" ", 1)[0] for lines in data.values() for key in lines})
+    strategies = sorted({key.rsplit(" ", 1)[0] for _, _, lines in panels for key in lines})
     colour = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(strategies)}
-    for ax, (workload, lines) in zip(axes[0], sorted(data.items()), strict=True):
+    titles = {"median": "median step / none's", "steady_ratio": "steady steps: median / none's",
+              "long_run_ratio": "long run: mean step / none's"}
+    for ax, (ratio, workload, lines) in zip(axes[0], panels, strict=True):
         for key, pts in sorted(lines.items()):
             style = "-o" if key.endswith("2x2") else "--s"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
@@ -163,7 +174,7 @@ def plot(docs: Sequence[dict], png: Path) -> None:
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{workload} workload (emulated accelerator)",
                xlabel="R: version link time / idle link time per step",
-               ylabel="median step / none's")
+               ylabel=titles.get(ratio, ratio))
         ax.legend(fontsize=7)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +224,7 @@ def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[1] == "run":
         sys.exit(run_sweep())
     if len(argv) >= 3 and argv[1] == "plot":
-        plot([json.loads(Path(p).read_text()) for p in argv[2:]], Path(FLAGS.png))
+        plot([json.loads(Path(p).read_text()) for p in argv[2:]], Path(FLAGS.png), FLAGS.ratios)
         print(f"wrote {FLAGS.png}")
         return
     sys.exit("usage: python -m launch.experiments.emulated_sweep run [flags] | "
