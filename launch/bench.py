@@ -63,6 +63,7 @@ from launch.bench_config import BenchConfig, BenchSetup
 from launch.bench_recovery import baseline_recovery, recovery_times
 from launch.bench_report import VARIANTS, markdown, plot, summarize
 from launch.bench_runner import Runner
+from launch.persistence import chunk_tos
 from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
@@ -141,7 +142,8 @@ def _checkpointer(name: str, job, config: BenchConfig):
         replication_timeout_s=config.setup.timeout_s,
         max_wait_s=None if config.ckpt_budget < 0 else config.ckpt_budget,
         pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
-        if VARIANTS.get(name, name) in PEC else None)
+        if VARIANTS.get(name, name) in PEC else None,
+        chunk_tos=chunk_tos(config.setup.link.traffic_class))
     return capricorn_jax.InMemoryCheckpointer(
         options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
         job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)

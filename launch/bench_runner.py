@@ -199,6 +199,8 @@ def step_record(step: int, events: list[dict], collectives, grad_all_reduce_s: f
     windows = [{"name": w["window"], "planned_idle_s": w["planned_s"],
                 "observed_idle_s": w["observed_s"], "bytes_planned": w.get("bytes_planned"),
                 "bytes_sent": w.get("bytes_sent"), "bytes_late": w.get("bytes_late"),
+                "bytes_carried": w.get("bytes_carried"),
+                "bytes_carried_in": w.get("bytes_carried_in"),
                 "late_s": w.get("late_s"), "spill_s": w["spill_s"]}
                for e in events for w in e.get("windows") or ()]
     out: dict = {"step": step, "windows": windows, "collectives": [], "expert_spans": []}

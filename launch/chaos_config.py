@@ -107,7 +107,8 @@ class ChaosConfig:
         """Flags every job of every trial gets (the reference runs' too): the
         links, the accelerator."""
         out = ([f"--link_gbps={self.link.gbps:g}", f"--link_latency_ms={self.link.latency_ms:g}",
-                f"--link_burst_kb={self.link.burst_kb:g}"] if self.link.shaped else [])
+                f"--link_burst_kb={self.link.burst_kb:g}",
+                f"--traffic_class={self.link.traffic_class}"] if self.link.shaped else [])
         if self.accelerator.accelerator != "none":
             out.append(f"--accelerator={self.accelerator.accelerator}")
         if self.accelerator.profile:

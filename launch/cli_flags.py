@@ -94,6 +94,11 @@ _spec("float", "link_burst_kb", 0.0,
                    "The shaped links' token bucket (tc tbf burst), KB a host may send at "
                    "loopback speed after an idle spell; 0 = max(256 KB, 2 ms of the rate). "
                    "A real link's is a frame or two; needs --link_gbps.")
+_spec("enum", "traffic_class", "fifo", ["fifo", "priority"],
+      "fifo: the shaped links are one first-in-first-out queue (the paper's premise); "
+      "priority: the checkpoint's chunk channel sends as a low-priority class (IP TOS 0x08) "
+      "and each shaped link gets a priority queue under its tbf (pfifo_fast), so a "
+      "collective waits for at most a frame of checkpoint bytes; needs --link_gbps.")
 
 _in("model")
 _spec("string", "model", "tiny", f"Model config: {', '.join(CONFIGS)}.")

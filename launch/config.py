@@ -64,6 +64,7 @@ class ClusterConfig:
     link_gbps: float = 0.0
     link_latency_ms: float = 0.0
     link_burst_kb: float = 0.0
+    traffic_class: str = "fifo"
 
     def __post_init__(self) -> None:
         try:
@@ -88,7 +89,7 @@ class ClusterConfig:
     @property
     def link(self) -> LinkOptions:
         return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms,
-                           burst_kb=self.link_burst_kb)
+                           burst_kb=self.link_burst_kb, traffic_class=self.traffic_class)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -437,7 +438,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         hosts=fv.hosts, devices_per_host=fv.devices_per_host, pin_hosts=fv.pin_hosts,
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
         coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms,
-        link_burst_kb=fv.link_burst_kb)
+        link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,

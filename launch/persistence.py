@@ -32,6 +32,17 @@ from launch.metrics import MetricsWriter
 TIER_ORDER = ("local", "peer", "persistent")
 
 
+LOW_PRIORITY_TOS = 0x08
+"""IP TOS "maximize throughput": Linux's pfifo_fast puts it in its last band,
+behind the default class the collectives send in."""
+
+
+def chunk_tos(traffic_class: str) -> int:
+    """The chunk channel's IP TOS byte (``InMemoryOptions.chunk_tos``) for
+    ``--traffic_class``."""
+    return LOW_PRIORITY_TOS if traffic_class == "priority" else 0
+
+
 def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
     """This host's ``capricorn_jax.InMemoryCheckpointer`` for the --ckpt strategy."""
     import capricorn_jax
@@ -54,6 +65,7 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
                                      policy=ckpt_cfg.pec_policy,
                                      plt_threshold=ckpt_cfg.pec_plt_threshold,
                                      dynamic=ckpt_cfg.pec_dynamic) if ckpt_cfg.pec_k else None,
+        chunk_tos=chunk_tos(config.cluster.link.traffic_class),
     )
     cfg = trainer.cfg
     ckpt = capricorn_jax.InMemoryCheckpointer(

@@ -128,7 +128,10 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
     assert cfg.job_flags() == ["--accelerator=emulated"]
     assert _chaos().job_flags() == []
     shaped = _chaos("--link_gbps=0.2", "--link_burst_kb=20")
-    assert shaped.job_flags() == ["--link_gbps=0.2", "--link_latency_ms=0", "--link_burst_kb=20"]
+    assert shaped.job_flags() == ["--link_gbps=0.2", "--link_latency_ms=0", "--link_burst_kb=20",
+                                  "--traffic_class=fifo"]
+    assert _chaos("--link_gbps=0.2", "--traffic_class=priority").job_flags()[-1] == \
+        "--traffic_class=priority"
 
 
 @pytest.mark.parametrize("argv, error, message", [

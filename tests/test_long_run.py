@@ -17,8 +17,8 @@ A, B, C = ("block1", "fwd"), ("block1", "fwd@a2a"), ("block2", "fwd")
 
 def test_window_bytes_splits_at_the_closing_mark():
     # Window 0 opens at A and closes at B (t=10); window 1 opens at B, closes at C (t=20).
-    frames = [(A, 0.0, 4.0, 400), (A, 8.0, 12.0, 400), (A, 12.0, 14.0, 200),
-              (B, 10.0, 15.0, 500)]
+    frames = [(A, 0.0, 4.0, 400, A), (A, 8.0, 12.0, 400, A), (A, 12.0, 14.0, 200, A),
+              (B, 10.0, 15.0, 500, B)]
     sites = {0: (A, B), 1: (B, C)}
     opened = {A: 0.0, B: 10.0, C: 20.0}
     got = window_bytes(frames, sites, opened, {B: 100, C: 0})
@@ -29,7 +29,7 @@ def test_window_bytes_splits_at_the_closing_mark():
 
 
 def test_window_bytes_queue_counts_at_most_the_windows_own_bytes():
-    frames = [(A, 0.0, 1.0, 300)]
+    frames = [(A, 0.0, 1.0, 300, A)]
     got = window_bytes(frames, {0: (A, B)}, {A: 0.0, B: 5.0}, {B: 10_000})
     assert got[0] == WindowBytes(300, 0, 300)
     # Unknown queue (None) counts 0; a closing site that never opened: all sent.
@@ -43,13 +43,25 @@ def test_window_bytes_conserves_every_byte():
     for _ in range(200):
         n = int(rng.integers(1, 6))
         starts = np.sort(rng.uniform(0, 10, n))
-        frames = [(A, float(s), float(s + rng.uniform(0.01, 3)), int(rng.integers(1, 10**6)))
+        frames = [(A, float(s), float(s + rng.uniform(0.01, 3)), int(rng.integers(1, 10**6)), A)
                   for s in starts]
         close = float(rng.uniform(0, 12))
         got = window_bytes(frames, {0: (A, B)}, {A: 0.0, B: close},
                            {B: int(rng.integers(0, 10**6))})[0]
         assert got.planned == sum(f[3] for f in frames)
         assert got.sent + got.late == got.planned and got.sent >= 0 and got.late >= 0
+
+
+def test_window_bytes_counts_what_a_deadline_carried():
+    # Window A planned 1000 bytes and sent 600 of them; 400 went in window B,
+    # which planned 300 of its own.
+    frames = [(A, 0.0, 1.0, 600, A), (B, 11.0, 12.0, 400, A), (B, 12.0, 13.0, 300, B)]
+    got = window_bytes(frames, {0: (A, B), 1: (B, C)}, {A: 0.0, B: 10.0, C: 20.0}, {},
+                       planned={0: 1000, 1: 300})
+    assert got[0] == WindowBytes(1000, 600, 0, carried_out=400, carried_in=0)
+    assert got[1] == WindowBytes(300, 700, 0, carried_out=0, carried_in=400)
+    for w in got.values():
+        assert w.sent + w.late == w.planned - w.carried_out + w.carried_in
 
 
 def test_probe_step_record_phases_spans_and_last_edge():
@@ -83,7 +95,8 @@ def test_step_record_maps_the_contracts_names():
     assert got["step"] == 7
     assert got["windows"] == [{"name": "block1/fwd@x", "planned_idle_s": 0.1,
                                "observed_idle_s": 0.08, "bytes_planned": 100, "bytes_sent": 60,
-                               "bytes_late": 40, "late_s": 0.02, "spill_s": 0.01}]
+                               "bytes_late": 40, "bytes_carried": None,
+                               "bytes_carried_in": None, "late_s": 0.02, "spill_s": 0.01}]
     assert got["collectives"] == [{"name": "block1/fwd/dispatch", "seconds": 0.25},
                                   {"name": "grad_all_reduce", "seconds": 0.125}]
     assert got["expert_spans"] == [{"name": "block1/fwd", "seconds": 0.5}]

@@ -424,3 +424,43 @@ def test_spread_takes_the_fewest_steps_whose_windows_hold_the_payload(payload, d
     if k > 1:  # one step fewer left a tail
         assert partition(payload, windows * (k - 1), link, 300).tail_bytes > 0
     assert schedule == partition(payload, windows * k, link, 300)
+
+
+@settings(max_examples=150, deadline=None)
+@given(payload=st.integers(0, 200_000),
+       durations=st.lists(st.floats(0.0, 0.01), min_size=1, max_size=8),
+       alpha=st.floats(0.0, 1e-4), cap=st.integers(1_000, 40_000),
+       max_share=st.floats(0.05, 1.0))
+def test_even_partition_fills_every_window_to_the_same_least_share(payload, durations, alpha,
+                                                                   cap, max_share):
+    from capricorn_jax._src.scheduling.partitioner import even_partition
+
+    link = LinkModel(alpha, 1e7)
+    windows = [Window(f"b{i}", "fwd", d) for i, d in enumerate(durations)]
+    schedule, share = even_partition(payload, windows, link, cap, max_share=max_share)
+    # Every byte exactly once, in order; the windows keep their own durations.
+    assert [c.start for c in schedule.all_chunks()][:1] in ([], [0])
+    assert sum(c.size for c in schedule.all_chunks()) == payload
+    assert schedule.windows == tuple(windows)
+    # No window holds more than the share of its time.
+    for i, w in enumerate(windows):
+        assert schedule.window_cost_s(i) <= share * w.duration_s + 1e-12
+    # The share is the least (to the tolerance) that leaves no tail, or the cap.
+    if schedule.tail:
+        assert share == max_share
+        assert schedule.tail_bytes == partition(
+            payload, [Window(w.name, w.direction, w.duration_s * max_share) for w in windows],
+            link, cap).tail_bytes
+    elif payload and share > 2e-3:
+        below = partition(payload, [Window(w.name, w.direction, w.duration_s * (share - 2e-3))
+                                    for w in windows], link, cap)
+        assert below.tail
+
+
+def test_even_partition_names_a_bad_share():
+    from capricorn_jax._src.scheduling.partitioner import even_partition
+
+    with pytest.raises(ValueError, match="max_share=1.5"):
+        even_partition(10, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e6), 4, max_share=1.5)
+    schedule, share = even_partition(0, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e6), 4)
+    assert share == 0.0 and not schedule.all_chunks()

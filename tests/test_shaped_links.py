@@ -35,6 +35,10 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": 1.0, "burst_kb": 1.0}, "--link_burst_kb must be 0 .* or >= 2 .*got 1.0"),
     ({"gbps": 1.0, "burst_kb": -3.0}, "--link_burst_kb must be"),
     ({"gbps": 0.0, "burst_kb": 20.0}, "--link_burst_kb needs --link_gbps"),
+    ({"gbps": 1.0, "traffic_class": "wfq"}, "--traffic_class must be one of fifo, priority"),
+    ({"gbps": 0.0, "traffic_class": "priority"}, "--traffic_class=priority needs --link_gbps"),
+    ({"gbps": 1.0, "latency_ms": 2.0, "traffic_class": "priority"},
+     "--traffic_class=priority and --link_latency_ms"),
 ])
 def test_bad_link_options_name_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -56,6 +60,29 @@ def test_the_bucket_is_the_flag_or_the_default():
     assert small.describe() == "0.154 Gbit/s each way per host, a 20 KB bucket"
     assert small.record()["burst_bytes"] == 20_000
     assert netns.LinkOptions().record()["burst_bytes"] is None
+
+
+def test_the_traffic_class_is_recorded_and_described():
+    fifo, priority = (netns.LinkOptions(gbps=0.5, traffic_class=c) for c in ("fifo", "priority"))
+    assert fifo.record()["traffic_class"] == "fifo" and fifo.describe() == \
+        "0.5 Gbit/s each way per host"
+    assert priority.record()["traffic_class"] == "priority"
+    assert priority.describe().endswith(", checkpoint bytes in a low-priority class")
+    from launch.persistence import chunk_tos
+
+    assert chunk_tos("fifo") == 0 and chunk_tos("priority") == 0x08
+
+
+@needs_root
+def test_priority_links_put_a_priority_queue_under_each_tbf():
+    with netns.ShapedNetwork(2, netns.LinkOptions(gbps=0.25, burst_kb=20,
+                                                  traffic_class="priority")) as net:
+        for h in range(2):
+            for ns, dev in ((net.host_namespace(h), "eth0"), (net.switch, f"h{h}")):
+                shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],
+                                       capture_output=True, text=True, check=True).stdout
+                assert "tbf" in shown and "pfifo_fast 10:" in shown and "parent 1:1" in shown, \
+                    shown
 
 
 def test_not_root_gives_one_line_error(tmp_path):
@@ -155,12 +182,16 @@ def test_stale_namespaces_of_a_dead_job_are_removed():
 @pytest.mark.slow
 def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
     workdir = tmp_path / "run"
+    # With the traffic class: the chunk channel's bytes in the low-priority
+    # band of each link's priority queue (FIFO links: the bench tests).
     proc = run_train("--hosts=2", "--devices_per_host=2", "--steps=8", "--log_every=4",
                      "--ckpt=inmem", "--kill_host=1", "--kill_at_step=4", "--link_gbps=0.5",
+                     "--traffic_class=priority",
                      "--eval_sequences=0", f"--workdir={workdir}",
                      f"--store_root={tmp_path}/store", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "links: 2 hosts, each in its own network namespace behind 0.5 Gbit/s" in proc.stdout
+    assert "checkpoint bytes in a low-priority class" in proc.stdout
     records = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     recoveries = [r for r in records if r.get("event") == "recovery"]
     assert len(recoveries) == 1 and recoveries[0]["tier"] in ("local", "peer"), recoveries

@@ -490,3 +490,34 @@ def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised()
     assert link.bytes_per_s == pytest.approx(1e6)
     with pytest.raises(ValueError, match="times do not grow with size"):
         chunk_channel.measure_channel(Measured(noisy, noisy, noisy, good), rows=1)
+
+
+def test_channel_sends_in_the_traffic_class_it_is_given():
+    store, out = _DictStore(), {}
+
+    def make(h):
+        out[h] = ChunkChannel(h, 1 - h, 1 - h, "tos", store, 10.0, tos=0x08 if h == 0 else 0)
+
+    threads = [threading.Thread(target=make, args=(h,)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        assert out[0].out.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0x08
+        assert out[1].out.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
+        # Little of what it sends waits unsent in the kernel.
+        assert out[0].out.getsockopt(socket.IPPROTO_TCP, chunk_channel._TCP_NOTSENT_LOWAT) == \
+            chunk_channel.NOTSENT_LOWAT
+    finally:
+        for c in out.values():
+            c.close()
+
+
+def test_the_chunk_channels_class_is_an_ip_tos_byte():
+    import capricorn_jax
+
+    assert capricorn_jax.InMemoryOptions(store_root="/tmp/x", job="j", chunk_tos=8).chunk_tos == 8
+    with pytest.raises(ValueError, match="chunk_tos must be an IP TOS byte in \\[0, 255\\], "
+                                         "got 256"):
+        capricorn_jax.InMemoryOptions(store_root="/tmp/x", job="j", chunk_tos=256)

@@ -51,6 +51,8 @@ _NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
 MIN_BURST_KB = 2.0
 """The smallest bucket: one full Ethernet frame with its headers (a larger GSO
 packet is split by tbf into frames)."""
+TRAFFIC_CLASSES = ("fifo", "priority")
+"""``--traffic_class``: one queue per link, or checkpoint bytes behind the rest."""
 DEFAULT_BURST_FLOOR = 256 << 10
 DEFAULT_BURST_S = 2e-3
 """The default bucket: at least 256 KB (a few GSO segments of a veth), else
@@ -81,6 +83,7 @@ class LinkOptions:
     gbps: float = 0.0
     latency_ms: float = 0.0
     burst_kb: float = 0.0
+    traffic_class: str = "fifo"
 
     def __post_init__(self) -> None:
         if not self.gbps >= 0:
@@ -94,6 +97,15 @@ class LinkOptions:
                              f"{MIN_BURST_KB:g} (one full frame), got {self.burst_kb}")
         if self.burst_kb and not self.gbps:
             raise ValueError("--link_burst_kb needs --link_gbps > 0 (the hosts' own links)")
+        if self.traffic_class not in TRAFFIC_CLASSES:
+            raise ValueError(f"--traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
+                             f"got {self.traffic_class!r}")
+        if self.traffic_class == "priority" and not self.gbps:
+            raise ValueError("--traffic_class=priority needs --link_gbps > 0 (the priority "
+                             "queue sits on the hosts' shaped links)")
+        if self.traffic_class == "priority" and self.latency_ms:
+            raise ValueError("--traffic_class=priority and --link_latency_ms both need the "
+                             "link's one child queue (pfifo_fast, netem): use one of them")
 
     @property
     def shaped(self) -> bool:
@@ -109,6 +121,7 @@ class LinkOptions:
         """What was asked for, as the JSONs of the bench and the link probe hold it."""
         return {"requested_gbps": self.gbps or None, "latency_ms": self.latency_ms,
                 "burst_bytes": self.burst_bytes() if self.shaped else None,
+                "traffic_class": self.traffic_class,
                 "describe": self.describe()}
 
     def describe(self) -> str:
@@ -116,14 +129,17 @@ class LinkOptions:
             return "unshaped loopback"
         lat = f", {self.latency_ms:g} ms one way" if self.latency_ms else ""
         burst = f", a {self.burst_bytes() / 1000:g} KB bucket" if self.burst_kb else ""
-        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}"
+        cls = (", checkpoint bytes in a low-priority class" if self.traffic_class == "priority"
+               else "")
+        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{cls}"
 
 
 def link_from_flags(fv: object) -> LinkOptions:
     """The link the parsed flags ask for (``--link_gbps``, ``--link_latency_ms``,
     ``--link_burst_kb``); raises ValueError naming a bad one."""
     return LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms,  # type: ignore[attr-defined]
-                       burst_kb=fv.link_burst_kb)  # type: ignore[attr-defined]
+                       burst_kb=fv.link_burst_kb,  # type: ignore[attr-defined]
+                       traffic_class=fv.traffic_class)  # type: ignore[attr-defined]
 
 
 def _run(*cmd: str) -> str:
@@ -236,6 +252,11 @@ def _tbf(namespace: str, dev: str, options: LinkOptions) -> None:
     if options.latency_ms:
         _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
              "netem", "delay", f"{options.latency_ms / 2:g}ms")
+    elif options.traffic_class == "priority":
+        # Three bands by the packets' TOS-derived priority: the collectives
+        # (default class) leave before any queued checkpoint byte (TOS 0x08).
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+             "pfifo_fast")
 
 
 class ShapedNetwork:

@@ -70,6 +70,12 @@ class InMemoryOptions:
         where the backend allows it; CPU: as "off"), "off" (the writers copy
         from the host copy), or a path forced: "async_copy", "pinned_pool",
         "host_plain".
+      chunk_tos: the IP TOS byte of the chunk channel's sockets (the
+        threaded path): 0 leaves the default class; a low-priority class
+        (e.g. ``LOW_PRIORITY_TOS``, 0x08: Linux's pfifo_fast puts it in its
+        last band) lets the training's collectives pass the checkpoint's
+        bytes where the network has classes (DESIGN.md: on real clusters
+        DSCP with ETS on RoCE, an InfiniBand service level).
     """
 
     store_root: str
@@ -85,8 +91,12 @@ class InMemoryOptions:
     write_threads: int = 4
     max_store_fraction: float = 0.8
     arena_copy: str = "auto"
+    chunk_tos: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.chunk_tos <= 255:
+            raise ValueError(f"chunk_tos must be an IP TOS byte in [0, 255], got "
+                             f"{self.chunk_tos}")
         if self.arena_copy not in ("auto", "off", "async_copy", "pinned_pool", "host_plain"):
             raise ValueError(f"arena_copy must be auto, off, async_copy, pinned_pool or "
                              f"host_plain, got {self.arena_copy!r}")

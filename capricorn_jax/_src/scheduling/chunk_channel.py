@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # version, offset, length (bytes per row), rows
 _HEADER = struct.Struct("<qqqq")
 SEND_BUFFER = 128 << 10
+NOTSENT_LOWAT = 16 << 10
+LOW_PRIORITY_TOS = 0x08
+"""TOS "maximize throughput": pfifo_fast's lowest band, behind the default class."""
+"""Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
+_TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _KEY = "capricorn/chunk_channel/{job}/{host}"
 # The connecting side's hello: magic, its host index, the token's length; then the token.
 _HELLO = struct.Struct("<4sqi")
@@ -87,10 +92,11 @@ class ChunkChannel:
       timeout_s: bound on connecting and on every send and receive.
       address: the address to listen on and advertise (default:
         ``job_address`` of the jax.distributed coordinator).
+      tos: the IP TOS byte of what this host sends (0: the default class).
     """
 
     def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
-                 timeout_s: float = 120.0, address: str | None = None) -> None:
+                 timeout_s: float = 120.0, address: str | None = None, tos: int = 0) -> None:
         self.host, self.destination, self.source = host, destination, source
         self.timeout_s = timeout_s
         self.token = job.encode()
@@ -131,6 +137,15 @@ class ChunkChannel:
         # nearly on the link, not parked in the kernel to leave during the
         # next all-to-all (pacing to the window).
         self.out.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        # And little of it unsent in the kernel (Linux: a send blocks while
+        # more than this is unsent), so what the deadline sender hands over
+        # leaves now, and its view of the link (``queued_bytes``) is the link's.
+        try:
+            self.out.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
+        except OSError:  # not Linux: the send buffer alone bounds it
+            pass
+        if tos:  # the checkpoint's traffic class (InMemoryOptions.chunk_tos)
+            self.out.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
 
     def _accept(self, listener: socket.socket, deadline: float, result: dict[str, Any]) -> None:
         """Accepts connections until one from this job's source host, with this

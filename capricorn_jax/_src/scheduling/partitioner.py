@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from capricorn_jax._src.profiling.layer_profile import TAIL
+
 if TYPE_CHECKING:
     from capricorn_jax._src.profiling.layer_profile import LayerProfile
 
@@ -178,14 +180,21 @@ def windows_from_profile(profile: LayerProfile, spans: bool = False) -> list[Win
     edge; its idle time), so no window's bytes are sent while the segment's
     collectives run. Segments are taken in the order they happen in the step
     (forward, then backward; sorted by start time, ties kept in profile
-    order). A negative measured duration (clock noise) becomes 0.
+    order). A negative measured duration (clock noise) becomes 0. With
+    ``spans``, the TAIL segment's last span (the one that holds the step's
+    gradient all-reduce) is a window of 0 s: no bytes are planned where the
+    all-reduce may run.
     """
     segments = sorted(profile.segments, key=lambda s: s.start_s)
     out: list[Window] = []
     for seg in segments:
         if spans and seg.spans:
-            out.extend(Window(seg.name, seg.direction, max(0.0, float(span.idle_s)), span.edge)
-                       for span in seg.spans)
+            # The TAIL's last span holds the gradient all-reduce (XLA runs it
+            # after the backward, where it will): never planned (idle 0).
+            last = len(seg.spans) - 1 if seg.name == TAIL else -1
+            out.extend(Window(seg.name, seg.direction,
+                              0.0 if k == last else max(0.0, float(span.idle_s)), span.edge)
+                       for k, span in enumerate(seg.spans))
             continue
         compute = seg.compute_s  # None exactly when the collective time is unknown
         idle = seg.duration_s if compute is None else compute
@@ -489,6 +498,54 @@ def partition(payload_bytes: int, windows: Sequence[Window], link: LinkModel,
         pos = stop
     return Schedule(windows, tuple(per_window), tuple(tail), payload_bytes, chunk_cap, link,
                     min_chunk)
+
+
+def even_partition(payload_bytes: int, windows: Sequence[Window], link: LinkModel,
+                   chunk_cap: int, min_chunk: int = 1, max_share: float = 1.0,
+                   tolerance: float = 1e-3) -> tuple[Schedule, float]:
+    """``partition`` with every window filled to the same share of its time.
+
+    The least share s <= ``max_share`` at which the windows scaled by s hold
+    the whole payload (no tail), found by bisection to ``tolerance``: greedy
+    filling of the scaled windows puts at most s of each window's time in
+    it, every window but the last one used near s (chunk granularity), so no
+    window runs to its end while another idles. Where even ``max_share``
+    leaves a tail, s = ``max_share`` and the tail is the least any schedule
+    leaves at that share (``partition``'s argument). The schedule keeps the
+    windows' own durations (the deadline sender's close); its chunks are the
+    scaled windows' (cost <= s x duration each).
+
+    Alternative not taken: greedy filling to the margin (``partition``
+    alone): the first windows full to their end, so any lateness of theirs
+    meets the collective that closes them, while later windows stay empty.
+
+    Returns:
+      (the schedule, s).
+
+    Raises:
+      ValueError: ``max_share`` outside (0, 1], or as ``partition``.
+    """
+    if not 0.0 < max_share <= 1.0:
+        raise ValueError(f"max_share={max_share} must be in (0, 1]")
+    windows = tuple(windows)
+
+    def at(share: float) -> Schedule:
+        return partition(payload_bytes, scale_windows(windows, share), link, chunk_cap, min_chunk)
+
+    best, share = at(max_share), max_share
+    if not best.tail and payload_bytes:
+        lo, hi = 0.0, max_share
+        while hi - lo > tolerance:
+            mid = (lo + hi) / 2
+            trial = at(mid)
+            if trial.tail:
+                lo = mid
+            else:
+                hi, best = mid, trial
+        share = hi
+    elif not payload_bytes:
+        share = 0.0
+    return dataclasses.replace(best, windows=windows), share
 
 
 def spread(payload_bytes: int, windows: Sequence[Window], link: LinkModel, chunk_cap: int,

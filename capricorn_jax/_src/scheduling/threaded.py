@@ -66,6 +66,12 @@ from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_si
 
 log = logging.getLogger(__name__)
 
+PIECE_BYTES = 64 << 10
+"""The deadline sender's frame size over all of a host's rows: small enough
+that a window stops within one frame's link time of its deadline (64 KiB at
+0.126 Gbit/s: 4 ms), large enough that a frame's header and system calls are
+noise."""
+
 
 class WindowMarks:
     """The recorder of the marks: opens a site when every local device passed it.
@@ -130,8 +136,11 @@ class _Version:
     def __init__(self, version: int, own: jax.Array, received: np.ndarray,
                  expect: list[tuple[int, int]]) -> None:
         self.version, self.own, self.received = version, own, received
-        self.expect = sorted(expect)
-        self.got: set[tuple[int, int]] = set()  # a frame that arrives twice counts once
+        self.expect = sum(hi - lo for lo, hi in expect)  # bytes of a row, every chunk
+        # Frames received: (offset, end); a frame that arrives twice counts
+        # once (the sender cuts each range into the same pieces every time).
+        self.got: set[tuple[int, int]] = set()
+        self.covered = 0
         self.sent = threading.Event()
         self.complete = threading.Event()
         self.error: BaseException | None = None
@@ -140,8 +149,14 @@ class _Version:
         # window index -> (the site opening it, the site closing it)
         self.window_sites: dict[int, tuple[Site, Site]] = {}
         self.site_sent: dict[Site, float] = {}  # when a site's last frame was handed over
-        # Every frame handed to the kernel: (its site, start, end, bytes).
-        self.frames: list[tuple[Site, float, float, int]] = []
+        # Every frame handed to the kernel: (the site it went in, start, end,
+        # bytes, the site that planned it: another when it was carried).
+        self.frames: list[tuple[Site, float, float, int, Site]] = []
+        # The deadline sender: per site, the planned idle time of the windows
+        # it opens (this part's), their bytes planned, and what a part left.
+        self.site_idle: dict[Site, float] = {}
+        self.planned: dict[int, int] = {}
+        self.carry: list[tuple[Site, int, int]] = []
         # A version spread over several steps (``parts``): its schedule, the
         # windows of one step, the next part to send and when the last one began.
         self.schedule: Schedule | None = None
@@ -161,8 +176,12 @@ class ThreadedSender:
     """
 
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
-                 mesh: Any, timeout_s: float = 120.0) -> None:
+                 mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
+                 piece_bytes: int = PIECE_BYTES) -> None:
+        if piece_bytes < 1:
+            raise ValueError(f"piece_bytes={piece_bytes} must be positive")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
+        self.deadline, self.piece_bytes = deadline, piece_bytes
         self.marks = WindowMarks(local_devices, channel.queued_bytes)
         self.mesh = mesh
         self._hook: ProfileHook | None = None
@@ -253,6 +272,15 @@ class ThreadedSender:
             schedule, windows=step_windows, chunks=schedule.chunks[part * n:(part + 1) * n]),
             self.boundaries)
         entry.window_sites = {} if flush else {part * n + i: p for i, p in pairs.items()}
+        entry.site_idle = {}
+        if self.deadline and not flush:
+            for i in range(part * n, (part + 1) * n):
+                site = site_of(schedule.windows[i], self.boundaries)
+                entry.site_idle[site] = entry.site_idle.get(site, 0.0) + \
+                    schedule.windows[i].duration_s
+        rows = self.marks.local_devices
+        entry.planned = {i: sum(c.stop - c.start for c in schedule.chunks[i]) * rows
+                         for i in indices}
         entry.part_t0 = time.perf_counter()
         epoch = self.marks.reset()
         self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, step_windows),
@@ -267,21 +295,33 @@ class ThreadedSender:
             try:
                 t0 = entry.t0
                 local = local_rows(entry.own, copy=False)  # views of the packed payload
-                entry.times.setdefault("packed_s", time.perf_counter() - t0)
+                t_packed = time.perf_counter()
+                entry.times.setdefault("packed_s", t_packed - t0)
+                # Bytes a window could not send before its deadline go in the
+                # next window (a part's leftovers in the next part's first).
+                carry, entry.carry = entry.carry, []
+                rate = entry.schedule.link.bytes_per_s if entry.schedule else 0.0
                 for site in order:
-                    ranges = by_site.get(site)
-                    if not ranges:
-                        continue
+                    if site == AFTER and not last:
+                        break  # a part's leftovers go in the next part's first window
+                    idle = entry.site_idle.get(site)
+                    own = [(site, lo, hi) for lo, hi in by_site.get(site, ())]
+                    if not own and (not carry or (idle is None and site != AFTER)):
+                        continue  # no window here to take the carried bytes
                     if site not in (START, AFTER):
                         # A window opens at its mark; a missed mark (a step that
                         # ended another way) sends at once rather than never.
                         self.marks.wait_open(site, epoch, self.timeout_s)
-                    for lo, hi in ranges:
-                        t_frame = time.perf_counter()
-                        self.channel.send(entry.version, lo, [row[lo:hi] for row in local])
-                        entry.frames.append((site, t_frame, time.perf_counter(),
-                                             (hi - lo) * len(local)))
+                    ranges, carry = carry + own, []
+                    closes = None
+                    if idle is not None and site != AFTER:
+                        opened = (max(entry.part_t0, t_packed) if site == START
+                                  else self.marks.opened_at.get(site, time.perf_counter()))
+                        closes = opened + idle
+                    carry = self._send_until(entry, local, site, ranges, closes, rate)
                     entry.site_sent[site] = time.perf_counter()
+                if carry:  # the part's last window left some: the next part's
+                    entry.carry = carry
                 if last:
                     entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
@@ -292,6 +332,35 @@ class ThreadedSender:
             else:
                 if last:
                     entry.sent.set()
+
+    def _send_until(self, entry: _Version, local: list, site: Site,
+                    ranges: list[tuple[Site, int, int]], closes: float | None, rate: float
+                    ) -> list[tuple[Site, int, int]]:
+        """Sends ``ranges`` ((planning site, lo, hi), in order) in window
+        ``site`` as frames of at most ``piece_bytes`` over all rows; with a
+        deadline (``closes``), stops before a frame that the link could not
+        carry before it: now + (bytes still queued on the link + the frame)
+        / the link model's rate, the queue being the channel's unacknowledged
+        bytes (the drain time of what is already in flight: the guard).
+        Returns the ranges left (to carry)."""
+        per_row = max(1, self.piece_bytes // max(1, len(local)))
+        left = list(ranges)
+        while left:
+            origin, lo, hi = left[0]
+            stop = min(hi, lo + per_row) if closes is not None else hi
+            nbytes = (stop - lo) * len(local)
+            if closes is not None and rate > 0:
+                queued = self.channel.queued_bytes() or 0
+                if time.perf_counter() + (queued + nbytes) / rate > closes:
+                    return left
+            t_frame = time.perf_counter()
+            self.channel.send(entry.version, lo, [row[lo:stop] for row in local])
+            entry.frames.append((site, t_frame, time.perf_counter(), nbytes, origin))
+            if stop < hi:
+                left[0] = (origin, stop, hi)
+            else:
+                left.pop(0)
+        return []
 
     def _buffer(self, version: int) -> np.ndarray | None:
         """The buffer of a frame of ``version``; None (discard the frame) for a
@@ -341,8 +410,10 @@ class ThreadedSender:
                 entry = self._versions.get(version)
                 if entry is None:  # discarded (a finished or dropped version)
                     continue
-                entry.got.add((offset, offset + length))
-                if sorted(entry.got) == entry.expect:
+                if (offset, offset + length) not in entry.got:
+                    entry.got.add((offset, offset + length))
+                    entry.covered += length
+                if entry.covered == entry.expect:
                     entry.times["received_s"] = time.perf_counter() - entry.t0
                     entry.complete.set()
 
@@ -392,7 +463,8 @@ class ThreadedSender:
         # A spread version's earlier parts went in earlier steps: this step's
         # windows hold the frames handed over since its part began.
         self.last_bytes = window_bytes([f for f in entry.frames if f[1] >= entry.part_t0],
-                                       entry.window_sites, opened, self.marks.queued_at)
+                                       entry.window_sites, opened, self.marks.queued_at,
+                                       entry.planned)
         return entry.received
 
     def close(self) -> None:
@@ -407,33 +479,43 @@ class WindowBytes:
     """Where a window's bytes went, on this host's link to its peer.
 
     Attributes:
-      planned: the window's chunk bytes (all its rows).
-      sent: those handed to the kernel before the window's closing mark and
-        no longer queued then (on their way or across: they did not meet the
-        collective that mark starts).
-      late: the rest: handed over after the closing mark, or still queued
-        (unacknowledged) at it, i.e. bytes that met the collective.
+      planned: the window's chunk bytes (all its rows), as the schedule put them.
+      sent: bytes handed to the kernel in the window before its closing mark
+        and no longer queued then (on their way or across: they did not meet
+        the collective that mark starts).
+      late: the rest of the bytes handed over in the window: after the
+        closing mark, or still queued (unacknowledged) at it, i.e. bytes
+        that met the collective.
+      carried_out: planned bytes the deadline sender moved on to a later
+        window (or after the step); carried_in: earlier windows' bytes sent
+        in this one. sent + late = planned - carried_out + carried_in.
     """
 
     planned: int
     sent: int
     late: int
+    carried_out: int = 0
+    carried_in: int = 0
 
 
-def window_bytes(frames: list[tuple[Site, float, float, int]],
+def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
                  window_sites: dict[int, tuple[Site, Site]],
                  opened: dict[Site, float],
-                 queued_at: dict[Site, int | None]) -> dict[int, WindowBytes]:
+                 queued_at: dict[Site, int | None],
+                 planned: dict[int, int] | None = None) -> dict[int, WindowBytes]:
     """Per window (index -> WindowBytes) of one step, from its frames (pure).
 
     Args:
-      frames: (the site a frame was sent for, when its send began, when it
-        ended, its bytes), every frame of the step.
+      frames: (the site a frame was sent in, when its send began, when it
+        ended, its bytes, the site whose window planned it), every frame of
+        the step.
       window_sites: window index -> (opening site, closing site).
       opened: site -> when its mark opened it (windows whose closing site
         never opened count every byte as sent).
       queued_at: site -> the channel's unacknowledged bytes when it opened
         (None or absent: unknown, counted as 0).
+      planned: window index -> its bytes in the schedule (default: the bytes
+        it planned that frames carried).
 
     A frame whose send spans the closing mark is split in proportion to the
     time on either side (a send's bytes leave at the link's rate). The bytes
@@ -445,11 +527,15 @@ def window_bytes(frames: list[tuple[Site, float, float, int]],
     """
     out = {}
     for i, (open_, close) in window_sites.items():
-        mine = [(t0, t1, n) for site, t0, t1, n in frames if site == open_]
-        planned = sum(n for _, _, n in mine)
+        mine = [(t0, t1, n) for site, t0, t1, n, _ in frames if site == open_]
+        carried_in = sum(n for site, _, _, n, origin in frames if site == open_ != origin)
+        carried_out = sum(n for site, _, _, n, origin in frames if origin == open_ != site)
+        handed_total = sum(n for _, _, n in mine)
+        wanted = (handed_total - carried_in + carried_out if planned is None
+                  else planned.get(i, 0))
         t_close = opened.get(close)
         if t_close is None:
-            out[i] = WindowBytes(planned, planned, 0)
+            out[i] = WindowBytes(wanted, handed_total, 0, carried_out, carried_in)
             continue
         before = 0.0
         for t0, t1, n in mine:
@@ -459,7 +545,8 @@ def window_bytes(frames: list[tuple[Site, float, float, int]],
                 before += n * (t_close - t0) / (t1 - t0)
         handed = int(round(before))
         queued = min(handed, max(0, queued_at.get(close) or 0))
-        out[i] = WindowBytes(planned, handed - queued, planned - handed + queued)
+        out[i] = WindowBytes(wanted, handed - queued, handed_total - handed + queued,
+                             carried_out, carried_in)
     return out
 
 

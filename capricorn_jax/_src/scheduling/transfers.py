@@ -38,6 +38,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,
     Window,
+    even_partition,
     fit_link_model,
     partition,
     scale_windows,
@@ -120,16 +121,20 @@ class ScheduledTransfers:
       link: the measured link model.
       chunk_cap: largest chunk in bytes.
       margin: windows are scaled by this before partitioning (safety).
+      even: fill every window to the same least share of its (margin-scaled)
+        time that holds the version (``partitioner.even_partition``), not
+        greedily in order to the margin.
       clock: the in-graph path's window clock (``window_clock.WindowClock``),
         whose marks the compiled steps carry; None: steps without marks.
     """
 
     def __init__(self, ckpt: InMemoryCheckpointer, trainer: TrainStep, boundaries: list[str],
                  link: LinkModel, chunk_cap: int, margin: float = 0.8,
-                 clock: SiteClock | None = None) -> None:
+                 clock: SiteClock | None = None, even: bool = True) -> None:
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
         self.clock = clock
-        self.link, self.chunk_cap, self.margin = link, chunk_cap, margin
+        self.link, self.chunk_cap, self.margin, self.even = link, chunk_cap, margin, even
+        self._shares: dict[int, float] = {}  # payload bytes -> the even fill's share
         self.schedule: Schedule | None = None  # of the full payload (ckpt.plan)
         self.partitions = 0
         self._steps: dict[tuple, Any] = {}
@@ -175,7 +180,11 @@ class ScheduledTransfers:
             raise RuntimeError("no schedule yet: repartition first")
         size = transport.plan.payload_bytes
         if size not in self._schedules:
-            s = partition(size, self._windows, self.link, self.chunk_cap)
+            if self.even:
+                s, self._shares[size] = even_partition(size, self._windows, self.link,
+                                                       self.chunk_cap)
+            else:
+                s = partition(size, self._windows, self.link, self.chunk_cap)
             where = (tuple((w.name, w.direction, w.edge, tuple((c.start, c.stop) for c in cs))
                            for w, cs in zip(s.windows, s.chunks, strict=True)),
                      tuple((c.start, c.stop) for c in s.tail))
@@ -212,7 +221,9 @@ class ScheduledTransfers:
             return {"scheduled": False}
         return {"scheduled": True, "partitions": self.partitions,
                 "window_bytes": [s.bytes_in_window(i) for i in range(len(s.windows))],
-                "tail_bytes": s.tail_bytes}
+                "tail_bytes": s.tail_bytes,
+                "fill_share": (round(self._shares[s.payload_bytes], 4)
+                               if s.payload_bytes in self._shares else None)}
 
 
 def schedule_at_risk(schedule: Schedule | None, detector: DynamicityDetector,
@@ -295,8 +306,9 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
       window ("name/direction"), planned_s (the window the schedule was
       partitioned into: measured x the safety margin), observed_s (idle time
       measured), chunks_s (its chunks' link time, modelled), spill_s, and
-      with ``sends_s`` sent_s and late_s; bytes_planned, bytes_sent and
-      bytes_late from ``window_bytes`` (None without).
+      with ``sends_s`` sent_s and late_s; bytes_planned, bytes_sent,
+      bytes_late, bytes_carried (to later windows) and bytes_carried_in
+      from ``window_bytes`` (None without).
     """
     busy = {} if profile is None else _busy_after(profile, any(w.edge for w in schedule.windows))
     out = []
@@ -314,6 +326,8 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
         record["bytes_planned"] = None if measured is None else measured.planned
         record["bytes_sent"] = None if measured is None else measured.sent
         record["bytes_late"] = None if measured is None else measured.late
+        record["bytes_carried"] = None if measured is None else measured.carried_out
+        record["bytes_carried_in"] = None if measured is None else measured.carried_in
         if sends_s is not None and i in sends_s:
             record["sent_s"] = round(sends_s[i], 6)
             record["late_s"] = round(max(0.0, sends_s[i] - spans_s[i]), 6)

@@ -79,7 +79,7 @@ def peer_channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
     source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
     return ChunkChannel(ckpt.host, destination, source,
                         f"{ckpt.options.job}/{next(_channels)}", client,
-                        ckpt.options.replication_timeout_s * 4)
+                        ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos)
 
 
 def whole_version(payload_bytes: int, chunk_cap: int) -> Schedule:

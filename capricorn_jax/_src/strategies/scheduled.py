@@ -174,8 +174,10 @@ class ScheduledStrategy(InMemoryStrategy):
         if self.chunk_path == "threaded":
             channel = peer_channel(checkpointer)
             self.link = measure_channel(channel, jax.local_device_count())
+            # The deadline sender: a window's bytes stop at its planned close
+            # and go on in the next window (issue 38).
             self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
-                                         train.mesh, channel.timeout_s)
+                                         train.mesh, channel.timeout_s, deadline=True)
         else:
             self.link = measure_link(checkpointer.transport)
             if kind == "capricorn":

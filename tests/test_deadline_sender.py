@@ -1,0 +1,144 @@
+"""The deadline sender (scheduling.threaded, ``deadline=True``) over real sockets.
+
+Two ThreadedSenders on one process, each with a real TCP chunk channel to the
+other on loopback (the address exchange through a dict: the one stand-in);
+the test fires the boundary marks itself. A window whose planned idle time is
+over before its bytes could cross stops and carries them to the next window,
+the last window's to after the step; the peer gets every byte either way and
+the window records account for each one.
+"""
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.threaded import ThreadedSender
+from tests.test_threaded import _pair
+
+PAYLOAD = 48_000
+B0, B1 = ("b0", "fwd"), ("b1", "fwd")
+
+
+def _senders(piece_bytes=4096):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    a, b = _pair(20.0)
+    return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, 20.0, deadline=True,
+                                 piece_bytes=piece_bytes) for c in (a, b)]
+
+
+def _schedule(first_s, second_s, rate=1e6):
+    """Half the payload planned in the window (b0, fwd) opens, half in (b1,
+    fwd)'s; then the windows' planned idle times set to ``first_s`` and
+    ``second_s`` (what the deadline sender holds them to)."""
+    windows = [Window("b0", "fwd", PAYLOAD / 2 / rate), Window("b1", "fwd", PAYLOAD / 2 / rate)]
+    schedule = partition(PAYLOAD, windows, LinkModel(0.0, rate), 4096)
+    assert all(schedule.chunks) and not schedule.tail
+    return dataclasses.replace(schedule, windows=(
+        Window("b0", "fwd", first_s), Window("b1", "fwd", second_s)))
+
+
+def _fire(sender, site):
+    sender.marks.record(site[0], site[1], np.zeros(2, np.float32))
+
+
+def _step(mesh, senders, version, schedule, pause_s=0.2):
+    data = {}
+    for h, sender in enumerate(senders):
+        data[h] = np.random.default_rng(version * 2 + h).integers(0, 256, (1, PAYLOAD), np.uint8)
+        sender.start(version, jax.device_put(data[h], NamedSharding(mesh, P("x"))), schedule)
+    for site in (B0, B1):
+        time.sleep(pause_s)
+        for sender in senders:
+            _fire(sender, site)
+    time.sleep(pause_s)
+    for sender in senders:  # the step's end: the sender holds nothing back past it
+        _fire(sender, ("b1", "bwd"))
+    for h, sender in enumerate(senders):
+        assert (sender.wait(version, 20.0) == data[1 - h]).all()  # every byte, bit for bit
+
+
+def _close(senders):
+    for s in senders:
+        s.close()
+
+
+def test_a_window_that_has_time_sends_its_own_bytes_in_small_frames():
+    mesh, senders = _senders()
+    try:
+        _step(mesh, senders, 1, _schedule(10.0, 10.0))
+        for s in senders:
+            records = s.last_bytes
+            assert records[0].carried_out == records[1].carried_in == 0
+            assert records[0].sent + records[0].late == records[0].planned == PAYLOAD // 2
+    finally:
+        _close(senders)
+
+
+def test_a_window_past_its_deadline_carries_its_bytes_to_the_next_one():
+    mesh, senders = _senders()
+    try:
+        # Window 0's planned idle time is over before one frame could cross.
+        _step(mesh, senders, 1, _schedule(1e-6, 10.0))
+        for s in senders:
+            w0, w1 = s.last_bytes[0], s.last_bytes[1]
+            assert w0.carried_out == w0.planned and w0.sent + w0.late == 0
+            assert w1.carried_in == w0.planned
+            assert w1.sent + w1.late == w1.planned + w1.carried_in
+    finally:
+        _close(senders)
+
+
+def test_the_last_windows_leftovers_go_after_the_step_and_the_version_completes():
+    mesh, senders = _senders()
+    try:
+        _step(mesh, senders, 1, _schedule(1e-6, 1e-6))
+        for s in senders:
+            w0, w1 = s.last_bytes[0], s.last_bytes[1]
+            # Both windows' bytes went after the step (their records: carried out).
+            assert w0.carried_out == w0.planned and w1.carried_out == w1.planned
+            assert w1.carried_in == 0 and w0.sent + w0.late + w1.sent + w1.late == 0
+            assert s._versions == {}  # finished
+        # The next version goes as usual.
+        _step(mesh, senders, 2, _schedule(10.0, 10.0))
+    finally:
+        _close(senders)
+
+
+def test_a_deadline_in_the_middle_of_a_window_stops_within_a_frame(monkeypatch):
+    """On a link of 40 KB/s (each frame's send takes its link time: loopback
+    with the send slowed to that rate, a unit test of the stop rule) and a
+    window of 0.25 s, the sender sends the frames that end before the
+    deadline (2 of 4 KiB) and carries the rest."""
+    mesh, senders = _senders(piece_bytes=4096)
+    rate = 40e3
+    for s in senders:
+        send = s.channel.send
+
+        def slow(version, offset, rows, send=send):
+            time.sleep(sum(len(r) for r in rows) / rate)
+            send(version, offset, rows)
+
+        monkeypatch.setattr(s.channel, "send", slow)
+        monkeypatch.setattr(s.channel, "queued_bytes", lambda: 0)
+    try:
+        schedule = dataclasses.replace(_schedule(0.25, 100.0), link=LinkModel(0.0, rate))
+        _step(mesh, senders, 1, schedule, pause_s=0.1)
+        for s in senders:
+            w0 = s.last_bytes[0]
+            sent = w0.planned - w0.carried_out
+            assert sent == 2 * 4096 and w0.sent + w0.late == sent
+            assert s.last_bytes[1].carried_in == w0.carried_out
+    finally:
+        _close(senders)
+
+
+def test_piece_bytes_must_be_positive():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    with pytest.raises(ValueError, match="piece_bytes=0"):
+        ThreadedSender(None, ["b0"], 1, mesh, deadline=True, piece_bytes=0)
