@@ -436,3 +436,31 @@ def test_fault_hooks_name_a_bad_value():
     with pytest.raises(ValueError, match=r"stall_replica_writer_at must be \(step, seconds >= 0\)"):
         FaultHooks(stall_replica_writer_at=(1, -1.0))
     assert not FaultHooks(on_pause=print).pauses_at(3)
+
+
+def test_a_dropped_version_is_never_committed_and_the_next_is(trainer, tmp_path):
+    """drop(): a version whose peer payload failed its end-to-end check is
+    not taken on this host; its status round still runs, the safe version
+    stays the one before, and the next version commits (replicas=1: this
+    host holds everything, so "everywhere" is here)."""
+    import capricorn_jax
+    from capricorn_jax._src.scheduling.threaded import pack_program
+
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    state = trainer.init_state(0)
+    pack = pack_program(ckpt.transport, trainer.state_shardings)
+    first = ckpt.save_transferred(1, pack(state, ckpt.trailer_rows({"data": {"step": 1}})), [])
+    ckpt.wait_until_finished(60)
+    dropped = ckpt.drop(2)
+    assert dropped.corrupt and dropped.skipped and not first.corrupt
+    ckpt.wait_until_finished(60)
+    third = ckpt.save_transferred(3, pack(state, ckpt.trailer_rows({"data": {"step": 3}})), [])
+    ckpt.wait_until_finished(60)
+    report = ckpt.confirm(60)
+    committed = set(first.newly_committed + dropped.newly_committed + third.newly_committed
+                    + report.newly_committed)
+    assert 2 not in committed and {1, 3} <= committed
+    assert report.safe_version == 3
+    ckpt.close()

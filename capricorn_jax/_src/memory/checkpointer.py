@@ -247,6 +247,21 @@ class InMemoryCheckpointer(VersionWriters):
             _refuse_pec_args(tokens_per_expert, None)
         return self._skip(step)
 
+    def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None
+             ) -> SaveReport:
+        """Takes no version at ``step`` on this host alone: a peer's payload of
+        it failed its end-to-end check (a frame corrupted in transit). The
+        statuses still travel (the same collectives as a save); no holder can
+        commit the version, since this host holds none of it, so the safe
+        version stays the previous one. Not under PEC (whose tier has already
+        recorded the version it planned): there the caller raises."""
+        if self.pec is not None:
+            raise RuntimeError(f"host {self.host}: version {step} failed its end-to-end check "
+                               f"and a PEC version cannot be dropped on one host")
+        report = self._skip(step, status_round)
+        report.corrupt = True
+        return report
+
     def begin_round(self) -> tuple[SaveReport, np.ndarray]:
         """The first half of a ``save_transferred`` whose status round the
         caller runs in a program of its own (``status_round=``): adopts the

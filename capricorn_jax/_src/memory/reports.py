@@ -67,6 +67,7 @@ class SaveReport:
     newly_committed: list[int] = dataclasses.field(default_factory=list)
     pec_k: int | None = None
     pec_plt: float | None = None
+    corrupt: bool = False  # this host dropped the version: a peer's payload failed its check
 
     @property
     def replicated(self) -> int:

@@ -23,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,8 +34,8 @@ from capricorn_jax._src.scheduling.partitioner import LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
 
-# version, offset, length (bytes per row), rows
-_HEADER = struct.Struct("<qqqq")
+# version, offset, length (bytes per row), rows, CRC32 of the rows' bytes in order
+_HEADER = struct.Struct("<qqqqI")
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 LOW_PRIORITY_TOS = 0x08
@@ -44,7 +45,9 @@ _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _KEY = "capricorn/chunk_channel/{job}/{host}"
 # The connecting side's hello: magic, its host index, the token's length; then the token.
 _HELLO = struct.Struct("<4sqi")
-_MAGIC = b"CJX1"
+_MAGIC = b"CJX2"
+"""The format's identity, first in every hello: CJX1 frames had no checksum;
+CJX2 frames carry the CRC32 the sender computed before they left."""
 _MAX_TOKEN = 4096
 
 
@@ -70,6 +73,18 @@ def job_address(coordinator: str | None) -> str:
         raise OSError(f"this host would advertise the loopback address {address} to reach the "
                       f"coordinator {coordinator}; its peers cannot connect there")
     return address
+
+
+_OTHER_FORMAT = "a chunk channel of another format"
+
+
+class CorruptFrame(ValueError):
+    """A frame whose bytes changed between its sender's checksum and this
+    host's (``version``: the version it belongs to, dropped)."""
+
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -125,6 +140,10 @@ class ChunkChannel:
             raise
         acceptor.join(timeout_s + 1.0)
         listener.close()
+        if result.get("mismatch"):
+            self.out.close()
+            raise ConnectionError(f"host {host}: host {source}'s chunk channel: "
+                                  f"{result['error']}")
         if "in" not in result:
             self.out.close()
             raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
@@ -169,6 +188,9 @@ class ChunkChannel:
                         peer, why)
             result["error"] = why
             conn.close()
+            if why.startswith(_OTHER_FORMAT):  # the job's own peer runs other code: stop now
+                result["mismatch"] = True
+                return
 
     def _refusal(self, conn: socket.socket, timeout_s: float) -> str | None:
         """Why ``conn`` is not this job's source host (None: it is)."""
@@ -177,6 +199,9 @@ class ChunkChannel:
             hello = bytearray(_HELLO.size)
             _recv_exact(conn, memoryview(hello))
             magic, host, size = _HELLO.unpack(hello)
+            if magic != _MAGIC and magic.startswith(_MAGIC[:3]):
+                return (f"{_OTHER_FORMAT} ({bytes(magic)!r}; this host speaks {_MAGIC!r}): "
+                        f"the hosts run different versions of the code")
             if magic != _MAGIC or not 0 <= size <= _MAX_TOKEN:
                 return f"not a chunk channel hello ({bytes(hello[:4])!r})"
             token = bytearray(size)
@@ -197,9 +222,13 @@ class ChunkChannel:
         lengths = {len(r) for r in rows}
         if len(lengths) != 1:
             raise ValueError(f"rows of different lengths {sorted(lengths)}")
-        self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows)))
-        for row in rows:
-            self.out.sendall(np.ascontiguousarray(row).data.cast("B"))
+        views = [np.ascontiguousarray(row).data.cast("B") for row in rows]
+        crc = 0
+        for view in views:  # before the bytes leave: end to end (zlib releases the GIL)
+            crc = zlib.crc32(view, crc)
+        self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows), crc))
+        for view in views:
+            self.out.sendall(view)
 
     def queued_bytes(self) -> int | None:
         """Bytes this host handed to the kernel for the peer that the peer has
@@ -218,10 +247,15 @@ class ChunkChannel:
     def receive_into(self, buffers: Callable[[int], np.ndarray | None]
                      ) -> tuple[int, int, int]:
         """Receives one frame into ``buffers(version)``; (version, offset, length).
-        When ``buffers`` gives None the frame is read and discarded."""
+        When ``buffers`` gives None the frame is read and discarded.
+
+        Raises:
+          CorruptFrame: the frame's bytes do not match the checksum its sender
+            computed (read whole: the next frame can be received).
+        """
         header = bytearray(_HEADER.size)
         _recv_exact(self.inc, memoryview(header))
-        version, offset, length, rows = _HEADER.unpack(header)
+        version, offset, length, rows, crc = _HEADER.unpack(header)
         target = buffers(version)
         if target is None:
             scratch = memoryview(bytearray(min(max(length, 1), 1 << 20)))
@@ -235,8 +269,15 @@ class ChunkChannel:
             raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
                              f"{offset} from host {self.source} does not fit version "
                              f"{version}'s {target.shape}")
+        got = 0
         for r in range(rows):
             _recv_exact(self.inc, target[r, offset:offset + length].data)
+            got = zlib.crc32(target[r, offset:offset + length].data, got)
+        if got != crc:
+            raise CorruptFrame(version, f"host {self.host}: version {version}: a frame of "
+                                        f"{rows} x {length} bytes at {offset} from host "
+                                        f"{self.source} fails its checksum (CRC32 {got:#010x}, "
+                                        f"sent {crc:#010x})")
         return version, offset, length
 
     def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,

@@ -59,7 +59,7 @@ import numpy as np
 
 from capricorn_jax._src.memory.transport import local_rows
 from capricorn_jax._src.profiling.profiler import ProfileHook
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import Schedule
 from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
@@ -71,6 +71,17 @@ PIECE_BYTES = 64 << 10
 that a window stops within one frame's link time of its deadline (64 KiB at
 0.126 Gbit/s: 4 ms), large enough that a frame's header and system calls are
 noise."""
+
+
+class VersionDropped(RuntimeError):
+    """``wait``'s answer for a version whose peer payload failed its
+    end-to-end check (``chunk_channel.CorruptFrame``): the caller takes no
+    version at that step (``InMemoryCheckpointer.drop``); the channel and the
+    next versions go on."""
+
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 class WindowMarks:
@@ -396,6 +407,16 @@ class ThreadedSender:
             try:
                 self.channel.inc.settimeout(None)  # idle between steps is not a failure
                 version, offset, length = self.channel.receive_into(self._buffer)
+            except CorruptFrame as e:
+                # Checked end to end: the version is dropped (its wait raises,
+                # so no holder commits it), the channel goes on.
+                log.warning("%s; version %d dropped", e, e.version)
+                with self._lock:
+                    bad = self._versions.get(e.version)
+                if bad is not None:
+                    bad.error = bad.error or e
+                    bad.complete.set()
+                continue
             except BaseException as e:  # noqa: BLE001
                 if self._closed:
                     return
@@ -438,6 +459,9 @@ class ThreadedSender:
                 self._finish(version)  # dropped whole: its late frames are discarded
                 raise TimeoutError(f"host {self.channel.host}: version {version}: {what} did "
                                    f"not finish within {timeout_s:g}s")
+            if isinstance(entry.error, CorruptFrame):
+                self._finish(version)
+                raise VersionDropped(version, str(entry.error)) from entry.error
             if entry.error is not None:
                 self._finish(version)
                 raise RuntimeError(f"host {self.channel.host}: version {version}: {what} "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from typing import Any
 
 import jax
@@ -57,7 +58,7 @@ from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import pack_payload
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped, pack_program
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 
@@ -66,6 +67,8 @@ _InFlight = tuple[int, jax.Array, PecVersion | None]
 """A version handed to the sender and not committed yet: (version, own payload, PEC version)."""
 _NO_LINK = LinkModel(0.0, 1.0)
 """The whole-version schedule has no window to fit: its link model is never read."""
+
+log = logging.getLogger(__name__)
 
 
 def peer_channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
@@ -148,11 +151,18 @@ class ChannelReplication(InMemoryStrategy):
         if inflight is None:
             return []
         version, own, pec_version = inflight
-        with self.ckpt.clock.phase("peer_wait"):
-            received = self.sender.wait(version)  # [local devices, bytes]; bounded
-        report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
-                                            status_round=status_round)
+        try:
+            with self.ckpt.clock.phase("peer_wait"):
+                received = self.sender.wait(version)  # [local devices, bytes]; bounded
+        except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
+            log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
+            report = self.ckpt.drop(version, status_round=status_round)
+        else:
+            report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
+                                                status_round=status_round)
         event = self._event(version, report)
+        if report.corrupt:
+            event["corrupt"] = True
         event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
         return [event]
 

@@ -56,6 +56,7 @@ benchmark, with its own defaults.
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any, NotRequired, TypedDict
 
 import jax
@@ -70,7 +71,7 @@ from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
 from capricorn_jax._src.scheduling.load_windows import windows_at_load
 from capricorn_jax._src.scheduling.partitioner import Schedule, Window, windows_from_profile
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, pack_program
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped, pack_program
 from capricorn_jax._src.scheduling.transfers import (
     ScheduledTransfers,
     average_windows,
@@ -108,6 +109,8 @@ steps in between are not taken."""
 SPILL_TOLERANCE_S = 0.001
 """A window spills when its chunks' modelled link time exceeds its measured
 idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
+
+log = logging.getLogger(__name__)
 
 
 class MovedPayloads(TypedDict):
@@ -468,8 +471,13 @@ class ScheduledStrategy(InMemoryStrategy):
         if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
             sender = self.sender
             assert sender is not None, "only the threaded path leaves the peer's payload out"
-            with self.ckpt.clock.phase("peer_wait"):
-                payloads["received"] = sender.wait(version)  # [local devices, bytes]
+            try:
+                with self.ckpt.clock.phase("peer_wait"):
+                    payloads["received"] = sender.wait(version)  # [local devices, bytes]
+            except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
+                log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
+                self._last_saved = version
+                return [{**self._event(version, self.ckpt.drop(version)), "corrupt": True}]
             schedule = payloads.get("schedule") or self.transfers.schedule_for(
                 payloads["transport"])  # a spread version's: its last step's windows timed
             windows = window_spills(schedule, sender.last_spans, self._planned_on,

@@ -1,0 +1,112 @@
+"""End-to-end checks on the chunk channel: a frame carries the CRC32 its
+sender computed before it left; a byte flipped in transit (here: in the
+sending socket's bytes, below the sender's checksum) fails the receiver's
+check, drops that version on that host, and the channel goes on. Real TCP
+connections on loopback; the fault is injected at the socket."""
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from capricorn_jax._src.scheduling import chunk_channel
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
+from capricorn_jax._src.scheduling.threaded import VersionDropped
+from tests.test_deadline_sender import _close, _schedule, _senders, _step
+from tests.test_threaded import _DictStore, _pair
+
+
+class _Flipper:
+    """A socket whose ``sendall`` flips one byte of the ``nth`` payload send
+    (headers are sends of exactly the header's size)."""
+
+    def __init__(self, sock, nth):
+        self.sock, self.nth, self.count = sock, nth, 0
+
+    def sendall(self, data):
+        view = memoryview(data).cast("B")
+        if len(view) != chunk_channel._HEADER.size:
+            self.count += 1
+            if self.count == self.nth:
+                data = bytearray(view)
+                data[len(data) // 2] ^= 0xFF
+        return self.sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def _buffers(rows, size):
+    out = {}
+
+    def get(version):
+        return out.setdefault(version, np.zeros((rows, size), np.uint8))
+
+    return out, get
+
+
+def test_a_flipped_byte_fails_the_frame_and_the_next_frame_is_received():
+    a, b = _pair(10.0)
+    try:
+        a.out = _Flipper(a.out, nth=3)  # the second frame's first row (2 rows a frame)
+        rng = np.random.default_rng(0)
+        frames = [rng.integers(0, 256, (2, 1000), np.uint8) for _ in range(3)]
+        for i, rows in enumerate(frames):
+            a.send(7, i * 1000, rows)
+        got, get = _buffers(2, 3000)
+        assert b.receive_into(get) == (7, 0, 1000)
+        with pytest.raises(CorruptFrame, match="version 7: a frame of 2 x 1000 bytes at 1000 "
+                                               "from host 0 fails its checksum") as e:
+            b.receive_into(get)
+        assert e.value.version == 7
+        assert b.receive_into(get) == (7, 2000, 1000)  # the stream stays in step
+        assert (got[7][:, 2000:] == frames[2]).all() and (got[7][:, :1000] == frames[0]).all()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_corrupt_frame_drops_that_version_on_the_receiver_and_the_next_goes():
+    mesh, senders = _senders()
+    try:
+        senders[0].channel.out = _Flipper(senders[0].channel.out, nth=3)
+        with pytest.raises(VersionDropped, match="fails its checksum") as e:
+            _step(mesh, senders, 1, _schedule(10.0, 10.0))
+        assert e.value.version == 1 and senders[1].failure is None
+        for s in senders:  # the other direction completed: drain host 0's side
+            if 1 in s._versions:
+                s.wait(1, 20.0)
+        _step(mesh, senders, 2, _schedule(10.0, 10.0))  # bit for bit, the channel goes on
+    finally:
+        _close(senders)
+
+
+def test_a_peer_running_another_format_is_refused_at_the_hello_naming_both():
+    store = _DictStore()
+    listener_ready = threading.Event()
+    errors = {}
+
+    def host0():
+        try:
+            ChunkChannel(0, 1, 1, "fmt", store, 10.0, address="127.0.0.1")
+        except Exception as e:  # noqa: BLE001
+            errors[0] = e
+        finally:
+            listener_ready.set()
+
+    t = threading.Thread(target=host0)
+    t.start()
+    # Host 1 of an older build: its hello says CJX1.
+    address = store.blocking_key_value_get("capricorn/chunk_channel/fmt/0", 10_000)
+    peer_listener = socket.create_server(("127.0.0.1", 0))
+    store.key_value_set("capricorn/chunk_channel/fmt/1",
+                        f"127.0.0.1:{peer_listener.getsockname()[1]}")
+    old = socket.create_connection(tuple([address.rsplit(":", 1)[0],
+                                          int(address.rsplit(":", 1)[1])]))
+    old.sendall(chunk_channel._HELLO.pack(b"CJX1", 1, 3) + b"fmt")
+    t.join(20)
+    old.close()
+    peer_listener.close()
+    assert isinstance(errors.get(0), ConnectionError), errors
+    assert "another format (b'CJX1'; this host speaks b'CJX2')" in str(errors[0])
