@@ -110,3 +110,23 @@ def test_a_peer_running_another_format_is_refused_at_the_hello_naming_both():
     peer_listener.close()
     assert isinstance(errors.get(0), ConnectionError), errors
     assert "another format (b'CJX1'; this host speaks b'CJX2')" in str(errors[0])
+
+
+def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_it():
+    import time
+
+    a, b = _pair(10.0)
+    try:
+        b.timeout_s = 0.5
+        b.inc.settimeout(None)  # idle between frames: no bound
+        rows = np.zeros((1, 1000), np.uint8)
+        a.out.sendall(chunk_channel._HEADER.pack(3, 0, 1000, 1, 0) + rows.tobytes()[:400])
+        _, get = _buffers(1, 1000)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="host 1: host 0 stopped mid-frame for over 0.5s"):
+            b.receive_into(get)
+        assert time.monotonic() - t0 < 5.0
+        assert b.inc.gettimeout() is None  # the idle wait is unbounded again
+    finally:
+        a.close()
+        b.close()

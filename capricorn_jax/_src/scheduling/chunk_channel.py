@@ -254,7 +254,21 @@ class ChunkChannel:
             computed (read whole: the next frame can be received).
         """
         header = bytearray(_HEADER.size)
-        _recv_exact(self.inc, memoryview(header))
+        _recv_exact(self.inc, memoryview(header))  # waits as the socket's timeout says
+        # Once a frame began, the rest of it is due within the bound: a peer
+        # that stalls mid-frame ends the receive with an error naming it.
+        idle = self.inc.gettimeout()
+        self.inc.settimeout(self.timeout_s)
+        try:
+            return self._receive_body(header, buffers)
+        except TimeoutError:
+            raise TimeoutError(f"host {self.host}: host {self.source} stopped mid-frame for "
+                               f"over {self.timeout_s:g}s") from None
+        finally:
+            self.inc.settimeout(idle)
+
+    def _receive_body(self, header: bytearray, buffers: Callable[[int], np.ndarray | None]
+                      ) -> tuple[int, int, int]:
         version, offset, length, rows, crc = _HEADER.unpack(header)
         target = buffers(version)
         if target is None:
