@@ -29,6 +29,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     windows_from_profile,
 )
 from capricorn_jax._src.scheduling.transfers import schedule_at_risk, shortest_windows
+from capricorn_jax._src.scheduling.window_model import WindowModel
 from capricorn_jax._src.strategies import scheduled
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
@@ -146,6 +147,7 @@ def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStra
     s._wants_profile, s.repartitions, s.spill_requests = False, [], []
     s.repartition_sources, s._modelled_windows = [], None
     s.spans = spans
+    s.window_model, s._plan_windows, s.window_model_replans = WindowModel(), [], []
     return s
 
 
@@ -372,3 +374,31 @@ def test_the_note_travels_in_the_save_round_and_host_0s_is_agreed(tmp_path):
         assert ckpt.agreed_note == 12
     finally:
         ckpt.close()
+
+
+def test_capricorn_replans_an_expert_window_its_load_moves_beyond_its_noise():
+    """The window model (issue 38): fitted on the expert window's observed
+    idle time at each moved step's load, it re-plans that window alone when
+    the next load moves it by more than NOISE_K noises, keeps the plan
+    within, and hands back to the segment models where it has no fit."""
+    spans = (Span("", 0.25, 0.1), Span("fwd:dispatch.end", 0.5, 0.1),
+             Span("fwd:combine.end", 0.05, 0.0))
+    profile = LayerProfile(2, 1.0, (Segment("block0", "fwd", 0.0, 1.0, 0.2, spans),))
+    s = _strategy("capricorn", spans=True)
+    s.on_profile(2, profile, cold=False)
+    detector = DynamicityDetector()  # no segment model: the window model or a profile
+    assert s.replan_at_load(3, detector, _load(10)) is None  # no fit yet
+    rng = np.random.default_rng(0)
+    for peak in (10, 12, 14, 16, 18, 20, 22, 24):  # idle = 0.3 + 0.02 x peak, +-1 ms
+        record = {"window": "block0/fwd@fwd:dispatch.end",
+                  "observed_s": 0.3 + 0.02 * peak + rng.uniform(-1e-3, 1e-3)}
+        s._observe_windows([record, {"window": "block0/fwd", "observed_s": 9.0}], _load(peak))
+    assert s.window_model.samples("block0/fwd") == 0  # not an expert window
+    assert s.replan_at_load(4, detector, _load(10)) == {}  # 0.5 predicted: within noise
+    event = s.replan_at_load(5, detector, _load(20))
+    assert event["source"] == "window_model" and s.window_model_replans == [5]
+    assert s.transfers.plans[-1][0] == Window("block0", "fwd", 0.25)  # not modelled: kept
+    assert s.transfers.plans[-1][1].duration_s == pytest.approx(0.7, abs=2e-3)
+    assert s.transfers.plans[-1][2] == Window("block0", "fwd", 0.05, "fwd:combine.end")
+    assert s.replan_at_load(6, detector, _load(20)) == {}  # the plan in force already
+    assert s.replan_at_load(7, detector, _load(100)) is None  # beyond the loads seen

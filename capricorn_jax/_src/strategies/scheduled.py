@@ -56,6 +56,7 @@ benchmark, with its own defaults.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Any, NotRequired, TypedDict
 
@@ -64,8 +65,9 @@ import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
@@ -81,6 +83,7 @@ from capricorn_jax._src.scheduling.transfers import (
     window_spills,
 )
 from capricorn_jax._src.scheduling.window_clock import WindowClock
+from capricorn_jax._src.scheduling.window_model import WindowModel, moved_windows, window_key
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
     HostState,
@@ -202,6 +205,11 @@ class ScheduledStrategy(InMemoryStrategy):
         # newly taken or cached) or "cost_model" (``replan_at_load``).
         self.repartition_sources: list[str] = []
         self._modelled_windows: list | None = None  # the model's windows in force, if any
+        # capricorn: the expert windows' model, fitted on every moved step's
+        # marks (scheduling.window_model), and the windows of the plan in force.
+        self.window_model = WindowModel()
+        self._plan_windows: list[Window] = []
+        self.window_model_replans: list[int] = []
         # capricorn: whether a window spilled in each of this host's
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
@@ -345,6 +353,7 @@ class ScheduledStrategy(InMemoryStrategy):
         """Re-partitions the payload into ``windows`` (planned on ``source``);
         the fields of its ``repartition`` event."""
         self.transfers.repartition(windows)
+        self._plan_windows = list(windows)
         self.repartitions.append(step)
         self.repartition_sources.append(source)
         return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
@@ -369,6 +378,9 @@ class ScheduledStrategy(InMemoryStrategy):
           None to profile."""
         if self.kind != "capricorn" or self._planned_on is None:
             return None
+        by_model = self._replan_by_window_model(step, tokens_per_expert)
+        if by_model is not None:
+            return by_model
         windows = windows_at_load(self._planned_on, detector, tokens_per_expert,
                                   self.train.moe_layers, spans=self.spans)
         if windows is None:
@@ -378,6 +390,64 @@ class ScheduledStrategy(InMemoryStrategy):
         self._modelled_windows = windows
         self._spills.clear()  # a new schedule in force: its spills count afresh
         return self._repartition(step, windows, "cost_model")
+
+    def _expert_windows(self) -> dict[str, int]:
+        """Window key -> MoE layer (row of ``tokens_per_expert``) of the plan's
+        expert windows: each MoE segment's interior spans (between its
+        dispatch and its combine), the part of the layer the load changes."""
+        if self._planned_on is None or not self.spans:
+            return {}
+        layer_of = moe_segments(self._planned_on, self.train.moe_layers)
+        out = {}
+        for seg in self._planned_on.segments:
+            key = (seg.name, seg.direction)
+            if key in layer_of and seg.spans and len(seg.spans) > 2:
+                for span in seg.spans[1:-1]:
+                    out[window_key(Window(seg.name, seg.direction, 0.0, span.edge))] = \
+                        layer_of[key]
+        return out
+
+    def _observe_windows(self, records: list[dict[str, Any]],
+                         tokens_per_expert: np.ndarray | None) -> None:
+        """Feeds the window model the expert windows this step measured, at
+        the load of the step that moved them."""
+        experts = self._expert_windows()
+        if self.kind != "capricorn" or tokens_per_expert is None or not experts:
+            return
+        peaks = np.asarray(tokens_per_expert).max(axis=-1)
+        for record in records:
+            layer = experts.get(record["window"])
+            if layer is not None:
+                self.window_model.observe(record["window"], float(peaks[layer]),
+                                          record["observed_s"])
+
+    def _replan_by_window_model(self, step: int, tokens_per_expert: np.ndarray
+                                ) -> dict[str, Any] | None:
+        """capricorn's re-plan from its expert windows' model (issue 38): the
+        plan's windows with each expert window that the next step's load moves
+        beyond its noise (``window_model.moved_windows``) at its predicted
+        idle time. Host 0's answer is every host's (one agreement: this is
+        called on every host at the same steps). None: the model cannot say
+        (no fit covers the load): the caller tries its segment models."""
+        experts = self._expert_windows()
+        mine: dict[int, float] | None = None
+        if experts and self._plan_windows:
+            peaks = np.asarray(tokens_per_expert).max(axis=-1)
+            loads = {key: float(peaks[layer]) for key, layer in experts.items()}
+            fits = {key: f for key in experts if (f := self.window_model.fit_of(key))}
+            mine = moved_windows(self._plan_windows, loads, fits)
+        (code,) = agree_measured([-1.0 if mine is None else float(len(mine))],
+                                 what="window_model")
+        if code < 0:
+            return None
+        if code == 0:
+            return {}  # every expert window within its noise: the plan stands
+        windows = [dataclasses.replace(w, duration_s=(mine or {}).get(i, w.duration_s))
+                   for i, w in enumerate(self._plan_windows)]
+        self._modelled_windows = windows
+        self._spills.clear()
+        self.window_model_replans.append(step)
+        return self._repartition(step, windows, "window_model")
 
     def _note_spills(self, windows: list[dict[str, Any]]) -> None:
         """Counts this host's recent spilled versions into the status note of
@@ -454,15 +524,17 @@ class ScheduledStrategy(InMemoryStrategy):
             self._flush_spread()  # a profiled step carries no sender marks
         will_move = self.transfers.schedule is not None and not next_step_profiled
         self._host_states = {step: (host_state, tokens_per_expert)} if will_move else {}
-        events = self._commit_moved(state)
+        events = self._commit_moved(state, tokens_per_expert)
         if not will_move:
             self._last_saved = step
             events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
         return events
 
-    def _commit_moved(self, state: State) -> list[CheckpointEvent]:
+    def _commit_moved(self, state: State, load: np.ndarray | None = None
+                      ) -> list[CheckpointEvent]:
         """Commits the version the last step(s) moved, if any: its event
-        (``state``: the last step's, whose marks the in-graph path reads)."""
+        (``state``: the last step's, whose marks the in-graph path reads;
+        ``load``: its tokens per expert, which the window model reads)."""
         moved, self._moved = self._moved, None
         if moved is None:
             return []
@@ -482,6 +554,7 @@ class ScheduledStrategy(InMemoryStrategy):
                 payloads["transport"])  # a spread version's: its last step's windows timed
             windows = window_spills(schedule, sender.last_spans, self._planned_on,
                                     sender.last_sends, sender.last_bytes)
+            self._observe_windows(windows, load)
             self._note_spills(windows)
         elif self.clock is not None:  # in-graph: the step's marks, once it is done
             windows = self.in_graph_windows(payloads, state)
@@ -521,4 +594,5 @@ class ScheduledStrategy(InMemoryStrategy):
     def schedule_summary(self) -> dict[str, Any] | None:
         return {**self.transfers.summary(), "repartition_steps": self.repartitions,
                 "repartition_sources": self.repartition_sources,
-                "spill_request_versions": self.spill_requests}
+                "spill_request_versions": self.spill_requests,
+                "window_model_replan_steps": self.window_model_replans}
