@@ -44,6 +44,10 @@ from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from models import routing_bias
 from models.config import CONFIGS, ModelConfig, get_config
 
+AGREEMENT_TIMEOUT_S = 1800.0
+"""capricorn_jax's cross-host agreement bound (its multihost default; a test
+checks they agree)."""
+
 
 def job_name(workdir: str) -> str:
     """The store's job name: stable for a workdir across restarts."""
@@ -328,6 +332,15 @@ class CheckpointConfig:
                             f"--ckpt in {', '.join(IN_MEMORY)} (or orbax_emergency, its "
                             f"persistent interval), got --ckpt={self.strategy}")
         self._check_pec_persist(model, expert_axis)
+        # The persistent tier's barriers wait up to 4x --persist_timeout_s (a
+        # write, then the others' outcomes, each bounded twice); a host that
+        # failed its write alone waits at the next cross-host agreement, which
+        # must outlast them (capricorn_jax's agreement bound).
+        if not 0 < 4 * self.persist_timeout_s < AGREEMENT_TIMEOUT_S:
+            raise FlagError(f"--persist_timeout_s={self.persist_timeout_s:g}: the persistent "
+                            f"tier's barriers wait up to 4x it ({4 * self.persist_timeout_s:g} "
+                            f"s), which must be positive and below the cross-host agreement "
+                            f"bound ({AGREEMENT_TIMEOUT_S:g} s)")
 
     def _check_pec(self, model: ModelConfig) -> None:
         if self.strategy in PEC and self.pec_k == 0:

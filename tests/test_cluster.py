@@ -75,3 +75,25 @@ def test_run_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path):
         proc.kill()
     assert out.strip().splitlines()[-1] == "code 130"
     assert processes_mentioning(marker) == []
+
+
+def test_a_host_that_outlives_its_signal_is_named_within_the_bound(monkeypatch):
+    """kill_host waits KILL_WAIT_S at most (a process stuck in the kernel would
+    outlive even SIGKILL; here one that ignores SIGUSR1 stands in for it)."""
+    import signal
+    import threading
+
+    monkeypatch.setattr(cluster_lib, "KILL_WAIT_S", 0.5)
+    ready = threading.Event()
+    cluster = cluster_lib.LocalCluster(
+        lambda h: ["-c", "import signal, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+                         "print('ready', flush=True); time.sleep(60)"],
+        hosts=1, devices_per_host=1, on_line=lambda h, line: ready.set())
+    cluster.start()
+    try:
+        assert ready.wait(60)  # the child ignores SIGUSR1 from here on
+        with pytest.raises(RuntimeError, match=r"host 0 \(pid \d+\) did not exit within 0.5s "
+                                               r"of signal 10"):
+            cluster.kill_host(0, signal.SIGUSR1)
+    finally:
+        cluster.stop(grace_s=1.0)

@@ -295,3 +295,20 @@ if __name__ == "__main__":
     main(FLAGS)
 '''
     assert flag_reads_outside_main(source) == ["helper:11", "helper:11"]
+
+
+def test_the_persistent_timeout_must_stay_below_the_agreement_bound(tmp_path):
+    from capricorn_jax._src.multihost import agree
+    from launch import config, train
+
+    assert config.AGREEMENT_TIMEOUT_S == agree.DEFAULT_TIMEOUT_S
+    fv = train.define_flags(flags.FlagValues())
+    fv(["train", f"--workdir={tmp_path}", "--ckpt=inmem", "--persist_timeout_s=450"])
+    with pytest.raises(config.FlagError, match=r"--persist_timeout_s=450: the persistent tier's "
+                                               r"barriers wait up to 4x it \(1800 s\), which "
+                                               r"must be positive and below the cross-host "
+                                               r"agreement bound \(1800 s\)"):
+        config.from_flags(fv)
+    fv = train.define_flags(flags.FlagValues())
+    fv(["train", f"--workdir={tmp_path}", "--ckpt=inmem", "--persist_timeout_s=449"])
+    assert config.from_flags(fv).checkpoint.persist_timeout_s == 449

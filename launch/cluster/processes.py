@@ -34,6 +34,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+KILL_WAIT_S = 30.0
+"""How long a killed host's process may take to exit before the harness says so."""
 
 
 def cpu_sets_per_host(hosts: int) -> list[frozenset[int]]:
@@ -169,11 +171,17 @@ class LocalCluster:
             self.start_host(host)
 
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
-        """Sends ``sig`` to host's process and waits for it to end."""
+        """Sends ``sig`` to host's process and waits for it to end, at most
+        ``KILL_WAIT_S`` (a process stuck in the kernel ignores even SIGKILL:
+        then a RuntimeError names the host, never a hang)."""
         proc = self.procs[host]
         if proc.poll() is None:
             proc.send_signal(sig)
-        proc.wait()
+        try:
+            proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"host {host} (pid {proc.pid}) did not exit within "
+                               f"{KILL_WAIT_S:g}s of signal {sig}") from None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every live host, SIGKILL those still alive after grace_s."""
@@ -186,7 +194,11 @@ class LocalCluster:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait()
+                try:
+                    p.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    print(f"cluster: pid {p.pid} did not exit within {KILL_WAIT_S:g}s of "
+                          f"SIGKILL; left behind", file=sys.stderr)
         for t in self._threads:
             t.join(timeout=2.0)
 
