@@ -67,11 +67,17 @@ def _make_driver(config: Config, trainer, strategy) -> capricorn_jax.ProfilingDr
                                          next_factors=trainer.next_factors)
 
 
-def _repartition(host: int, event: dict) -> None:
-    """Logs a ``repartition`` event (the scheduled strategy re-partitioned)."""
-    logging.info("host %d: %s re-partitioned after step %d: %d bytes in windows, %d in the "
-                 "tail", host, event["strategy"], event["step"], sum(event["window_bytes"]),
-                 event["tail_bytes"])
+def _repartition(host: int, event: dict, last: tuple | None) -> tuple:
+    """Logs a ``repartition`` event when the schedule's bytes moved (the
+    bytes per window or in the tail differ from the last logged one: a
+    re-partition that put every byte where it was is not news); returns what
+    it logged against. The metrics file keeps every event."""
+    now = (tuple(event["window_bytes"]), event["tail_bytes"])
+    if now != last:
+        logging.info("host %d: %s re-partitioned after step %d: %d bytes in windows, %d in "
+                     "the tail", host, event["strategy"], event["step"],
+                     sum(event["window_bytes"]), event["tail_bytes"])
+    return now
 
 
 def _write_timeline(config: Config, timeline) -> None:
@@ -140,6 +146,7 @@ def train_worker(config: Config, process_id: int) -> None:
     driver = _make_driver(config, trainer, strategy)
     meter = _Throughput(cfg.global_batch * cfg.seq_len, t.log_every, t.steps)
     timeline = None  # (last warm profile, schedule in force during it)
+    logged_plan: tuple | None = None  # the schedule's bytes the console last reported
     for step in range(start, t.steps):
         factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
         domain, in_force = data.domain, strategy.schedule()
@@ -153,7 +160,7 @@ def train_worker(config: Config, process_id: int) -> None:
         for event in run.events:
             metrics.write(event)
             if event["event"] == "repartition":
-                _repartition(host, event)
+                logged_plan = _repartition(host, event, logged_plan)
         if run.profile is not None and not run.compiled:
             timeline = (run.profile, in_force or strategy.schedule())
         if persistent is not None:

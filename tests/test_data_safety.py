@@ -121,7 +121,11 @@ def test_console_shows_the_job_and_hides_library_chatter():
         (1, "W1201 03:25:43.470851 1 recovery.py:207] host 1: version 8 fails its checksums"),
         (0, "E1201 03:25:43.470851 1 gloo.cc:9] an error"),
         (0, "a plain print"),
+        (1, ""), (1, "   "),  # empty lines say nothing
+        (1, "fault: host 1 paused after step 30 (its fault point)"),
     ])
+    assert out[-1] == "[host 1] fault: host 1 paused after step 30 (its fault point)\n"
+    out.pop()
     assert out == ["[host 0] host 0/2: 2 local devices\n", "[host 0] step 10/60 loss 5.1\n",
                    "[host 1] WARNING: host 1: version 8 fails its checksums\n",
                    "[host 0] ERROR: an error\n", "[host 0] a plain print\n"]

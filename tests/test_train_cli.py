@@ -201,3 +201,18 @@ def test_different_work_names_each_step_where_strategies_disagree():
     assert different_work(same) == []
     differ = {**same, "10": {"none": 4.5, "pec": 4.75}, "9": {"a": 1.0, "b": 2.0}}
     assert different_work(differ) == ["step 9: a 1.0, b 2.0", "step 10: none 4.5, pec 4.75"]
+
+
+def test_the_console_reports_a_repartition_only_when_the_schedule_moved(monkeypatch):
+    from launch import train
+
+    said = []
+    monkeypatch.setattr(train.logging, "info", lambda fmt, *args: said.append(fmt % args))
+    event = {"strategy": "capricorn", "step": 1, "window_bytes": [10, 20], "tail_bytes": 5}
+    last = train._repartition(0, event, None)
+    last = train._repartition(0, {**event, "step": 2}, last)  # the same bytes: not news
+    last = train._repartition(0, {**event, "step": 3, "window_bytes": [15, 15]}, last)
+    assert said == ["host 0: capricorn re-partitioned after step 1: 30 bytes in windows, 5 in "
+                    "the tail",
+                    "host 0: capricorn re-partitioned after step 3: 30 bytes in windows, 5 in "
+                    "the tail"]

@@ -111,6 +111,8 @@ class Console:
             if host in self._held:
                 self._held[host].append(text)
                 return
+            if not text.strip():
+                return  # an empty line says nothing (a library's, or a split write)
             if text.startswith(_TRACEBACK):
                 self._held[host] = [text]
                 return

@@ -154,7 +154,9 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
              "mid_replication": f"paused halfway through writing replicas of version {step + 1}",
              "mid_persist": f"writing persistent version {step + 1}, running on until killed",
              "recovery": "paused at the start of its recovery"}[point]
-    logging.warning("host %d: %s (fault point)", host, where)
+    # A line of the launcher's faults (as "fault: SIGKILLed host ..."), not a
+    # warning: the user asked for it.
+    print(f"fault: host {host} {where} (its fault point)", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     pause_marker(workdir, host).write_text(where)
@@ -176,8 +178,9 @@ def persistent_write_fault(config: FaultConfig, host: int
     def hook(step: int, phase: str) -> None:
         if step != version or phase != "read":
             return
-        logging.warning("host %d: %s in the persistent write of version %d (fault point)",
-                        host, "an I/O error" if point == "persist_error" else "hanging", version)
+        print(f"fault: host {host}: "
+              f"{'an I/O error' if point == 'persist_error' else 'hanging'} in the persistent "
+              f"write of version {version} (its fault point)", flush=True)
         if point == "persist_error":
             raise OSError(errno.EIO, f"injected I/O error in host {host}'s persistent write "
                                      f"of version {version}")
