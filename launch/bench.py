@@ -63,11 +63,11 @@ from launch.bench_config import BenchConfig, BenchSetup
 from launch.bench_recovery import baseline_recovery, recovery_times
 from launch.bench_report import VARIANTS, markdown, plot, summarize
 from launch.bench_runner import Runner
-from launch.persistence import chunk_tos
 from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import links_for
+from launch.persistence import chunk_tos
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS

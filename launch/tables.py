@@ -133,7 +133,8 @@ def emulated_table(docs: list[dict]) -> str:
         lines.append(f"- `{d['command']}` ({d['date']}, {d['machine']}; profile "
                      f"{d.get('accelerator_profile')})")
     lines += ["", "| topology | workload | link Gbit/s (one way) | R | strategy | median | mean | "
-              "p95 | blocked ms/step | versions taken |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "p95 | blocked ms/step | versions taken |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
         c, link, rows = d["config"], d.get("link") or {}, d["strategies"]
         base = rows["none"]["median_step_s"]

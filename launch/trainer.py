@@ -61,7 +61,8 @@ def make_mesh(expert_parallel: int, devices: list | None = None) -> Mesh:
     when it is larger than a host's device count."""
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) % expert_parallel:
-        raise ValueError(f"{len(devices)} devices not divisible by expert_parallel={expert_parallel}")
+        raise ValueError(f"{len(devices)} devices not divisible by "
+                         f"expert_parallel={expert_parallel}")
     grid = np.array(devices).reshape(len(devices) // expert_parallel, expert_parallel)
     return Mesh(grid, (DATA, EXPERT))
 
@@ -83,7 +84,8 @@ class Trainer:
                 f"({mesh.shape[EXPERT]})"
             )
         if cfg.global_batch % mesh.size:
-            raise ValueError(f"global_batch={cfg.global_batch} not divisible by {mesh.size} devices")
+            raise ValueError(f"global_batch={cfg.global_batch} not divisible by {mesh.size} "
+                             f"devices")
         self.cfg, self.mesh = cfg, mesh
         self.emulation = emulation  # models.emulation.layers.Emulation, or None
         self.routing_bias = routing_bias  # added to the router logits of training steps

@@ -278,7 +278,8 @@ class GPTMoE(nn.Module):
         if capacity_factors is None:
             capacity_factors = (cfg.capacity_factor,) * n_moe
         if len(capacity_factors) != n_moe:
-            raise ValueError(f"capacity_factors has {len(capacity_factors)} entries for {n_moe} MoE layers")
+            raise ValueError(f"capacity_factors has {len(capacity_factors)} entries for {n_moe} "
+                             f"MoE layers")
         init = nn.initializers.normal(0.02)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, name="embed")
         pos = self.param("pos", init, (cfg.seq_len, cfg.d_model))

@@ -76,7 +76,8 @@ def test_results_page_is_the_generated_one():
 
     root = Path(__file__).resolve().parent.parent
     page = (root / RESULTS_PAGE).read_text()
-    assert page == results_page(root), "regenerate: python -m launch.tables results > docs/results.md"
+    assert page == results_page(root), \
+        "regenerate: python -m launch.tables results > docs/results.md"
     assert model_table() in page
 
 

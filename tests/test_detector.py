@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax import DetectorOptions, DynamicityDetector, ProfilePolicy
+from capricorn_jax._src.profiling.cache import CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import CostModel, Decision, drift_score
 from capricorn_jax._src.profiling.policy import FirstNProfiler, should_profile
-from capricorn_jax._src.profiling.cache import CacheOptions, ProfileCache
 
 METRICS = ("jsd", "l1", "max_load")
 
@@ -247,7 +247,8 @@ def test_a_new_tuple_always_profiles_and_an_expired_one_again(keys, max_age, dat
 
 def test_cache_with_a_constant_tuple_and_no_drift_profiles_once():
     key = (1.25, 1.25)
-    profiled, decisions = _drive(ProfileCache(CacheOptions(max_age=5, samples=1)), [key] * 30, [False] * 30)
+    profiled, decisions = _drive(ProfileCache(CacheOptions(max_age=5, samples=1)), [key] * 30,
+                                 [False] * 30)
     assert profiled == [0] and not any(d.asked for d in decisions)
     # A drift asks; answered by the cache until the entry expires.
     cache = ProfileCache(CacheOptions(max_age=5, samples=1))

@@ -37,7 +37,9 @@ def test_wait_passes_its_operand_through_and_lasts_at_least_its_length():
 
 def test_backward_waits_its_own_length_and_passes_the_cotangent():
     x = jnp.ones((4,))
-    loss = lambda x: jnp.sum(native.compute(x, jnp.float32(10.0), jnp.float32(40.0)) * 3.0)
+    def loss(y):
+        return jnp.sum(native.compute(y, jnp.float32(10.0), jnp.float32(40.0)) * 3.0)
+
     g = jax.jit(jax.grad(loss))
     np.testing.assert_array_equal(np.asarray(g(x)), np.full(4, 3.0))
     # The forward's output is unused by the gradient, so only the backward waits.

@@ -10,8 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax._src.scheduling.executor import AFTER, START, InStepSender, scheduled_step, site_of
 from capricorn_jax._src.memory.packing import encode_trailer
+from capricorn_jax._src.scheduling.executor import (
+    AFTER,
+    START,
+    InStepSender,
+    scheduled_step,
+    site_of,
+)
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from tests.helpers import two_host_transport
 from tests.tree_utils import assert_trees_equal

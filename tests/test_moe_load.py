@@ -29,7 +29,7 @@ def test_bucketed_capacity_follows_skew_and_fixed_does_not():
     assert max_routed == sorted(max_routed) and max_routed[0] >= 64
     assert max_routed[-1] == round(0.8 * 256)  # expert 0's exact share
     factors = [r["capacity_factor_bucketed"] for r in rows]
-    assert all(a < b for a, b in zip(factors, factors[1:]))
+    assert all(a < b for a, b in zip(factors, factors[1:], strict=False))
     assert {r["capacity_factor_fixed"] for r in rows} == {2.0}
     assert all(r["dropped_bucketed"] == 0 for r in rows)
     assert rows[-1]["dropped_fixed"] == 4 * (205 - 128)

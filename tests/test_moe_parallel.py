@@ -31,7 +31,8 @@ def test_expert_parallel_forward_matches_single_device(expert_parallel, top_k, f
 
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
     for name in ("tokens_per_expert", "dropped", "max_routed"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)))
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)))
     np.testing.assert_allclose(float(got.aux_loss), float(want.aux_loss), rtol=1e-5)
     n_moe = len(cfg.moe_layers)
     assert got.tokens_per_expert.shape == (n_moe, cfg.num_experts)
@@ -61,10 +62,12 @@ def test_expert_params_are_sharded_over_the_expert_axis():
 def test_all_to_all_is_in_the_compiled_step():
     cfg = get_config("tiny")
     mesh = make_mesh(4)
-    tokens = jax.device_put(np.zeros((8, cfg.seq_len), np.int32), NamedSharding(mesh, P(BATCH_AXES)))
+    tokens = jax.device_put(np.zeros((8, cfg.seq_len), np.int32),
+                            NamedSharding(mesh, P(BATCH_AXES)))
     model = GPTMoE(cfg, mesh)
     params = jax.jit(lambda t: model.init(jax.random.key(0), t)["params"])(tokens)
-    hlo = jax.jit(lambda p, t: model.apply({"params": p}, t)).lower(params, tokens).compile().as_text()
+    lowered = jax.jit(lambda p, t: model.apply({"params": p}, t)).lower(params, tokens)
+    hlo = lowered.compile().as_text()
     # Dispatch and combine of each MoE layer.
     assert hlo.count("all-to-all-start") + hlo.count(" all-to-all(") >= 2 * len(cfg.moe_layers)
     assert sum(x.size for x in jax.tree.leaves(params)) == param_count(cfg)["total"]

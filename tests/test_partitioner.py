@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax import LayerProfile
-from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.memory.packing import LeafSlot
+from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.scheduling.partitioner import (
     PADDING,
     TRAILER,

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from capricorn_jax import LayerProfile, make_profiled_step
-from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.profiling import layer_profile
+from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.profiling.probe import time_all_to_all
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config

@@ -3,7 +3,6 @@ continues bitwise identically to a run that never failed (float32, CPU)."""
 
 import functools
 import json
-import os
 import shutil
 
 import jax

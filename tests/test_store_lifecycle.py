@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import capricorn_jax
+from capricorn_jax import stores as store_admin
 from capricorn_jax._src.memory import store_lifecycle as store_lib
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.store_lifecycle import (
@@ -29,7 +30,6 @@ from capricorn_jax._src.memory.store_lifecycle import (
     store_in_use,
     tree_bytes,
 )
-from capricorn_jax import stores as store_admin
 from launch import stores
 
 # store_lifecycle.py alone (the standard library; not the package, which imports JAX) in a

@@ -3,9 +3,9 @@ flagged when a schedule planned on older windows outlasts this profile's."""
 
 import json
 
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
 from capricorn_jax._src.scheduling import timeline
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
 
 LINK = LinkModel(alpha_s=0.001, bytes_per_s=1e6)  # 1 MB/s: 1000 bytes = 1 ms + 1 ms
 

@@ -14,5 +14,6 @@ def assert_trees_equal(got, want, check_sharding: bool = False) -> None:
         if check_sharding:
             assert a.sharding == b.sharding, f"{name}: sharding {a.sharding} != {b.sharding}"
         a, b = np.asarray(a), np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{name}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
         np.testing.assert_array_equal(a, b, err_msg=name)

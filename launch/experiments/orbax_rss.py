@@ -49,7 +49,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("devices", 4, "CPU devices of each measuring process.")
     flags.DEFINE_integer("leaves", 4, "Sharded float32 leaves the state is split into.")
     flags.DEFINE_string("store_root", "/dev/shm", "tmpfs for the in-memory store.")
-    flags.DEFINE_string("workdir", None, "Persistent checkpoints go here; default: a temporary dir.")
+    flags.DEFINE_string("workdir", None,
+                        "Persistent checkpoints go here; default: a temporary dir.")
     flags.DEFINE_string("json", None, "Also write the rows as JSON here.")
     flags.DEFINE_string("mode", "", "Internal: run one writer (capricorn or orbax) and print JSON.")
 

@@ -39,7 +39,8 @@ def define_flags() -> None:
     flags.DEFINE_string("metrics", None, "A launch.train metrics.jsonl.")
     flags.DEFINE_string("out", "profile.png", "PNG to write.")
     flags.DEFINE_string("title", "", "Figure title; default: the metrics path.")
-    flags.DEFINE_float("threshold", -1.0, "Drift threshold to draw on the detector panel (< 0: none).")
+    flags.DEFINE_float("threshold", -1.0,
+                       "Drift threshold to draw on the detector panel (< 0: none).")
 
 
 def load(path: str) -> dict:
@@ -138,7 +139,8 @@ def plot(data: dict, out: str, title: str, threshold: float | None = None) -> No
     if factors and factors[0] is not None:
         for layer in range(len(factors[0])):
             cap.step(xs, [f[layer] for f in factors], where="post", lw=1.2, alpha=0.6,
-                     color=moe_colors[layer % len(moe_colors)], label=f"capacity factor, MoE {layer}")
+                     color=moe_colors[layer % len(moe_colors)],
+                     label=f"capacity factor, MoE {layer}")
         cap.set_ylabel("capacity factor")
     handles = ax_step.get_legend_handles_labels()
     more = cap.get_legend_handles_labels()

@@ -5,10 +5,12 @@
 
 W1 and W2 are the WORKDIRs of two ``launch.train`` runs with the same seed and
 workload (the same batches, so the same expert load at every step), one with
-``--ckpt=gemini``, one with ``--ckpt=capricorn``. Steps S1 and S2 are profiled steps (a ``profile`` event
+``--ckpt=gemini``, one with ``--ckpt=capricorn``. Steps S1 and S2 are profiled steps
+(a ``profile`` event
 in W2, or in ``--profiles=W3``: e.g. a ``--ckpt=none --profile=every`` run
 of the same seed and workload, when capricorn did not profile after the
-shift), S1 before a shift and S2 after it. For each strategy and step the tool draws the measured layers
+shift), S1 before a shift and S2 after it. For each strategy and step the tool draws the
+measured layers
 of that profiled step against the schedule that strategy had in force during
 it (its last ``repartition`` before the step), as ``launch.train --timeline``
 draws one step: chunks that outlast their window are red (overflow).
@@ -20,7 +22,8 @@ there (the same batch and load; a profiled step moves no chunks).
 Schedules are rebuilt from the ``repartition`` events (windows measured, the
 link model, the payload) with the partitioner and the strategy's safety
 margin; a rebuilt schedule whose bytes per window differ from the event's
-(beyond the event's rounding of durations to 1 us) stops the tool (it would draw another schedule than the one that ran).
+(beyond the event's rounding of durations to 1 us) stops the tool (it would draw another
+schedule than the one that ran).
 """
 
 from __future__ import annotations

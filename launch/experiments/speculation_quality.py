@@ -80,8 +80,12 @@ import numpy as np
 from absl import app, flags
 
 from capricorn_jax import DetectorOptions, DynamicityDetector
-from capricorn_jax.experimental import (CACHE_GRANULARITIES, CAPACITY_CACHE, CacheOptions,
-                                        ProfileCache)
+from capricorn_jax.experimental import (
+    CACHE_GRANULARITIES,
+    CAPACITY_CACHE,
+    CacheOptions,
+    ProfileCache,
+)
 from capricorn_jax.experimental import DRIFT_METRICS as METRICS
 from launch.metrics import read_metrics
 
@@ -107,7 +111,8 @@ def define_flags() -> None:
     flags.DEFINE_boolean("reuse", False, "Score the runs already in --workdir instead of running.")
     flags.DEFINE_list("thresholds", ["0.05", "0.1", "0.2", "0.3"], "Detector thresholds replayed.")
     flags.DEFINE_list("metrics", list(METRICS), "Drift metrics replayed.")
-    flags.DEFINE_float("spec_threshold", -1.0, "Threshold of the real speculative run; < 0: train's.")
+    flags.DEFINE_float("spec_threshold", -1.0,
+                       "Threshold of the real speculative run; < 0: train's.")
     flags.DEFINE_string("spec_metric", "", "Metric of the real speculative run; '': train's.")
     flags.DEFINE_integer("spec_cache_max_age", 0,
                          "--profile_cache_max_age of the real speculative run (0: no profile "
@@ -135,7 +140,8 @@ def define_flags() -> None:
                          "Cross-check of the overhead: rounds of plain vs instrumented step on one "
                          "batch (profiler.measure_overhead), one process with hosts x devices CPU "
                          "devices; 0 = skip.")
-    flags.DEFINE_string("ab_worker", "", "Internal: run the A/B at these capacity factors; print JSON.")
+    flags.DEFINE_string("ab_worker", "",
+                        "Internal: run the A/B at these capacity factors; print JSON.")
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -66,7 +66,8 @@ def define_flags() -> None:
     """The command's flags, defined only when run as a command: a test or
     another launcher importing this module for its logic must not define
     flags of the same names twice."""
-    flags.DEFINE_list("sizes_mb", ["1", "4", "16"], "Row size per local device, in MB (2**20 bytes).")
+    flags.DEFINE_list("sizes_mb", ["1", "4", "16"],
+                      "Row size per local device, in MB (2**20 bytes).")
     flags.DEFINE_integer("repeats", 5, "Timed transfers per size, transport and pattern.")
     flags.DEFINE_integer("devices_per_host", 2, "CPU devices per simulated host.")
     flags.DEFINE_float("window_s", 1.0, "Length of each interference window (seconds, about).")
@@ -74,7 +75,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("matmuls", 4, "Matrix products per compute call.")
     flags.DEFINE_string("json", None, "Write the results here as JSON.")
     flags.DEFINE_string("workdir", None, "Scratch directory; default: a temporary one.")
-    flags.DEFINE_float("timeout_s", 600.0, "Deadline of the whole run; the hosts are killed after it.")
+    flags.DEFINE_float("timeout_s", 600.0,
+                       "Deadline of the whole run; the hosts are killed after it.")
     flags.DEFINE_float("op_timeout_s", 120.0, "Deadline of one barrier or one pull inside a host.")
     flags.DEFINE_integer("process_id", -1, "Internal: worker host index.")
     flags.DEFINE_string("coordinator", "", "Internal: coordinator address.")

@@ -42,7 +42,8 @@ def _layers(cfg, tokens, expert_slots_per_expert_balanced, local_experts, second
     for i in range(cfg.n_layers):
         if cfg.is_moe(i):
             dense = tokens * attention * seconds_per_flop * 1e3
-            experts = local_experts * expert_slots_per_expert_balanced * expert * seconds_per_flop * 1e3
+            experts = (local_experts * expert_slots_per_expert_balanced * expert
+                       * seconds_per_flop * 1e3)
             out.append({"kind": "moe", "dense_fwd_ms": round(dense, 4),
                         "dense_bwd_ms": round(2 * dense, 4), "expert_fwd_ms": round(experts, 4),
                         "expert_bwd_ms": round(2 * experts, 4),

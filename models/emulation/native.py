@@ -31,7 +31,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 TARGET = "capricorn_emulated_wait"
 _SOURCE = Path(__file__).with_name("wait.cc")
