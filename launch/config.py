@@ -50,8 +50,10 @@ checks they agree)."""
 
 
 def job_name(workdir: str) -> str:
-    """The store's job name: stable for a workdir across restarts."""
-    return "job-" + hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
+    """The store's job name: stable for a workdir across restarts, and the
+    same whatever path reaches it (symlinks resolved: a symlinked --workdir
+    once named another store and resumed from an older disk step)."""
+    return "job-" + hashlib.sha1(os.path.realpath(workdir).encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -333,9 +333,18 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    long_run = sorted((res / "emulated" / "long_run").glob("bench_*.json"))
+    if long_run:
+        docs = _load(long_run)
+        parts += ["## Emulated accelerator: the long-run sweep (issue 37)", "",
+                  long_run_table(docs), ""]
+        for path, doc in zip(long_run, docs, strict=True):
+            parts += [f"### Where bytes met a collective: `results/emulated/long_run/"
+                      f"{path.name}`", "", windows_table(doc), "", shifts_table(doc), ""]
     current = sorted((res / "emulated" / "sweep3").glob("bench_*.json"))
     if current:
-        parts += ["## Emulated accelerator: the sweep of R (span windows, the budget's spread)",
+        parts += ["## Emulated accelerator: the sweep of R (span windows, the budget's spread; "
+                  "superseded by the long-run sweep)",
                   "", sweep_table(_load(current)), "",
                   "The points' commands and every column:", "", emulated_table(_load(current)),
                   ""]

@@ -27,7 +27,7 @@ import capricorn_jax
 from capricorn_jax.experimental import xla_flags
 from launch import cli_flags, persistence, runtime
 from launch.cluster import faults
-from launch.cluster.supervisor import prepare_workdir, supervise
+from launch.cluster.supervisor import WorkdirInUse, prepare_workdir, supervise
 from launch.config import Config, FlagError, from_flags
 from launch.metrics import MetricsWriter
 
@@ -289,7 +289,11 @@ def main(argv: list[str]) -> None:
         prepare_workdir(config)
         train_worker(config, 0)
     else:
-        sys.exit(supervise(config, sys.argv[1:]))
+        try:
+            sys.exit(supervise(config, sys.argv[1:]))
+        except WorkdirInUse as e:
+            print(f"train: error: {e}", file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":

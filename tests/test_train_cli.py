@@ -216,3 +216,30 @@ def test_the_console_reports_a_repartition_only_when_the_schedule_moved(monkeypa
                     "the tail",
                     "host 0: capricorn re-partitioned after step 3: 30 bytes in windows, 5 in "
                     "the tail"]
+
+
+def test_one_job_per_workdir_and_a_symlinked_workdir_is_the_same_job(tmp_path):
+    from launch.cluster.supervisor import WorkdirInUse, workdir_lock
+    from launch.config import job_name
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    assert job_name(str(tmp_path / "link")) == job_name(str(real))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); "
+         "from launch.cluster.supervisor import workdir_lock\n"
+         "with workdir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
+         str(real), str(ROOT)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirInUse, match=rf"--workdir {tmp_path / 'link'} is in use by "
+                                               rf"another job \(pid {holder.pid}\)"):
+            with workdir_lock(str(tmp_path / "link")):
+                pass
+    finally:
+        holder.kill()
+        holder.wait(30)
+    with workdir_lock(str(real)):  # released with its holder
+        pass

@@ -20,12 +20,15 @@ restarting only the failed host, which the collectives do not support.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from launch.cluster import processes as cluster_lib
@@ -34,6 +37,9 @@ from launch.cluster.faults import FaultInjector
 from launch.cluster.netns import ShapedNetwork, links_for
 from launch.config import CheckpointConfig, Config
 from launch.metrics import read_metrics, summarize
+
+LOCK_NAME = ".capricorn.lock"
+"""The workdir's lock file (``workdir_lock``)."""
 
 # Flags the fault injector sets per worker; never passed through from the command line.
 _INTERNAL_FLAGS = ("--fault_at",)
@@ -133,8 +139,38 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     With ``--link_gbps`` the hosts run behind shaped links (``launch.cluster.netns``),
     set up before the first attempt and removed however the job ends.
     """
-    with links_for("train", config.cluster.hosts, config.cluster.link) as network:
+    with workdir_lock(config.train.workdir), \
+            links_for("train", config.cluster.hosts, config.cluster.link) as network:
         return _supervise(config, argv, network)
+
+
+class WorkdirInUse(RuntimeError):
+    """Another job holds the workdir (one job per workdir: two would write the
+    same stores and metrics)."""
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str) -> Iterator[None]:
+    """Holds ``WORKDIR/.capricorn.lock`` (an exclusive ``flock``, released by
+    the kernel however this process ends) for the job's lifetime; raises
+    WorkdirInUse naming the holder's pid when another job holds it."""
+    path = Path(workdir) / LOCK_NAME
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise WorkdirInUse(f"--workdir {workdir} is in use by another job (pid {holder}); "
+                               f"one job per workdir") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | None) -> int:
