@@ -27,7 +27,7 @@ from capricorn_jax._src.partial.selection import PecOptions
 
 # The persistent tier through Orbax: a handler, its args, a manager over both tiers.
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
-from capricorn_jax._src.persistent.manager import CheckpointManager, RestoreInfo
+from capricorn_jax._src.persistent.manager import CheckpointManager, NoCheckpoint, RestoreInfo
 
 # Strategies: what a training loop drives (save / finish / close / restore),
 # and what the library asks of the caller's trainer.
@@ -65,6 +65,7 @@ __all__ = [
     "CapricornRestore",
     "CapricornSave",
     "CheckpointManager",
+    "NoCheckpoint",
     "RestoreInfo",
     # strategies
     "ChannelReplication",

@@ -111,8 +111,8 @@ class PersistentTier:
         try:
             restored = self.manager.restore(args=self.ocp.args.Composite(
                 state=self.cj.CapricornRestore(target)))
-        except FileNotFoundError:
-            return None, 0, None
+        except self.cj.NoCheckpoint:  # nothing in any tier: a fresh start (any other
+            return None, 0, None     # missing file is an error, not step 0)
         info = self.manager.last_restore
         tiers = info.memory_tiers or ["persistent"] * jax.process_count()
         log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,

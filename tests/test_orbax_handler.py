@@ -597,3 +597,15 @@ def test_orbax_barrier_timeout_is_the_handlers_write_bound_unless_the_caller_set
         handler_registry=handler.registry("state"))
     assert manager._options.async_options.timeout_secs == 7
     manager.close()
+
+
+def test_an_empty_manager_says_no_checkpoint_which_a_missing_file_is_not(two_tier):
+    """NoCheckpoint (a FileNotFoundError) means a fresh start; the launcher
+    catches it alone, so a restore that loses a file fails loudly instead of
+    starting over at step 0."""
+    manager, _, shardings, abstract = two_tier
+    target = _target(shardings, abstract)
+    with pytest.raises(capricorn_jax.NoCheckpoint, match="no checkpoint in the memory tier"):
+        manager.restore(args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+    assert issubclass(capricorn_jax.NoCheckpoint, FileNotFoundError)
+    assert not issubclass(FileNotFoundError, capricorn_jax.NoCheckpoint)

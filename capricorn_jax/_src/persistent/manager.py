@@ -97,6 +97,12 @@ from capricorn_jax._src.persistent.pec_steps import (
 log = logging.getLogger("capricorn_jax")
 
 
+class NoCheckpoint(FileNotFoundError):
+    """``restore()`` found no version in any tier: a fresh start. Any other
+    ``FileNotFoundError`` from a restore is a version that vanished or lost a
+    file while it was read, which a caller must not take for a fresh start."""
+
+
 class CheckpointManager(ocp.CheckpointManager):
     """``ocp.CheckpointManager`` with the memory tier on every ``save`` (module docstring).
 
@@ -332,8 +338,8 @@ class CheckpointManager(ocp.CheckpointManager):
                     return ocp.args.Composite(**{self.item: state})
             step = newest_disk
             if step is None:
-                raise FileNotFoundError(f"no checkpoint in the memory tier nor in "
-                                        f"{directory or self.directory}")
+                raise NoCheckpoint(f"no checkpoint in the memory tier nor in "
+                                   f"{directory or self.directory}")
         elif step not in persistent:
             state = self._restore_memory(abstract, step, start) if step == memory else None
             # _restore_memory records last_restore whenever it returns a state.
