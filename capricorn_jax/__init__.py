@@ -28,6 +28,7 @@ from capricorn_jax._src.partial.selection import PecOptions
 # The persistent tier through Orbax: a handler, its args, a manager over both tiers.
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager, NoCheckpoint, RestoreInfo
+from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager, TwoTierOptions
 
 # Strategies: what a training loop drives (save / finish / close / restore),
 # and what the library asks of the caller's trainer.
@@ -66,6 +67,8 @@ __all__ = [
     "CapricornSave",
     "CheckpointManager",
     "NoCheckpoint",
+    "TwoTierCheckpointManager",
+    "TwoTierOptions",
     "RestoreInfo",
     # strategies
     "ChannelReplication",

@@ -12,7 +12,9 @@ JAX_PLATFORMS set by the caller. Modes:
 * ``plain``: restores the newest persistent step with plain Orbax, in a
   process that never imports capricorn_jax.
 * ``readonly``: one process whose persistent directory is not writable.
-* ``snippet``: runs README_SNIPPET.
+* ``snippet``: runs README_SNIPPET (the one-object form);
+* ``three_objects``: runs THREE_OBJECT_SNIPPET (the tiers built by hand, as
+  docs/guide.md shows them).
 
 Each mode prints JSON lines prefixed with ``RESULT `` for the test to read.
 capricorn_jax is imported inside the modes that use it, never at module level.
@@ -26,6 +28,50 @@ import sys
 import time
 
 README_SNIPPET = '''\
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import capricorn_jax
+
+mesh = Mesh(np.array(jax.devices()), ("data",))
+shardings = {"w": NamedSharding(mesh, P("data")), "step": NamedSharding(mesh, P())}
+abstract = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=shardings["w"]),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings["step"])}
+
+# Both tiers in one object: every step in host RAM (a tmpfs, e.g. under /dev/shm) here and on
+# `replicas` peers; a standard Orbax step on disk every save_interval_steps steps.
+manager = capricorn_jax.TwoTierCheckpointManager(
+    "demo/shm", "demo/ckpt", mesh, abstract,
+    capricorn_jax.TwoTierOptions(replicas=1, save_interval_steps=2, max_to_keep=2))
+try:  # resume from the newest step of either tier
+    state, info = manager.restore()
+    start = info.step + 1
+except capricorn_jax.NoCheckpoint:  # nothing saved yet
+    state = jax.device_put({"w": jnp.zeros((16, 4)), "step": jnp.int32(0)}, shardings)
+    start = 1
+
+for step in range(start, start + 5):
+    state = {"w": state["w"] + 1, "step": state["step"] + 1}  # the training step
+    manager.save(step, state, host_state={"data_position": step})
+manager.wait_until_finished()
+print("persistent steps:", manager.persistent_steps, "errors:", manager.persistent_errors)
+state, info = manager.restore()
+print(f"restored step {info.step} from the {info.tier} tier, host state {info.host_state}")
+manager.close()
+
+# Any Orbax program restores a persistent step without capricorn_jax:
+plain = ocp.CheckpointManager(os.path.abspath("demo/ckpt"))
+step = plain.latest_step()
+restored = plain.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+print(f"plain Orbax step {step}: w[0, 0] = {float(restored.state['w'][0, 0])}")
+'''
+
+THREE_OBJECT_SNIPPET = '''\
 import os
 
 import jax
@@ -348,8 +394,9 @@ def main() -> None:
     mode = sys.argv[1]
     if mode == "readonly":
         _without_dac_override()
-    if mode == "snippet":
-        exec(compile(README_SNIPPET, "README_SNIPPET", "exec"), {"__name__": "__main__"})
+    if mode in ("snippet", "three_objects"):
+        code = README_SNIPPET if mode == "snippet" else THREE_OBJECT_SNIPPET
+        exec(compile(code, mode, "exec"), {"__name__": "__main__"})
         return
     args = json.loads(sys.argv[2])
     {"train": train, "resume": resume, "plain": plain, "readonly": readonly,

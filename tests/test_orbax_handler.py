@@ -321,10 +321,20 @@ def test_readme_snippet_runs_verbatim(tmp_path):
     assert "plain Orbax step 4: w[0, 0] = 4.0" in first
     again = _run("snippet", cwd=tmp_path).stdout  # a restart resumes from step 5
     assert "restored step 10 from the memory tier, host state {'data_position': 10}" in again
-    assert README_SNIPPET.count("capricorn_jax.") >= 5
+    assert README_SNIPPET.count("capricorn_jax.TwoTier") == 2  # the one-object form
     # The snippet run here is the one README.md shows, character for character.
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert "```python\n" + README_SNIPPET + "```" in readme
+
+
+def test_the_three_object_form_runs_and_a_leaf_without_sharding_is_named(tmp_path):
+    first = _run("three_objects", cwd=tmp_path).stdout
+    assert "persistent steps: [2, 4] errors: []" in first
+    assert "restored step 5 from the memory tier, host state {'data_position': 5}" in first
+    mesh, shardings, abstract = _mesh_state()
+    with pytest.raises(ValueError, match=r"abstract_state leaf \['b'\] has no sharding"):
+        capricorn_jax.TwoTierCheckpointManager(tmp_path / "shm", tmp_path / "ckpt", mesh,
+                                               abstract)
 
 
 # --------------------------------------------------------------------------- PEC, one process
