@@ -259,9 +259,18 @@ def test_handler_under_a_plain_orbax_manager_names_the_fix(tmp_path):
         tmp_path / "ckpt", handler_registry=handler.registry("state"),
         options=ocp.CheckpointManagerOptions(
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False)))
-    with pytest.raises(RuntimeError, match=r"capricorn_jax\.CheckpointManager.*save_to_memory"):
+    with pytest.raises(RuntimeError, match=r"persists in-memory version None and the memory "
+                                           r"tier's newest save is no version.*capricorn_jax\."
+                                           r"CheckpointManager.*save_to_memory"):
         plain.save(0, args=ocp.args.Composite(
             state=capricorn_jax.CapricornSave(_state(0, shardings))))
+    # The explicit record: a persistent save names the in-memory version it
+    # is written from; another version than the newest memory save is refused.
+    handler.save_to_memory(1, _state(1, shardings), {"n": 1})
+    with pytest.raises(RuntimeError, match="persists in-memory version 0 and the memory tier's "
+                                           "newest save is version 1"):
+        plain.save(1, args=ocp.args.Composite(
+            state=capricorn_jax.CapricornSave(_state(1, shardings), memory_version=0)))
     plain.close()
     with pytest.raises(ValueError, match="CapricornHandler"):
         capricorn_jax.CheckpointManager(tmp_path / "other")
@@ -619,3 +628,15 @@ def test_an_empty_manager_says_no_checkpoint_which_a_missing_file_is_not(two_tie
         manager.restore(args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
     assert issubclass(capricorn_jax.NoCheckpoint, FileNotFoundError)
     assert not issubclass(FileNotFoundError, capricorn_jax.NoCheckpoint)
+
+
+def test_the_manager_names_the_version_it_persists(two_tier):
+    manager, handler, shardings, abstract = two_tier
+    with pytest.raises(ValueError, match=r"save\(3\): CapricornSave.memory_version is 7, not the "
+                                         r"step saved"):
+        manager.save(3, args=ocp.args.Composite(
+            state=capricorn_jax.CapricornSave(_state(3, shardings), memory_version=7)))
+    assert manager.save(INTERVAL, args=ocp.args.Composite(
+        state=capricorn_jax.CapricornSave(_state(INTERVAL, shardings), memory_version=INTERVAL)))
+    manager.wait_until_finished()
+    assert manager.all_steps() == [INTERVAL]

@@ -195,12 +195,14 @@ def serve_rounds(sources: dict[int, int]) -> list[dict[int, int]]:
     return rounds
 
 
-def _inventory(ckpt: TierReader) -> dict[int, list[int]]:
+def _inventory(ckpt: TierReader, verify: bool = True) -> dict[int, list[int]]:
+    """Per owner, this host's stored versions (``verify``: only those whose
+    chunks pass their checksums, a read of every byte)."""
     out = {}
     for owner in ckpt.store.owners():
         good = []
         for step in ckpt.store.versions(owner):
-            if ckpt.store.verify(owner, step):
+            if not verify or ckpt.store.verify(owner, step):
                 good.append(step)
             else:
                 log.warning("host %d: version %d of owner %d fails its checksums; ignored",
@@ -257,15 +259,41 @@ def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
     return rows, moved
 
 
+def restorable_version(ckpt: TierReader, verify: bool = False) -> int | None:
+    """The version ``recover`` restores now, or None (a collective; with
+    ``verify`` False it reads no chunk, only the stores' lists and, under PEC,
+    the versions' records): the one answer to "which version do I restore"
+    that the persistent handler and recovery share (PEC's rule under PEC).
+    Without ``verify`` a version whose chunks fail their checksums still
+    counts; ``recover`` itself verifies."""
+    return _decide(ckpt, verify)[0]
+
+
+def _decide(ckpt: TierReader, verify: bool = True
+            ) -> tuple[int | None, Any, list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
+    """(version, its sources: ``choose_version``'s or ``choose_pec_version``'s,
+    every host's inventory, the PEC records) of the restore decision."""
+    if ckpt.pec is not None:
+        inventories, metas = _pec_inventories(ckpt, verify)
+        needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
+        decision: Any = choose_pec_version(inventories, needs, ckpt.hosts)
+    else:
+        gathered = allgather_json({str(o): v for o, v in _inventory(ckpt, verify).items()},
+                                  ckpt.hosts)
+        inventories, metas = [{int(o): v for o, v in inv.items()} for inv in gathered], {}
+        decision = choose_version(inventories, ckpt.hosts)
+    if decision is None:
+        return None, None, inventories, metas
+    return decision[0], decision[1], inventories, metas
+
+
 def recover(ckpt: TierReader) -> Recovered | None:
     """Restores the newest version every host can reach, or None if there is none."""
     if ckpt.pec is not None:
         return _recover_pec(ckpt)
     start = time.perf_counter()
-    inventory = _inventory(ckpt)
-    gathered = allgather_json({str(o): v for o, v in inventory.items()}, ckpt.hosts)
-    inventories = [{int(o): v for o, v in inv.items()} for inv in gathered]
-    decision = choose_version(inventories, ckpt.hosts)
+    step_or_none, sources_or_none, inventories, _ = _decide(ckpt)
+    decision = None if step_or_none is None else (step_or_none, sources_or_none)
     if decision is None:
         if any(any(inv.values()) for inv in inventories):
             log.warning("host %d: stored versions do not cover every host; starting fresh",
@@ -300,10 +328,10 @@ def _pec_meta(ckpt: TierReader, owner: int, step: int) -> dict[str, Any]:
     return {key: meta[key] for key in ("needed", "complete", "count", "k", "mask", "tokens")}
 
 
-def _pec_inventories(ckpt: TierReader
+def _pec_inventories(ckpt: TierReader, verify: bool = True
                      ) -> tuple[list[dict[int, list[int]]], dict[int, dict[str, Any]]]:
-    """Every host's verified steps per owner, and every version's PEC record."""
-    inventory = _inventory(ckpt)
+    """Every host's (verified) steps per owner, and every version's PEC record."""
+    inventory = _inventory(ckpt, verify)
     metas: dict[int, dict[str, Any]] = {}
     for owner, steps in inventory.items():
         for step in list(steps):
@@ -346,9 +374,8 @@ def _tracker_at(ckpt: TierReader, inventories: list[dict[int, list[int]]], step:
 def _recover_pec(ckpt: TierReader) -> Recovered | None:
     assert ckpt.pec is not None  # PEC only
     start = time.perf_counter()
-    inventories, metas = _pec_inventories(ckpt)
-    needs = {s: (m["needed"], m["complete"]) for s, m in metas.items()}
-    decision = choose_pec_version(inventories, needs, ckpt.hosts)
+    step_or_none, servers_or_none, inventories, metas = _decide(ckpt)
+    decision = None if step_or_none is None else (step_or_none, servers_or_none)
     if decision is None:
         if metas:
             log.warning("host %d: no PEC version can be assembled for every host (some expert "

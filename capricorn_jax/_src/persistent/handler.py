@@ -67,8 +67,7 @@ from capricorn_jax._src.memory.host_arrays import (
     global_arrays,
     host_memory_kind,
 )
-from capricorn_jax._src.memory.recovery import choose_version
-from capricorn_jax._src.multihost.agree import allgather_json
+from capricorn_jax._src.memory.recovery import restorable_version
 from capricorn_jax._src.persistent.memory_read import (
     carried_blocks,
     check_tree,
@@ -169,15 +168,16 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         extra = {} if tokens_per_expert is None else {"tokens_per_expert": tokens_per_expert}
         report = ckpt.save(step, state, host_state or {}, **extra)
         with self._lock:
-            self._memory = _MemorySave(step, id(state), report.skipped)
+            self._memory = _MemorySave(step, report.skipped)
         return report
 
     def adopt_memory_version(self, step: int, state: Any) -> None:
         """Takes in-memory version ``step``, saved by the caller through the
         checkpointer, as the one the next ``async_save`` of ``state`` persists."""
+        del state  # the version is named by its step (CapricornSave.memory_version)
         self._require_checkpointer("persist")
         with self._lock:
-            self._memory = _MemorySave(step, id(state), False)
+            self._memory = _MemorySave(step, False)
 
     def set_pec_record(self, record: dict[str, Any] | None) -> None:
         """The PEC record of the next persistent save (the manager decides it:
@@ -204,15 +204,11 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
                 self._reader = None
 
     def memory_step(self) -> int | None:
-        """The newest version every host's shards can be read at (collective, no data read)."""
+        """The version the memory tier's recovery restores now (collective, no
+        chunk read): ``recovery.restorable_version``, the one decision recovery
+        takes too, PEC's rule under PEC."""
         ckpt = self.checkpointer
-        if ckpt is None:
-            return None
-        inventory = {str(o): ckpt.store.versions(o) for o in ckpt.store.owners()}
-        gathered = allgather_json(inventory, ckpt.hosts, "the memory tier's versions (restore)")
-        decision = choose_version([{int(o): v for o, v in inv.items()} for inv in gathered],
-                                  ckpt.hosts)
-        return None if decision is None else decision[0]
+        return None if ckpt is None else restorable_version(ckpt)
 
     # ----- persistent tier -----
     async def async_save(self, directory, args: CapricornSave) -> list[ocp.Future]:
@@ -241,13 +237,15 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             raise TypeError(f"CapricornHandler saves CapricornSave args, got {type(args).__name__}")
         with self._lock:
             memory, self._memory = self._memory, None
-        if memory is None or memory.state_id != id(args.state):
+        if memory is None or args.memory_version != memory.step:
+            held = "no version" if memory is None else f"version {memory.step}"
             raise RuntimeError(
-                "CapricornHandler.async_save: the in-memory tier holds no version of this state, "
-                "and the persistent tier is written from that host-RAM copy. Use "
-                "capricorn_jax.CheckpointManager (its save() runs the in-memory tier every step "
-                "and the persistent tier when Orbax's policy says so), or call "
-                "handler.save_to_memory(step, state, host_state) first.")
+                f"CapricornHandler.async_save: this save persists in-memory version "
+                f"{args.memory_version} and the memory tier's newest save is {held}; the "
+                f"persistent tier is written from that host-RAM copy. Use "
+                f"capricorn_jax.CheckpointManager (its save() runs the in-memory tier every step "
+                f"and names the version), or call handler.save_to_memory(step, state, "
+                f"host_state) and pass CapricornSave(..., memory_version=step).")
         with self._lock:
             pec_step, self._next_pec = self._next_pec, None
         if pec_step is not None and pec_step["step"] != memory.step:
@@ -422,6 +420,10 @@ class CapricornSave(ocp.args.CheckpointArgs):
     state: Any
     host_state: dict[str, Any] | None = None
     tokens_per_expert: Any = None
+    memory_version: int | None = None
+    """The in-memory version the persistent save is written from (the
+    explicit record pairing a persistent save with its memory-tier save;
+    ``CheckpointManager`` sets it to the step it saves)."""
 
 
 @ocp.args.register_with_handler(CapricornHandler, for_restore=True)
@@ -498,5 +500,4 @@ class _PersistFuture:
 @dataclasses.dataclass(frozen=True)
 class _MemorySave:
     step: int
-    state_id: int
     skipped: bool

@@ -157,7 +157,8 @@ class CheckpointManager(ocp.CheckpointManager):
         cap = self._item_args(args, CapricornSave, "save")
         self.last_memory_report = self.handler.save_to_memory(step, cap.state, cap.host_state,
                                                               cap.tokens_per_expert)
-        return self._save_if_due(step, args, metrics, force, custom_metadata)
+        return self._save_if_due(step, self._naming(args, cap, step), metrics, force,
+                                 custom_metadata)
 
     def persist(self, step: int, args, force: bool = False) -> bool:
         """The persistent half of ``save`` for a version the memory tier already holds.
@@ -173,7 +174,17 @@ class CheckpointManager(ocp.CheckpointManager):
         """
         cap = self._item_args(args, CapricornSave, "persist")
         self.handler.adopt_memory_version(step, cap.state)
-        return self._save_if_due(step, args, None, force, None)
+        return self._save_if_due(step, self._naming(args, cap, step), None, force, None)
+
+    def _naming(self, args, cap: CapricornSave, step: int):
+        """``args`` with the item's save naming in-memory version ``step`` (the
+        record the handler pairs the persistent save with)."""
+        if cap.memory_version not in (None, step):
+            raise ValueError(f"save({step}): CapricornSave.memory_version is "
+                             f"{cap.memory_version}, not the step saved")
+        items = {key: args[key] for key in args.keys()}
+        items[self.item] = dataclasses.replace(cap, memory_version=step)
+        return ocp.args.Composite(**items)
 
     def _save_if_due(self, step: int, args, metrics, force: bool,
                  custom_metadata: dict[str, Any] | None) -> bool:
