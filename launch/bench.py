@@ -208,7 +208,15 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
     runner = Runner(job, setup.seed, every_step=config.collectives)
     probed = config.a2a_steps
     warmup = {}
-    for name, strategy in strategies.items():
+    # Every strategy warms up on the same steps (from the same state): each
+    # meets the same capacity buckets there, so no strategy's timed steps
+    # compile a bucket that another's warm-up happened to cover (the first
+    # long-run sweep's warm-ups ran on consecutive steps: none compiled 5
+    # buckets in its timed steps, pec 4, on the same trajectory).
+    warm_start = runner.snapshot()
+    for k, (name, strategy) in enumerate(strategies.items()):
+        if k:
+            runner.rewind(warm_start)
         # Compiles the probed variant too.
         compiles, t0 = runner.compiles, time.perf_counter()
         runner.block(strategy, drivers[name], config.warmup + probed, probed)
