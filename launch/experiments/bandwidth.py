@@ -143,8 +143,8 @@ def measure(nbytes: int, repeats: int, tmpfs: str, rows: int = 4, chunk_bytes: i
         "store restore": arena.restore,  # the version the last ingest committed
     }
     device = jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    if device.platform != "cpu" and "pinned_host" in kinds:
+    memories = {m.kind for m in device.addressable_memories()}
+    if device.platform != "cpu" and "pinned_host" in memories:
         pinned = dev.sharding.with_memory_kind("pinned_host")
 
         def d2pinned() -> None:  # what Orbax's and the persistent tier's host copies use
