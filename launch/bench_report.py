@@ -94,6 +94,10 @@ def summarize(raw: dict) -> dict:
         records = (raw.get("records") or {}).get(name)
         if records is not None:  # per timed step, in step_s's order
             row["record_steps"] = [r["step"] for r in records]
+            # What each step was: a profiled step carries the profiler's marks,
+            # not the probe (its collectives are empty), a compiled one its compile.
+            row["step_profiled"] = [bool(p) for _, p, _ in raw["samples"][name]]
+            row["step_compiled"] = [bool(c) for _, _, c in raw["samples"][name]]
             for key in ("windows", "collectives", "expert_spans"):
                 row[key] = [r[key] for r in records]
     for name, schedule in raw.get("schedules", {}).items():

@@ -148,17 +148,26 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
         assert row["long_run_ratio"] is not None and row["warmup_s"] is not None
         assert len(row["windows"]) == len(row["collectives"]) == len(row["expert_spans"]) == 5
         assert row["record_steps"] == sorted(row["record_steps"])
-        for step, collectives in zip(row["step_s"], row["collectives"], strict=True):
+        for profiled, collectives in zip(row["step_profiled"], row["collectives"], strict=True):
+            if profiled:  # the profiler's marks, not the probe
+                assert collectives == []
+                continue
             names = {c["name"] for c in collectives}
             assert {"block1/fwd/dispatch", "block1/fwd/combine", "block1/bwd/dispatch",
-                    "block1/bwd/combine", "grad_all_reduce"} <= names, (name, step)
+                    "block1/bwd/combine", "grad_all_reduce"} <= names, name
             assert all(c["seconds"] >= 0 for c in collectives)
     assert rows["none"]["steady_ratio"] == rows["none"]["long_run_ratio"] == 1.0
     # Only the scheduled strategy has windows; each accounts for every byte.
     assert not any(rows["none"]["windows"]) and not any(rows["inmem"]["windows"])
     windows = [w for step in rows["capricorn"]["windows"] for w in step]
     assert windows and all(w["bytes_planned"] > 0 for w in windows)
-    assert all(w["bytes_sent"] + w["bytes_late"] == w["bytes_planned"] for w in windows)
+    # Handed over in a window: its own bytes less those the deadline carried
+    # on, plus the earlier windows' it took; each one inside it or late.
+    assert all(w["bytes_sent"] + w["bytes_late"]
+               == w["bytes_planned"] - w["bytes_carried"] + w["bytes_carried_in"]
+               for w in windows)
+    assert all(min(w["bytes_sent"], w["bytes_late"], w["bytes_carried"],
+                   w["bytes_carried_in"]) >= 0 for w in windows)
     assert all(w["planned_idle_s"] > 0 and w["observed_idle_s"] >= 0 for w in windows)
     # The tables read it.
     tables = subprocess.run([sys.executable, "-m", "launch.tables", "windows", str(out)],
