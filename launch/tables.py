@@ -204,14 +204,13 @@ def long_run_table(docs: list[dict]) -> str:
         for name, r in d["strategies"].items():
             taken = r.get("versions_taken")
             late = late_bytes_per_step(r)
-            cells = ["-" if r.get(k) is None else f"{r[k]:.3f}"
-                     for k in ("steady_ratio", "long_run_ratio")]
+            cells = [_or_dash(r.get(k), ".3f") for k in ("steady_ratio", "long_run_ratio")]
             lines.append(
                 f"| {c['hosts']}x{c['devices_per_host']} | {c['workload']} | "
-                f"{'-' if share is None else f'{share:.2f}'} | {name} | {' | '.join(cells)} | "
+                f"{_or_dash(share, '.2f')} | {name} | {' | '.join(cells)} | "
                 f"{_or_dash(r.get('warmup_s'), '.1f')} | "
                 f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']} | "
-                f"{'-' if taken is None else f'{taken:.0%}'} | "
+                f"{_or_dash(taken, '.0%')} | "
                 f"{'-' if late is None else f'{late / 1e3:.0f} KB'} |")
     return "\n".join(lines)
 
