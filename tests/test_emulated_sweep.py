@@ -71,3 +71,17 @@ def test_plot_panels_per_ratio(tmp_path):
     png = tmp_path / "long_run.png"
     sweep.plot([doc], png, ("steady_ratio", "long_run_ratio"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_traffic_class_names_the_point_and_its_series(tmp_path):
+    point = sweep.points([0.75], ["dynamic"], ["2x2"], {"2x2": 0.07}, 1.0)[0]
+    assert sweep.point_name(point) == "bench_2x2_dynamic_r0.75.json"
+    assert sweep.point_name(point, "priority") == "bench_2x2_dynamic_r0.75_priority.json"
+    fifo = _doc(0.7, 2, 2, "dynamic", {"none": 0.5, "inmem": 0.625})
+    prio = _doc(0.7, 2, 2, "dynamic", {"none": 0.5, "inmem": 0.5625})
+    prio["link"] = {"traffic_class": "priority"}
+    assert sweep.series([fifo, prio]) == {"dynamic": {"inmem 2x2": [(0.7, 1.25)],
+                                                      "inmem 2x2 priority": [(0.7, 1.125)]}}
+    png = tmp_path / "p.png"
+    sweep.plot([fifo, prio], png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

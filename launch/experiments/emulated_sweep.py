@@ -60,7 +60,10 @@ def define_flags() -> None:
     flags.DEFINE_float("ckpt_budget", 0.0, "bench --ckpt_budget for those points (seconds).")
     flags.DEFINE_string("accelerator_profile", "", "bench --accelerator_profile ('' = default).")
     flags.DEFINE_float("link_burst_kb", 0.0, "bench --link_burst_kb (0 = bench's default).")
-    flags.DEFINE_integer("point_timeout_s", 1800, "A point's bench is killed after this long.")
+    flags.DEFINE_enum("traffic_class", "fifo", ["fifo", "priority"],
+                      "bench --traffic_class for every point (priority: the JSON's name ends "
+                      "in _priority).")
+    flags.DEFINE_integer("point_timeout_s", 3600, "A point's bench is killed after this long.")
     flags.DEFINE_bool("dry_run", False, "Print the commands only.")
     flags.DEFINE_string("png", "results/emulated/sweep.png", "plot: the PNG to write.")
     flags.DEFINE_list("ratios", ["median"],
@@ -103,8 +106,11 @@ def points(r_values: Sequence[float], workloads: Sequence[str], topologies: Sequ
     return out
 
 
-def point_name(point: dict) -> str:
-    return f"bench_{point['topology']}_{point['workload']}_r{point['r_target']:g}.json"
+def point_name(point: dict, traffic_class: str = "fifo") -> str:
+    """The point's JSON name; a link with a traffic class is named by it (FIFO,
+    the paper's premise, is the plain name)."""
+    tail = "" if traffic_class == "fifo" else f"_{traffic_class}"
+    return f"bench_{point['topology']}_{point['workload']}_r{point['r_target']:g}{tail}.json"
 
 
 def bench_argv(point: dict, out: Path) -> list[str]:
@@ -113,7 +119,8 @@ def bench_argv(point: dict, out: Path) -> list[str]:
             f"--devices_per_host={point['devices']}", f"--workload={point['workload']}",
             f"--shift_every={FLAGS.shift_every}", f"--steps={FLAGS.steps}",
             f"--reps={FLAGS.reps}", "--bandwidth_mib=0", f"--link_gbps={point['link_gbps']}",
-            f"--json={out / point_name(point)}"]
+            f"--traffic_class={FLAGS.traffic_class}",
+            f"--json={out / point_name(point, FLAGS.traffic_class)}"]
     if FLAGS.accelerator_profile:
         argv.append(f"--accelerator_profile={FLAGS.accelerator_profile}")
     if FLAGS.link_burst_kb:
@@ -140,6 +147,8 @@ def series(docs: Sequence[dict], ratio: str = "median"
             if name == "none":
                 continue
             key = f"{name} {c['hosts']}x{c['devices_per_host']}"
+            if (d.get("link") or {}).get("traffic_class", "fifo") != "fifo":
+                key += f" {d['link']['traffic_class']}"
             value = row["median_step_s"] / base if ratio == "median" else row.get(ratio)
             if value is None:
                 continue
@@ -161,16 +170,17 @@ def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -
         raise ValueError("no sweep JSON with a measured R and a none row")
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     # One colour per strategy (the same in every panel and topology), the
-    # topology by line and marker.
-    strategies = sorted({key.rsplit(" ", 1)[0] for _, _, lines in panels for key in lines})
+    # topology by line and marker, a traffic class dotted.
+    strategies = sorted({key.split(" ")[0] for _, _, lines in panels for key in lines})
     colour = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(strategies)}
     titles = {"median": "median step / none's", "steady_ratio": "steady steps: median / none's",
               "long_run_ratio": "long run: mean step / none's"}
     for ax, (ratio, workload, lines) in zip(axes[0], panels, strict=True):
         for key, pts in sorted(lines.items()):
-            style = "-o" if key.endswith("2x2") else "--s"
+            style = (":^" if key.endswith("priority") else "-o" if key.split(" ")[1] == "2x2"
+                     else "--s")
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
-                    color=colour[key.rsplit(" ", 1)[0]])
+                    color=colour[key.split(" ")[0]])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{workload} workload (emulated accelerator)",
                xlabel="R: version link time / idle link time per step",
@@ -200,7 +210,8 @@ def run_sweep() -> int:
             print("  " + " ".join(argv[1:]))
             continue
         start = time.monotonic()
-        log = out / point_name(point).replace(".json", ".log")
+        name = point_name(point, FLAGS.traffic_class)
+        log = out / name.replace(".json", ".log")
         with log.open("w") as f:
             try:
                 rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
@@ -209,11 +220,11 @@ def run_sweep() -> int:
                 rc = -1
         took = time.monotonic() - start
         if rc != 0:
-            failed.append(point_name(point))
+            failed.append(name)
             print(f"  FAILED (exit {rc}) after {took:.0f} s: see {log}", flush=True)
             continue
         log.unlink()
-        doc = json.loads((out / point_name(point)).read_text())
+        doc = json.loads((out / name).read_text())
         print(f"  done in {took:.0f} s: measured R {doc.get('link_idle_share')}", flush=True)
     if failed:
         print(f"{len(failed)} of {len(grid)} points failed: {', '.join(failed)}")
