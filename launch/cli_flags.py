@@ -79,6 +79,10 @@ _spec("boolean", "pin_hosts", False,
 _spec("enum", "platform", "cpu", ["cpu", "gpu"],
                   "cpu: simulated hosts; gpu: this process on the local GPU(s).")
 _spec("float", "timeout_s", 3600.0, "Deadline of the whole job; hosts are stopped past it.")
+_spec("float", "peer_timeout_s", 100.0,
+                   "A host that sends no heartbeat for this long (paused, hung, cut off) ends "
+                   "the job, naming it: jax.distributed's heartbeat and shutdown timeouts, "
+                   "the bound of every in-graph collective's wait on a silent host.")
 _spec("integer", "process_id", -1,
                      "Internal: this worker's host index (set by the supervisor).")
 _spec("string", "coordinator", "", "Internal: jax.distributed coordinator address.")

@@ -71,6 +71,7 @@ class ClusterConfig:
     link_latency_ms: float = 0.0
     link_burst_kb: float = 0.0
     traffic_class: str = "fifo"
+    peer_timeout_s: float = 100.0
 
     def __post_init__(self) -> None:
         try:
@@ -82,6 +83,12 @@ class ClusterConfig:
                             "--platform=gpu")
         if self.hosts < 1:
             raise FlagError(f"--hosts must be >= 1, got {self.hosts}")
+        # A silent host must end the job before a cross-host agreement gives
+        # up on it with a vaguer error; below 5 s a loaded host's heartbeat
+        # thread can miss its beat.
+        if not 5 <= self.peer_timeout_s < AGREEMENT_TIMEOUT_S:
+            raise FlagError(f"--peer_timeout_s={self.peer_timeout_s:g} must be >= 5 and below "
+                            f"the cross-host agreement bound ({AGREEMENT_TIMEOUT_S:g} s)")
         if self.devices_per_host < 1:
             raise FlagError(f"--devices_per_host must be >= 1, got {self.devices_per_host}")
         if self.platform == "gpu" and self.hosts > 1 and self.process_id < 0:
@@ -453,7 +460,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         hosts=fv.hosts, devices_per_host=fv.devices_per_host, pin_hosts=fv.pin_hosts,
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
         coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms,
-        link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class)
+        link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class,
+        peer_timeout_s=fv.peer_timeout_s)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,

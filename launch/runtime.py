@@ -20,10 +20,17 @@ def expert_parallel(requested: int, num_experts: int, devices: int) -> int:
 
 
 def init_distributed(hosts: int, coordinator: str, process_id: int,
-                     single_process: bool = False) -> None:
+                     single_process: bool = False, peer_timeout_s: float = 100.0) -> None:
     """Joins the jax.distributed job (gloo CPU collectives) when hosts > 1;
     with ``single_process`` a job of one process (Orbax's emergency manager
-    needs a distributed client even on one host), on a free local port."""
+    needs a distributed client even on one host), on a free local port.
+
+    ``peer_timeout_s`` (``--peer_timeout_s``) is jax.distributed's heartbeat
+    and shutdown timeout: a host silent that long (SIGSTOP, a hung kernel, a
+    cut link) is declared dead by the coordination service, and every other
+    host's process ends with an error naming it, wherever it waits (an
+    in-graph collective, a barrier); no other bound reaches a collective that
+    XLA runs."""
     import jax
 
     if hosts == 1 and single_process:
@@ -36,8 +43,10 @@ def init_distributed(hosts: int, coordinator: str, process_id: int,
                                    initialization_timeout=120)
     if hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        bound = max(1, math.ceil(peer_timeout_s))
         jax.distributed.initialize(coordinator, num_processes=hosts, process_id=process_id,
-                                   initialization_timeout=120)
+                                   initialization_timeout=120, heartbeat_timeout_seconds=bound,
+                                   shutdown_timeout_seconds=bound)
 
 
 @dataclasses.dataclass

@@ -117,7 +117,8 @@ def train_worker(config: Config, process_id: int) -> None:
     t, c = config.train, config.checkpoint
     faults.audit_store_if_asked(c, process_id)
     persistence.quiet_orbax_info()
-    runtime.init_distributed(config.cluster.hosts, config.cluster.coordinator, process_id)
+    runtime.init_distributed(config.cluster.hosts, config.cluster.coordinator, process_id,
+                             peer_timeout_s=config.cluster.peer_timeout_s)
     job = runtime.build_job(t.model, t.overrides, t.expert_parallel, t.steps, t.learning_rate,
                             t.warmup_steps, t.workload, t.shift_every, t.seed,
                             config.accelerator.accelerator, config.accelerator.profile)

@@ -96,3 +96,26 @@ def test_timeout_must_be_positive():
 
     with pytest.raises(ValueError, match="must be positive, got 0"):
         agree.set_timeout(0)
+
+
+def test_hosts_agreeing_on_different_things_stop_naming_both():
+    with _store(2) as clients:
+        got = _on_hosts(clients, {
+            0: lambda c, h: agree.exchange("a", 2, "persistent step 7", 30, c, h),
+            1: lambda c, h: agree.exchange("b", 2, "the restore's version", 30, c, h)})
+    assert isinstance(got[0], agree.AgreementMismatch)
+    assert str(got[0]) == (
+        "host 0: agreement #1: this host agrees on 'persistent step 7' (cjx-agree/1) but host 1 "
+        "on 'the restore's version' (cjx-agree/1); the hosts run different code or are out of "
+        "step, so the job stops")
+    assert isinstance(got[1], agree.AgreementMismatch)
+    assert "host 1: agreement #1: this host agrees on 'the restore's version'" in str(got[1])
+
+
+def test_a_key_in_another_protocol_is_refused():
+    with _store(2) as clients:
+        # Host 1 runs older code: its key is the bare document.
+        clients[1].key_value_set("capricorn/agree/1/1", '{"step": 7}')
+        got = _on_hosts(clients, {0: lambda c, h: agree.exchange("a", 2, "step 7", 30, c, h)})
+    assert isinstance(got[0], agree.AgreementMismatch)
+    assert "host 1 on a key in an unknown protocol" in str(got[0])

@@ -354,3 +354,21 @@ def test_a_damaged_commit_record_is_not_a_version(tmp_path, caplog):
     assert caplog.text.count("owner0/slot1.head: unreadable commit record") == 1
     _write(store, 0, 3, _chunks(16, [32]))  # not into the damaged version's slot
     assert store.manifest(0, 3)["slot"] == 2 and store.versions(0) == [1, 3]
+
+
+def test_a_store_written_in_another_head_format_is_refused_naming_it(tmp_path):
+    import json
+
+    from capricorn_jax._src.memory.store import StoreFormatError
+
+    store = HostStore(tmp_path / "h0")
+    _write(store, 0, 3, _chunks(5, [10]))
+    head = tmp_path / "h0" / "owner0" / "slot0.head"
+    record = json.loads(head.read_text())
+    assert record["format"] == "cjx-head/1"
+    del record["format"]  # as the code before formats wrote it
+    head.write_text(json.dumps(record))
+    with pytest.raises(StoreFormatError, match=r"owner0/slot0.head: a commit record of format "
+                       r"none \(written before formats were recorded\), this code reads "
+                       r"cjx-head/1: .* --fresh"):
+        HostStore(tmp_path / "h0").versions(0)

@@ -50,6 +50,9 @@ def _gloo_piece(text: str) -> bool:
     piece = re.sub(r"\d+", "0", text.strip())
     return len(piece) >= 1 and piece in _GLOO_CONNECTED
 _TRACEBACK = "Traceback (most recent call last):"
+# jax.distributed's coordination service, when a host missed its heartbeats
+# (--peer_timeout_s): the silent hosts' indices follow, one per line.
+_SILENT = "stopped sending heartbeats"
 _LEVELS = {"W": "WARNING: ", "E": "ERROR: ", "F": "FATAL: "}
 
 
@@ -77,6 +80,8 @@ class Console:
         self.killed: tuple[int, ...] = ()  # the hosts the launcher killed in this attempt
         self._held: dict[int, list[str]] = {}
         self._warning_source: set[int] = set()
+        self._silent_list: set[int] = set()  # hosts whose next lines list silent hosts
+        self.silent: set[int] = set()  # hosts reported silent in this attempt
 
     @staticmethod
     def _stdout(text: str) -> None:
@@ -87,6 +92,7 @@ class Console:
         """A new attempt of the job starts: no host killed, nothing held."""
         with self._lock:
             self.killed, self._held, self._warning_source = (), {}, set()
+            self._silent_list, self.silent = set(), set()
 
     def injected_kill(self, hosts: tuple[int, ...]) -> None:
         """The launcher is about to kill ``hosts``: the others' failures follow from it."""
@@ -105,6 +111,7 @@ class Console:
         """One line host ``host`` printed (a ``LocalCluster`` ``on_line``)."""
         text = raw.rstrip("\n")
         with self._lock:
+            self._heartbeats(host, text)
             if self.verbose:
                 self._emit(host, text)
                 return
@@ -120,6 +127,23 @@ class Console:
             if shown is not None and (not self.killed or host in self.killed
                                       or _ABSL.match(text) and text[0] in "IW"):
                 self._emit(host, shown)
+
+    def _heartbeats(self, host: int, text: str) -> None:
+        """One ``fault:`` line per host that jax.distributed declared silent
+        (no heartbeat within ``--peer_timeout_s``), whichever host reports it."""
+        if _SILENT in text:
+            self._silent_list.add(host)
+            return
+        if host not in self._silent_list:
+            return
+        if not text.strip().isdigit():
+            self._silent_list.discard(host)
+            return
+        silent = int(text.strip())
+        if silent not in self.silent and silent not in self.killed:
+            self.silent.add(silent)
+            self._write(f"fault: host {silent} sent no heartbeat within --peer_timeout_s "
+                        f"(paused, hung or cut off); the job stops\n")
 
     def _shown(self, host: int, text: str) -> str | None:
         """What the console prints of a line outside a traceback, or None."""

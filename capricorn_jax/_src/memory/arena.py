@@ -33,6 +33,10 @@ import numpy as np
 from capricorn_jax._src.memory.pinned import SlotRegistry, align_up
 from capricorn_jax._src.memory.store_lifecycle import StoreFullError
 
+HEAD_FORMAT = "cjx-head/1"
+"""The commit record's format, written into every head; a store whose heads
+name another is refused (``store.StoreFormatError``)."""
+
 ALIGN = 64  # chunk offsets: aligned for the CPU client's zero-copy wrap
 
 
@@ -201,7 +205,8 @@ class VersionWriter:
 
     def commit(self, meta: dict[str, Any]) -> Path:
         """Writes the head last (temporary name, renamed into place); returns its path."""
-        head = {"owner": self.owner, "step": self.step, "generation": time.time_ns(),
+        head = {"format": HEAD_FORMAT, "owner": self.owner, "step": self.step,
+                "generation": time.time_ns(),
                 "slot": self.slot.index, "chunks": self.chunks, **meta}
         path = self.store._slot_path(self.owner, self.slot.index, "head")
         tmp = self.store._check(path.with_suffix(".head.tmp"))

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.arena import VersionWriter, _Slot, checksum, round_up
+from capricorn_jax._src.memory.arena import HEAD_FORMAT, VersionWriter, _Slot, checksum, round_up
 from capricorn_jax._src.memory.pinned import SlotRegistry
 from capricorn_jax._src.memory.store_lifecycle import (
     LOCK,
@@ -84,8 +84,23 @@ class StoreIsolationError(RuntimeError):
     """A path outside this host's root was about to be touched."""
 
 
+class StoreFormatError(RuntimeError):
+    """A commit record of another format (another version of capricorn_jax
+    wrote this store): reading it as this code's would misread its chunks."""
+
+
 class VersionGone(FileNotFoundError):
     """The version was removed (pruned and its slot reused) while being read."""
+
+
+def _check_format(path: Path, head: dict[str, Any]) -> None:
+    found = head.get("format", "none (written before formats were recorded)")
+    if found != HEAD_FORMAT:
+        raise StoreFormatError(
+            f"{path}: a commit record of format {found}, this code reads {HEAD_FORMAT}: "
+            f"another version of capricorn_jax wrote this store; start the job with --fresh "
+            f"(or remove the store with python -m launch.stores --action=prune), or run the "
+            f"version that wrote it")
 
 
 def _check_size(owner: int, step: int, names: list[str], data: np.ndarray,
@@ -274,7 +289,9 @@ class HostStore:
                     if cached is not None and cached[0] == identity:
                         step = cached[1]
                     else:
-                        step = int(json.loads(path.read_text())["step"])
+                        head = json.loads(path.read_text())
+                        step = int(head["step"])
+                        _check_format(path, head)
                         self._head_steps[path] = (identity, step)
                 except FileNotFoundError:
                     continue  # pruned while we listed

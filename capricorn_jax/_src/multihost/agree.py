@@ -24,6 +24,13 @@ the previous agreement once it has read every key of the current one (every
 host has then finished reading the previous one). On one process nothing is
 exchanged.
 
+Every key carries the agreement's identity with the document: the protocol
+(``PROTOCOL``) and ``what`` the caller agrees on. A host whose key names
+another protocol or another ``what`` at the same number (hosts running
+different code, or out of step) ends the agreement with an
+``AgreementMismatch`` naming both hosts and both identities, instead of
+reading the other's document as its own.
+
 A timed-out agreement is neither retried nor skipped: the hosts' agreements
 are matched by their order, which a host that gave up can no longer keep, so
 the error propagates and ends the job (the launcher restarts it and recovery
@@ -59,11 +66,43 @@ import jax
 import numpy as np
 
 DEFAULT_TIMEOUT_S = 1800.0
+PROTOCOL = "cjx-agree/1"
+"""The agreement's wire format (bumped when a key's layout changes)."""
 _KEY = "capricorn/agree/{seq}/{host}"
 
 
 class AgreementTimeout(TimeoutError):
     """A host did not answer a cross-host agreement within its bound."""
+
+
+class AgreementMismatch(RuntimeError):
+    """Two hosts took part in the same agreement on different things (or with
+    different protocols): their code or their call order differs."""
+
+
+def _envelope(what: str, doc: str) -> str:
+    return json.dumps([PROTOCOL, what, doc])
+
+
+def _open(raw: str, host: int, other: int, seq: int, what: str) -> str:
+    """The document of ``other``'s key; raises AgreementMismatch naming both
+    hosts when its protocol or its subject is not this host's."""
+    try:
+        got = json.loads(raw)
+    except ValueError:
+        got = None
+    if isinstance(got, list) and len(got) == 3 and all(isinstance(x, str) for x in got):
+        protocol, theirs, doc = got
+    else:
+        protocol, theirs, doc = "an unknown protocol", None, ""
+    if protocol != PROTOCOL or theirs != what:
+        their = (f"'{theirs}' ({protocol})" if protocol == PROTOCOL or theirs is not None
+                 else f"a key in {protocol}")
+        raise AgreementMismatch(
+            f"host {host}: agreement #{seq}: this host agrees on '{what}' ({PROTOCOL}) but "
+            f"host {other} on {their}; the hosts run different code or are out of step, so "
+            f"the job stops")
+    return doc
 
 
 class _State:
@@ -115,24 +154,27 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
     Raises:
       AgreementTimeout: a host did not set its key within the bound; the
         message names it, the agreement's number and ``what``.
+      AgreementMismatch: a host's key names another protocol or another
+        ``what`` (module docstring).
     """
     client = _client() if client is None else client
     host = jax.process_index() if host is None else host
     timeout_s = _state.timeout_s if timeout_s is None else timeout_s
     with _state.lock:
         seq = _state.seq[(id(client), host)] = _state.seq.get((id(client), host), 0) + 1
-    client.key_value_set(_KEY.format(seq=seq, host=host), doc)
+    client.key_value_set(_KEY.format(seq=seq, host=host), _envelope(what, doc))
     deadline = time.monotonic() + timeout_s
     out = []
     for other in range(hosts):
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            out.append(client.blocking_key_value_get(_KEY.format(seq=seq, host=other), left_ms))
+            raw = client.blocking_key_value_get(_KEY.format(seq=seq, host=other), left_ms)
         except Exception as e:  # noqa: BLE001 - the store's deadline error (JaxRuntimeError)
             raise AgreementTimeout(
                 f"host {host}: agreement #{seq} ({what}): host {other} did not answer within "
                 f"{timeout_s:g}s ({type(e).__name__}: {str(e)[:200]}); the job stops, as its "
                 f"hosts can no longer match their agreements") from e
+        out.append(_open(raw, host, other, seq, what))
     if seq > 1:
         try:
             client.key_value_delete(_KEY.format(seq=seq - 1, host=host))
