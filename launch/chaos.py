@@ -54,7 +54,7 @@ from absl import app, flags
 
 from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F401 (re-exported)
 from launch.cli_flags import FlagError
-from launch.fault_plan import PAUSING_POINTS, PERSIST_FAULTS, Fault
+from launch.fault_plan import PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault
 
 FLAGS = flags.FLAGS
 
@@ -101,12 +101,21 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
-          "persist_hang")
+          "persist_hang", PAUSE)
 PERSIST_EVERY = 4
 PERSIST_HANG_TIMEOUT_S = 10.0
 """--persist_timeout_s of a trial with a persist_hang fault: the other hosts
 drop the hung step after 2x this, the hung host's Orbax thread after 4x."""
 PEC_K = 2
+PAUSE_PEER_TIMEOUT_S = 8.0
+"""--peer_timeout_s of a trial with a pause: a pause of SHORT_PAUSE_S is
+outlasted (the job goes on), one of LONG_PAUSE_S ends the attempt."""
+SHORT_PAUSE_S, LONG_PAUSE_S = 3.0, 20.0
+
+
+def _outlasted(f: Fault) -> bool:
+    """A pause shorter than the trial's peer timeout: no attempt ends."""
+    return f.point == PAUSE and f.pause_s < PAUSE_PEER_TIMEOUT_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +144,8 @@ class Trial:
             out.append(f"--persist_every={self.persist_every}")
         if any(f.point == "persist_hang" for f in self.faults):
             out.append(f"--persist_timeout_s={PERSIST_HANG_TIMEOUT_S}")
+        if any(f.point == PAUSE for f in self.faults):
+            out.append(f"--peer_timeout_s={PAUSE_PEER_TIMEOUT_S:g}")
         if self.pec:
             out += [f"--pec_k={PEC_K}", "--nopec_dynamic"]
         if self.stall is not None:
@@ -152,7 +163,8 @@ class Trial:
 def _describe(f: Fault) -> str:
     who = "+".join(str(h) for h in f.hosts)
     where = "recovery" if f.point == "recovery" else f"{f.point}@{f.step}"
-    extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else ""])
+    extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else "",
+                     f" {f.pause_s:g}s" if f.point == PAUSE else ""])
     return f"host {who} {where} {f.mode}{extra}"
 
 
@@ -178,6 +190,11 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
         points = [p for p in POINTS
                   if persist or p not in ("mid_persist", *PERSIST_FAULTS)]
         point = rng.choice(points)
+        if point == PAUSE:  # no kill: the plan's last fault, on one host
+            if low <= steps - 3:
+                faults.append(Fault((rng.randrange(topo.hosts),), rng.randrange(low, steps - 2),
+                                    PAUSE, pause_s=rng.choice([SHORT_PAUSE_S, LONG_PAUSE_S])))
+            break
         if point in PERSIST_FAULTS:  # no kill: the plan's last fault, on one host
             writes = [s for s in range(low, steps - 1 - PERSIST_EVERY)
                       if (s + 1) % persist == 0]  # a later write shows the job goes on
@@ -229,7 +246,10 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
       strikes: the faults the supervisor reported striking.
     """
     problems: list[str] = []
-    kills = [f for f in trial.faults if f.point not in ("recovery", *PERSIST_FAULTS)]
+    # A pause past the peer timeout ends its attempt like a kill; a shorter
+    # one ends nothing (and must cause no recovery).
+    kills = [f for f in trial.faults
+             if f.point not in ("recovery", *PERSIST_FAULTS) and not _outlasted(f)]
     killing = len([f for f in trial.faults if f.point not in PERSIST_FAULTS])
     if strikes != killing:
         problems.append(f"{strikes} of {killing} faults struck")
@@ -249,6 +269,11 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     if seen | unlogged != set(range(steps)) or not seen <= set(range(steps)):
         problems.append(f"steps logged {sorted(seen)}, expected 0..{steps - 1}")
     recoveries = [r for r in records if r.get("event") == "recovery"]
+    expected_recoveries = len(kills) + len([f for f in trial.faults if f.point == "recovery"])
+    if any(_outlasted(f) for f in trial.faults) and len(recoveries) > expected_recoveries:
+        problems.append(f"{len(recoveries)} recoveries where the faults end "
+                        f"{expected_recoveries} attempts (a pause shorter than the peer "
+                        f"timeout must end none)")
     first_restore = min((r["step"] for r in recoveries), default=steps)
     for r in step_records:
         expected = reference.get(r["step"])
@@ -381,7 +406,7 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
     records = []
     if (work / "metrics.jsonl").exists():
         records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
-    strikes = proc.stdout.count("fault: SIGKILLed")
+    strikes = proc.stdout.count("fault: SIGKILLed") + proc.stdout.count("fault: paused host")
     if proc.returncode != 0:
         problems = [f"job exited with {proc.returncode}: " + " | ".join(
             (proc.stdout + proc.stderr).strip().splitlines()[-6:])]

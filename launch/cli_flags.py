@@ -274,7 +274,10 @@ _spec("string", "fault_plan", "",
                     "fault may instead be \"point\": \"persist_error\" or "
                     "\"persist_hang\": the hosts' persistent write of the version after "
                     "\"step\" fails with an I/O error, or hangs, there (no kill; that step "
-                    "is dropped on every host). Not with --kill_host.")
+                    "is dropped on every host); or \"point\": \"pause\" with \"pause_s\": "
+                    "the hosts are stopped (SIGSTOP) after \"step\" for that long, then go "
+                    "on (past --peer_timeout_s the job ends, restarts and recovers). Not with "
+                    "--kill_host.")
 _spec("integer", "stall_host", -1, "Fault injection: this host's replica writer stalls...")
 _spec("integer", "stall_at_step", -1, "...at this step...")
 _spec("float", "stall_seconds", 0.0, "...for this long (a peer that stops answering).")

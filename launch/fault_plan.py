@@ -24,13 +24,19 @@ from launch.strategies import IN_MEMORY
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                "persist_error", "persist_hang")
+                "persist_error", "persist_hang", "pause")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
 # Faults that kill no host: the victim's persistent write of version step + 1
 # fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
 # on (that step dropped on every host), so such a fault ends no attempt and
 # must be a plan's last.
 PERSIST_FAULTS = frozenset({"persist_error", "persist_hang"})
+# A fault that kills no host either: the launcher stops the victims (SIGSTOP)
+# once they finished the step, for ``pause_s`` seconds, then lets them go on
+# (SIGCONT). Shorter than --peer_timeout_s, the job goes on (slow is not dead);
+# longer, jax.distributed declares them dead, the job ends and restarts, and
+# the hosts recover. Either way the plan's last fault.
+PAUSE = "pause"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Fault:
       corrupt: flip a byte of each victim's newest own version (RAM bit rot).
       wipe_all: every host's RAM store is lost (the persistent tier, if any,
         is what remains).
+      pause_s: point ``pause``: how long the victims stay stopped (SIGSTOP,
+        then SIGCONT).
     """
 
     hosts: tuple[int, ...]
@@ -57,10 +65,12 @@ class Fault:
     mode: str = "process"
     corrupt: bool = False
     wipe_all: bool = False
+    pause_s: float = 0.0
 
     def to_json(self) -> dict:
-        return {"hosts": list(self.hosts), "step": self.step, "point": self.point,
-                "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
+        out = {"hosts": list(self.hosts), "step": self.step, "point": self.point,
+               "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
+        return {**out, "pause_s": self.pause_s} if self.point == PAUSE else out
 
 
 def parse_fault_plan(text: str) -> tuple[Fault, ...]:
@@ -149,9 +159,15 @@ class FaultConfig:
                             f"replication: it needs --ckpt in {', '.join(IN_MEMORY)}")
         if fault.point == "mid_replication" and replicas < 2:
             raise FlagError(f"{what}: mid_replication needs --replicas >= 2")
-        if fault.point in PERSIST_FAULTS and i != len(self.plan(steps)) - 1:
+        if fault.point in (*PERSIST_FAULTS, PAUSE) and i != len(self.plan(steps)) - 1:
             raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
                             f"must be the plan's last fault")
+        if (fault.point == PAUSE) != (fault.pause_s > 0):
+            raise FlagError(f"{what}: a pause needs point 'pause' and pause_s > 0 (got point "
+                            f"{fault.point!r}, pause_s {fault.pause_s:g})")
+        if fault.point == PAUSE and (fault.mode != "process" or fault.corrupt or fault.wipe_all):
+            raise FlagError(f"{what}: a pause damages nothing: mode 'process', no corrupt, "
+                            f"no wipe_all")
         if fault.point in ("mid_persist", *PERSIST_FAULTS) and not (
                 persist_every and (fault.step + 1) % persist_every == 0):
             raise FlagError(f"{what}: {fault.point} at step {fault.step} needs --persist_every "

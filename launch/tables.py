@@ -178,6 +178,16 @@ def sweep_table(docs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _traffic_class(doc: dict) -> str:
+    """A bench JSON's link discipline: fifo (also every run before the option) or priority."""
+    return (doc.get("link") or {}).get("traffic_class") or "fifo"
+
+
+def _point_order(doc: dict) -> tuple:
+    c = doc["config"]
+    return (c["hosts"], c["workload"], _traffic_class(doc) != "fifo", doc["link_idle_share"] or 0)
+
+
 def long_run_table(docs: list[dict]) -> str:
     """The long-run sweep: one row per point and strategy with the three
     numbers of DESIGN.md's long-run accounting (steady ratio, long-run
@@ -195,19 +205,19 @@ def long_run_table(docs: list[dict]) -> str:
         bias = d["config"].get("routing_bias")
         lines.append(f"- `{d['command']}` ({d['date']}, {d['machine']}"
                      + (f"; routing bias {bias}" if bias else "") + ")")
-    lines += ["", "| topology | workload | R | strategy | steady | long run | warm-up (s) | "
+    lines += ["", "| topology | workload | R | link | strategy | steady | long run | warm-up (s) | "
               "steps timed / profiled / compiled | versions taken | bytes/step met a "
-              "collective (host 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda d: (d["config"]["hosts"], d["config"]["workload"], d["link_idle_share"] or 0)  # noqa: E731
-    for d in sorted(docs, key=key):
+              "collective (host 0) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d in sorted(docs, key=_point_order):
         c, share = d["config"], d.get("link_idle_share")
+        link = _traffic_class(d)
         for name, r in d["strategies"].items():
             taken = r.get("versions_taken")
             late = late_bytes_per_step(r)
             cells = [_or_dash(r.get(k), ".3f") for k in ("steady_ratio", "long_run_ratio")]
             lines.append(
                 f"| {c['hosts']}x{c['devices_per_host']} | {c['workload']} | "
-                f"{_or_dash(share, '.2f')} | {name} | {' | '.join(cells)} | "
+                f"{_or_dash(share, '.2f')} | {link} | {name} | {' | '.join(cells)} | "
                 f"{_or_dash(r.get('warmup_s'), '.1f')} | "
                 f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']} | "
                 f"{_or_dash(taken, '.0%')} | "

@@ -30,10 +30,14 @@ def test_draws_are_replayable_and_valid():
         topo = trial.topology
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 2
-        kills = [f for f in trial.faults if f.point not in ("recovery", *PERSIST_FAULTS)]
+        last = ("recovery", "pause", *PERSIST_FAULTS)
+        kills = [f for f in trial.faults if f.point not in last]
         assert trial.faults[:len(kills)] == tuple(kills)
-        rest = trial.faults[len(kills):]  # one kill during recovery, or one persist fault
-        assert len(rest) <= 1 and (kills or rest[0].point in PERSIST_FAULTS)
+        rest = trial.faults[len(kills):]  # a kill during recovery, a pause, a persist fault
+        assert len(rest) <= 1 and (kills or rest[0].point in (*PERSIST_FAULTS, "pause"))
+        if rest and rest[0].point == "pause":
+            assert len(rest[0].hosts) == 1 and rest[0].pause_s in (3.0, 20.0)
+            assert "--peer_timeout_s=8" in trial.flags(12, "tiny")
         if rest and rest[0].point in PERSIST_FAULTS:
             assert len(rest[0].hosts) == 1 and trial.persist_every
             assert (rest[0].step + 1) % trial.persist_every == 0
@@ -51,7 +55,7 @@ def test_draws_are_replayable_and_valid():
     seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
                                                             12).faults}
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                    "persist_error", "persist_hang"}
+                    "persist_error", "persist_hang", "pause"}
 
 
 def _plan_flag(trial):
@@ -176,3 +180,22 @@ def test_a_persist_fault_strikes_no_host_and_needs_its_step_dropped_and_a_later_
     stopped = good[:-1]
     assert check_trial(trial, stopped, REF, 8, strikes=0)[0] == [
         "persist_error: no persistent step started after version 4"]
+
+
+def test_a_pause_the_job_outlasts_ends_nothing_and_a_longer_one_is_a_kill():
+    short = _trial(Fault((1,), 3, "pause", pause_s=3.0))
+    straight = _steps(range(8))
+    assert check_trial(short, straight, REF, 8, strikes=1)[0] == []
+    assert check_trial(short, straight, REF, 8, strikes=0)[0] == ["0 of 1 faults struck"]
+    restarted = [*_steps(range(4)), {"event": "checkpoint", "replicated": 3},
+                 {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
+                 *_steps(range(4, 8))]
+    assert check_trial(short, restarted, REF, 8, strikes=1)[0] == [
+        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout "
+        "must end none)"]
+    long = _trial(Fault((1,), 3, "pause", pause_s=20.0))
+    assert check_trial(long, restarted, REF, 8, strikes=1)[0] == []
+    late = [*_steps(range(8)), {"event": "checkpoint", "replicated": 7},
+            {"event": "recovery", "step": 7, "tier": "local", "seconds": 0.1}]
+    assert check_trial(long, late, REF, 8, strikes=1)[0] == [
+        "recovery to 7, after the fault at step 3 (pause)"]

@@ -114,3 +114,29 @@ def test_a_persist_fault_is_the_plans_last_and_only_its_victim_gets_the_hook():
                                       r"version 4") as error:
         hook(4, "read")
     assert error.value.errno == 5
+
+
+@pytest.mark.parametrize("plan, message", [
+    ('[{"hosts": [1], "step": 2, "point": "pause"}]',
+     r"^--fault_plan fault 0: a pause needs point 'pause' and pause_s > 0 \(got point 'pause', "
+     r"pause_s 0\)"),
+    ('[{"hosts": [1], "step": 2, "pause_s": 5}]',
+     r"^--fault_plan fault 0: a pause needs point 'pause' and pause_s > 0 \(got point "
+     r"'after_step', pause_s 5\)"),
+    ('[{"hosts": [1], "step": 2, "point": "pause", "pause_s": 5, "mode": "host"}]',
+     r"^--fault_plan fault 0: a pause damages nothing"),
+    ('[{"hosts": [1], "step": 2, "point": "pause", "pause_s": 5}, {"hosts": [1], "step": 4}]',
+     r"^--fault_plan fault 0: pause kills no host and ends no attempt: it must be the plan's "
+     r"last fault"),
+])
+def test_a_bad_pause_is_refused_naming_it(plan, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan})
+
+
+def test_a_pause_is_a_plan_of_its_own():
+    plan = '[{"hosts": [1], "step": 3}, {"hosts": [2], "step": 6, "point": "pause", "pause_s": 8}]'
+    faults = FaultConfig(**{**BASE, "fault_plan": plan}).plan(12)
+    assert faults[1] == Fault((2,), 6, "pause", pause_s=8.0)
+    assert faults[1].to_json()["pause_s"] == 8
+    assert "pause_s" not in faults[0].to_json()  # the kill's record is as before

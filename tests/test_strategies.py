@@ -365,3 +365,44 @@ def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_pa
     assert set(range(2, 11)) <= versions  # the memory tier went on through step 4
     assert not [u for c in checkpoints for u in c["under_replicated"]]
     assert not _events(records, "recovery")
+
+
+def test_a_host_paused_less_than_the_peer_timeout_slows_the_job_and_ends_nothing(
+        tmp_path, cache, reference):
+    """Slow is not dead: host 1 stopped (SIGSTOP) for 6 s after step 3 with
+    --peer_timeout_s=30; the job waits for it, no attempt ends, no recovery,
+    and every loss is the uninterrupted run's."""
+    plan = '[{"hosts": [1], "step": 3, "point": "pause", "pause_s": 6}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", "--peer_timeout_s=30", f"--fault_plan={plan}",
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fault: paused host 1 (SIGSTOP) after step 3 for 6 s" in proc.stdout
+    assert "fault: resumed host 1 (SIGCONT)" in proc.stdout
+    assert "restarting" not in proc.stdout and "heartbeat" not in proc.stdout
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
+def test_a_host_paused_past_the_peer_timeout_ends_the_attempt_and_the_job_recovers(
+        tmp_path, cache, reference):
+    """A pause longer than --peer_timeout_s (5 s): jax.distributed declares
+    host 1 dead, the console names it, the launcher restarts every host and
+    they recover from memory; every loss is the uninterrupted run's."""
+    plan = '[{"hosts": [1], "step": 3, "point": "pause", "pause_s": 40}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", "--peer_timeout_s=5", f"--fault_plan={plan}",
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_no_orphans(str(tmp_path / "w"))
+    assert ("fault: host 1 sent no heartbeat within --peer_timeout_s (paused, hung or cut off); "
+            "the job stops") in proc.stdout
+    assert "fault: restarting all hosts; they recover" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    (recovery,) = _events(records, "recovery")
+    assert 3 <= recovery["step"] <= 4 and set(recovery["tiers"]) <= {"local", "peer"}
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1

@@ -78,6 +78,7 @@ class Console:
         self._lock = threading.Lock()
         self._ours = _project_files()
         self.killed: tuple[int, ...] = ()  # the hosts the launcher killed in this attempt
+        self._fault = "killed"  # or "paused" (SIGSTOP)
         self._held: dict[int, list[str]] = {}
         self._warning_source: set[int] = set()
         self._silent_list: set[int] = set()  # hosts whose next lines list silent hosts
@@ -92,12 +93,14 @@ class Console:
         """A new attempt of the job starts: no host killed, nothing held."""
         with self._lock:
             self.killed, self._held, self._warning_source = (), {}, set()
+            self._fault = "killed"
             self._silent_list, self.silent = set(), set()
 
-    def injected_kill(self, hosts: tuple[int, ...]) -> None:
-        """The launcher is about to kill ``hosts``: the others' failures follow from it."""
+    def injected_kill(self, hosts: tuple[int, ...], what: str = "killed") -> None:
+        """The launcher is about to kill (or pause: ``what``) ``hosts``: the
+        others' failures follow from it."""
         with self._lock:
-            self.killed = tuple(hosts)
+            self.killed, self._fault = tuple(hosts), what
 
     def say(self, text: str) -> None:
         """A line of the supervisor itself."""
@@ -140,7 +143,7 @@ class Console:
             self._silent_list.discard(host)
             return
         silent = int(text.strip())
-        if silent not in self.silent and silent not in self.killed:
+        if silent not in self.silent and (silent not in self.killed or self._fault != "killed"):
             self.silent.add(silent)
             self._write(f"fault: host {silent} sent no heartbeat within --peer_timeout_s "
                         f"(paused, hung or cut off); the job stops\n")
@@ -178,7 +181,7 @@ class Console:
                 return
             if self.killed and host not in self.killed:
                 victims = " and ".join(str(h) for h in self.killed)
-                self._emit(host, f"stopped after host {victims} was killed "
+                self._emit(host, f"stopped after host {victims} was {self._fault} "
                                  f"(its error output: --verbose)")
             elif held:
                 for text in held:

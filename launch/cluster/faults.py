@@ -39,7 +39,7 @@ from absl import logging
 from capricorn_jax.experimental import HostStore
 from launch.cluster import processes as cluster_lib
 from launch.config import CheckpointConfig
-from launch.fault_plan import PAUSING_POINTS, PERSIST_FAULTS, Fault, FaultConfig
+from launch.fault_plan import PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault, FaultConfig
 
 
 def pause_marker(workdir: str | Path, host: int) -> Path:
@@ -60,8 +60,10 @@ class FaultInjector:
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
         self.kills = 0  # faults done so far
-        # Told the hosts about to be killed (the console then hides their peers' fallout).
-        self.before_kill: Callable[[tuple[int, ...]], None] | None = None
+        self.resume_at: float | None = None  # a pause's SIGCONT time (monotonic)
+        # Told the hosts about to be killed or paused, and which ("killed",
+        # "paused"): the console then hides their peers' fallout.
+        self.before_kill: Callable[[tuple[int, ...], str], None] | None = None
 
     @property
     def pending(self) -> bool:
@@ -74,7 +76,7 @@ class FaultInjector:
 
     def arm(self, cluster: cluster_lib.LocalCluster) -> None:
         """The next attempt's cluster: the next fault strikes it."""
-        self.cluster, self.fired = cluster, False
+        self.cluster, self.fired, self.resume_at = cluster, False, None
         for host in self.fault.hosts:
             pause_marker(self.workdir, host).unlink(missing_ok=True)
 
@@ -92,19 +94,49 @@ class FaultInjector:
         every victim's point instead can wait forever: a host whose replica
         writer is busy drops a version's replicas and never writes it
         halfway (found by the soak, seed 2 trials 39 and 42)."""
+        if self.resume_at is not None and time.monotonic() >= self.resume_at:
+            self._resume()
         if self.fired or self.cluster is None or not any(
                 pause_marker(self.workdir, h).exists() for h in self.fault.hosts):
             return
         self.fired = True
         fault = self.fault
+        if fault.point == PAUSE:
+            self._pause()
+            return
         if self.before_kill is not None:
-            self.before_kill(fault.hosts)
+            self.before_kill(fault.hosts, "killed")
         for host in fault.hosts:
             self.cluster.kill_host(host, signal.SIGKILL)
         where = "recovering" if fault.point == "recovery" else f"at step {fault.step}"
         victims = ", ".join(str(h) for h in fault.hosts)
         print(f"fault: SIGKILLed host{'s' if len(fault.hosts) > 1 else ''} {victims} {where} "
               f"({fault.point}, mode {fault.mode})", flush=True)
+
+    def _pause(self) -> None:
+        fault = self.fault
+        assert self.cluster is not None
+        if self.before_kill is not None:
+            self.before_kill(fault.hosts, "paused")
+        for host in fault.hosts:
+            self.cluster.signal_host(host, signal.SIGSTOP)
+        self.resume_at = time.monotonic() + fault.pause_s
+        victims = ", ".join(str(h) for h in fault.hosts)
+        print(f"fault: paused host{'s' if len(fault.hosts) > 1 else ''} {victims} (SIGSTOP) "
+              f"after step {fault.step} for {fault.pause_s:g} s", flush=True)
+
+    def _resume(self) -> None:
+        assert self.cluster is not None
+        self.resume_at = None
+        for host in self.fault.hosts:
+            self.cluster.signal_host(host, signal.SIGCONT)
+        victims = ", ".join(str(h) for h in self.fault.hosts)
+        print(f"fault: resumed host{'s' if len(self.fault.hosts) > 1 else ''} {victims} "
+              f"(SIGCONT)", flush=True)
+
+    def after_attempt(self) -> None:
+        """The attempt ended: a pause still running is ended (its hosts are gone)."""
+        self.resume_at = None
 
     def after_kill(self, checkpoint: CheckpointConfig, hosts: int) -> None:
         """Between the killed attempt and the restart: the store damage asked for."""
@@ -153,7 +185,8 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
              "mid_step": f"in step {step}, running on until killed",
              "mid_replication": f"paused halfway through writing replicas of version {step + 1}",
              "mid_persist": f"writing persistent version {step + 1}, running on until killed",
-             "recovery": "paused at the start of its recovery"}[point]
+             "recovery": "paused at the start of its recovery",
+             PAUSE: f"finished step {step}; the launcher stops it for a while"}[point]
     # A line of the launcher's faults (as "fault: SIGKILLed host ..."), not a
     # warning: the user asked for it.
     print(f"fault: host {host} {where} (its fault point)", flush=True)

@@ -170,6 +170,13 @@ class LocalCluster:
         for host in range(self.hosts):
             self.start_host(host)
 
+    def signal_host(self, host: int, sig: int) -> None:
+        """Sends ``sig`` to host's process (if alive) and returns at once
+        (e.g. SIGSTOP and SIGCONT: a paused host)."""
+        proc = self.procs[host]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` to host's process and waits for it to end, at most
         ``KILL_WAIT_S`` (a process stuck in the kernel ignores even SIGKILL:

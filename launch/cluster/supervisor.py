@@ -199,7 +199,10 @@ def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | Non
             injector.arm(hosts)
         code = cluster_lib.run(hosts, max(1.0, deadline - time.monotonic()),
                                on_tick=injector.tick if armed else None)
-        if not (armed and injector.fired):
+        if injector is not None:
+            injector.after_attempt()
+        # A fired fault ends the attempt, except a pause the job outlasted.
+        if code == 0 or not (armed and injector.fired):
             break
         injector.after_kill(checkpoint, cluster.hosts)
         print("fault: restarting all hosts; they recover", flush=True)
