@@ -14,6 +14,7 @@ import sys
 import pytest
 from absl import flags
 
+from capricorn_jax import stores
 from launch import (
     bench,
     bench_config,
@@ -22,7 +23,6 @@ from launch import (
     cli_flags,
     config,
     link_probe,
-    stores,
     train,
 )
 from tests.helpers import ROOT

@@ -1,6 +1,6 @@
 """The stores' lifecycle: the live-job lock, the bound on the RAM disk with its
 error, pages reserved when a slot grows, the release after a clean finish, and
-listing and pruning the jobs' stores (capricorn_jax.stores, and launch.stores, its old name)."""
+listing and pruning the jobs' stores (capricorn_jax.stores)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import capricorn_jax
+from capricorn_jax import stores
 from capricorn_jax import stores as store_admin
 from capricorn_jax._src.memory import store_lifecycle as store_lib
 from capricorn_jax._src.memory.store import HostStore
@@ -30,7 +31,6 @@ from capricorn_jax._src.memory.store_lifecycle import (
     store_in_use,
     tree_bytes,
 )
-from launch import stores
 
 # store_lifecycle.py alone (the standard library; not the package, which imports JAX) in a
 # second process: prints whether it sees the store at argv[2] in use.

@@ -99,7 +99,7 @@ def _check_format(path: Path, head: dict[str, Any]) -> None:
         raise StoreFormatError(
             f"{path}: a commit record of format {found}, this code reads {HEAD_FORMAT}: "
             f"another version of capricorn_jax wrote this store; start the job with --fresh "
-            f"(or remove the store with python -m launch.stores --action=prune), or run the "
+            f"(or remove the store with python -m capricorn_jax.stores --action=prune), or run the "
             f"version that wrote it")
 
 

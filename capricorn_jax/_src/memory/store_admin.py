@@ -173,7 +173,7 @@ def describe(job: JobStores, now: float) -> str:
 
 
 def listing(store_root: str | os.PathLike, now: float | None = None) -> list[str]:
-    """The lines of ``python -m launch.stores --action=list``."""
+    """The lines of ``python -m capricorn_jax.stores --action=list``."""
     now = time.time() if now is None else now
     jobs = list_jobs(store_root)
     lines = [describe(j, now) for j in jobs]
