@@ -34,7 +34,6 @@ from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager, Two
 # and what the library asks of the caller's trainer.
 from capricorn_jax._src.profiling.train_step import TrainStep
 from capricorn_jax._src.strategies.base import Strategy
-from capricorn_jax._src.strategies.channel_replication import ChannelReplication
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
@@ -71,7 +70,6 @@ __all__ = [
     "TwoTierOptions",
     "RestoreInfo",
     # strategies
-    "ChannelReplication",
     "InMemoryStrategy",
     "ScheduledStrategy",
     "Strategy",

@@ -1,5 +1,8 @@
 """Names for the project's measurement tools; may change.
 
+``ChannelReplication`` (a benchmark control: the memory tier's replica over
+the chunk channel after the step) is here, not in the stable face.
+
 The launcher's experiment scripts (``launch.experiments``) and its flags reach
 a few internal names that are not part of the stable API in ``capricorn_jax``:
 they are re-exported here, so that nothing outside the library imports
@@ -38,7 +41,6 @@ from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.profiling.layer_profile import Segment, moe_durations
 from capricorn_jax._src.profiling.policy import (
     CAPACITY_CACHE,
-    DEFAULT_FIRST_N,
     TRIGGERS,
     should_profile,
 )
@@ -58,6 +60,7 @@ from capricorn_jax._src.scheduling.transfers import (
     schedule_at_risk,
     shortest_windows,
 )
+from capricorn_jax._src.strategies.channel_replication import ChannelReplication
 from capricorn_jax._src.strategies.scheduled import PLAN_PROFILES
 
 __all__ = [
@@ -67,8 +70,8 @@ __all__ = [
     "CACHE_GRANULARITIES",
     "CacheOptions",
     "CAPACITY_CACHE",
+    "ChannelReplication",
     "committed_steps",
-    "DEFAULT_FIRST_N",
     "distributed_client",
     "DRIFT_METRICS",
     "DynamicK",

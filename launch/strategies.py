@@ -24,12 +24,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from capricorn_jax import (
-    ChannelReplication,
     InMemoryCheckpointer,
     InMemoryStrategy,
     ScheduledStrategy,
     Strategy,
 )
+from capricorn_jax.experimental import ChannelReplication
 
 STRATEGIES = ("none", "blocking", "orbax_async", "orbax_emergency", "inmem", "gemini",
               "capricorn", "pec", "capricorn_pec")
@@ -63,7 +63,7 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
       chunk_cap: the scheduled strategies' largest chunk in a window, bytes.
       chunk_path: how they move chunks: "auto", "in_graph" or "threaded";
         ``inmem``/``pec`` replicate over the threaded chunk channel
-        (``capricorn_jax.ChannelReplication``) with "threaded", in the
+        (``capricorn_jax.experimental.ChannelReplication``) with "threaded", in the
         in-graph exchange otherwise.
       span_windows: the scheduled strategies plan on the idle spans between
         a layer's all-to-alls on the threaded path (False: one window per

@@ -192,7 +192,7 @@ def test_capricorn_under_a_budget_spreads_a_version_over_steps_and_recovers(tmp_
 def test_inmem_over_the_chunk_channel_replicates_and_recovers_bitwise(tmp_path, cache, reference,
                                                                       strategy):
     """inmem (pec) with --chunk_path=threaded replicates over the scheduled
-    strategies' chunk channel (``capricorn_jax.ChannelReplication``): each
+    strategies' chunk channel (``capricorn_jax.experimental.ChannelReplication``): each
     version sent whole when packed, committed one save later. Host 1 is lost
     as a machine after step 4 (killed, its RAM store wiped): its shards come
     back from host 0's replica, which only the channel carried; every loss
