@@ -142,3 +142,64 @@ def test_piece_bytes_must_be_positive():
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     with pytest.raises(ValueError, match="piece_bytes=0"):
         ThreadedSender(None, ["b0"], 1, mesh, deadline=True, piece_bytes=0)
+
+
+# The same pair of senders inside a network namespace whose loopback is a
+# shaped FIFO link (tc tbf, Ethernet frames, a 3 KB bucket; the peer's ACKs
+# share the queue): the stop rule meets a real queue (SIOCOUTQ) and a real
+# rate, not a slowed send.
+_SHAPED = """
+import json, sys
+from tests.test_deadline_sender import _close, _schedule, _senders, _step
+from capricorn_jax._src.scheduling.partitioner import LinkModel
+import dataclasses
+rate = float(sys.argv[1])
+mesh, senders = _senders(piece_bytes=4096)
+try:
+    schedule = dataclasses.replace(_schedule(0.05, 100.0), link=LinkModel(0.0, rate))
+    _step(mesh, senders, 1, schedule, pause_s=0.5)
+    print(json.dumps([dataclasses.asdict(s.last_bytes[0]) for s in senders]))
+finally:
+    _close(senders)
+"""
+
+
+def _netns_usable() -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _netns_usable(), reason="a shaped link needs root and iproute2")
+def test_on_a_shaped_fifo_link_a_window_sends_what_its_time_carries_and_carries_the_rest():
+    """Loopback at 2 Mbit/s (250 KB/s) in its own namespace; window 0 has 50 ms
+    of planned idle time for 24 KB planned: the sender hands over what the
+    link drains by the deadline (at most the window's time at the rate, one
+    4 KiB frame and the 3 KB bucket), carries the rest to window 1, and the
+    peer gets every byte bit for bit (``_step`` checks it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, child_env
+
+    ns, rate = f"cjxdl{os.getpid()}", 250e3
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up"], check=True)
+        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+                        "2mbit", "burst", "3000", "latency", "100ms"], check=True)
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _SHAPED,
+                               str(rate)], cwd=ROOT, env=child_env(devices=1),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for w0 in json.loads(proc.stdout.strip().splitlines()[-1]):
+        handed = w0["planned"] - w0["carried_out"]
+        assert handed == w0["sent"] + w0["late"]
+        assert 0 < w0["carried_out"] < w0["planned"] == PAYLOAD // 2
+        assert handed <= 0.05 * rate + 4096 + 3000
