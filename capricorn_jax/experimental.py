@@ -33,6 +33,8 @@ from capricorn_jax._src.memory.store_lifecycle import (
 from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.native import NativeBuildError
+from capricorn_jax._src.native import build as build_native
 from capricorn_jax._src.partial.plans import version_needs
 from capricorn_jax._src.partial.selection import DynamicK, version_mask
 from capricorn_jax._src.partial.tracker import PltTracker
@@ -44,6 +46,7 @@ from capricorn_jax._src.profiling.policy import (
     TRIGGERS,
     should_profile,
 )
+from capricorn_jax._src.profiling.profiler import mark as profile_mark
 from capricorn_jax._src.profiling.profiler import measure_overhead
 from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
 from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
@@ -55,6 +58,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     scale_windows,
     windows_from_profile,
 )
+from capricorn_jax._src.scheduling.threaded import WindowMarks
 from capricorn_jax._src.scheduling.transfers import (
     average_windows,
     schedule_at_risk,
@@ -67,6 +71,7 @@ __all__ = [
     "allgather_floats",
     "allgather_json",
     "average_windows",
+    "build_native",
     "CACHE_GRANULARITIES",
     "CacheOptions",
     "CAPACITY_CACHE",
@@ -83,12 +88,14 @@ __all__ = [
     "make_plan",
     "measure_overhead",
     "moe_durations",
+    "NativeBuildError",
     "mount_point",
     "partition",
     "pinned",
     "placement_holders",
     "PLAN_PROFILES",
     "PltTracker",
+    "profile_mark",
     "ProfileCache",
     "remove_unused",
     "scale_windows",
@@ -110,6 +117,7 @@ __all__ = [
     "versions_to_keep",
     "whole_versions",
     "Window",
+    "WindowMarks",
     "windows_from_profile",
     "xla_flags",
 ]

@@ -47,13 +47,14 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("strategies",),
     ("persistent", "scheduling"),
     ("memory", "profiling"),
-    ("partial", "multihost"),
+    ("partial", "multihost", "native"),
 )
 """The floors of ``_src``, top first. Strategies compose the tiers and the
 schedule; the persistent tier reads the memory tier, the scheduler moves
 memory-tier chunks at profiled boundaries; the memory tier stores bytes and
 profiling measures the step, neither knowing the other; the PEC decision logic
-and the cross-host agreement are pure building blocks under all of them."""
+and the cross-host agreement are pure building blocks under all of them, as
+are the native handlers (built with the host's compiler at first use)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -178,8 +178,7 @@ def _log_sends(channel, sender):
     sent, send = [], channel.send
 
     def logging_send(version, offset, data):
-        with sender.marks._cond:
-            sent.append((offset, set(sender.marks._open)))
+        sent.append((offset, set(sender.marks.opened_at)))
         send(version, offset, data)
 
     channel.send = logging_send

@@ -7,30 +7,26 @@ pass that waits ``bwd_ms`` on the cotangent, so a layer's forward and backward
 compute both become waits in their places.
 
 Design choice: a C++ handler (``wait.cc``) built with g++ at first use and
-registered through ``jax.ffi``. Alternative not taken: a Python host callback
+registered through ``jax.ffi`` (the library's builder, shared with its
+native window marks). Alternative not taken: a Python host callback
 that sleeps (``io_callback``): it needs the GIL to start and to return, so
 beside the checkpoint's Python threads (sender, writers) it measures GIL
 contention, which an accelerator host does not have (measured by
 ``python -m launch.experiments.emulation_probe``; BUILD_NOTES). The library is
 built once per source version into a cache directory outside the repository
-(``$CAPRICORN_NATIVE_CACHE``, else ``~/.cache/capricorn_jax``), named by the
-source's hash, written to a temporary name and renamed into place, so
-concurrent processes of one job never load a half-written file.
+(``$CAPRICORN_NATIVE_CACHE``, else ``~/.cache/capricorn_jax``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from capricorn_jax.experimental import NativeBuildError, build_native
 
 TARGET = "capricorn_emulated_wait"
 _SOURCE = Path(__file__).with_name("wait.cc")
@@ -38,50 +34,15 @@ _LOCK = threading.Lock()
 _REGISTERED = False
 
 
-class NativeBuildError(RuntimeError):
-    """The native wait could not be built (no C++ compiler, or it failed)."""
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept (outside the repository)."""
-    base = os.environ.get("CAPRICORN_NATIVE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "capricorn_jax")
-    return Path(base)
-
-
-def library_path() -> Path:
-    """The built library's path: named by the hash of the source and the jaxlib version."""
-    digest = hashlib.sha256(_SOURCE.read_bytes() + jax.__version__.encode()).hexdigest()[:16]
-    return cache_dir() / f"emulated_wait_{digest}.so"
-
-
 def build() -> Path:
-    """Builds the library if it is not in the cache; returns its path.
+    """Builds the library if it is not in the cache (the library's native
+    builder, ``capricorn_jax.experimental.build_native``); returns its path.
 
     Raises:
       NativeBuildError: no ``g++`` on PATH (``$CXX`` names another compiler), or
         the compile failed (its stderr in the message).
     """
-    path = library_path()
-    if path.exists():
-        return path
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        raise NativeBuildError(
-            f"the emulated accelerator needs a C++ compiler to build its native wait: "
-            f"{cxx!r} is not on PATH (install g++, or set CXX)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
-           f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise NativeBuildError(f"building the native wait failed ({' '.join(cmd)}):\n"
-                               f"{done.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)
-    return path
+    return build_native(_SOURCE, "emulated_wait", "the emulated accelerator's native wait")
 
 
 def register() -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -44,11 +45,41 @@ def probe_scalar(leaves: Sequence[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.add, parts, jnp.zeros((), jnp.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class MarkKey:
+    """A mark's recorder and key: called with the tag, it records in Python;
+    an unordered mark of a recorder with native slots (``native_slot``, e.g.
+    the threaded sender's ``WindowMarks``) is stamped by the native handler
+    instead (``native.marks``): no host callback, no GIL."""
+
+    recorder: Any
+    name: str
+    direction: str
+
+    def __call__(self, tag: Any) -> np.ndarray:
+        return self.recorder.record(self.name, self.direction, tag)
+
+
+def emit_mark(callback: Callable, tag: jax.Array, ordered: bool) -> jax.Array:
+    """The mark of ``callback`` on this device (inside a shard_map): a native
+    stamp where ``callback`` is a ``MarkKey`` whose recorder gives it a slot
+    (unordered marks only), else a host callback; a float32 scalar to tie the
+    data to."""
+    if isinstance(callback, MarkKey) and not ordered:
+        slot = getattr(callback.recorder, "native_slot", None)
+        where = slot(callback.name, callback.direction) if slot is not None else None
+        if where is not None:
+            from capricorn_jax._src.native import marks as native_marks
+
+            return native_marks.emit(tag, *where)
+    return io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag, ordered=ordered)
+
+
 def _stamp(tree: Any, callback: Callable, axes: tuple[str, ...], ordered: bool) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     device = jax.lax.axis_index(axes).astype(jnp.float32)
     tag = jnp.stack([device, probe_scalar(leaves)])
-    result = io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag, ordered=ordered)
+    result = emit_mark(callback, tag, ordered)
     leaves, _ = jax.lax.optimization_barrier((leaves, result))
     return jax.tree.unflatten(treedef, leaves)
 

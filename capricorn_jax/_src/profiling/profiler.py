@@ -98,7 +98,6 @@ library's cache part of a class it does not own.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 import weakref
@@ -108,7 +107,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -124,8 +122,10 @@ from capricorn_jax._src.profiling.layer_profile import (
     opens_span,
 )
 from capricorn_jax._src.profiling.probe import (
+    MarkKey,
     both_passes,
     edge_marked,
+    emit_mark,
     probe_scalar,
     time_all_reduce,
     time_all_to_all,
@@ -164,13 +164,12 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: MarkSink, name: str, direc
     # jaxlib's PyTreeDef comes from a compiled module without stubs.
     flat_specs = treedef.flatten_up_to(specs)  # type: ignore[attr-defined]
     axes = tuple(mesh.axis_names)
-    callback = functools.partial(recorder.record, name, direction)
-    dummy = jax.ShapeDtypeStruct((), jnp.float32)
+    callback = MarkKey(recorder, name, direction)
 
     def body(*local: jax.Array) -> tuple[jax.Array, ...]:
         device = jax.lax.axis_index(axes).astype(jnp.float32)  # exact below 2**24
         tag = jnp.stack([device, probe_scalar(local)])  # one operand: one transfer
-        result = io_callback(callback, dummy, tag, ordered=ordered)
+        result = emit_mark(callback, tag, ordered)
         local, _ = jax.lax.optimization_barrier((local, result))
         return local
 
@@ -283,7 +282,7 @@ class ProfileHook:
             edge = f"{direction}:{phase}"
             if self.edges == "opening" and not opens_span(edge):
                 return None
-            return functools.partial(self.recorder.record, name, edge)
+            return MarkKey(self.recorder, name, edge)
 
         return edge_marked(x, axes, callback(FWD), callback(BWD), self.ordered)
 

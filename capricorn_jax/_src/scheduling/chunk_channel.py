@@ -230,6 +230,14 @@ class ChunkChannel:
         for view in views:
             self.out.sendall(view)
 
+    def out_fileno(self) -> int | None:
+        """The sending socket's descriptor (the native marks sample its queue), or None."""
+        try:
+            fd = self.out.fileno()
+        except (AttributeError, OSError):
+            return None
+        return fd if fd >= 0 else None
+
     def queued_bytes(self) -> int | None:
         """Bytes this host handed to the kernel for the peer that the peer has
         not acknowledged yet (Linux ``SIOCOUTQ``: in the socket's queue, in a

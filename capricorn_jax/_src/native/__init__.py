@@ -1,0 +1,74 @@
+"""Native XLA FFI handlers of the library, built with the host's C++ compiler at first use.
+
+``build(source, stem, what)`` compiles one C++ source against
+``jax.ffi.include_dir()`` into a shared library kept outside the repository
+(``$CAPRICORN_NATIVE_CACHE``, else ``~/.cache/capricorn_jax``), named by the
+hash of the source and the jax version, written to a temporary name and
+renamed into place (processes of one job never load a half-written file).
+
+Design choice: sources shipped with the package and built where they run.
+Alternative not taken: prebuilt binaries in the wheel, which would tie the
+wheel to one platform and one jaxlib ABI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+
+class NativeBuildError(RuntimeError):
+    """A native handler could not be built (no C++ compiler, or it failed)."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (outside the repository)."""
+    base = os.environ.get("CAPRICORN_NATIVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "capricorn_jax")
+    return Path(base)
+
+
+def library_path(source: Path, stem: str) -> Path:
+    """The built library's path: named by the hash of the source and the jax version."""
+    digest = hashlib.sha256(source.read_bytes() + jax.__version__.encode()).hexdigest()[:16]
+    return cache_dir() / f"{stem}_{digest}.so"
+
+
+def build(source: Path, stem: str, what: str) -> Path:
+    """Builds ``source`` unless its library is in the cache; returns the path.
+
+    Args:
+      source: the C++ file.
+      stem: the library's name before its hash.
+      what: what the library is for, named by the errors (e.g. "the emulated
+        accelerator's native wait").
+
+    Raises:
+      NativeBuildError: no ``g++`` on PATH (``$CXX`` names another compiler),
+        or the compile failed (its stderr in the message).
+    """
+    path = library_path(source, stem)
+    if path.exists():
+        return path
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise NativeBuildError(f"{what} needs a C++ compiler: {cxx!r} is not on PATH (install "
+                               f"g++, or set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w",
+           f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise NativeBuildError(f"building {what} failed ({' '.join(cmd)}):\n"
+                               f"{done.stderr.strip()[-2000:]}")
+    os.replace(tmp, path)
+    return path
