@@ -203,3 +203,43 @@ def test_on_a_shaped_fifo_link_a_window_sends_what_its_time_carries_and_carries_
         assert handed == w0["sent"] + w0["late"]
         assert 0 < w0["carried_out"] < w0["planned"] == PAYLOAD // 2
         assert handed <= 0.05 * rate + 4096 + 3000
+
+
+def test_the_stop_rule_counts_every_rows_bytes_against_the_per_row_model():
+    """Two local rows (devices): the schedule's link model is per row (each
+    range goes on every row at once), the frames and the queue are both
+    rows' bytes. At 20 KB/s per row (40 KB/s for the host) a 0.25 s window
+    carries 10 KB: two 4 KiB frames (2 KiB per row), not one (the rule once
+    divided all rows' bytes by one row's rate and sent half)."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    a, b = _pair(20.0)
+    senders = [ThreadedSender(c, ["b0", "b1"], 2, mesh, 20.0, deadline=True, piece_bytes=4096)
+               for c in (a, b)]
+    per_row = 20e3
+    for s in senders:
+        send = s.channel.send
+
+        def slow(version, offset, rows, send=send):
+            time.sleep(sum(len(r) for r in rows) / (2 * per_row))
+            send(version, offset, rows)
+
+        s.channel.send = slow
+        s.channel.queued_bytes = lambda: 0
+    try:
+        schedule = dataclasses.replace(_schedule(0.25, 100.0), link=LinkModel(0.0, per_row))
+        data = {}
+        for h, sender in enumerate(senders):
+            data[h] = np.random.default_rng(h).integers(0, 256, (2, PAYLOAD), np.uint8)
+            sender.start(1, jax.device_put(data[h], NamedSharding(mesh, P("x"))), schedule)
+        for site in (B0, B1, ("b1", "bwd")):
+            time.sleep(0.1)
+            for sender in senders:
+                for device in (0, 1):
+                    sender.marks.record(site[0], site[1], np.array([device, 0], np.float32))
+        for h, sender in enumerate(senders):
+            assert (sender.wait(1, 20.0) == data[1 - h]).all()
+            w0 = sender.last_bytes[0]
+            assert w0.planned == PAYLOAD  # half the per-row payload on each of 2 rows
+            assert w0.planned - w0.carried_out == 2 * 4096
+    finally:
+        _close(senders)

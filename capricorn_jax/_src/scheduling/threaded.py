@@ -373,7 +373,10 @@ class ThreadedSender:
                 # Bytes a window could not send before its deadline go in the
                 # next window (a part's leftovers in the next part's first).
                 carry, entry.carry = entry.carry, []
-                rate = entry.schedule.link.bytes_per_s if entry.schedule else 0.0
+                # The link model is per row (the schedule's unit: every local
+                # row of a range goes at once); the frames and the queue are
+                # all rows' bytes.
+                rate = entry.schedule.link.bytes_per_s * len(local) if entry.schedule else 0.0
                 for site in order:
                     if site == AFTER and not last:
                         break  # a part's leftovers go in the next part's first window
@@ -413,7 +416,8 @@ class ThreadedSender:
         ``site`` as frames of at most ``piece_bytes`` over all rows; with a
         deadline (``closes``), stops before a frame that the link could not
         carry before it: now + (bytes still queued on the link + the frame)
-        / the link model's rate, the queue being the channel's unacknowledged
+        / the link's rate (all rows' bytes: the per-row model's rate times
+        the rows), the queue being the channel's unacknowledged
         bytes (the drain time of what is already in flight: the guard).
         Returns the ranges left (to carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
