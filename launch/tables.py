@@ -342,11 +342,25 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    deadline = sorted((res / "emulated" / "deadline").glob("bench_*.json"))
+    if deadline:
+        docs = _load(deadline)
+        parts += ["## Emulated accelerator: the long-run sweep with the deadline sender "
+                  "(issue 38), FIFO links and a traffic class", "", long_run_table(docs), ""]
+        for path, doc in zip(deadline, docs, strict=True):
+            parts += [f"### Where bytes met a collective: `results/emulated/deadline/"
+                      f"{path.name}`", "", windows_table(doc), "", shifts_table(doc), ""]
+    first = sorted((res / "emulated" / "deadline_62bbca1").glob("bench_*.json"))
+    if first:
+        parts += ["## Emulated accelerator: the deadline sender's first point (superseded)", "",
+                  "Code 62bbca1, whose stop rule read the link at half its rate with 2 devices "
+                  "per host (each window stopped at about half its time; fixed in 87f7550) and "
+                  "whose marks were host callbacks.", "", long_run_table(_load(first)), ""]
     long_run = sorted((res / "emulated" / "long_run").glob("bench_*.json"))
     if long_run:
         docs = _load(long_run)
-        parts += ["## Emulated accelerator: the long-run sweep (issue 37)", "",
-                  long_run_table(docs), ""]
+        parts += ["## Emulated accelerator: the long-run sweep before the deadline sender "
+                  "(issue 37; superseded)", "", long_run_table(docs), ""]
         for path, doc in zip(long_run, docs, strict=True):
             parts += [f"### Where bytes met a collective: `results/emulated/long_run/"
                       f"{path.name}`", "", windows_table(doc), "", shifts_table(doc), ""]

@@ -81,10 +81,10 @@ def test_results_page_is_the_generated_one():
     assert model_table() in page
 
 
-def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
-    # The README headline is the generator's output for the bench JSONs kept in
-    # results/, verbatim: no hand-copied ratio, no run mixed in from elsewhere.
-    from launch.tables import headline_table
+def test_the_cpu_headline_is_generated_from_the_bench_runs_beside_it():
+    # The CPU headline (docs/results.md) is the generator's output for the
+    # bench JSONs kept in results/, verbatim: no hand-copied ratio.
+    from launch.tables import RESULTS_PAGE, headline_table
 
     root = Path(__file__).resolve().parent.parent
     docs = [json.loads((root / "results" / f"bench_{w}.json").read_text())
@@ -93,36 +93,36 @@ def test_readme_headline_is_generated_from_the_bench_runs_beside_it():
     for d in docs:
         assert {"none", "inmem", "capricorn"} <= set(d["strategies"])
         assert d["command"].startswith("python -m launch.bench")
-    readme = (root / "README.md").read_text()
-    assert headline_table(docs, recovery=False) in readme
-    assert "Recovery of the whole state" not in readme  # docs/results.md has it
+    assert headline_table(docs, recovery=False) in (root / RESULTS_PAGE).read_text()
 
 
-def test_readme_long_run_table_is_generated_from_the_long_run_jsons_beside_it():
+def test_readme_long_run_table_is_generated_from_the_deadline_sweeps_jsons_beside_it():
     from launch.tables import long_run_table
 
     root = Path(__file__).resolve().parent.parent
-    paths = sorted((root / "results" / "emulated" / "long_run").glob("bench_*.json"))
+    paths = sorted((root / "results" / "emulated" / "deadline").glob("bench_*.json"))
     docs = [json.loads(p.read_text()) for p in paths]
-    assert len(docs) >= 2 and all(d["config"]["accelerator"] == "emulated" for d in docs)
+    assert len(docs) >= 3 and all(d["config"]["accelerator"] == "emulated" for d in docs)
     assert all(d["link"]["burst_bytes"] == 20_000 for d in docs)
+    assert {d["link"]["traffic_class"] for d in docs} == {"fifo", "priority"}
     for d in docs:  # the long-run accounting of every strategy
         for row in d["strategies"].values():
             assert row["steps_timed"] >= 200 and row["long_run_ratio"] is not None
             assert "warmup_s" in row and len(row["collectives"]) == row["steps_timed"]
     assert long_run_table(docs) in (root / "README.md").read_text()
-    assert (root / "results" / "emulated" / "long_run.png").stat().st_size > 0
-    # The superseded sweep stays in docs/results.md with its plot.
-    assert (root / "results" / "emulated" / "sweep3.png").stat().st_size > 0
+    assert (root / "results" / "emulated" / "deadline.png").stat().st_size > 0
+    # The superseded sweeps stay in docs/results.md with their plots.
+    for png in ("long_run.png", "sweep3.png"):
+        assert (root / "results" / "emulated" / png).stat().st_size > 0
 
 
-def test_readme_projection_is_generated_from_the_planner_json_beside_it():
-    from launch.tables import projection_table
+def test_the_projection_is_generated_from_the_planner_json_beside_it():
+    from launch.tables import RESULTS_PAGE, projection_table
 
     root = Path(__file__).resolve().parent.parent
     doc = json.loads((root / "results" / "planner" / "projection.json").read_text())
-    readme = (root / "README.md").read_text()
-    assert projection_table(doc) in readme and "(simulated)" in readme
+    assert projection_table(doc) in (root / RESULTS_PAGE).read_text()
+    assert "(simulated)" in (root / "README.md").read_text()
     assert (root / "results" / "planner" / "projection.png").stat().st_size > 0
 
 
