@@ -100,6 +100,41 @@ def shift_effect(steps: Sequence[int], spans: Sequence[Sequence[dict]], shift_ev
     return out
 
 
+def schedule_at_shifts(row: dict, shift_every: int) -> dict[str, dict] | None:
+    """What a domain shift costs a schedule: the steady steps (no compile, no
+    profiling) that open a domain (the first after a shift) against the other
+    steady steps, each with its median step time and its mean bytes per step
+    late (met a collective) and sent after the step (the schedule's bytes the
+    windows did not carry: planned less sent and late inside them).
+
+    Returns {"after_shift": {...}, "other": {...}} (each: ``steps``,
+    ``step_s``, ``late_bytes``, ``after_step_bytes``), or None for a row
+    without window records."""
+    if shift_every < 1:
+        raise ValueError(f"shift_every={shift_every} must be positive")
+    windows = row.get("windows")
+    if not windows or not any(windows):
+        return None
+    groups: dict[str, list[tuple[float, int, int]]] = {"after_shift": [], "other": []}
+    n = len(row["record_steps"])
+    profiled = row.get("step_profiled") or [False] * n
+    compiled = row.get("step_compiled") or [False] * n
+    for step, seconds, ws, prof, comp in zip(row["record_steps"], row["step_s"], windows,
+                                             profiled, compiled, strict=True):
+        if prof or comp or not ws:
+            continue
+        planned = sum(w.get("bytes_planned") or 0 for w in ws)
+        inside = sum((w.get("bytes_sent") or 0) + (w.get("bytes_late") or 0) for w in ws)
+        late = sum(w.get("bytes_late") or 0 for w in ws)
+        key = "after_shift" if step % shift_every == 0 else "other"
+        groups[key].append((seconds, late, max(0, planned - inside)))
+    return {key: {"steps": len(g),
+                  "step_s": statistics.median(x[0] for x in g) if g else None,
+                  "late_bytes": _mean([x[1] for x in g]),
+                  "after_step_bytes": _mean([x[2] for x in g])}
+            for key, g in groups.items()}
+
+
 def _domain_runs(points: list[tuple[int, float]], shift_every: int) -> list[list[float]]:
     """Maximal runs of consecutive steps within one domain: their values."""
     runs: list[list[float]] = []

@@ -263,7 +263,7 @@ def windows_table(doc: dict) -> str:
 def shifts_table(doc: dict) -> str:
     """Per strategy and MoE layer span, how far a domain shift moved it next
     to its step-to-step noise (``launch.records.shift_effect``)."""
-    from launch.records import shift_effect
+    from launch.records import schedule_at_shifts, shift_effect
 
     every = doc["config"].get("shift_every")
     lines = [f"From `{doc['command']}` ({doc['date']}); shift every {every} steps; "
@@ -279,6 +279,21 @@ def shifts_table(doc: dict) -> str:
             multiple = "-" if e["multiple"] is None else f"{e['multiple']:.1f}x"
             lines.append(f"| {name} | {span} | {e['shifts']} | {' | '.join(cells)} | "
                          f"{multiple} |")
+    rows = [(name, schedule_at_shifts(r, every)) for name, r in doc["strategies"].items()
+            if every]
+    rows = [(name, s) for name, s in rows if s is not None]
+    if rows:
+        lines += ["", "What a shift costs each schedule (steady steps; host 0's windows): the "
+                  "step that opens a domain against the others.", "",
+                  "| strategy | steps after a shift / other | step (ms) after a shift / other | "
+                  "KB late per step | KB sent after the step |", "|---|---|---|---|---|"]
+        for name, s in rows:
+            a, o = s["after_shift"], s["other"]
+            ms = ["-" if x["step_s"] is None else f"{x['step_s'] * 1e3:.0f}" for x in (a, o)]
+            late = [f"{x['late_bytes'] / 1e3:.0f}" for x in (a, o)]
+            after = [f"{x['after_step_bytes'] / 1e3:.0f}" for x in (a, o)]
+            lines.append(f"| {name} | {a['steps']} / {o['steps']} | {' / '.join(ms)} | "
+                         f"{' / '.join(late)} | {' / '.join(after)} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,13 @@ from capricorn_jax._src.profiling.probe import CollectiveProbe, StepCollectives
 from capricorn_jax._src.scheduling.threaded import WindowBytes, window_bytes
 from launch.bench_report import warmup_seconds
 from launch.bench_runner import step_record
-from launch.records import collective_times, late_bytes_per_step, shift_effect, window_collisions
+from launch.records import (
+    collective_times,
+    late_bytes_per_step,
+    schedule_at_shifts,
+    shift_effect,
+    window_collisions,
+)
 
 A, B, C = ("block1", "fwd"), ("block1", "fwd@a2a"), ("block2", "fwd")
 
@@ -168,3 +174,25 @@ def test_own_step_cache_compiles_again(tmp_path):
     jax.block_until_ready(second.step_fn(factors)(state, batch))
     assert len(compiles) > n  # the other view compiles its own
     assert not job.trainer.has_step(factors)
+
+
+def test_schedule_at_shifts_splits_the_first_step_of_a_domain_from_the_others():
+    def w(planned, sent, late):
+        return {"name": "b0/fwd", "bytes_planned": planned, "bytes_sent": sent,
+                "bytes_late": late}
+
+    row = {"record_steps": [3, 4, 5, 6, 8, 9],
+           "step_s": [1.0, 2.0, 1.0, 1.5, 9.0, 3.0],
+           "step_profiled": [False, False, False, False, False, False],
+           "step_compiled": [False, False, False, False, True, False],
+           "windows": [[w(100, 100, 0)], [w(100, 40, 20)], [w(100, 90, 0)], [w(100, 100, 0)],
+                       [w(100, 0, 0)], []]}
+    got = schedule_at_shifts(row, 4)
+    # Step 4 opens a domain; step 8 also does but compiled (left out); step 9 has no windows.
+    assert got["after_shift"] == {"steps": 1, "step_s": 2.0, "late_bytes": 20.0,
+                                  "after_step_bytes": 40.0}
+    assert got["other"] == {"steps": 3, "step_s": 1.0, "late_bytes": 0.0,
+                            "after_step_bytes": 10 / 3}
+    assert schedule_at_shifts({"windows": []}, 4) is None
+    with pytest.raises(ValueError, match="shift_every=0"):
+        schedule_at_shifts(row, 0)
