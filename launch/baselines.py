@@ -90,7 +90,19 @@ def _target(train: Trainer) -> Any:
                         train.abstract_state, train.state_shardings)
 
 
-class NoCheckpoint(Strategy):
+class _Baseline(Strategy):
+    """A baseline strategy: the protocol's no-op ``close`` and ``resume_at``
+    spelled out (the protocol's docstring-only bodies read as abstract to
+    mypy in an explicit subclass)."""
+
+    def close(self) -> None:
+        return None
+
+    def resume_at(self, step: int) -> None:
+        return None
+
+
+class NoCheckpoint(_Baseline):
     """``none``: nothing saved; a restarted job starts again from step 0."""
 
     name = "none"
@@ -101,7 +113,7 @@ class NoCheckpoint(Strategy):
         return []
 
 
-class BlockingCheckpoint(Strategy):
+class BlockingCheckpoint(_Baseline):
     """``blocking``: every local shard to ``directory`` before the next step.
 
     A version is written to ``v<step>.tmp`` (each file fsynced), renamed to
@@ -156,7 +168,9 @@ class BlockingCheckpoint(Strategy):
         folder = self.directory / f"v{step:012d}"
         leaves = []
         for i, target in enumerate(jax.tree.leaves(_target(self.train))):
-            def fetch(index: tuple[slice, ...], i: int = i) -> np.ndarray:
+            def fetch(index: tuple[slice, ...] | None, i: int = i) -> np.ndarray:
+                # Typed Optional by jax; it asserts every shard's index is set before the call.
+                assert index is not None
                 return np.load(folder / f"leaf{i}.{_block(index)}.npy")
 
             leaves.append(jax.make_array_from_callback(target.shape, target.sharding, fetch))
@@ -166,7 +180,7 @@ class BlockingCheckpoint(Strategy):
                          time.perf_counter() - t0, 0)
 
 
-class OrbaxAsync(Strategy):
+class OrbaxAsync(_Baseline):
     """``orbax_async``: Orbax CheckpointManager async save of the whole state
     every step (the newest step kept); each host's JSON state beside it, in
     ``directory/host_state``.
@@ -245,7 +259,7 @@ def _orbax_id_maps(multihost: Any) -> None:
     multihost.initialize_distributed_to_device_ids()  # returns if already built
 
 
-class OrbaxEmergency(Strategy):
+class OrbaxEmergency(_Baseline):
     """``orbax_emergency``: Orbax's emergency (multi-tier) CheckpointManager,
     configured as its users do: the local tier every step (``max_to_keep=2``)
     in this host's folder of ``local_root`` (a RAM disk), the persistent tier

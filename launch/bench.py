@@ -177,7 +177,8 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
             persist_every=config.persist_every or 10)
         strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
-            STRATEGY_PROFILE.get(base, "off"), config.profile_first_n,
+            capricorn_jax.ProfilePolicy(STRATEGY_PROFILE.get(base, "off")),
+            config.profile_first_n,
             DetectorOptions(threshold=config.drift_threshold), trigger=config.profile_trigger)
         drivers[name] = capricorn_jax.ProfilingDriver(trainer, strategies[name], options,
                                                       collectives=trainer.all_to_alls,
@@ -225,8 +226,9 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
         if job.host == 0:
             print(f"warm-up of {name} done ({warmup[name]['seconds']:.1f} s, "
                   f"{warmup[name]['compiles']} compiles)", flush=True)
-    samples = {name: [] for name in strategies}  # (seconds, profiled, compiled) per step
-    a2a = {name: [] for name in strategies}
+    # (seconds, profiled, compiled) per step
+    samples: dict[str, list[tuple[float, bool, bool]]] = {name: [] for name in strategies}
+    a2a: dict[str, list[float]] = {name: [] for name in strategies}
     names = list(strategies)
     runner.record = True
     for rep in range(config.reps):

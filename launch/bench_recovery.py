@@ -24,6 +24,8 @@ def recovery_times(ckpt, job, replicas: int) -> dict:
     ckpt.wait_until_finished(120)
     out = {}
     local = capricorn_jax.recover(ckpt)
+    if local is None:
+        raise RuntimeError("recovery from the local store found no version every host holds")
     out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved,
                     "tiers": local.tiers}
     if job.hosts > 1 and replicas > 1:
@@ -31,6 +33,8 @@ def recovery_times(ckpt, job, replicas: int) -> dict:
             ckpt.store.wipe()
         allgather_floats([0.0], job.hosts)  # barrier: the wipe is done before anyone scans
         peer = capricorn_jax.recover(ckpt)
+        if peer is None:
+            raise RuntimeError("recovery from a peer found no version every host holds")
         out["peer"] = {"seconds": peer.seconds, "bytes_moved": peer.bytes_moved,
                        "tiers": peer.tiers}
     return out

@@ -80,12 +80,12 @@ def summarize(raw: dict) -> dict:
             out[name].update(a2a_median_s=statistics.median(a2a), a2a_spread_s=q[2] - q[0],
                              a2a_samples=len(a2a))
     base = out.get("none", {}).get("median_step_s")
-    steady = out.get("none", {}).get("steady_median_s")
+    steady_base = out.get("none", {}).get("steady_median_s")
     mean = out.get("none", {}).get("mean_step_s")
     for name, row in out.items():
         row["ratio"] = row["median_step_s"] / base if base else None
-        row["steady_ratio"] = (row["steady_median_s"] / steady
-                               if steady and "steady_median_s" in row else None)
+        row["steady_ratio"] = (row["steady_median_s"] / steady_base
+                               if steady_base and "steady_median_s" in row else None)
         row["long_run_ratio"] = row["mean_step_s"] / mean if mean else None
         row["warmup_compiles"] = ((raw.get("warmup") or {}).get(name) or {}).get("compiles")
         row["warmup_s"] = warmup_seconds(

@@ -29,7 +29,8 @@ class Runner:
 
         self.job, self.choose = job, choose_capacity_factors
         self.state = job.trainer.init_state(seed)
-        self.max_routed, self.step = None, 0
+        self.max_routed: list[int] | None = None  # None until a step reported its maxima
+        self.step = 0
         self.probe = capricorn_jax.CollectiveProbe()
         # Every XLA compile in this process (a step variant, or a program a
         # strategy's save compiles, e.g. PEC's packing for a new K): a step
@@ -71,7 +72,7 @@ class Runner:
             self.after_last_edge_s = sum(
                 t.dense_bwd_ms for t in job.trainer.emulation.layers[:first + 1]) / 1e3
 
-        def on_event(event: str, seconds: float, **_) -> None:
+        def on_event(event: str, duration_secs: float, **_: str | int) -> None:
             if event == "/jax/core/compile/backend_compile_duration":
                 self.compiles += 1
 

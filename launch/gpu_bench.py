@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags
 
@@ -134,7 +135,8 @@ def _alias_check(jax, np, dev, view) -> dict:
     from capricorn_jax.experimental import pinned
 
     accelerator = dev.platform != "cpu"
-    out = {"import_zero_copy": None, "output_aliases_slot": None, "bytes_landed": None}
+    out: dict[str, str | bool | None] = {
+        "import_zero_copy": None, "output_aliases_slot": None, "bytes_landed": None}
     try:
         arr = pinned.slot_array(view, dev, accelerator)
     except Exception as e:  # noqa: BLE001 - recorded: the check's answer is "no"
@@ -336,7 +338,7 @@ def part_recovery(platform: str, out: Path, store_root: Path) -> dict:
             raise RuntimeError(f"launch.train {extra} exited {rc}; see recovery.log")
     events = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
     rec = [e for e in events if e.get("event") == "recovery"]
-    by_tier = {}
+    by_tier: dict[str, list[dict[str, Any]]] = {}
     for e in rec:
         by_tier.setdefault(e["tier"], []).append({"step": e["step"], "seconds": e["seconds"]})
     return {"recoveries": by_tier,

@@ -114,6 +114,7 @@ class PersistentTier:
         except self.cj.NoCheckpoint:  # nothing in any tier: a fresh start (any other
             return None, 0, None     # missing file is an error, not step 0)
         info = self.manager.last_restore
+        assert info is not None, "CheckpointManager.restore records last_restore"
         tiers = info.memory_tiers or ["persistent"] * jax.process_count()
         log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,
                      info.bytes_moved, **pec_fields(info))

@@ -173,6 +173,7 @@ def _write(path: str, doc: dict[str, Any]) -> None:
 
 
 def run(fv: flags.FlagValues) -> dict[str, Any]:
+    doc: dict[str, Any]
     if fv.validate:
         doc = validate.validation_doc(fv.validate)
         doc["command"] = "python -m launch.plan --validate=" + ",".join(fv.validate)
@@ -207,7 +208,7 @@ def run(fv: flags.FlagValues) -> dict[str, Any]:
     print(f"simulated: {title}")
     print(table(results))
     print("inputs:\n  " + "\n  ".join(notes))
-    doc: dict[str, Any] = {
+    doc = {
         "simulated": True, "preset": fv.preset, "trace": fv.trace or kind, "steps": fv.steps,
         "seed": fv.seed, "cluster": dataclasses.asdict(sc.cluster),
         "model": dataclasses.asdict(sc.model), "options": dataclasses.asdict(sc.options),

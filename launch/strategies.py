@@ -81,20 +81,21 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
     if (checkpointer is not None) != (name in IN_MEMORY):
         raise ValueError(f"strategy {name!r} {'needs' if name in IN_MEMORY else 'takes no'} "
                          f"in-memory checkpointer")
+    if checkpointer is None:  # the baselines
+        if name == "none":
+            return baselines.NoCheckpoint()
+        if directory is None:
+            raise ValueError(f"strategy {name!r} needs a directory")
+        if name == "blocking":
+            return baselines.BlockingCheckpoint(directory, train)
+        if name == "orbax_async":
+            return baselines.OrbaxAsync(directory, train, tier)
+        # orbax_emergency
+        if local_directory is None:
+            raise ValueError("strategy 'orbax_emergency' needs a local directory (its RAM tier)")
+        return baselines.OrbaxEmergency(local_directory, directory, train, persist_every)
     if name in PEC and checkpointer.pec is None:
         raise ValueError(f"strategy {name!r} needs a checkpointer with PEC options")
-    if name in ("blocking", "orbax_async", "orbax_emergency") and directory is None:
-        raise ValueError(f"strategy {name!r} needs a directory")
-    if name == "orbax_emergency" and local_directory is None:
-        raise ValueError("strategy 'orbax_emergency' needs a local directory (its RAM tier)")
-    if name == "none":
-        return baselines.NoCheckpoint()
-    if name == "blocking":
-        return baselines.BlockingCheckpoint(directory, train)
-    if name == "orbax_async":
-        return baselines.OrbaxAsync(directory, train, tier)
-    if name == "orbax_emergency":
-        return baselines.OrbaxEmergency(local_directory, directory, train, persist_every)
     if name in SCHEDULED:
         return ScheduledStrategy(name, checkpointer, train,
                                  first_n=first_n or ProfilingOptions().first_n,

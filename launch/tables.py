@@ -279,9 +279,9 @@ def shifts_table(doc: dict) -> str:
             multiple = "-" if e["multiple"] is None else f"{e['multiple']:.1f}x"
             lines.append(f"| {name} | {span} | {e['shifts']} | {' | '.join(cells)} | "
                          f"{multiple} |")
-    rows = [(name, schedule_at_shifts(r, every)) for name, r in doc["strategies"].items()
-            if every]
-    rows = [(name, s) for name, s in rows if s is not None]
+    at_shifts = [(name, schedule_at_shifts(r, every)) for name, r in doc["strategies"].items()
+                 if every]
+    rows = [(name, s) for name, s in at_shifts if s is not None]
     if rows:
         lines += ["", "What a shift costs each schedule (steady steps; host 0's windows): the "
                   "step that opens a domain against the others.", "",

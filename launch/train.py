@@ -140,6 +140,8 @@ def train_worker(config: Config, process_id: int) -> None:
     state, start, resumed = persistence.resume(strategy, persistent, metrics, host)
     max_routed = None
     if state is not None:
+        if resumed is None:
+            raise RuntimeError(f"the version of step {start} came back without its host state")
         data.restore(resumed["data"])
         max_routed = resumed["max_routed"]
     else:

@@ -220,7 +220,7 @@ class Trainer:
         else:
             ctx = sender.begin(state, *sender_args)
 
-            def loss(params, carriers):
+            def loss(params: Any, carriers: Any) -> tuple[jax.Array, tuple[Any, list]]:
                 received: list = []
                 with boundary_hooks(*sender.hooks(ctx, carriers, received)):
                     total, aux = self._loss(params, batch, dropout_rng, factors, state["step"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 DISPATCH_MODES = ("fixed", "bucketed")
 
@@ -147,7 +148,7 @@ CONFIGS: dict[str, ModelConfig] = {
 }
 
 
-def get_config(name: str, **overrides: object) -> ModelConfig:
+def get_config(name: str, **overrides: Any) -> ModelConfig:
     """The named config, with fields replaced by ``overrides``.
 
     Raises:

@@ -166,6 +166,7 @@ class MoEFeedForward(nn.Module):
                               num_groups=self.num_groups, times=self.times)
         devices = self.mesh.size
         cap = capacity(cfg, b * s // devices, capacity_factor)
+        assert self.scope is not None  # bound: flax calls compact methods on bound modules only
         body = functools.partial(
             _moe_shard, top_k=cfg.top_k, cap=cap, num_experts=e,
             expert_shards=self.mesh.shape[EXPERT],
@@ -176,7 +177,8 @@ class MoEFeedForward(nn.Module):
         )
         tokens = P(BATCH_AXES)
         experts = P(EXPERT)
-        args, specs = (x, router, w_in, w_out), (tokens, P(), experts, experts)
+        args: tuple[jax.Array, ...] = (x, router, w_in, w_out)
+        specs: tuple[P, ...] = (tokens, P(), experts, experts)
         if bias is not None:  # replicated: every device biases its own tokens alike
             args, specs = (*args, bias), (*specs, P())
         return jax.shard_map(

@@ -185,26 +185,31 @@ def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | Non
     deadline = time.monotonic() + cluster.timeout_s
     while True:
         coordinator = cluster_lib.coordinator_address(network)
-        armed = injector is not None and injector.pending
+        # The injector when a fault is pending for this attempt, else None.
+        armed = injector if injector is not None and injector.pending else None
         console.attempt()
+
+        def argv_for(h: int, c: str = coordinator,
+                     a: FaultInjector | None = armed) -> list[str]:
+            return cluster_lib.worker_argv("launch.train", argv, h, c, _INTERNAL_FLAGS,
+                                           a.extra_args(h) if a is not None else ())
+
         hosts = cluster_lib.LocalCluster(
-            lambda h, c=coordinator, a=armed: cluster_lib.worker_argv(
-                "launch.train", argv, h, c, _INTERNAL_FLAGS,
-                injector.extra_args(h) if a else ()),
+            argv_for,
             cluster.hosts, cluster.devices_per_host,
             on_line=console.line, on_exit=console.ended,
             command_prefix=None if network is None else network.command_prefix,
             cpu_sets=cluster_lib.cpu_sets_per_host(cluster.hosts) if cluster.pin_hosts else None)
-        if armed:
-            injector.arm(hosts)
+        if armed is not None:
+            armed.arm(hosts)
         code = cluster_lib.run(hosts, max(1.0, deadline - time.monotonic()),
-                               on_tick=injector.tick if armed else None)
+                               on_tick=armed.tick if armed is not None else None)
         if injector is not None:
             injector.after_attempt()
         # A fired fault ends the attempt, except a pause the job outlasted.
-        if code == 0 or not (armed and injector.fired):
+        if code == 0 or armed is None or not armed.fired:
             break
-        injector.after_kill(checkpoint, cluster.hosts)
+        armed.after_kill(checkpoint, cluster.hosts)
         print("fault: restarting all hosts; they recover", flush=True)
     if code == 0 and metrics_path.exists():
         report(metrics_path, injector is not None)

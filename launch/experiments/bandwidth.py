@@ -111,7 +111,7 @@ class _StorePath:
 
 
 def measure(nbytes: int, repeats: int, tmpfs: str, rows: int = 4, chunk_bytes: int = 4 << 20,
-            threads: int = 4) -> dict[str, dict[str, float]]:
+            threads: int = 4) -> dict[str, dict[str, float | str]]:
     import jax
     import numpy as np
 
@@ -129,7 +129,7 @@ def measure(nbytes: int, repeats: int, tmpfs: str, rows: int = 4, chunk_bytes: i
     target = base / "copy.bin"
 
     def store() -> None:
-        target.write_bytes(memoryview(src))
+        target.write_bytes(src.data)  # the array's own buffer, as memoryview(src)
         target.read_bytes()
 
     arena = _StorePath(base / "arena", src, rows, chunk_bytes, threads)
@@ -151,7 +151,7 @@ def measure(nbytes: int, repeats: int, tmpfs: str, rows: int = 4, chunk_bytes: i
             jax.block_until_ready(jax.device_put(dev + 0, pinned))
 
         kinds["device -> pinned_host"] = d2pinned
-    out = {}
+    out: dict[str, dict[str, float | str]] = {}
     try:
         for name, fn in kinds.items():
             median, best = _timed(fn, repeats)

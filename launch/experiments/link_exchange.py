@@ -161,19 +161,23 @@ def endpoint(side: str, pattern: str, nbytes: int, address: dict[str, str]) -> d
                  "one_socket": client if side == "a" else inbound}[pattern]
     result: dict = {}
 
-    def receive() -> None:
-        got, first, buf = 0, None, bytearray(1 << 20)
+    def receive(sock: socket.socket) -> None:
+        got, buf = 0, bytearray(1 << 20)
+        first: float | None = None
         while got < nbytes:
-            n = recv_sock.recv_into(buf)
+            n = sock.recv_into(buf)
             if n == 0:
                 raise ConnectionError("peer closed early")
             if first is None:
                 first, first_n = time.perf_counter(), n
             got += n
+        if first is None:
+            raise ValueError(f"nothing to receive: nbytes={nbytes}, must be > 0")
         result["recv_s"] = time.perf_counter() - first
         result["recv_bytes"] = nbytes - first_n
 
-    reader = threading.Thread(target=receive) if recv_sock is not None else None
+    reader = (threading.Thread(target=receive, args=(recv_sock,))
+              if recv_sock is not None else None)
     if reader:
         reader.start()
     if send_sock is not None:

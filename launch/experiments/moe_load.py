@@ -133,7 +133,8 @@ def measure(model: str, devices: int, repeats: int, skews: Sequence[str | float]
         jax.block_until_ready(fns(factor)[1](params, x))
         return (time.perf_counter() - t0) * 1e3
 
-    rows, inputs = [], []
+    rows: list[dict[str, Any]] = []
+    inputs: list[jax.Array] = []
     for s in skews:
         try:
             skew = k / e if s == "uniform" else float(s)

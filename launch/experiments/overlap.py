@@ -184,6 +184,7 @@ class _Host:
         elif mode == "in_graph":
             self.jax.block_until_ready(self.both_fn(self.a, self.v))
         elif mode == "transfer":
+            assert theirs is not None  # offered above for the transfer modes
             self._pull(theirs)
         else:  # threaded, side_channel: the bytes move in a second thread
             errors: list[BaseException] = []
@@ -212,7 +213,7 @@ class _Host:
 
     def run(self) -> dict:
         modes = [m for m in MODES if FLAGS.side_channel or m not in TRANSFER_MODES]
-        times = {m: [] for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(FLAGS.repeats + 1):
             for mode in modes:  # interleaved: drift in the machine's load hits every mode
                 dt = self.run_mode(mode)

@@ -103,12 +103,12 @@ def plot(data: dict, out: str, title: str, threshold: float | None = None) -> No
         warm = [(s, v) for s, v, first in series[key] if not first]
         cold = [(s, v) for s, v, first in series[key] if first]
         if warm:
-            xs, ys = zip(*warm, strict=True)
+            sx, sy = zip(*warm, strict=True)
             style = "-" if len(warm) > 1 else ""
-            ax_seg.plot(xs, ys, style, marker=".", ms=4, lw=1, color=color, label=key)
+            ax_seg.plot(sx, sy, style, marker=".", ms=4, lw=1, color=color, label=key)
         if cold:
-            xs, ys = zip(*cold, strict=True)
-            ax_seg.plot(xs, ys, "o", mfc="none", ms=6, color=color,
+            sx, sy = zip(*cold, strict=True)
+            ax_seg.plot(sx, sy, "o", mfc="none", ms=6, color=color,
                         label=None if warm else key)
     ax_seg.set_yscale("log")
     ax_seg.set_ylabel("segment duration (ms)")

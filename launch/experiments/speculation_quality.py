@@ -284,7 +284,10 @@ def replay(run: Run, metric: str, threshold: float, cache_max_age: int = 0,
     det = DynamicityDetector(options)
     cache = (ProfileCache(CacheOptions(cache_max_age, cache_samples, cache_granularity))
              if cache_max_age else None)
-    profiled, acts, valid, seen = [], [], set(), set()
+    profiled: list[int] = []
+    acts: list[int] = []
+    valid: set[int] = set()
+    seen: set[tuple[float, ...]] = set()
     ask_next, reprofile, spent, cached_from, hits = False, False, 0.0, {}, 0
     n = len(run.steps)
     for t, line in enumerate(run.steps):
@@ -336,14 +339,16 @@ def score(rep: Replay, truth: np.ndarray, x: float, raw: np.ndarray | None = Non
     judged = 0
     for t in rep.activations:
         before = max(p for p in rep.profiled if p < t)
-        c = changed(truth[t], truth[before], x)
-        if c is not None:
+        verdict = changed(truth[t], truth[before], x)
+        if verdict is not None:
             judged += 1
-            hits += c
+            hits += verdict
     changes = [c for c in range(1, len(truth)) if changed(truth[c], truth[c - 1], x)]
     caught = [c for c in changes if c in rep.valid or c + 1 in rep.valid]
     by_cache, by_cache_fair = [], []
     if raw is not None:
+        if layers is None:
+            raise ValueError("score: raw needs layers (the MoE layer of each of its columns)")
         for c in changes:
             if c in caught or c not in rep.cached_from:
                 continue

@@ -124,7 +124,8 @@ class _Worker:
         self.records: list[dict] = []
         self.interference: list[dict] = []
         self.setup: dict = {}
-        self.bytes = {}  # (transport, size) -> {"sent": n, "received": n, "verified": n}
+        # (transport, size) -> {"sent": n, "received": n, "verified": n}
+        self.bytes: dict[tuple[str, float], dict[str, int]] = {}
         self._ppermute_cache: dict = {}  # (pattern, size) -> (jitted fn, input, bytes sent)
         self._transfer_cache: dict = {}  # size -> (local array, pull spec)
 

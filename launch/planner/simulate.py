@@ -237,7 +237,7 @@ class _Run:
             return
         if profile is not None:
             durations = ex.moe_durations(profile, self.moe_layers)
-            self.detector.record_profile(step, tpe, durations)  # type: ignore[arg-type]
+            self.detector.record_profile(step, tpe, durations)
         decision = self.detector.observe(step, tpe)
         if decision.profile_next and not ex.schedule_at_risk(
                 self.schedule, self.detector, tpe, self.planned_on, self.moe_layers):
