@@ -520,3 +520,25 @@ def test_the_chunk_channels_class_is_an_ip_tos_byte():
     with pytest.raises(ValueError, match="chunk_tos must be an IP TOS byte in \\[0, 255\\], "
                                          "got 256"):
         capricorn_jax.InMemoryOptions(store_root="/tmp/x", job="j", chunk_tos=256)
+
+
+def test_a_receive_wakes_only_once_its_bytes_are_queued():
+    """``_recv_exact`` sets SO_RCVLOWAT to the rest of the view (capped): the
+    reader's thread wakes once per frame, not once per arriving packet."""
+    import socket
+
+    from capricorn_jax._src.scheduling.chunk_channel import RCVLOWAT_CAP, _recv_exact
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(bytes(range(100)))
+        view = bytearray(100)
+        _recv_exact(b, memoryview(view))
+        assert bytes(view) == bytes(range(100))
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 100
+        a.sendall(bytes(RCVLOWAT_CAP + 10))
+        _recv_exact(b, memoryview(bytearray(RCVLOWAT_CAP + 10)))
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) <= RCVLOWAT_CAP
+    finally:
+        a.close()
+        b.close()

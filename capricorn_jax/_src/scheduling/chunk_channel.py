@@ -87,8 +87,22 @@ class CorruptFrame(ValueError):
         self.version = version
 
 
+RCVLOWAT_CAP = 1 << 16
+"""The most a receive waits to have queued before it wakes (``SO_RCVLOWAT``)."""
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fills ``view`` from ``sock``. Each wait asks the kernel to wake the
+    reader only once the rest of the view (at most ``RCVLOWAT_CAP``) is
+    queued (``SO_RCVLOWAT``, honoured by poll for TCP): on a link slower
+    than the reader, one wake-up per 64 KiB rather than one per packet (the
+    receiver thread's Python runs per wake-up)."""
     while view:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
+                            max(1, min(len(view), RCVLOWAT_CAP)))
+        except OSError:
+            pass  # a platform without it: one wake-up per arrival, as before
         n = sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the peer closed the connection")
