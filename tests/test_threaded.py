@@ -530,6 +530,7 @@ def test_a_receive_wakes_only_once_its_bytes_are_queued():
     from capricorn_jax._src.scheduling.chunk_channel import RCVLOWAT_CAP, _recv_exact
 
     a, b = socket.socketpair()
+    b.settimeout(10.0)  # the channel's frame bodies: a blocking socket keeps the mark at 1
     try:
         a.sendall(bytes(range(100)))
         view = bytearray(100)
@@ -539,6 +540,10 @@ def test_a_receive_wakes_only_once_its_bytes_are_queued():
         a.sendall(bytes(RCVLOWAT_CAP + 10))
         _recv_exact(b, memoryview(bytearray(RCVLOWAT_CAP + 10)))
         assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) <= RCVLOWAT_CAP
+        b.settimeout(None)
+        a.sendall(bytes(50))
+        _recv_exact(b, memoryview(bytearray(50)))
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
     finally:
         a.close()
         b.close()

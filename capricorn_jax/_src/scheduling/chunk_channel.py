@@ -96,11 +96,15 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     reader only once the rest of the view (at most ``RCVLOWAT_CAP``) is
     queued (``SO_RCVLOWAT``, honoured by poll for TCP): on a link slower
     than the reader, one wake-up per 64 KiB rather than one per packet (the
-    receiver thread's Python runs per wake-up)."""
+    receiver thread's Python runs per wake-up). Only on a socket with a
+    timeout (Python waits in poll): a blocking receive with a raised mark
+    was seen to wait forever behind a shaped link (tbf), so a blocking one
+    keeps the mark at 1."""
+    mark = 1 if sock.gettimeout() is None else None
     while view:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
-                            max(1, min(len(view), RCVLOWAT_CAP)))
+                            mark or max(1, min(len(view), RCVLOWAT_CAP)))
         except OSError:
             pass  # a platform without it: one wake-up per arrival, as before
         n = sock.recv_into(view)
