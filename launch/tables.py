@@ -347,6 +347,21 @@ def _load(paths: list[Path]) -> list[dict]:
     return [json.loads(p.read_text()) for p in paths]
 
 
+def _long_run_section(res: Path, folder: str, title: str) -> list[str]:
+    """A long-run sweep's part of the results page: its table, then each
+    point's window and shift records (nothing when ``results/emulated/folder``
+    holds no bench JSON)."""
+    paths = sorted((res / "emulated" / folder).glob("bench_*.json"))
+    if not paths:
+        return []
+    docs = _load(paths)
+    parts = [f"## Emulated accelerator: {title}", "", long_run_table(docs), ""]
+    for path, doc in zip(paths, docs, strict=True):
+        parts += [f"### Where bytes met a collective: `results/emulated/{folder}/{path.name}`",
+                  "", windows_table(doc), "", shifts_table(doc), ""]
+    return parts
+
+
 def results_page(root: Path) -> str:
     """``docs/results.md``: every published table, generated from the JSONs
     in ``root/results`` (``python -m launch.tables results > docs/results.md``;
@@ -357,28 +372,16 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
-    deadline = sorted((res / "emulated" / "deadline").glob("bench_*.json"))
-    if deadline:
-        docs = _load(deadline)
-        parts += ["## Emulated accelerator: the long-run sweep with the deadline sender "
-                  "(issue 38), FIFO links and a traffic class", "", long_run_table(docs), ""]
-        for path, doc in zip(deadline, docs, strict=True):
-            parts += [f"### Where bytes met a collective: `results/emulated/deadline/"
-                      f"{path.name}`", "", windows_table(doc), "", shifts_table(doc), ""]
+    parts += _long_run_section(res, "deadline", "the long-run sweep with the deadline sender "
+                               "(issue 38), FIFO links and a traffic class")
     first = sorted((res / "emulated" / "deadline_62bbca1").glob("bench_*.json"))
     if first:
         parts += ["## Emulated accelerator: the deadline sender's first point (superseded)", "",
                   "Code 62bbca1, whose stop rule read the link at half its rate with 2 devices "
                   "per host (each window stopped at about half its time; fixed in 87f7550) and "
                   "whose marks were host callbacks.", "", long_run_table(_load(first)), ""]
-    long_run = sorted((res / "emulated" / "long_run").glob("bench_*.json"))
-    if long_run:
-        docs = _load(long_run)
-        parts += ["## Emulated accelerator: the long-run sweep before the deadline sender "
-                  "(issue 37; superseded)", "", long_run_table(docs), ""]
-        for path, doc in zip(long_run, docs, strict=True):
-            parts += [f"### Where bytes met a collective: `results/emulated/long_run/"
-                      f"{path.name}`", "", windows_table(doc), "", shifts_table(doc), ""]
+    parts += _long_run_section(res, "long_run", "the long-run sweep before the deadline sender "
+                               "(issue 37; superseded)")
     current = sorted((res / "emulated" / "sweep3").glob("bench_*.json"))
     if current:
         parts += ["## Emulated accelerator: the sweep of R (span windows, the budget's spread; "

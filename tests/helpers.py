@@ -86,3 +86,10 @@ def two_host_transport():
                      device_host=[0, 0, 1, 1])
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 3)
     return trainer, plan, transport
+
+
+def netns_usable() -> bool:
+    """Whether this process can build shaped links (root, iproute2's ip and tc)."""
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None

@@ -15,16 +15,11 @@ import pytest
 
 from launch.chaos import draw_trial, parse_topology
 from launch.cluster.netns import stale_namespaces
-from tests.helpers import ROOT, assert_no_orphans, child_env
+from tests.helpers import ROOT, assert_no_orphans, child_env, netns_usable
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def netns_usable() -> bool:
-    import os
-    import shutil
-
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 # Seed 5 drew this trial until the persist_error / persist_hang points joined
 # the draw; 2226 draws it now (host 1 lost at mid_persist@3, host 1 stalls).

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.threaded import ThreadedSender
+from tests.helpers import netns_usable
 from tests.test_threaded import _pair
 
 PAYLOAD = 48_000
@@ -164,15 +165,8 @@ finally:
 """
 
 
-def _netns_usable() -> bool:
-    import os
-    import shutil
-
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _netns_usable(), reason="a shaped link needs root and iproute2")
+@pytest.mark.skipif(not netns_usable(), reason="a shaped link needs root and iproute2")
 def test_on_a_shaped_fifo_link_a_window_sends_what_its_time_carries_and_carries_the_rest():
     """Loopback at 2 Mbit/s (250 KB/s) in its own namespace; window 0 has 50 ms
     of planned idle time for 24 KB planned: the sender hands over what the
