@@ -105,7 +105,9 @@ SCHEDULES: dict[str, Schedule] = {
         source="Cong et al., Prediction Is All MoE Needs: Expert Load Distribution Goes "
                "from Fluctuating to Stabilizing, arXiv 2404.16914 (2024): transient state "
                "of obvious load fluctuation, then a stable state with temporal locality; "
-               "the ratio ranges are this project's assumption (BUILD_NOTES)"),
+               "ratios inside Tutel (arXiv 2206.03382) Fig. 1's capacity factor changing up "
+               "to 4.38x in a training, stable near Loss-Free Balancing (arXiv 2408.15664) "
+               "Table 2's max/mean 1.52-1.72 with an auxiliary loss (BUILD_NOTES)"),
 }
 VALUES: tuple[str, ...] = (AUTO, NONE, *SCHEDULES)
 """The ``--routing_bias`` values."""

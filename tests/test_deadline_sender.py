@@ -8,6 +8,7 @@ the last window's to after the step; the peer gets every byte either way and
 the window records account for each one.
 """
 
+import concurrent.futures
 import dataclasses
 import time
 
@@ -26,11 +27,11 @@ PAYLOAD = 48_000
 B0, B1 = ("b0", "fwd"), ("b1", "fwd")
 
 
-def _senders(piece_bytes=4096):
+def _senders(piece_bytes=4096, hold_tail=0):
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     a, b = _pair(20.0)
     return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, 20.0, deadline=True,
-                                 piece_bytes=piece_bytes) for c in (a, b)]
+                                 piece_bytes=piece_bytes, hold_tail=hold_tail) for c in (a, b)]
 
 
 def _schedule(first_s, second_s, rate=1e6):
@@ -48,18 +49,28 @@ def _fire(sender, site):
     sender.marks.record(site[0], site[1], np.zeros(2, np.float32))
 
 
-def _step(mesh, senders, version, schedule, pause_s=0.2):
+def _start(mesh, senders, version, schedule):
     data = {}
     for h, sender in enumerate(senders):
         data[h] = np.random.default_rng(version * 2 + h).integers(0, 256, (1, PAYLOAD), np.uint8)
         sender.start(version, jax.device_put(data[h], NamedSharding(mesh, P("x"))), schedule)
+    return data
+
+
+def _marks(senders, pause_s):
+    """One step's marks: its two windows open, then its end."""
     for site in (B0, B1):
         time.sleep(pause_s)
         for sender in senders:
             _fire(sender, site)
     time.sleep(pause_s)
-    for sender in senders:  # the step's end: the sender holds nothing back past it
+    for sender in senders:
         _fire(sender, ("b1", "bwd"))
+
+
+def _step(mesh, senders, version, schedule, pause_s=0.2):
+    data = _start(mesh, senders, version, schedule)
+    _marks(senders, pause_s)  # the step's end: the sender holds nothing back past it
     for h, sender in enumerate(senders):
         assert (sender.wait(version, 20.0) == data[1 - h]).all()  # every byte, bit for bit
 
@@ -109,6 +120,73 @@ def test_the_last_windows_leftovers_go_after_the_step_and_the_version_completes(
         _step(mesh, senders, 2, _schedule(10.0, 10.0))
     finally:
         _close(senders)
+
+
+def test_held_leftovers_go_in_the_next_steps_windows_not_after_the_step():
+    """``hold_tail``: both windows' deadlines passed, so the whole version is
+    held (nothing handed to the kernel in or after its step); ``extend`` and
+    ``resume`` give it the next step's windows, which carry every byte."""
+    mesh, senders = _senders(hold_tail=8)
+    try:
+        data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
+        _marks(senders, 0.1)
+        for s in senders:
+            assert s.held_bytes(1, 20.0) == PAYLOAD
+            entry = s._versions[1]
+            assert entry.frames == [] and not entry.sent.is_set()
+        for s in senders:
+            s.extend(1)
+            assert s.parts_left(1) == 1
+        # The next step: its windows have time (the schedule's first step's
+        # windows, given a generous idle time here).
+        for s in senders:
+            s._versions[1].schedule = _schedule(10.0, 10.0)
+            s.resume(1)
+        _marks(senders, 0.2)
+        for h, s in enumerate(senders):
+            assert s.held_bytes(1, 20.0) == 0
+            assert (s.wait(1, 20.0) == data[1 - h]).all()
+            records = s.last_bytes
+            assert sum(r.planned for r in records.values()) == 0  # no window planned them
+            assert records[0].carried_in == PAYLOAD  # the first window took them all
+            assert records[0].sent + records[0].late == PAYLOAD
+    finally:
+        _close(senders)
+
+
+def test_a_held_version_that_gets_no_later_step_is_sent_by_wait():
+    mesh, senders = _senders(hold_tail=8)
+    try:
+        data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
+        _marks(senders, 0.1)
+        for s in senders:
+            assert s.held_bytes(1, 20.0) == PAYLOAD
+        # Each host waits on its own thread (as its own process would): each
+        # wait sends its host's held bytes now.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda s: s.wait(1, 20.0), senders))
+        for h, s in enumerate(senders):
+            assert (got[h] == data[1 - h]).all()
+            assert s._versions == {}
+        _step(mesh, senders, 2, _schedule(10.0, 10.0))  # the next version goes as usual
+    finally:
+        _close(senders)
+
+
+def test_at_its_bound_a_version_sends_its_rest_after_the_step():
+    """``hold_tail=1``: a version may take one part in all, its planned one,
+    so its rest goes after the step as without holding."""
+    mesh, senders = _senders(hold_tail=1)
+    try:
+        _step(mesh, senders, 1, _schedule(1e-6, 1e-6))
+        for s in senders:
+            assert s.last_bytes[0].carried_out == PAYLOAD // 2
+            assert s.last_bytes[1].carried_out == PAYLOAD // 2  # both went after the step
+    finally:
+        _close(senders)
+    with pytest.raises(ValueError, match="hold_tail=-1"):
+        ThreadedSender(None, ["b0"], 1, Mesh(np.array(jax.devices()[:1]), ("x",)),
+                       hold_tail=-1)
 
 
 def test_a_deadline_in_the_middle_of_a_window_stops_within_a_frame(monkeypatch):

@@ -234,6 +234,13 @@ class _Version:
         self.schedule: Schedule | None = None
         self.parts, self.per_part, self.next_part = 1, 0, 0
         self.part_t0 = self.t0
+        # Holding the tail (``ThreadedSender.hold_tail``): the parts the
+        # sender finished (notified on ``done``); ``held`` the bytes the last
+        # one kept for the next step (``extend`` makes them a part of their own).
+        self.done = threading.Condition()
+        self.parts_done = 0
+        self.planned_parts = 1
+        self.held = 0
 
 
 class ThreadedSender:
@@ -245,15 +252,29 @@ class ThreadedSender:
       local_devices: this process's devices (rows of the payload).
       mesh: the training mesh (the marks run once per device).
       timeout_s: bound on a window's wait for its mark and on ``wait``.
+      deadline: a window's bytes stop at its planned close (``_send_until``)
+        and go on in the next window.
+      piece_bytes: the deadline sender's frame size over all rows.
+      hold_tail: the most parts a version may take in all (its planned ones
+        and the held ones); 0: none held. What a version's last part
+        leaves (the bytes its windows could not carry before their
+        deadlines, and the schedule's tail) is then not sent after the step
+        (where it meets the next step's collectives on a first-in-first-out
+        link) but held (``held_bytes``); the caller either gives it the next
+        step's windows (``extend``, then ``resume``) or sends it now
+        (``resume(flush=True)``). A version at the bound sends its rest
+        after the step, so it always completes.
     """
 
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
                  mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
-                 piece_bytes: int = PIECE_BYTES) -> None:
+                 piece_bytes: int = PIECE_BYTES, hold_tail: int = 0) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes={piece_bytes} must be positive")
+        if hold_tail < 0:
+            raise ValueError(f"hold_tail={hold_tail} must be >= 0")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
-        self.deadline, self.piece_bytes = deadline, piece_bytes
+        self.deadline, self.piece_bytes, self.hold_tail = deadline, piece_bytes, hold_tail
         self.marks = WindowMarks(local_devices, channel.queued_bytes, devices=mesh.size)
         self.marks.bind_socket(channel.out_fileno())
         self.mesh = mesh
@@ -305,7 +326,7 @@ class ThreadedSender:
         rows = self.marks.local_devices
         entry = _Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
                          [(c.start, c.stop) for c in schedule.all_chunks()])
-        entry.schedule, entry.parts = schedule, parts
+        entry.schedule, entry.parts, entry.planned_parts = schedule, parts, parts
         entry.per_part = len(schedule.windows) // parts
         with self._lock:
             self._versions[version] = entry
@@ -328,26 +349,59 @@ class ThreadedSender:
             entry = self._versions[version]
         return entry.parts - entry.next_part
 
+    def held_bytes(self, version: int, timeout_s: float | None = None) -> int:
+        """The bytes of ``version`` its last part held for a later step
+        (``hold_tail``), once the sender finished that part's windows (0:
+        none; it ended the step with every byte handed over). Bounded: a
+        sender that did not finish the part within the timeout raises."""
+        with self._lock:
+            entry = self._versions[version]
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with entry.done:
+            finished = entry.done.wait_for(lambda: entry.parts_done >= entry.next_part,
+                                           timeout_s)
+        if not finished:
+            raise TimeoutError(f"host {self.channel.host}: version {version}: the sender did "
+                               f"not finish its step's windows within {timeout_s:g}s")
+        if entry.error is not None:
+            return 0  # ``wait`` raises it
+        return entry.held
+
+    def extend(self, version: int) -> None:
+        """One more part for ``version``: the bytes it held go in the next
+        step's windows (those of its schedule's first step, with their
+        deadlines) when ``resume`` hands that part over."""
+        with self._lock:
+            entry = self._versions[version]
+        if entry.next_part < entry.parts:
+            raise ValueError(f"version {version}: {entry.parts - entry.next_part} parts are "
+                             f"still to send")
+        entry.parts += 1
+
     def _queue_part(self, entry: _Version, flush: bool = False) -> None:
         schedule, n, part = entry.schedule, entry.per_part, entry.next_part
         assert schedule is not None
         last = entry.parts if flush else part + 1
         entry.next_part = last
+        planned = entry.planned_parts
         by_site: dict[Site, list[tuple[int, int]]] = {}
-        indices = range(part * n, last * n)
+        # A held part (past the planned ones) carries only what was held; it
+        # runs in the windows of the schedule's first step.
+        indices = range(part * n, min(last, planned) * n)
         for i in indices:
             site = START if flush else site_of(schedule.windows[i], self.boundaries)
             by_site.setdefault(site, []).extend((c.start, c.stop) for c in schedule.chunks[i])
-        if last == entry.parts:
+        if part < planned <= last:
             by_site.setdefault(AFTER, []).extend((c.start, c.stop) for c in schedule.tail)
-        step_windows = schedule.windows[part * n:(part + 1) * n]
+        first = (part % planned) * n
+        step_windows = schedule.windows[first:first + n]
         pairs = window_sites(dataclasses.replace(
-            schedule, windows=step_windows, chunks=schedule.chunks[part * n:(part + 1) * n]),
+            schedule, windows=step_windows, chunks=schedule.chunks[first:first + n]),
             self.boundaries)
-        entry.window_sites = {} if flush else {part * n + i: p for i, p in pairs.items()}
+        entry.window_sites = {} if flush else {first + i: p for i, p in pairs.items()}
         entry.site_idle = {}
         if self.deadline and not flush:
-            for i in range(part * n, (part + 1) * n):
+            for i in range(first, first + n):
                 site = site_of(schedule.windows[i], self.boundaries)
                 entry.site_idle[site] = entry.site_idle.get(site, 0.0) + \
                     schedule.windows[i].duration_s
@@ -355,16 +409,19 @@ class ThreadedSender:
         entry.planned = {i: sum(c.stop - c.start for c in schedule.chunks[i]) * rows
                          for i in indices}
         entry.part_t0 = time.perf_counter()
+        entry.held = 0
+        done = last == entry.parts
+        hold = (done and not flush and self.hold_tail > 0 and entry.parts < self.hold_tail)
         epoch = self.marks.reset()
         self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, step_windows),
-                        last == entry.parts))
+                        done, hold, last))
 
     def _send_loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            entry, epoch, by_site, order, last = job
+            entry, epoch, by_site, order, last, hold, upto = job
             try:
                 t0 = entry.t0
                 local = local_rows(entry.own, copy=False)  # views of the packed payload
@@ -378,8 +435,12 @@ class ThreadedSender:
                 # all rows' bytes.
                 rate = entry.schedule.link.bytes_per_s * len(local) if entry.schedule else 0.0
                 for site in order:
-                    if site == AFTER and not last:
-                        break  # a part's leftovers go in the next part's first window
+                    if site == AFTER and (hold or not last):
+                        # A part's leftovers go in the next part's first
+                        # window; a held version's (and its tail) in the
+                        # next step's, if the caller gives it one.
+                        carry += [(AFTER, lo, hi) for lo, hi in by_site.get(AFTER, ())]
+                        break
                     idle = entry.site_idle.get(site)
                     own = [(site, lo, hi) for lo, hi in by_site.get(site, ())]
                     if not own and (not carry or (idle is None and site != AFTER)):
@@ -396,18 +457,29 @@ class ThreadedSender:
                         closes = opened + idle
                     carry = self._send_until(entry, local, site, ranges, closes, rate)
                     entry.site_sent[site] = time.perf_counter()
-                if carry:  # the part's last window left some: the next part's
+                if carry and hold:  # held for a later step: its windows carry them in
+                    entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
+                    entry.held = sum(hi - lo for _, lo, hi in carry) * len(local)
+                elif carry:  # the part's last window left some: the next part's
                     entry.carry = carry
-                if last:
+                if last and not entry.held:
                     entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
                 self.failure = e
                 entry.complete.set()
                 entry.sent.set()
+                self._part_done(entry, upto)
             else:
-                if last:
+                if last and not entry.held:
                     entry.sent.set()
+                self._part_done(entry, upto)
+
+    @staticmethod
+    def _part_done(entry: _Version, upto: int) -> None:
+        with entry.done:
+            entry.parts_done = max(entry.parts_done, upto)
+            entry.done.notify_all()
 
     def _send_until(self, entry: _Version, local: list, site: Site,
                     ranges: list[tuple[Site, int, int]], closes: float | None, rate: float
@@ -519,6 +591,11 @@ class ThreadedSender:
         with self._lock:
             entry = self._versions[version]
         deadline = time.monotonic() + timeout_s
+        if self.hold_tail and entry.next_part == entry.parts:
+            # A held rest that the caller gave no later step goes now.
+            if self.held_bytes(version, timeout_s):
+                self.extend(version)
+                self._queue_part(entry, flush=True)
         for event, what in ((entry.sent, f"sending to host {self.channel.destination}"),
                             (entry.complete, f"receiving from host {self.channel.source}")):
             if not event.wait(max(0.0, deadline - time.monotonic())):

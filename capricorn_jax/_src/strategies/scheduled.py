@@ -65,7 +65,7 @@ import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.multihost.agree import agree_measured
+from capricorn_jax._src.multihost.agree import agree_measured, allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
@@ -181,9 +181,13 @@ class ScheduledStrategy(InMemoryStrategy):
             channel = peer_channel(checkpointer)
             self.link = measure_channel(channel, jax.local_device_count())
             # The deadline sender: a window's bytes stop at its planned close
-            # and go on in the next window (issue 38).
+            # and go on in the next window (issue 38); under a budget what a
+            # step could not carry goes in the next step's windows, not after
+            # the step (``_hold_over``).
+            budget = checkpointer.options.max_wait_s is not None
             self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
-                                         train.mesh, channel.timeout_s, deadline=True)
+                                         train.mesh, channel.timeout_s, deadline=True,
+                                         hold_tail=MAX_SPREAD if budget else 0)
         else:
             self.link = measure_link(checkpointer.transport)
             if kind == "capricorn":
@@ -214,6 +218,7 @@ class ScheduledStrategy(InMemoryStrategy):
         # last moved versions under the schedule in force, and whether the
         # hosts agreed to profile.
         self._spills: collections.deque[bool] = collections.deque(maxlen=SPILL_WINDOW)
+        self.held_over: list[int] = []  # versions whose rest went in a later step's windows
         self._recent: collections.deque[LayerProfile] = collections.deque(maxlen=PLAN_PROFILES)
         self._wants_profile = False
         self.spill_requests: list[int] = []  # versions after which it asked for a profile
@@ -513,6 +518,7 @@ class ScheduledStrategy(InMemoryStrategy):
           The ``checkpoint`` events of the versions committed now: the one
           moved in the step, and ``step`` when it is saved now.
         """
+        self._hold_over()
         if self._spread is not None:
             if not next_step_profiled:
                 # The spread version still has steps to go: version ``step``
@@ -529,6 +535,32 @@ class ScheduledStrategy(InMemoryStrategy):
             self._last_saved = step
             events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
         return events
+
+    def _hold_over(self) -> None:
+        """Under a budget, threaded: when the version the last step moved left
+        bytes on any host (its windows' deadlines, or a tail the plan could
+        not place), every host gives it the next step's windows (one more
+        part; the sender held those bytes instead of sending them after the
+        step, where they would meet the next step's collectives) and that
+        step's version is not taken. Agreed (one ``allgather_floats`` of the
+        held bytes) so every host takes and skips the same versions."""
+        sender = self.sender
+        if (sender is None or not sender.hold_tail or self._spread is not None
+                or self._moved is None or self._moved[1]["received"] is not None):
+            return
+        version = self._moved[0]
+        if sender.parts_left(version):
+            return
+        held = sender.held_bytes(version)
+        rows = allgather_floats([held], what="held_tail")
+        if max(row[0] for row in rows) <= 0:
+            return
+        sender.extend(version)
+        self._spread, self._moved = self._moved, None
+        self.held_over.append(version)
+        log.info("host %d: version %d: %d bytes here (%d on the busiest host) go in the next "
+                 "step's windows, not after the step; that step's version is not taken",
+                 self.ckpt.host, version, held, max(row[0] for row in rows))
 
     def _commit_moved(self, state: State, load: np.ndarray | None = None
                       ) -> list[CheckpointEvent]:
@@ -595,4 +627,5 @@ class ScheduledStrategy(InMemoryStrategy):
         return {**self.transfers.summary(), "repartition_steps": self.repartitions,
                 "repartition_sources": self.repartition_sources,
                 "spill_request_versions": self.spill_requests,
+                "held_over_versions": self.held_over,
                 "window_model_replan_steps": self.window_model_replans}
