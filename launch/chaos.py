@@ -52,9 +52,10 @@ from typing import Any
 
 from absl import app, flags
 
+from capricorn_jax.experimental import send_rounds
 from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F401 (re-exported)
 from launch.cli_flags import FlagError
-from launch.fault_plan import PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault
+from launch.fault_plan import CORRUPT_FRAME, PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault
 
 FLAGS = flags.FLAGS
 
@@ -101,7 +102,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
-          "persist_hang", PAUSE)
+          "persist_hang", PAUSE, CORRUPT_FRAME)
 PERSIST_EVERY = 4
 PERSIST_HANG_TIMEOUT_S = 10.0
 """--persist_timeout_s of a trial with a persist_hang fault: the other hosts
@@ -188,8 +189,20 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
                                 rng.choice(["process", "host"])))
             break
         points = [p for p in POINTS
-                  if persist or p not in ("mid_persist", *PERSIST_FAULTS)]
+                  if (persist or p not in ("mid_persist", *PERSIST_FAULTS))
+                  and (p != CORRUPT_FRAME or strategy == "capricorn")]
         point = rng.choice(points)
+        if point == CORRUPT_FRAME:  # no kill: the plan's last fault
+            # The victim is the host that sends to host 0 (whose metrics the
+            # oracle reads): host 0 receives the corrupted frame. Capricorn
+            # only: it moves its versions on the chunk channel from its first
+            # schedule on (gemini profiles longer than a trial).
+            victim = next(h for h, d in send_rounds(topo.hosts, topo.replicas)[0].items()
+                          if d == 0)
+            if low <= steps - 4:
+                faults.append(Fault((victim,), rng.randrange(max(low, 2), steps - 3),
+                                    CORRUPT_FRAME))
+            break
         if point == PAUSE:  # no kill: the plan's last fault, on one host
             if low <= steps - 3:
                 faults.append(Fault((rng.randrange(topo.hosts),), rng.randrange(low, steps - 2),
@@ -248,12 +261,13 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     problems: list[str] = []
     # A pause past the peer timeout ends its attempt like a kill; a shorter
     # one ends nothing (and must cause no recovery).
-    kills = [f for f in trial.faults
-             if f.point not in ("recovery", *PERSIST_FAULTS) and not _outlasted(f)]
-    killing = len([f for f in trial.faults if f.point not in PERSIST_FAULTS])
+    kills = [f for f in trial.faults if f.point not in ("recovery", CORRUPT_FRAME,
+                                                         *PERSIST_FAULTS) and not _outlasted(f)]
+    killing = len([f for f in trial.faults if f.point not in (CORRUPT_FRAME, *PERSIST_FAULTS)])
     if strikes != killing:
         problems.append(f"{strikes} of {killing} faults struck")
     problems += _persist_fault_problems(trial, records)
+    problems += _corrupt_frame_problems(trial, records)
     step_records = [r for r in records if "event" not in r]
     seen = {r["step"] for r in step_records}
     # A step trained and checkpointed whose line host 0 was killed before
@@ -270,10 +284,11 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
         problems.append(f"steps logged {sorted(seen)}, expected 0..{steps - 1}")
     recoveries = [r for r in records if r.get("event") == "recovery"]
     expected_recoveries = len(kills) + len([f for f in trial.faults if f.point == "recovery"])
-    if any(_outlasted(f) for f in trial.faults) and len(recoveries) > expected_recoveries:
+    if any(_outlasted(f) or f.point == CORRUPT_FRAME for f in trial.faults) and \
+            len(recoveries) > expected_recoveries:
         problems.append(f"{len(recoveries)} recoveries where the faults end "
                         f"{expected_recoveries} attempts (a pause shorter than the peer "
-                        f"timeout must end none)")
+                        f"timeout, or a corrupted frame, must end none)")
     first_restore = min((r["step"] for r in recoveries), default=steps)
     for r in step_records:
         expected = reference.get(r["step"])
@@ -336,6 +351,22 @@ def _persist_fault_problems(trial: Trial, records: list[dict]) -> list[str]:
             out.append(f"{f.point}: no persist_error for version {version}")
         if not any(r.get("event") == "persist" and r["step"] > version for r in records):
             out.append(f"{f.point}: no persistent step started after version {version}")
+    return out
+
+
+def _corrupt_frame_problems(trial: Trial, records: list[dict]) -> list[str]:
+    """A corrupt_frame fault: host 0, the receiver, took no version of the
+    corrupted frame (a ``checkpoint`` event with "corrupt" at or after the
+    fault's step) and nothing else was dropped as corrupt."""
+    out = []
+    for f in trial.faults:
+        if f.point != CORRUPT_FRAME:
+            continue
+        dropped = [r["step"] for r in records
+                   if r.get("event") == "checkpoint" and r.get("corrupt")]
+        if len(dropped) != 1 or dropped[0] < f.step:
+            out.append(f"corrupt_frame at step {f.step}: versions dropped as corrupt "
+                       f"{dropped}, expected one at or after it")
     return out
 
 

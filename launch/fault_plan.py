@@ -18,13 +18,13 @@ from dataclasses import InitVar
 from pathlib import Path
 
 from launch.cli_flags import FlagError
-from launch.strategies import IN_MEMORY
+from launch.strategies import IN_MEMORY, SCHEDULED
 
 # Where a fault strikes. The pausing points are exact (the victim waits there
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                "persist_error", "persist_hang", "pause")
+                "persist_error", "persist_hang", "pause", "corrupt_frame")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
 # Faults that kill no host: the victim's persistent write of version step + 1
 # fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
@@ -37,6 +37,16 @@ PERSIST_FAULTS = frozenset({"persist_error", "persist_hang"})
 # longer, jax.distributed declares them dead, the job ends and restarts, and
 # the hosts recover. Either way the plan's last fault.
 PAUSE = "pause"
+# A fault that kills no host either: the victim's chunk channel flips one byte
+# of its first frame of the first version >= ``step`` it moves on the channel,
+# after the frame's checksum (a byte corrupted in transit). The receiving
+# peer's check fails: that peer takes no such version (a ``checkpoint`` event
+# with "corrupt"), the channel and training go on. The plan's last fault; the
+# strategy must move its versions over the chunk channel (gemini, capricorn
+# and their PEC forms on CPU).
+CORRUPT_FRAME = "corrupt_frame"
+NO_KILL = frozenset({*PERSIST_FAULTS, PAUSE, CORRUPT_FRAME})
+"""Faults that end no attempt: a plan's last."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,15 +169,20 @@ class FaultConfig:
                             f"replication: it needs --ckpt in {', '.join(IN_MEMORY)}")
         if fault.point == "mid_replication" and replicas < 2:
             raise FlagError(f"{what}: mid_replication needs --replicas >= 2")
-        if fault.point in (*PERSIST_FAULTS, PAUSE) and i != len(self.plan(steps)) - 1:
+        if fault.point in NO_KILL and i != len(self.plan(steps)) - 1:
             raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
                             f"must be the plan's last fault")
         if (fault.point == PAUSE) != (fault.pause_s > 0):
             raise FlagError(f"{what}: a pause needs point 'pause' and pause_s > 0 (got point "
                             f"{fault.point!r}, pause_s {fault.pause_s:g})")
-        if fault.point == PAUSE and (fault.mode != "process" or fault.corrupt or fault.wipe_all):
-            raise FlagError(f"{what}: a pause damages nothing: mode 'process', no corrupt, "
-                            f"no wipe_all")
+        if fault.point in (PAUSE, CORRUPT_FRAME) and (
+                fault.mode != "process" or fault.corrupt or fault.wipe_all):
+            raise FlagError(f"{what}: {fault.point} damages no store: mode 'process', no "
+                            f"corrupt, no wipe_all")
+        if fault.point == CORRUPT_FRAME and (strategy not in SCHEDULED or len(fault.hosts) != 1):
+            raise FlagError(f"{what}: corrupt_frame flips a byte on one host's chunk channel: "
+                            f"one host, and --ckpt in {', '.join(SCHEDULED)} "
+                            f"(got {strategy}, hosts {list(fault.hosts)})")
         if fault.point in ("mid_persist", *PERSIST_FAULTS) and not (
                 persist_every and (fault.step + 1) % persist_every == 0):
             raise FlagError(f"{what}: {fault.point} at step {fault.step} needs --persist_every "
@@ -196,6 +211,12 @@ class FaultConfig:
         """The version whose replicas this worker stops halfway through (-1: none)."""
         at = self.at()
         return at[1] + 1 if at is not None and at[0] == "mid_replication" else -1
+
+    @property
+    def flip_frame_at(self) -> int | None:
+        """The version whose first chunk frame this worker's channel corrupts (None: none)."""
+        at = self.at()
+        return at[1] if at is not None and at[0] == CORRUPT_FRAME else None
 
     def stall(self, host: int) -> tuple[int, float] | None:
         """(step, seconds) of host ``host``'s replica-writer stall, or None."""

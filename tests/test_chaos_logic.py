@@ -2,6 +2,7 @@
 
 import pytest
 
+from capricorn_jax.experimental import send_rounds
 from launch.chaos import Trial, check_trial, draw_trial, parse_topology
 from launch.fault_plan import PERSIST_FAULTS, Fault
 
@@ -30,11 +31,16 @@ def test_draws_are_replayable_and_valid():
         topo = trial.topology
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 2
-        last = ("recovery", "pause", *PERSIST_FAULTS)
+        last = ("recovery", "pause", "corrupt_frame", *PERSIST_FAULTS)
         kills = [f for f in trial.faults if f.point not in last]
         assert trial.faults[:len(kills)] == tuple(kills)
         rest = trial.faults[len(kills):]  # a kill during recovery, a pause, a persist fault
-        assert len(rest) <= 1 and (kills or rest[0].point in (*PERSIST_FAULTS, "pause"))
+        assert len(rest) <= 1 and (kills or rest[0].point in (*PERSIST_FAULTS, "pause",
+                                                              "corrupt_frame"))
+        if rest and rest[0].point == "corrupt_frame":
+            # capricorn only; its victim sends to host 0 (whose metrics the oracle reads)
+            assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
+            assert send_rounds(topo.hosts, topo.replicas)[0][rest[0].hosts[0]] == 0
         if rest and rest[0].point == "pause":
             assert len(rest[0].hosts) == 1 and rest[0].pause_s in (3.0, 20.0)
             assert "--peer_timeout_s=8" in trial.flags(12, "tiny")
@@ -55,7 +61,7 @@ def test_draws_are_replayable_and_valid():
     seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
                                                             12).faults}
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                    "persist_error", "persist_hang", "pause"}
+                    "persist_error", "persist_hang", "pause", "corrupt_frame"}
 
 
 def _plan_flag(trial):
@@ -191,11 +197,29 @@ def test_a_pause_the_job_outlasts_ends_nothing_and_a_longer_one_is_a_kill():
                  {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
                  *_steps(range(4, 8))]
     assert check_trial(short, restarted, REF, 8, strikes=1)[0] == [
-        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout "
-        "must end none)"]
+        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout, "
+        "or a corrupted frame, must end none)"]
     long = _trial(Fault((1,), 3, "pause", pause_s=20.0))
     assert check_trial(long, restarted, REF, 8, strikes=1)[0] == []
     late = [*_steps(range(8)), {"event": "checkpoint", "replicated": 7},
             {"event": "recovery", "step": 7, "tier": "local", "seconds": 0.1}]
     assert check_trial(long, late, REF, 8, strikes=1)[0] == [
         "recovery to 7, after the fault at step 3 (pause)"]
+
+
+def test_a_corrupt_frame_strikes_no_host_and_needs_exactly_one_version_dropped_after_it():
+    trial = _trial(Fault((1,), 3, "corrupt_frame"), strategy="capricorn")
+    dropped = {"event": "checkpoint", "step": 4, "corrupt": True}
+    good = [*_steps(range(8)), dropped]
+    assert check_trial(trial, good, REF, 8, strikes=0)[0] == []
+    assert check_trial(trial, _steps(range(8)), REF, 8, strikes=0)[0] == [
+        "corrupt_frame at step 3: versions dropped as corrupt [], expected one at or after it"]
+    early = [*_steps(range(8)), {**dropped, "step": 2}]
+    assert check_trial(trial, early, REF, 8, strikes=0)[0] == [
+        "corrupt_frame at step 3: versions dropped as corrupt [2], expected one at or after it"]
+    restarted = [*_steps(range(4)), dropped, {"event": "checkpoint", "replicated": 3},
+                 {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
+                 *_steps(range(4, 8))]
+    assert check_trial(trial, restarted, REF, 8, strikes=0)[0] == [
+        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout, "
+        "or a corrupted frame, must end none)"]

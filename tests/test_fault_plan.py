@@ -124,7 +124,7 @@ def test_a_persist_fault_is_the_plans_last_and_only_its_victim_gets_the_hook():
      r"^--fault_plan fault 0: a pause needs point 'pause' and pause_s > 0 \(got point "
      r"'after_step', pause_s 5\)"),
     ('[{"hosts": [1], "step": 2, "point": "pause", "pause_s": 5, "mode": "host"}]',
-     r"^--fault_plan fault 0: a pause damages nothing"),
+     r"^--fault_plan fault 0: pause damages no store: mode 'process', no corrupt, no wipe_all"),
     ('[{"hosts": [1], "step": 2, "point": "pause", "pause_s": 5}, {"hosts": [1], "step": 4}]',
      r"^--fault_plan fault 0: pause kills no host and ends no attempt: it must be the plan's "
      r"last fault"),
@@ -140,3 +140,31 @@ def test_a_pause_is_a_plan_of_its_own():
     assert faults[1] == Fault((2,), 6, "pause", pause_s=8.0)
     assert faults[1].to_json()["pause_s"] == 8
     assert "pause_s" not in faults[0].to_json()  # the kill's record is as before
+
+
+@pytest.mark.parametrize("plan, strategy, message", [
+    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "inmem",
+     r"^--fault_plan fault 0: corrupt_frame flips a byte on one host's chunk channel: one host, "
+     r"and --ckpt in gemini, capricorn, capricorn_pec \(got inmem, hosts \[1\]\)"),
+    ('[{"hosts": [0, 1], "step": 2, "point": "corrupt_frame"}]', "capricorn",
+     r"^--fault_plan fault 0: corrupt_frame flips a byte on one host's chunk channel: one host"),
+    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame", "mode": "host"}]', "capricorn",
+     r"^--fault_plan fault 0: corrupt_frame damages no store"),
+    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}, {"hosts": [1], "step": 4}]',
+     "capricorn", r"^--fault_plan fault 0: corrupt_frame kills no host and ends no attempt"),
+])
+def test_a_bad_corrupt_frame_is_refused_naming_it(plan, strategy, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan, "strategy": strategy})
+
+
+def test_a_corrupt_frame_reaches_only_its_victims_channel():
+    plan = '[{"hosts": [1], "step": 5, "point": "corrupt_frame"}]'
+    config = FaultConfig(**{**BASE, "fault_plan": plan, "strategy": "capricorn"})
+    assert config.plan(12) == (Fault((1,), 5, "corrupt_frame"),)
+    def worker(fault_at):  # the flags the supervisor gives a worker
+        return FaultConfig(**{**BASE, "fault_plan": plan, "strategy": "capricorn",
+                              "fault_at": fault_at})
+
+    assert worker("corrupt_frame:5").flip_frame_at == 5
+    assert config.flip_frame_at is None and worker("after_step:5").flip_frame_at is None

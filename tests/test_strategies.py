@@ -24,6 +24,7 @@ step.
 """
 
 import json
+import re
 
 import pytest
 
@@ -89,7 +90,8 @@ def reference(tmp_path_factory, cache):
 #   faults    kill during recovery (test_a_host_lost_while_the_job_recovers_...),
 #             mid-step (the pec test above), mid-persist (tests/test_chaos.py's
 #             trial), mid-replication, every RAM store lost, corrupted chunk,
-#             stalled writer (tests/test_recovery.py), machine loss (above)
+#             stalled writer (tests/test_recovery.py), machine loss (above),
+#             a paused host (short and long), a frame corrupted in transit (below)
 #   also none, orbax_async and capricorn_pec through a process kill (here) and
 #   orbax_emergency's local tier (test_orbax_emergency_restores_...), so every
 #   strategy of the factory is killed and recovered in CI.
@@ -406,3 +408,32 @@ def test_a_host_paused_past_the_peer_timeout_ends_the_attempt_and_the_job_recove
     assert 3 <= recovery["step"] <= 4 and set(recovery["tiers"]) <= {"local", "peer"}
     assert _losses(records) == reference
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
+
+
+def test_a_byte_corrupted_in_transit_drops_that_version_on_the_receiver_and_the_job_goes_on(
+        tmp_path, cache, reference):
+    """Fault class corrupt_frame: host 1's chunk channel flips a byte of its
+    first frame of a version >= 3 after the frame's checksum (capricorn moves
+    its versions over the channel). Host 0's check fails: it takes no such
+    version (one ``checkpoint`` event with "corrupt"), the channel and
+    training go on with no restart, and every loss is the uninterrupted
+    run's."""
+    plan = '[{"hosts": [1], "step": 3, "point": "corrupt_frame"}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=capricorn", f"--fault_plan={plan}", timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    flipped = re.search(r"fault: host 1 flipped a byte of its first chunk frame of version "
+                        r"(\d+) after its checksum \(its fault point\)", proc.stdout)
+    assert flipped, proc.stdout[-3000:]
+    version = int(flipped.group(1))
+    assert version >= 3
+    assert "restarting" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    corrupt = [c["step"] for c in _events(records, "checkpoint") if c.get("corrupt")]
+    assert corrupt == [version]
+    # The versions after it were moved and committed as usual.
+    moved = {c["moved_in_step"] for c in _events(records, "checkpoint") if "moved_in_step" in c}
+    assert any(v > version for v in moved), sorted(moved)
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference

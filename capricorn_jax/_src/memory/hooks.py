@@ -34,11 +34,19 @@ class FaultHooks:
         ``on_pause``.
       on_pause: called with the version at the pause (e.g. to kill the
         process there).
+      flip_frame_at: the chunk channel (``chunk_path='threaded'``) flips one
+        byte of the first frame it sends of this version or a later one
+        (the first it moves on the channel), after the frame's checksum was
+        computed: a byte corrupted in transit, which the peer's check must
+        catch.
+      on_flip: called with that version when the byte is flipped.
     """
 
     stall_replica_writer_at: tuple[int, float] | None = None
     pause_mid_replication_at: int | None = None
     on_pause: Callable[[int], None] | None = None
+    flip_frame_at: int | None = None
+    on_flip: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         stall = self.stall_replica_writer_at

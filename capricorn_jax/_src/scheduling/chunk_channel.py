@@ -126,12 +126,19 @@ class ChunkChannel:
       address: the address to listen on and advertise (default:
         ``job_address`` of the jax.distributed coordinator).
       tos: the IP TOS byte of what this host sends (0: the default class).
+
+    Fault injection (tests and the chaos harness): ``flip_version`` set, the
+    first frame sent of a version at or after it has a byte flipped after its
+    checksum (a byte corrupted in transit; ``memory.hooks.FaultHooks.flip_frame_at``),
+    then ``on_flip(version)``.
     """
 
     def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
                  timeout_s: float = 120.0, address: str | None = None, tos: int = 0) -> None:
         self.host, self.destination, self.source = host, destination, source
         self.timeout_s = timeout_s
+        self.flip_version: int | None = None
+        self.on_flip: Callable[[int], None] | None = None
         self.token = job.encode()
         if len(self.token) > _MAX_TOKEN:
             raise ValueError(f"job name of {len(self.token)} bytes; at most {_MAX_TOKEN}")
@@ -244,6 +251,13 @@ class ChunkChannel:
         crc = 0
         for view in views:  # before the bytes leave: end to end (zlib releases the GIL)
             crc = zlib.crc32(view, crc)
+        if self.flip_version is not None and version >= self.flip_version:  # fault injection
+            self.flip_version = None
+            flipped = bytearray(views[0])
+            flipped[len(flipped) // 2] ^= 0xFF
+            views[0] = memoryview(flipped)
+            if self.on_flip is not None:
+                self.on_flip(version)
         self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows), crc))
         for view in views:
             self.out.sendall(view)

@@ -547,8 +547,9 @@ class ThreadedSender:
                 version, offset, length = self.channel.receive_into(self._buffer)
             except CorruptFrame as e:
                 # Checked end to end: the version is dropped (its wait raises,
-                # so no holder commits it), the channel goes on.
-                log.warning("%s; version %d dropped", e, e.version)
+                # so no holder commits it; the caller's warning says so), the
+                # channel goes on.
+                log.info("%s; version %d dropped", e, e.version)
                 with self._lock:
                     bad = self._versions.get(e.version)
                 if bad is not None:

@@ -80,9 +80,11 @@ def peer_channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
                            "jax.distributed.initialize (or chunk_path='in_graph')")
     destination = ckpt.rounds[0][ckpt.host]
     source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
-    return ChunkChannel(ckpt.host, destination, source,
-                        f"{ckpt.options.job}/{next(_channels)}", client,
-                        ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos)
+    channel = ChunkChannel(ckpt.host, destination, source,
+                           f"{ckpt.options.job}/{next(_channels)}", client,
+                           ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos)
+    channel.flip_version, channel.on_flip = ckpt.hooks.flip_frame_at, ckpt.hooks.on_flip
+    return channel
 
 
 def whole_version(payload_bytes: int, chunk_cap: int) -> Schedule:
