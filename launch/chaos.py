@@ -55,7 +55,17 @@ from absl import app, flags
 from capricorn_jax.experimental import send_rounds
 from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F401 (re-exported)
 from launch.cli_flags import FlagError
-from launch.fault_plan import CORRUPT_FRAME, PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault
+from launch.fault_plan import (
+    CORRUPT_FRAME,
+    NETWORK_FAULTS,
+    PARTITION,
+    PAUSE,
+    PAUSING_POINTS,
+    PERSIST_FAULTS,
+    SLOW_LINK,
+    TIMED,
+    Fault,
+)
 
 FLAGS = flags.FLAGS
 
@@ -102,21 +112,26 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
-          "persist_hang", PAUSE, CORRUPT_FRAME)
+          "persist_hang", PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK)
+"""The points drawn (``recovery`` too, as a second fault); the network faults
+only where the trials run on shaped links (``--link_gbps``)."""
 PERSIST_EVERY = 4
 PERSIST_HANG_TIMEOUT_S = 10.0
 """--persist_timeout_s of a trial with a persist_hang fault: the other hosts
 drop the hung step after 2x this, the hung host's Orbax thread after 4x."""
 PEC_K = 2
 PAUSE_PEER_TIMEOUT_S = 8.0
-"""--peer_timeout_s of a trial with a pause: a pause of SHORT_PAUSE_S is
-outlasted (the job goes on), one of LONG_PAUSE_S ends the attempt."""
+"""--peer_timeout_s of a trial with a pause or a partition: one of
+SHORT_PAUSE_S is outlasted (the job goes on), one of LONG_PAUSE_S ends the
+attempt; a slow link of either length is outlasted."""
 SHORT_PAUSE_S, LONG_PAUSE_S = 3.0, 20.0
 
 
 def _outlasted(f: Fault) -> bool:
-    """A pause shorter than the trial's peer timeout: no attempt ends."""
-    return f.point == PAUSE and f.pause_s < PAUSE_PEER_TIMEOUT_S
+    """A pause or partition shorter than the trial's peer timeout, or a slow
+    link: no attempt ends."""
+    return f.point == SLOW_LINK or (f.point in (PAUSE, PARTITION)
+                                    and f.pause_s < PAUSE_PEER_TIMEOUT_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +160,7 @@ class Trial:
             out.append(f"--persist_every={self.persist_every}")
         if any(f.point == "persist_hang" for f in self.faults):
             out.append(f"--persist_timeout_s={PERSIST_HANG_TIMEOUT_S}")
-        if any(f.point == PAUSE for f in self.faults):
+        if any(f.point in TIMED for f in self.faults):
             out.append(f"--peer_timeout_s={PAUSE_PEER_TIMEOUT_S:g}")
         if self.pec:
             out += [f"--pec_k={PEC_K}", "--nopec_dynamic"]
@@ -165,14 +180,15 @@ def _describe(f: Fault) -> str:
     who = "+".join(str(h) for h in f.hosts)
     where = "recovery" if f.point == "recovery" else f"{f.point}@{f.step}"
     extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else "",
-                     f" {f.pause_s:g}s" if f.point == PAUSE else ""])
+                     f" {f.pause_s:g}s" if f.point in TIMED else ""])
     return f"host {who} {where} {f.mode}{extra}"
 
 
 def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: list[str],
-               steps: int) -> Trial:
+               steps: int, shaped: bool = False) -> Trial:
     """Trial ``index`` of a soak: every choice from one generator seeded by
-    (seed, index), so the trial is replayed by its seed."""
+    (seed, index), so the trial is replayed by its seed; ``shaped``: the
+    trials run on shaped links (the network faults can be drawn)."""
     rng = random.Random(seed * 1000 + index)
     topo = rng.choice(topologies)
     choices = [s for s in strategies if topo.replicas == 2 or s in ("inmem", "pec")]
@@ -190,7 +206,8 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
             break
         points = [p for p in POINTS
                   if (persist or p not in ("mid_persist", *PERSIST_FAULTS))
-                  and (p != CORRUPT_FRAME or strategy == "capricorn")]
+                  and (p != CORRUPT_FRAME or strategy == "capricorn")
+                  and (shaped or p not in NETWORK_FAULTS)]
         point = rng.choice(points)
         if point == CORRUPT_FRAME:  # no kill: the plan's last fault
             # The victim is the host that sends to host 0 (whose metrics the
@@ -203,10 +220,10 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
                 faults.append(Fault((victim,), rng.randrange(max(low, 2), steps - 3),
                                     CORRUPT_FRAME))
             break
-        if point == PAUSE:  # no kill: the plan's last fault, on one host
+        if point in TIMED:  # no kill: the plan's last fault, on one host
             if low <= steps - 3:
                 faults.append(Fault((rng.randrange(topo.hosts),), rng.randrange(low, steps - 2),
-                                    PAUSE, pause_s=rng.choice([SHORT_PAUSE_S, LONG_PAUSE_S])))
+                                    point, pause_s=rng.choice([SHORT_PAUSE_S, LONG_PAUSE_S])))
             break
         if point in PERSIST_FAULTS:  # no kill: the plan's last fault, on one host
             writes = [s for s in range(low, steps - 1 - PERSIST_EVERY)
@@ -287,8 +304,8 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     if any(_outlasted(f) or f.point == CORRUPT_FRAME for f in trial.faults) and \
             len(recoveries) > expected_recoveries:
         problems.append(f"{len(recoveries)} recoveries where the faults end "
-                        f"{expected_recoveries} attempts (a pause shorter than the peer "
-                        f"timeout, or a corrupted frame, must end none)")
+                        f"{expected_recoveries} attempts (a pause or partition shorter than "
+                        f"the peer timeout, a slow link or a corrupted frame must end none)")
     first_restore = min((r["step"] for r in recoveries), default=steps)
     for r in step_records:
         expected = reference.get(r["step"])
@@ -437,7 +454,8 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
     records = []
     if (work / "metrics.jsonl").exists():
         records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
-    strikes = proc.stdout.count("fault: SIGKILLed") + proc.stdout.count("fault: paused host")
+    strikes = sum(proc.stdout.count(f"fault: {what}") for what in (
+        "SIGKILLed", "paused host", "cut off host", "slowed the link of host"))
     if proc.returncode != 0:
         problems = [f"job exited with {proc.returncode}: " + " | ".join(
             (proc.stdout + proc.stderr).strip().splitlines()[-6:])]
@@ -487,7 +505,7 @@ def run(config: ChaosConfig) -> int:
         indices = [config.only_trial] if config.only_trial >= 0 else range(config.trials)
         for i in indices:
             trial = draw_trial(i, config.seed, list(config.topologies), list(config.strategies),
-                               config.steps)
+                               config.steps, shaped=config.link.shaped)
             result = run_trial(trial, config.steps, config.model, scratch, references,
                                config.trial_timeout_s, config.fast_compile, job_flags)
             results.append(result)

@@ -490,7 +490,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         stall_host=fv.stall_host, stall_at_step=fv.stall_at_step,
         stall_seconds=fv.stall_seconds, fault_at=fv.fault_at, fault_plan=fv.fault_plan,
         hosts=cluster.hosts, steps=train.steps, strategy=checkpoint.strategy,
-        replicas=checkpoint.replicas, persist_every=checkpoint.persist_every)
+        replicas=checkpoint.replicas, persist_every=checkpoint.persist_every,
+        shaped=cluster.link.shaped)
     accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                     profile=fv.accelerator_profile)
     return Config(cluster, train, profile, checkpoint, faults, accelerator)

@@ -24,7 +24,8 @@ from launch.strategies import IN_MEMORY, SCHEDULED
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                "persist_error", "persist_hang", "pause", "corrupt_frame")
+                "persist_error", "persist_hang", "pause", "corrupt_frame", "partition",
+                "slow_link")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
 # Faults that kill no host: the victim's persistent write of version step + 1
 # fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
@@ -45,7 +46,20 @@ PAUSE = "pause"
 # strategy must move its versions over the chunk channel (gemini, capricorn
 # and their PEC forms on CPU).
 CORRUPT_FRAME = "corrupt_frame"
-NO_KILL = frozenset({*PERSIST_FAULTS, PAUSE, CORRUPT_FRAME})
+# Faults of the network (shaped links only, ``--link_gbps``), kill no host: once
+# the victims finished the step, the launcher cuts their links (``partition``:
+# the veth down at the switch, both ways) or slows them ``SLOW_LINK_FACTOR``
+# times (``slow_link``: the tbf rate, both ways) for ``pause_s`` seconds, then
+# restores them. A partition shorter than --peer_timeout_s, and any slow link,
+# the job outlasts (slow is not dead); a longer partition ends the attempt
+# (jax.distributed declares the victims dead) and the hosts recover. The
+# plan's last fault.
+PARTITION, SLOW_LINK = "partition", "slow_link"
+NETWORK_FAULTS = frozenset({PARTITION, SLOW_LINK})
+SLOW_LINK_FACTOR = 10.0
+TIMED = frozenset({PAUSE, *NETWORK_FAULTS})
+"""Faults that last ``pause_s`` seconds, then end."""
+NO_KILL = frozenset({*PERSIST_FAULTS, CORRUPT_FRAME, *TIMED})
 """Faults that end no attempt: a plan's last."""
 
 
@@ -65,8 +79,8 @@ class Fault:
       corrupt: flip a byte of each victim's newest own version (RAM bit rot).
       wipe_all: every host's RAM store is lost (the persistent tier, if any,
         is what remains).
-      pause_s: point ``pause``: how long the victims stay stopped (SIGSTOP,
-        then SIGCONT).
+      pause_s: points ``pause``, ``partition``, ``slow_link``: how long the
+        fault lasts (the victims stopped, cut off or slowed), in seconds.
     """
 
     hosts: tuple[int, ...]
@@ -80,7 +94,7 @@ class Fault:
     def to_json(self) -> dict:
         out = {"hosts": list(self.hosts), "step": self.step, "point": self.point,
                "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
-        return {**out, "pause_s": self.pause_s} if self.point == PAUSE else out
+        return {**out, "pause_s": self.pause_s} if self.point in TIMED else out
 
 
 def parse_fault_plan(text: str) -> tuple[Fault, ...]:
@@ -136,9 +150,10 @@ class FaultConfig:
     strategy: InitVar[str]
     replicas: InitVar[int]
     persist_every: InitVar[int] = 0
+    shaped: InitVar[bool] = False
 
     def __post_init__(self, hosts: int, steps: int, strategy: str, replicas: int,
-                      persist_every: int) -> None:
+                      persist_every: int, shaped: bool) -> None:
         if self.kill_every < 0 or (self.kill_every and self.kill_host < 0):
             raise FlagError(f"--kill_every={self.kill_every} needs --kill_host and must be >= 0")
         if self.fault_plan and self.kill_host >= 0:
@@ -150,6 +165,9 @@ class FaultConfig:
                 raise FlagError(f"--kill_at_step={self.kill_at_step} must be in [0, --steps)")
         for i, fault in enumerate(self.plan(steps)):
             self._check(i, fault, hosts, steps, strategy, replicas, persist_every)
+            if fault.point in NETWORK_FAULTS and not shaped:
+                raise FlagError(f"--fault_plan fault {i}: {fault.point} acts on the hosts' "
+                                f"shaped links: it needs --link_gbps > 0")
 
     def _check(self, i: int, fault: Fault, hosts: int, steps: int, strategy: str,
                replicas: int, persist_every: int) -> None:
@@ -172,10 +190,12 @@ class FaultConfig:
         if fault.point in NO_KILL and i != len(self.plan(steps)) - 1:
             raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
                             f"must be the plan's last fault")
-        if (fault.point == PAUSE) != (fault.pause_s > 0):
+        if (fault.point in TIMED) != (fault.pause_s > 0):
             raise FlagError(f"{what}: a pause needs point 'pause' and pause_s > 0 (got point "
-                            f"{fault.point!r}, pause_s {fault.pause_s:g})")
-        if fault.point in (PAUSE, CORRUPT_FRAME) and (
+                            f"{fault.point!r}, pause_s {fault.pause_s:g})"
+                            if fault.point not in NETWORK_FAULTS else
+                            f"{what}: {fault.point} needs pause_s > 0 (how long it lasts)")
+        if fault.point in (CORRUPT_FRAME, *TIMED) and (
                 fault.mode != "process" or fault.corrupt or fault.wipe_all):
             raise FlagError(f"{what}: {fault.point} damages no store: mode 'process', no "
                             f"corrupt, no wipe_all")

@@ -178,7 +178,8 @@ def train_worker(config: Config, process_id: int) -> None:
         })
         _log_checkpoints(metrics, host, saved, persistent, state)
         faults.reached(config.faults, t.workdir, host, "after_step", step)
-        faults.reached(config.faults, t.workdir, host, "pause", step)
+        for timed in ("pause", "partition", "slow_link"):  # the launcher acts after the step
+            faults.reached(config.faults, t.workdir, host, timed, step)
         if host == 0:
             meter.tick(step, loss, tpe, domain)
     final = strategy.finish(t.steps, state, {"data": data.state(), "max_routed": max_routed})

@@ -4,7 +4,7 @@ import pytest
 
 from capricorn_jax.experimental import send_rounds
 from launch.chaos import Trial, check_trial, draw_trial, parse_topology
-from launch.fault_plan import PERSIST_FAULTS, Fault
+from launch.fault_plan import PERSIST_FAULTS, Fault, FaultConfig
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
 STRATEGIES = ["inmem", "gemini", "capricorn", "pec"]
@@ -23,8 +23,6 @@ def test_draws_are_replayable_and_valid():
     """Same (seed, index) -> same trial; every drawn plan is one launch.train
     accepts: steps in order, mid_persist only on a persistent write, a kill
     during recovery only as the last fault, scheduled strategies on 2 replicas."""
-    from launch.fault_plan import FaultConfig
-
     for index in range(300):
         trial = draw_trial(index, 7, TOPOLOGIES, STRATEGIES, 12)
         assert trial == draw_trial(index, 7, TOPOLOGIES, STRATEGIES, 12)
@@ -197,8 +195,8 @@ def test_a_pause_the_job_outlasts_ends_nothing_and_a_longer_one_is_a_kill():
                  {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
                  *_steps(range(4, 8))]
     assert check_trial(short, restarted, REF, 8, strikes=1)[0] == [
-        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout, "
-        "or a corrupted frame, must end none)"]
+        "1 recoveries where the faults end 0 attempts (a pause or partition shorter than the "
+        "peer timeout, a slow link or a corrupted frame must end none)"]
     long = _trial(Fault((1,), 3, "pause", pause_s=20.0))
     assert check_trial(long, restarted, REF, 8, strikes=1)[0] == []
     late = [*_steps(range(8)), {"event": "checkpoint", "replicated": 7},
@@ -221,5 +219,36 @@ def test_a_corrupt_frame_strikes_no_host_and_needs_exactly_one_version_dropped_a
                  {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
                  *_steps(range(4, 8))]
     assert check_trial(trial, restarted, REF, 8, strikes=0)[0] == [
-        "1 recoveries where the faults end 0 attempts (a pause shorter than the peer timeout, "
-        "or a corrupted frame, must end none)"]
+        "1 recoveries where the faults end 0 attempts (a pause or partition shorter than the "
+        "peer timeout, a slow link or a corrupted frame must end none)"]
+
+
+def test_on_shaped_links_the_network_faults_are_drawn_and_valid():
+    drawn = [draw_trial(i, 9, TOPOLOGIES, STRATEGIES, 12, shaped=True) for i in range(300)]
+    network = [f for t in drawn for f in t.faults if f.point in ("partition", "slow_link")]
+    assert {f.point for f in network} == {"partition", "slow_link"}
+    assert {f.pause_s for f in network} == {3.0, 20.0} and all(len(f.hosts) == 1 for f in network)
+    for trial in drawn:
+        if any(f.point in ("partition", "slow_link") for f in trial.faults):
+            assert trial.faults[-1].point in ("partition", "slow_link")
+            assert "--peer_timeout_s=8" in trial.flags(12, "tiny")
+            FaultConfig(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",
+                        kill_point="after_step", corrupt_store=False, stall_host=-1,
+                        stall_at_step=-1, stall_seconds=0.0, fault_plan=_plan_flag(trial),
+                        hosts=trial.topology.hosts, steps=12, strategy=trial.strategy,
+                        replicas=trial.topology.replicas, persist_every=trial.persist_every,
+                        shaped=True)
+
+
+def test_a_short_partition_or_any_slow_link_ends_nothing_and_a_long_partition_is_a_kill():
+    straight = _steps(range(8))
+    restarted = [*_steps(range(4)), {"event": "checkpoint", "replicated": 3},
+                 {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
+                 *_steps(range(4, 8))]
+    for quiet in (Fault((1,), 3, "partition", pause_s=3.0),
+                  Fault((1,), 3, "slow_link", pause_s=3.0),
+                  Fault((1,), 3, "slow_link", pause_s=20.0)):
+        assert check_trial(_trial(quiet), straight, REF, 8, strikes=1)[0] == []
+        assert check_trial(_trial(quiet), restarted, REF, 8, strikes=1)[0] != []
+    long = _trial(Fault((1,), 3, "partition", pause_s=20.0))
+    assert check_trial(long, restarted, REF, 8, strikes=1)[0] == []

@@ -168,3 +168,25 @@ def test_a_corrupt_frame_reaches_only_its_victims_channel():
 
     assert worker("corrupt_frame:5").flip_frame_at == 5
     assert config.flip_frame_at is None and worker("after_step:5").flip_frame_at is None
+
+
+@pytest.mark.parametrize("plan, shaped, message", [
+    ('[{"hosts": [1], "step": 2, "point": "partition", "pause_s": 5}]', False,
+     r"^--fault_plan fault 0: partition acts on the hosts' shaped links: it needs "
+     r"--link_gbps > 0"),
+    ('[{"hosts": [1], "step": 2, "point": "slow_link"}]', True,
+     r"^--fault_plan fault 0: slow_link needs pause_s > 0 \(how long it lasts\)"),
+    ('[{"hosts": [1], "step": 2, "point": "partition", "pause_s": 5}, {"hosts": [1], '
+     '"step": 4}]', True,
+     r"^--fault_plan fault 0: partition kills no host and ends no attempt"),
+])
+def test_a_bad_network_fault_is_refused_naming_it(plan, shaped, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan, "shaped": shaped})
+
+
+def test_a_network_fault_records_how_long_it_lasts():
+    plan = '[{"hosts": [2], "step": 6, "point": "slow_link", "pause_s": 8}]'
+    (fault,) = FaultConfig(**{**BASE, "fault_plan": plan, "shaped": True}).plan(12)
+    assert fault == Fault((2,), 6, "slow_link", pause_s=8.0)
+    assert fault.to_json()["pause_s"] == 8

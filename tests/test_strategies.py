@@ -29,7 +29,7 @@ import re
 import pytest
 
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES
-from tests.helpers import assert_no_orphans, run_train
+from tests.helpers import assert_no_orphans, netns_usable, run_train
 
 STEPS, KILL_AT = 8, 4
 COMMON = ("--hosts=2", "--devices_per_host=1", "--model=tiny", f"--steps={STEPS}",
@@ -436,4 +436,60 @@ def test_a_byte_corrupted_in_transit_drops_that_version_on_the_receiver_and_the_
     assert any(v > version for v in moved), sorted(moved)
     assert not _events(records, "recovery")
     assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
+def _network_fault(tmp_path, cache, point, pause_s, *flags):
+    plan = f'[{{"hosts": [1], "step": 3, "point": "{point}", "pause_s": {pause_s}}}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", "--link_gbps=1", f"--fault_plan={plan}", *flags,
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    return proc, records
+
+
+@pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+def test_a_link_slowed_mid_run_slows_the_job_and_ends_nothing(tmp_path, cache, reference):
+    """Fault class slow_link: host 1's shaped link (1 Gbit/s) slowed 10x, both
+    ways, for 5 s after step 3: the job goes on, no attempt ends, and every
+    loss is the uninterrupted run's."""
+    proc, records = _network_fault(tmp_path, cache, "slow_link", 5)
+    assert "fault: slowed the link of host 1 10x after step 3 for 5 s" in proc.stdout
+    assert "fault: restored the link rate of host 1" in proc.stdout
+    assert "restarting" not in proc.stdout
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
+@pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+def test_a_host_cut_off_less_than_the_peer_timeout_rejoins_and_ends_nothing(
+        tmp_path, cache, reference):
+    """Fault class partition: host 1's link down at the switch (both ways) for
+    4 s after step 3, with --peer_timeout_s=30: its connections resume when
+    the link is up, no attempt ends, every loss is the uninterrupted run's."""
+    proc, records = _network_fault(tmp_path, cache, "partition", 4, "--peer_timeout_s=30")
+    assert "fault: cut off host 1 (link down) after step 3 for 4 s" in proc.stdout
+    assert "fault: reconnected host 1" in proc.stdout
+    assert "restarting" not in proc.stdout and "heartbeat" not in proc.stdout
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+def test_a_host_cut_off_past_the_peer_timeout_ends_the_attempt_and_the_job_recovers(
+        tmp_path, cache, reference):
+    """A partition (40 s) longer than --peer_timeout_s (5 s): host 1 is
+    declared dead, the link is restored before the restart, every host
+    recovers from memory and every loss is the uninterrupted run's."""
+    proc, records = _network_fault(tmp_path, cache, "partition", 40, "--peer_timeout_s=5")
+    assert "fault: cut off host 1 (link down) after step 3 for 40 s" in proc.stdout
+    assert "fault: reconnected host 1" in proc.stdout
+    assert "fault: restarting all hosts; they recover" in proc.stdout
+    (recovery,) = _events(records, "recovery")
+    assert 3 <= recovery["step"] <= 4 and set(recovery["tiers"]) <= {"local", "peer"}
     assert _losses(records) == reference

@@ -38,8 +38,19 @@ from absl import logging
 
 from capricorn_jax.experimental import HostStore
 from launch.cluster import processes as cluster_lib
+from launch.cluster.netns import ShapedNetwork
 from launch.config import CheckpointConfig
-from launch.fault_plan import PAUSE, PAUSING_POINTS, PERSIST_FAULTS, Fault, FaultConfig
+from launch.fault_plan import (
+    NETWORK_FAULTS,
+    PARTITION,
+    PAUSE,
+    PAUSING_POINTS,
+    PERSIST_FAULTS,
+    SLOW_LINK,
+    SLOW_LINK_FACTOR,
+    Fault,
+    FaultConfig,
+)
 
 
 def pause_marker(workdir: str | Path, host: int) -> Path:
@@ -53,10 +64,12 @@ class FaultInjector:
     Args:
       plan: the faults (``FaultConfig.plan``).
       workdir: the job's WORKDIR (the victims' markers).
+      network: the job's shaped links (the network faults act on them).
     """
 
-    def __init__(self, plan: tuple[Fault, ...], workdir: str):
-        self.plan, self.workdir = plan, workdir
+    def __init__(self, plan: tuple[Fault, ...], workdir: str,
+                 network: ShapedNetwork | None = None):
+        self.plan, self.workdir, self.network = plan, workdir, network
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
         self.kills = 0  # faults done so far
@@ -104,6 +117,9 @@ class FaultInjector:
         if fault.point == PAUSE:
             self._pause()
             return
+        if fault.point in NETWORK_FAULTS:
+            self._network(cut=True)
+            return
         if self.before_kill is not None:
             self.before_kill(fault.hosts, "killed")
         for host in fault.hosts:
@@ -125,8 +141,35 @@ class FaultInjector:
         print(f"fault: paused host{'s' if len(fault.hosts) > 1 else ''} {victims} (SIGSTOP) "
               f"after step {fault.step} for {fault.pause_s:g} s", flush=True)
 
+    def _network(self, cut: bool) -> None:
+        """A partition or a slow link of the victims starts (``cut``) or ends."""
+        fault, network = self.fault, self.network
+        assert network is not None, "a network fault needs the job's shaped links"
+        victims = ", ".join(str(h) for h in fault.hosts)
+        plural = "s" if len(fault.hosts) > 1 else ""
+        if cut and self.before_kill is not None:
+            self.before_kill(fault.hosts, "cut off" if fault.point == PARTITION else "slowed")
+        for host in fault.hosts:
+            if fault.point == PARTITION:
+                network.set_link(host, up=not cut)
+            else:
+                network.set_rate(host, network.options.gbps / SLOW_LINK_FACTOR if cut else None)
+        if not cut:
+            self.resume_at = None
+            what = "reconnected" if fault.point == PARTITION else "restored the link rate of"
+            print(f"fault: {what} host{plural} {victims}", flush=True)
+            return
+        self.resume_at = time.monotonic() + fault.pause_s
+        what = ("cut off host{p} {v} (link down)" if fault.point == PARTITION else
+                f"slowed the link of host{{p}} {{v}} {SLOW_LINK_FACTOR:g}x")
+        print(f"fault: {what.format(p=plural, v=victims)} after step {fault.step} for "
+              f"{fault.pause_s:g} s", flush=True)
+
     def _resume(self) -> None:
         assert self.cluster is not None
+        if self.fault.point in NETWORK_FAULTS:
+            self._network(cut=False)
+            return
         self.resume_at = None
         for host in self.fault.hosts:
             self.cluster.signal_host(host, signal.SIGCONT)
@@ -135,7 +178,10 @@ class FaultInjector:
               f"(SIGCONT)", flush=True)
 
     def after_attempt(self) -> None:
-        """The attempt ended: a pause still running is ended (its hosts are gone)."""
+        """The attempt ended: a pause still running is ended (its hosts are
+        gone); a cut or slowed link is restored before the restart."""
+        if self.resume_at is not None and self.pending and self.fault.point in NETWORK_FAULTS:
+            self._network(cut=False)
         self.resume_at = None
 
     def after_kill(self, checkpoint: CheckpointConfig, hosts: int) -> None:
@@ -186,7 +232,9 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
              "mid_replication": f"paused halfway through writing replicas of version {step + 1}",
              "mid_persist": f"writing persistent version {step + 1}, running on until killed",
              "recovery": "paused at the start of its recovery",
-             PAUSE: f"finished step {step}; the launcher stops it for a while"}[point]
+             PAUSE: f"finished step {step}; the launcher stops it for a while",
+             PARTITION: f"finished step {step}; the launcher cuts its link for a while",
+             SLOW_LINK: f"finished step {step}; the launcher slows its link for a while"}[point]
     # A line of the launcher's faults (as "fault: SIGKILLed host ..."), not a
     # warning: the user asked for it.
     print(f"fault: host {host} {where} (its fault point)", flush=True)

@@ -245,10 +245,14 @@ def check_available(options: LinkOptions) -> None:
         _delete(probe)
 
 
-def _tbf(namespace: str, dev: str, options: LinkOptions) -> None:
+def _tbf(namespace: str, dev: str, options: LinkOptions, verb: str = "add",
+         gbps: float | None = None) -> None:
     burst = options.burst_bytes()
-    _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-         "rate", f"{options.gbps * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
+    rate = options.gbps if gbps is None else gbps
+    _run("tc", "-n", namespace, "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf",
+         "rate", f"{rate * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
+    if verb != "add":
+        return
     if options.latency_ms:
         _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
              "netem", "delay", f"{options.latency_ms / 2:g}ms")
@@ -320,6 +324,16 @@ class ShapedNetwork:
             etc = NETNS_ETC / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.address(host)} {hostname}\n")
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Host ``host``'s link at the switch up or down (down: a partition,
+        both ways; its TCP connections stay open and resume when it is up)."""
+        _run("ip", "-n", self.switch, "link", "set", f"h{host}", "up" if up else "down")
+
+    def set_rate(self, host: int, gbps: float | None = None) -> None:
+        """Host ``host``'s link rate, both ways (None: the job's own rate)."""
+        _tbf(self.host_namespace(host), "eth0", self.options, "change", gbps)
+        _tbf(self.switch, f"h{host}", self.options, "change", gbps)
 
     def close(self) -> None:
         remove_job(self.job)

@@ -179,7 +179,7 @@ def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | Non
     prepare_workdir(config)
     console = Console(verbose=train.verbose)
     plan = config.faults.plan(train.steps)
-    injector = FaultInjector(plan, train.workdir) if plan else None
+    injector = FaultInjector(plan, train.workdir, network) if plan else None
     if injector is not None:
         injector.before_kill = console.injected_kill
     deadline = time.monotonic() + cluster.timeout_s
