@@ -58,12 +58,12 @@ from capricorn_jax._src.scheduling.partitioner import (
     scale_windows,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.threaded import WindowMarks
 from capricorn_jax._src.scheduling.transfers import (
     average_windows,
     schedule_at_risk,
     shortest_windows,
 )
+from capricorn_jax._src.scheduling.window_marks import WindowMarks
 from capricorn_jax._src.strategies.channel_replication import ChannelReplication
 from capricorn_jax._src.strategies.scheduled import PLAN_PROFILES
 

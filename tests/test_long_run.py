@@ -7,7 +7,7 @@ import pytest
 
 from capricorn_jax._src.profiling.layer_profile import Recorder
 from capricorn_jax._src.profiling.probe import CollectiveProbe, StepCollectives
-from capricorn_jax._src.scheduling.threaded import WindowBytes, window_bytes
+from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
 from launch.bench_report import warmup_seconds
 from launch.bench_runner import step_record
 from launch.records import (

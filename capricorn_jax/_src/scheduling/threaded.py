@@ -12,12 +12,14 @@ XLA program while the step computes:
   marks for every schedule, so a re-partition compiles nothing);
 * a mark on every local device of a boundary, or of a collective edge that
   opens an idle span (a span window, ``Window.edge``), opens the windows
-  whose site it is (``executor.site_of``); the sender thread sends each window's ranges,
+  whose site it is (``executor.site_of``; recorded by
+  ``window_marks.WindowMarks``); the sender thread sends each window's ranges,
   in step order, as soon as its window is open, and the schedule's tail
   after the last window, so each window carries what the partitioner sized
   to its capacity; the marks' times give each filled window's real length
   (``last_spans``), which the strategy compares with its plan
-  (``transfers.window_spills``);
+  (``transfers.window_spills``), and the frames' times where each window's
+  bytes went (``last_bytes``: ``window_bytes.window_bytes``);
 * the bytes go over the chunk channel (``scheduling.chunk_channel``: a TCP
   connection per replication round, on the job's address, accepting only its
   job's peer); a receiver thread writes the peer's frames into the version's
@@ -58,12 +60,13 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory.transport import local_rows
-from capricorn_jax._src.native.marks import MarkTable
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import Schedule
+from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
 from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
+from capricorn_jax._src.scheduling.window_marks import WindowMarks
 
 log = logging.getLogger(__name__)
 
@@ -83,125 +86,6 @@ class VersionDropped(RuntimeError):
     def __init__(self, version: int, message: str) -> None:
         super().__init__(message)
         self.version = version
-
-
-class WindowMarks:
-    """The recorder of the marks: opens a site when every local device passed it.
-
-    The marks stamp a ``MarkTable`` (``native.marks``): in the step, the
-    native handler where it could be built (``native_slot`` gives each
-    site its slot; no host callback, no GIL), else a host callback that
-    calls ``record``. The sender thread waits on ``wait_open`` (the table's
-    eventfd, the GIL released) and reads when a site opened (``opened_at``:
-    its last local device's stamp) and the chunk bytes still unacknowledged
-    then (``queued_at``: sampled by that device's mark).
-
-    Args:
-      local_devices: this process's devices (a site opens when as many
-        devices stamped it in the current step).
-      queued: the channel's unacknowledged bytes (the Python marks' sample).
-      devices: the mesh's device count (a mark's tag is its global index).
-      sites: the most distinct sites the step marks.
-      native: stamp from the native handler where available.
-    """
-
-    def __init__(self, local_devices: int,
-                 queued: Callable[[], int | None] | None = None, devices: int = 64,
-                 sites: int = 1024, native: bool = True) -> None:
-        self.local_devices = local_devices
-        self.table = MarkTable(sites, max(devices, local_devices), native=native)
-        self._index: dict[tuple[str, str], int] = {}
-        self._lock = threading.Lock()
-        self._queued = queued
-        self._epoch = 0
-        self._epoch_ns = time.monotonic_ns()
-        # perf_counter and monotonic_ns are one clock on Linux; kept apart anyway.
-        self._to_perf = time.perf_counter() - time.monotonic_ns() / 1e9
-
-    def _site(self, name: str, direction: str) -> int:
-        with self._lock:
-            index = self._index.get((name, direction))
-            if index is None:
-                if len(self._index) >= self.table.stamps.shape[0]:
-                    raise ValueError(f"more than {self.table.stamps.shape[0]} marked sites")
-                index = self._index[(name, direction)] = len(self._index)
-            return index
-
-    def native_slot(self, name: str, direction: str) -> tuple[int, int] | None:
-        """(table, slot) of a native mark of this site, or None (a host callback)."""
-        if not self.table.native:
-            return None
-        assert self.table.id is not None
-        return self.table.id, self._site(name, direction)
-
-    def bind_socket(self, fd: int | None) -> None:
-        """The socket whose unacknowledged bytes a native mark samples."""
-        self.table.bind_socket(fd)
-
-    def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
-        """A mark from a host callback (or a test): stamps the site's slot."""
-        device = int(np.asarray(tag)[0])
-        self.table.stamp(self._site(name, direction), device,
-                         self._queued() if self._queued is not None else None)
-        return np.zeros((), np.float32)
-
-    def _stamps(self, site: Site) -> np.ndarray | None:
-        """This step's stamps of ``site`` (ns), or None if it is not open."""
-        index = self._index.get(site)
-        if index is None:
-            return None
-        row = self.table.stamps[index]
-        mine = row[row >= self._epoch_ns]
-        return mine if mine.size >= self.local_devices else None
-
-    def _open_sites(self) -> dict[Site, int]:
-        """site -> the device column that opened it (the last stamp), this step."""
-        out = {}
-        for site, index in list(self._index.items()):
-            row = self.table.stamps[index]
-            if np.count_nonzero(row >= self._epoch_ns) >= self.local_devices:
-                out[site] = int(np.argmax(row))
-        return out
-
-    @property
-    def opened_at(self) -> dict[Site, float]:
-        """site -> when it opened in this step (perf_counter seconds)."""
-        return {site: self.table.stamps[self._index[site], col] / 1e9 + self._to_perf
-                for site, col in self._open_sites().items()}
-
-    @property
-    def queued_at(self) -> dict[Site, int | None]:
-        """site -> the chunk bytes still unacknowledged when it opened (None: unknown)."""
-        out: dict[Site, int | None] = {}
-        for site, col in self._open_sites().items():
-            value = int(self.table.queued[self._index[site], col])
-            out[site] = None if value < 0 else value
-        return out
-
-    def reset(self) -> int:
-        """A new step: no site is open; returns the step's epoch."""
-        with self._lock:
-            self._epoch += 1
-            self._epoch_ns = time.monotonic_ns()
-            epoch = self._epoch
-        self.table.wake()
-        return epoch
-
-    def wait_open(self, site: Site, epoch: int, timeout_s: float) -> bool:
-        """Whether ``site`` opened in step ``epoch`` within the timeout."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._epoch != epoch:
-                return False
-            if self._stamps(site) is not None:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.table.wait(left)
-
-    def close(self) -> None:
-        self.table.close()
 
 
 class _Version:
@@ -642,82 +526,6 @@ class ThreadedSender:
         self.channel.close()
         self._sender.join(5.0)
         self.marks.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowBytes:
-    """Where a window's bytes went, on this host's link to its peer.
-
-    Attributes:
-      planned: the window's chunk bytes (all its rows), as the schedule put them.
-      sent: bytes handed to the kernel in the window before its closing mark
-        and no longer queued then (on their way or across: they did not meet
-        the collective that mark starts).
-      late: the rest of the bytes handed over in the window: after the
-        closing mark, or still queued (unacknowledged) at it, i.e. bytes
-        that met the collective.
-      carried_out: planned bytes the deadline sender moved on to a later
-        window (or after the step); carried_in: earlier windows' bytes sent
-        in this one. sent + late = planned - carried_out + carried_in.
-    """
-
-    planned: int
-    sent: int
-    late: int
-    carried_out: int = 0
-    carried_in: int = 0
-
-
-def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
-                 window_sites: dict[int, tuple[Site, Site]],
-                 opened: dict[Site, float],
-                 queued_at: dict[Site, int | None],
-                 planned: dict[int, int] | None = None) -> dict[int, WindowBytes]:
-    """Per window (index -> WindowBytes) of one step, from its frames (pure).
-
-    Args:
-      frames: (the site a frame was sent in, when its send began, when it
-        ended, its bytes, the site whose window planned it), every frame of
-        the step.
-      window_sites: window index -> (opening site, closing site).
-      opened: site -> when its mark opened it (windows whose closing site
-        never opened count every byte as sent).
-      queued_at: site -> the channel's unacknowledged bytes when it opened
-        (None or absent: unknown, counted as 0).
-      planned: window index -> its bytes in the schedule (default: the bytes
-        it planned that frames carried).
-
-    A frame whose send spans the closing mark is split in proportion to the
-    time on either side (a send's bytes leave at the link's rate). The bytes
-    queued at the closing mark are the last ones handed over (the queue is
-    first in, first out), so they count against this window's bytes handed
-    over before the mark, at most all of them (the rest were an earlier
-    window's). Alternative not taken: per-packet timestamps
-    (``SO_TIMESTAMPING``), finer but a kernel feature per platform.
-    """
-    out = {}
-    for i, (open_, close) in window_sites.items():
-        mine = [(t0, t1, n) for site, t0, t1, n, _ in frames if site == open_]
-        carried_in = sum(n for site, _, _, n, origin in frames if site == open_ != origin)
-        carried_out = sum(n for site, _, _, n, origin in frames if origin == open_ != site)
-        handed_total = sum(n for _, _, n in mine)
-        wanted = (handed_total - carried_in + carried_out if planned is None
-                  else planned.get(i, 0))
-        t_close = opened.get(close)
-        if t_close is None:
-            out[i] = WindowBytes(wanted, handed_total, 0, carried_out, carried_in)
-            continue
-        before = 0.0
-        for t0, t1, n in mine:
-            if t1 <= t_close:
-                before += n
-            elif t0 < t_close:
-                before += n * (t_close - t0) / (t1 - t0)
-        handed = int(round(before))
-        queued = min(handed, max(0, queued_at.get(close) or 0))
-        out[i] = WindowBytes(wanted, handed - queued, handed_total - handed + queued,
-                             carried_out, carried_in)
-    return out
 
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:

@@ -298,7 +298,7 @@ def window_spills(schedule: Schedule, spans_s: dict[int, float],
       sends_s: window index -> seconds from its opening mark until its last
         frame was sent (None: not measured).
       window_bytes: window index -> its bytes planned, sent inside it and
-        late (``threaded.WindowBytes``: measured on the threaded path; None:
+        late (``window_bytes.WindowBytes``: measured on the threaded path; None:
         not measured: the in-graph path).
 
     Returns:

@@ -1,0 +1,140 @@
+"""The threaded sender's window marks: when each boundary site opened in a step.
+
+``WindowMarks`` records the boundary marks of a step that moves chunks on the
+threaded path (``scheduling.threaded``): a site opens when every local device
+stamped it. It is separate from the sender because it is the one piece the
+step itself touches (the native FFI stamp or the host callback of
+``profiler.ProfileHook``) and the one the mark-cost measurements and the
+native tests drive alone, without a channel or a sender thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from capricorn_jax._src.native.marks import MarkTable
+from capricorn_jax._src.scheduling.executor import Site
+
+
+class WindowMarks:
+    """The recorder of the marks: opens a site when every local device passed it.
+
+    The marks stamp a ``MarkTable`` (``native.marks``): in the step, the
+    native handler where it could be built (``native_slot`` gives each
+    site its slot; no host callback, no GIL), else a host callback that
+    calls ``record``. The sender thread waits on ``wait_open`` (the table's
+    eventfd, the GIL released) and reads when a site opened (``opened_at``:
+    its last local device's stamp) and the chunk bytes still unacknowledged
+    then (``queued_at``: sampled by that device's mark).
+
+    Args:
+      local_devices: this process's devices (a site opens when as many
+        devices stamped it in the current step).
+      queued: the channel's unacknowledged bytes (the Python marks' sample).
+      devices: the mesh's device count (a mark's tag is its global index).
+      sites: the most distinct sites the step marks.
+      native: stamp from the native handler where available.
+    """
+
+    def __init__(self, local_devices: int,
+                 queued: Callable[[], int | None] | None = None, devices: int = 64,
+                 sites: int = 1024, native: bool = True) -> None:
+        self.local_devices = local_devices
+        self.table = MarkTable(sites, max(devices, local_devices), native=native)
+        self._index: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+        self._queued = queued
+        self._epoch = 0
+        self._epoch_ns = time.monotonic_ns()
+        # perf_counter and monotonic_ns are one clock on Linux; kept apart anyway.
+        self._to_perf = time.perf_counter() - time.monotonic_ns() / 1e9
+
+    def _site(self, name: str, direction: str) -> int:
+        with self._lock:
+            index = self._index.get((name, direction))
+            if index is None:
+                if len(self._index) >= self.table.stamps.shape[0]:
+                    raise ValueError(f"more than {self.table.stamps.shape[0]} marked sites")
+                index = self._index[(name, direction)] = len(self._index)
+            return index
+
+    def native_slot(self, name: str, direction: str) -> tuple[int, int] | None:
+        """(table, slot) of a native mark of this site, or None (a host callback)."""
+        if not self.table.native:
+            return None
+        assert self.table.id is not None
+        return self.table.id, self._site(name, direction)
+
+    def bind_socket(self, fd: int | None) -> None:
+        """The socket whose unacknowledged bytes a native mark samples."""
+        self.table.bind_socket(fd)
+
+    def record(self, name: str, direction: str, tag: Any) -> np.ndarray:
+        """A mark from a host callback (or a test): stamps the site's slot."""
+        device = int(np.asarray(tag)[0])
+        self.table.stamp(self._site(name, direction), device,
+                         self._queued() if self._queued is not None else None)
+        return np.zeros((), np.float32)
+
+    def _stamps(self, site: Site) -> np.ndarray | None:
+        """This step's stamps of ``site`` (ns), or None if it is not open."""
+        index = self._index.get(site)
+        if index is None:
+            return None
+        row = self.table.stamps[index]
+        mine = row[row >= self._epoch_ns]
+        return mine if mine.size >= self.local_devices else None
+
+    def _open_sites(self) -> dict[Site, int]:
+        """site -> the device column that opened it (the last stamp), this step."""
+        out = {}
+        for site, index in list(self._index.items()):
+            row = self.table.stamps[index]
+            if np.count_nonzero(row >= self._epoch_ns) >= self.local_devices:
+                out[site] = int(np.argmax(row))
+        return out
+
+    @property
+    def opened_at(self) -> dict[Site, float]:
+        """site -> when it opened in this step (perf_counter seconds)."""
+        return {site: self.table.stamps[self._index[site], col] / 1e9 + self._to_perf
+                for site, col in self._open_sites().items()}
+
+    @property
+    def queued_at(self) -> dict[Site, int | None]:
+        """site -> the chunk bytes still unacknowledged when it opened (None: unknown)."""
+        out: dict[Site, int | None] = {}
+        for site, col in self._open_sites().items():
+            value = int(self.table.queued[self._index[site], col])
+            out[site] = None if value < 0 else value
+        return out
+
+    def reset(self) -> int:
+        """A new step: no site is open; returns the step's epoch."""
+        with self._lock:
+            self._epoch += 1
+            self._epoch_ns = time.monotonic_ns()
+            epoch = self._epoch
+        self.table.wake()
+        return epoch
+
+    def wait_open(self, site: Site, epoch: int, timeout_s: float) -> bool:
+        """Whether ``site`` opened in step ``epoch`` within the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._epoch != epoch:
+                return False
+            if self._stamps(site) is not None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.table.wait(left)
+
+    def close(self) -> None:
+        self.table.close()
