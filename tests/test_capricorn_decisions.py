@@ -30,7 +30,7 @@ from capricorn_jax._src.scheduling.partitioner import (
 )
 from capricorn_jax._src.scheduling.transfers import schedule_at_risk, shortest_windows
 from capricorn_jax._src.scheduling.window_model import WindowModel
-from capricorn_jax._src.strategies import scheduled
+from capricorn_jax._src.strategies import scheduled, window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
 LINK = LinkModel(alpha_s=0.0, bytes_per_s=100.0)  # 1 byte = 10 ms
@@ -143,7 +143,7 @@ def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStra
     s.train = types.SimpleNamespace(moe_layers=MOE)
     s._profiles, s._profiles_seen, s._planned_on = [], 0, None
     s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
-    s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
+    s._spills = collections.deque(maxlen=window_feedback.SPILL_WINDOW)
     s._wants_profile, s.repartitions, s.spill_requests = False, [], []
     s.repartition_sources, s._modelled_windows = [], None
     s.spans = spans
@@ -310,7 +310,7 @@ def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
     s = _strategy("capricorn")
     s.repartitions = [2, 7]
     # A spill within the marks' jitter is none; one window over it is one.
-    for windows in (_windows(0.0, scheduled.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
+    for windows in (_windows(0.0, window_feedback.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
                     _windows(0.5), _windows()):
         s._note_spills(windows)
     assert s.ckpt.status_note == 2 * 1000 + 2
@@ -320,9 +320,9 @@ def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
 
 
 @pytest.mark.parametrize("note, asks", [
-    (1000 + scheduled.SPILL_WINDOW // 2 + 1, True),   # most of the last versions spilled
-    (1000 + scheduled.SPILL_WINDOW // 2, False),      # half is not most
-    (0 * 1000 + scheduled.SPILL_WINDOW, False),       # host 0 counted under an older schedule
+    (1000 + window_feedback.SPILL_WINDOW // 2 + 1, True),   # most of the last versions spilled
+    (1000 + window_feedback.SPILL_WINDOW // 2, False),      # half is not most
+    (0 * 1000 + window_feedback.SPILL_WINDOW, False),       # host 0 counted under an older schedule
     (None, False),                                    # no round agreed yet
 ])
 def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
@@ -340,7 +340,7 @@ def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
 def test_gemini_only_reports_its_spills():
     s = _strategy("gemini")
     s.repartitions = [3]
-    s.ckpt.agreed_note = 1000 + scheduled.SPILL_WINDOW
+    s.ckpt.agreed_note = 1000 + window_feedback.SPILL_WINDOW
     s._check_spills(9)
     assert not s.profile_requested() and s.spill_requests == []
 

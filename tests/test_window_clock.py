@@ -30,7 +30,7 @@ from capricorn_jax._src.scheduling.window_clock import (
     window_sites,
     window_times,
 )
-from capricorn_jax._src.strategies import scheduled
+from capricorn_jax._src.strategies import window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 from tests.helpers import two_host_transport
 from tests.tree_utils import assert_trees_equal
@@ -126,7 +126,7 @@ def _capricorn(trainer, transport, link: LinkModel, seconds: float) -> Scheduled
     s.transfers = ScheduledTransfers(s.ckpt, trainer, BOUNDARIES, link, CHUNK, clock=s.clock)
     s.transfers.repartition(_windows(seconds))
     s._planned_on = None
-    s._spills = collections.deque(maxlen=scheduled.SPILL_WINDOW)
+    s._spills = collections.deque(maxlen=window_feedback.SPILL_WINDOW)
     s._wants_profile, s.repartitions, s.spill_requests = False, [0], []
     return s
 
@@ -155,7 +155,7 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
     s = _capricorn(trainer, transport, LinkModel(alpha_s=1e4, bytes_per_s=1e9), 1.5e4)
     schedule = s.transfers.schedule
     assert schedule.tail_bytes == 0 and all(schedule.chunks)
-    state, moved, windows = _run(s, trainer, batch, rows, scheduled.SPILL_WINDOW)
+    state, moved, windows = _run(s, trainer, batch, rows, window_feedback.SPILL_WINDOW)
     # Every window but the last (closed by the step's end) has its record.
     assert [w["window"] for w in windows] == [f"{n}/{d}" for n, d in NAMES[:4]]
     for i, w in enumerate(windows):
@@ -166,8 +166,8 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
         assert w["late_s"] == round(max(0.0, w["sent_s"] - w["observed_s"]), 6)
     # Most of the last SPILL_WINDOW versions spilled: one request, after the
     # third (more than half of 4), and not again until a profile answers.
-    assert s.ckpt.status_note == 1000 + scheduled.SPILL_WINDOW
-    assert s.profile_requested() and s.spill_requests == [scheduled.SPILL_WINDOW // 2]
+    assert s.ckpt.status_note == 1000 + window_feedback.SPILL_WINDOW
+    assert s.profile_requested() and s.spill_requests == [window_feedback.SPILL_WINDOW // 2]
 
     # The marks change no byte: the same schedule's step without a clock
     # trains and moves bitwise the same.
@@ -175,7 +175,7 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
     plain.repartition(_windows(1.5e4))
     assert plain.schedule == schedule
     want = trainer.init_state(0)
-    for _ in range(scheduled.SPILL_WINDOW):
+    for _ in range(window_feedback.SPILL_WINDOW):
         want, _, want_moved = plain.step_fn(FACTORS)(want, batch, rows)
     assert_trees_equal(state, want)
     for key in ("own", "received"):
@@ -191,7 +191,7 @@ def test_no_request_when_no_window_spills_on_the_in_graph_path(setup):
     trainer, transport, batch, rows = setup
     # A free link: every chunk's modelled time rounds to 0, so no window spills.
     s = _capricorn(trainer, transport, LinkModel(alpha_s=0.0, bytes_per_s=1e30), 1.0)
-    _, _, windows = _run(s, trainer, batch, rows, scheduled.SPILL_WINDOW)
+    _, _, windows = _run(s, trainer, batch, rows, window_feedback.SPILL_WINDOW)
     assert windows and [w["spill_s"] for w in windows] == [0.0] * len(windows)
     assert s.ckpt.status_note == 1000
     assert not s.profile_requested() and s.spill_requests == []

@@ -41,7 +41,8 @@ which would only report them, runs its steps without those marks).
 capricorn asks for a profile when its windows spilled in most of host 0's
 last ``SPILL_WINDOW`` moved versions (agreed through the checkpointer's
 status round), so a schedule planned on slower or faster steps than today's
-is re-planned; gemini keeps its schedule and only reports the spills.
+is re-planned; gemini keeps its schedule and only reports the spills (the
+spill count and the expert windows' model: ``strategies.window_feedback``).
 
 Design choice: the strategy does not decide which steps are profiled; the
 profiling driver (``strategies.driver.ProfilingDriver``) does, for every
@@ -56,7 +57,6 @@ benchmark, with its own defaults.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from typing import Any, NotRequired, TypedDict
 
@@ -65,9 +65,9 @@ import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.multihost.agree import agree_measured, allgather_floats
+from capricorn_jax._src.multihost.agree import allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
+from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
@@ -83,7 +83,7 @@ from capricorn_jax._src.scheduling.transfers import (
     window_spills,
 )
 from capricorn_jax._src.scheduling.window_clock import WindowClock
-from capricorn_jax._src.scheduling.window_model import WindowModel, moved_windows, window_key
+from capricorn_jax._src.scheduling.window_model import WindowModel
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
     HostState,
@@ -93,6 +93,7 @@ from capricorn_jax._src.strategies.base import (
 )
 from capricorn_jax._src.strategies.channel_replication import peer_channel
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
+from capricorn_jax._src.strategies.window_feedback import SPILL_WINDOW, WindowFeedback
 
 KINDS = ("gemini", "capricorn")
 CHUNK_PATHS = ("auto", "in_graph", "threaded")
@@ -101,17 +102,11 @@ PLAN_PROFILES = 3
 profiles: one profile is one noisy sample, and on this box a profile that
 caught a slow step (1.3-1.7x the others) planned the whole version into one
 window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
-SPILL_WINDOW = 4
-"""capricorn, both paths: the moved versions over which host 0 counts the
-ones in which a window spilled; more than half of them ask for a profile."""
 MAX_SPREAD = 8
 """Under a cost budget, the most steps one version's chunks may spread over
 (``partitioner.spread``): a version the windows of one step cannot hold goes
 over the windows of the fewest steps that hold it, and the versions of the
 steps in between are not taken."""
-SPILL_TOLERANCE_S = 0.001
-"""A window spills when its chunks' modelled link time exceeds its measured
-idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +133,7 @@ def resolve_chunk_path(path: str) -> str:
     return path
 
 
-class ScheduledStrategy(InMemoryStrategy):
+class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
     """``gemini`` / ``capricorn`` (see the module docstring).
 
     Args:
@@ -396,88 +391,6 @@ class ScheduledStrategy(InMemoryStrategy):
         self._spills.clear()  # a new schedule in force: its spills count afresh
         return self._repartition(step, windows, "cost_model")
 
-    def _expert_windows(self) -> dict[str, int]:
-        """Window key -> MoE layer (row of ``tokens_per_expert``) of the plan's
-        expert windows: each MoE segment's interior spans (between its
-        dispatch and its combine), the part of the layer the load changes."""
-        if self._planned_on is None or not self.spans:
-            return {}
-        layer_of = moe_segments(self._planned_on, self.train.moe_layers)
-        out = {}
-        for seg in self._planned_on.segments:
-            key = (seg.name, seg.direction)
-            if key in layer_of and seg.spans and len(seg.spans) > 2:
-                for span in seg.spans[1:-1]:
-                    out[window_key(Window(seg.name, seg.direction, 0.0, span.edge))] = \
-                        layer_of[key]
-        return out
-
-    def _observe_windows(self, records: list[dict[str, Any]],
-                         tokens_per_expert: np.ndarray | None) -> None:
-        """Feeds the window model the expert windows this step measured, at
-        the load of the step that moved them."""
-        experts = self._expert_windows()
-        if self.kind != "capricorn" or tokens_per_expert is None or not experts:
-            return
-        peaks = np.asarray(tokens_per_expert).max(axis=-1)
-        for record in records:
-            layer = experts.get(record["window"])
-            if layer is not None:
-                self.window_model.observe(record["window"], float(peaks[layer]),
-                                          record["observed_s"])
-
-    def _replan_by_window_model(self, step: int, tokens_per_expert: np.ndarray
-                                ) -> dict[str, Any] | None:
-        """capricorn's re-plan from its expert windows' model (issue 38): the
-        plan's windows with each expert window that the next step's load moves
-        beyond its noise (``window_model.moved_windows``) at its predicted
-        idle time. Host 0's answer is every host's (one agreement: this is
-        called on every host at the same steps). None: the model cannot say
-        (no fit covers the load): the caller tries its segment models."""
-        experts = self._expert_windows()
-        mine: dict[int, float] | None = None
-        if experts and self._plan_windows:
-            peaks = np.asarray(tokens_per_expert).max(axis=-1)
-            loads = {key: float(peaks[layer]) for key, layer in experts.items()}
-            fits = {key: f for key in experts if (f := self.window_model.fit_of(key))}
-            mine = moved_windows(self._plan_windows, loads, fits)
-        (code,) = agree_measured([-1.0 if mine is None else float(len(mine))],
-                                 what="window_model")
-        if code < 0:
-            return None
-        if code == 0:
-            return {}  # every expert window within its noise: the plan stands
-        windows = [dataclasses.replace(w, duration_s=(mine or {}).get(i, w.duration_s))
-                   for i, w in enumerate(self._plan_windows)]
-        self._modelled_windows = windows
-        self._spills.clear()
-        self.window_model_replans.append(step)
-        return self._repartition(step, windows, "window_model")
-
-    def _note_spills(self, windows: list[dict[str, Any]]) -> None:
-        """Counts this host's recent spilled versions into the status note of
-        the save about to run: (schedules so far) * 1000 + spilled versions
-        among the last ``SPILL_WINDOW`` under the schedule in force."""
-        # The modelled spill (a window shorter than planned), not the measured
-        # lateness: a new profile fixes the first; the second also holds the
-        # link model's error, which a profile would not change.
-        self._spills.append(any(w["spill_s"] > SPILL_TOLERANCE_S for w in windows))
-        self.ckpt.status_note = len(self.repartitions) * 1000 + sum(self._spills)
-
-    def _check_spills(self, version: int) -> None:
-        """capricorn: when host 0's note (agreed through the save's status
-        round, the same on every host, no collective of its own) says a
-        window spilled in most of its last ``SPILL_WINDOW`` moved versions
-        under the schedule in force, the strategy asks the driver for a
-        profile (``profile_requested``) and re-plans on the step's present
-        timing. Gemini keeps its schedule: it only reports the spills."""
-        note = self.ckpt.agreed_note
-        if self.kind != "capricorn" or note is None or self._wants_profile:
-            return
-        if note // 1000 == len(self.repartitions) and note % 1000 > SPILL_WINDOW // 2:
-            self._wants_profile = True
-            self.spill_requests.append(version)
-
     def in_graph_windows(self, payloads: MovedPayloads, state: State) -> list[dict[str, Any]]:
         """The ``window_spills`` records of the in-graph step that moved
         ``payloads`` and returned ``state``, from the window clock's marks
@@ -486,11 +399,6 @@ class ScheduledStrategy(InMemoryStrategy):
         jax.block_until_ready((payloads["received"], state))
         transport = payloads.get("transport", self.ckpt.transport)
         return self.clock.windows(self.transfers.schedule_for(transport), self._planned_on)
-
-    def profile_requested(self) -> bool:
-        """capricorn: the windows its schedule filled spilled in most of the
-        last checked steps (the same answer on every host)."""
-        return self._wants_profile
 
     def allow_profile(self, detector: DynamicityDetector, tokens_per_expert: np.ndarray) -> bool:
         """capricorn: whether the schedule in force may overflow at this load
