@@ -28,7 +28,8 @@ from capricorn_jax._src.profiling.boundary import (
 from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import START
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition, spread
+from capricorn_jax._src.scheduling.partition_search import spread
+from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.threaded import ThreadedSender
 from capricorn_jax._src.scheduling.window_marks import WindowMarks
 

@@ -201,7 +201,7 @@ class ThreadedSender:
         """Version ``version``'s chunks go as the step about to be dispatched
         opens its windows. ``own``: its packed payload [devices, bytes].
         ``parts`` > 1: the schedule's windows are ``parts`` steps' windows
-        (``partitioner.spread``); this step sends the first step's, and each
+        (``partition_search.spread``); this step sends the first step's, and each
         ``resume`` the next's."""
         if self.failure is not None:
             raise RuntimeError("the chunk channel failed earlier") from self.failure

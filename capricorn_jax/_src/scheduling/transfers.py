@@ -34,15 +34,14 @@ from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.executor import InStepSender, SiteClock, scheduled_step
 from capricorn_jax._src.scheduling.load_windows import windows_at
+from capricorn_jax._src.scheduling.partition_search import even_partition, spread
 from capricorn_jax._src.scheduling.partitioner import (
     LinkModel,
     Schedule,
     Window,
-    even_partition,
     fit_link_model,
     partition,
     scale_windows,
-    spread,
 )
 
 if TYPE_CHECKING:
@@ -122,7 +121,7 @@ class ScheduledTransfers:
       chunk_cap: largest chunk in bytes.
       margin: windows are scaled by this before partitioning (safety).
       even: fill every window to the same least share of its (margin-scaled)
-        time that holds the version (``partitioner.even_partition``), not
+        time that holds the version (``partition_search.even_partition``), not
         greedily in order to the margin.
       clock: the in-graph path's window clock (``window_clock.WindowClock``),
         whose marks the compiled steps carry; None: steps without marks.
@@ -162,7 +161,7 @@ class ScheduledTransfers:
 
     def spread_for(self, transport: Transport, max_steps: int) -> tuple[Schedule, int]:
         """(schedule, k): ``transport``'s payload over the windows of the
-        fewest steps k <= ``max_steps`` that hold it (``partitioner.spread``;
+        fewest steps k <= ``max_steps`` that hold it (``partition_search.spread``;
         k = 1 is ``schedule_for``'s)."""
         schedule = self.schedule_for(transport)
         if not schedule.tail or max_steps == 1:

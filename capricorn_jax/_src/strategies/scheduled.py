@@ -104,7 +104,7 @@ caught a slow step (1.3-1.7x the others) planned the whole version into one
 window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
 MAX_SPREAD = 8
 """Under a cost budget, the most steps one version's chunks may spread over
-(``partitioner.spread``): a version the windows of one step cannot hold goes
+(``partition_search.spread``): a version the windows of one step cannot hold goes
 over the windows of the fewest steps that hold it, and the versions of the
 steps in between are not taken."""
 
