@@ -62,6 +62,7 @@ from launch.fault_plan import (
     PAUSE,
     PAUSING_POINTS,
     PERSIST_FAULTS,
+    RECOVERY_POINTS,
     SLOW_LINK,
     TIMED,
     Fault,
@@ -178,7 +179,7 @@ class Trial:
 
 def _describe(f: Fault) -> str:
     who = "+".join(str(h) for h in f.hosts)
-    where = "recovery" if f.point == "recovery" else f"{f.point}@{f.step}"
+    where = f.point if f.point in RECOVERY_POINTS else f"{f.point}@{f.step}"
     extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else "",
                      f" {f.pause_s:g}s" if f.point in TIMED else ""])
     return f"host {who} {where} {f.mode}{extra}"
@@ -201,8 +202,15 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
     low = 1
     for n in range(2 if rng.random() < 0.4 else 1):
         if n == 1 and rng.random() < 0.5:  # a host lost while the job recovers
-            faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
-                                rng.choice(["process", "host"])))
+            lost = faults[0] if faults else None
+            if (lost is not None and lost.mode == "host" and not lost.wipe_all
+                    and len(lost.hosts) == 1 and topo.replicas == 2 and rng.random() < 0.5):
+                # ... the one that serves the lost store's replica, in the serve round
+                server = send_rounds(topo.hosts, topo.replicas)[0][lost.hosts[0]]
+                faults.append(Fault((server,), -1, "mid_serve", "process"))
+            else:
+                faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
+                                    rng.choice(["process", "host"])))
             break
         points = [p for p in POINTS
                   if (persist or p not in ("mid_persist", *PERSIST_FAULTS))
@@ -278,7 +286,7 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     problems: list[str] = []
     # A pause past the peer timeout ends its attempt like a kill; a shorter
     # one ends nothing (and must cause no recovery).
-    kills = [f for f in trial.faults if f.point not in ("recovery", CORRUPT_FRAME,
+    kills = [f for f in trial.faults if f.point not in (*RECOVERY_POINTS, CORRUPT_FRAME,
                                                          *PERSIST_FAULTS) and not _outlasted(f)]
     killing = len([f for f in trial.faults if f.point not in (CORRUPT_FRAME, *PERSIST_FAULTS)])
     if strikes != killing:
@@ -300,7 +308,8 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     if seen | unlogged != set(range(steps)) or not seen <= set(range(steps)):
         problems.append(f"steps logged {sorted(seen)}, expected 0..{steps - 1}")
     recoveries = [r for r in records if r.get("event") == "recovery"]
-    expected_recoveries = len(kills) + len([f for f in trial.faults if f.point == "recovery"])
+    expected_recoveries = len(kills) + len([f for f in trial.faults
+                                            if f.point in RECOVERY_POINTS])
     if any(_outlasted(f) or f.point == CORRUPT_FRAME for f in trial.faults) and \
             len(recoveries) > expected_recoveries:
         problems.append(f"{len(recoveries)} recoveries where the faults end "

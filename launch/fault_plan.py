@@ -24,9 +24,14 @@ from launch.strategies import IN_MEMORY, SCHEDULED
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                "persist_error", "persist_hang", "pause", "corrupt_frame", "partition",
-                "slow_link")
-PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery"})
+                "mid_serve", "persist_error", "persist_hang", "pause", "corrupt_frame",
+                "partition", "slow_link")
+PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery", "mid_serve"})
+# Points of the next recovery (a fault's ``step`` is ignored): ``recovery``
+# kills the victims at its start; ``mid_serve`` kills a host as it is about to
+# serve a peer's payload in the recovery's serve round (it follows a fault
+# that lost a host's store, so the recovery has something to serve).
+RECOVERY_POINTS = frozenset({"recovery", "mid_serve"})
 # Faults that kill no host: the victim's persistent write of version step + 1
 # fails with an I/O error, or hangs, after the hosts' pre-check. The job goes
 # on (that step dropped on every host), so such a fault ends no attempt and
@@ -163,8 +168,16 @@ class FaultConfig:
                 raise FlagError(f"--kill_host={self.kill_host} is not a host (--hosts={hosts})")
             if not 0 <= self.kill_at_step < steps:
                 raise FlagError(f"--kill_at_step={self.kill_at_step} must be in [0, --steps)")
-        for i, fault in enumerate(self.plan(steps)):
+        plan = self.plan(steps)
+        for i, fault in enumerate(plan):
             self._check(i, fault, hosts, steps, strategy, replicas, persist_every)
+            if fault.point == "mid_serve" and not (
+                    i and (plan[i - 1].mode == "host" or plan[i - 1].wipe_all) and
+                    strategy in IN_MEMORY and replicas >= 2):
+                raise FlagError(f"--fault_plan fault {i}: mid_serve kills a host serving a "
+                                f"peer's payload in a recovery: it follows a fault with mode "
+                                f"'host' (a lost store to serve), with --ckpt in "
+                                f"{', '.join(IN_MEMORY)} and --replicas >= 2")
             if fault.point in NETWORK_FAULTS and not shaped:
                 raise FlagError(f"--fault_plan fault {i}: {fault.point} acts on the hosts' "
                                 f"shaped links: it needs --link_gbps > 0")
@@ -180,7 +193,7 @@ class FaultConfig:
                 0 <= h < hosts for h in fault.hosts):
             raise FlagError(f"{what}: hosts {list(fault.hosts)} must be distinct hosts of "
                             f"--hosts={hosts}")
-        if fault.point != "recovery" and not 0 <= fault.step < steps:
+        if fault.point not in RECOVERY_POINTS and not 0 <= fault.step < steps:
             raise FlagError(f"{what}: step {fault.step} must be in [0, --steps={steps})")
         if fault.point == "mid_replication" and strategy not in IN_MEMORY:
             raise FlagError(f"{what}: mid_replication pauses the in-memory tier's "

@@ -59,9 +59,13 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         print(f"fault: host {host} flipped a byte of its first chunk frame of version {version} "
               f"after its checksum (its fault point)", flush=True)
 
+    def on_serve(version: int) -> None:  # about to serve a peer's payload in a recovery
+        faults_lib.reached(faults, workdir, host, "mid_serve", version)
+
     hooks = FaultHooks(stall_replica_writer_at=faults.stall(host),
                        pause_mid_replication_at=pause, on_pause=on_pause,
-                       flip_frame_at=faults.flip_frame_at, on_flip=on_flip)
+                       flip_frame_at=faults.flip_frame_at, on_flip=on_flip,
+                       on_serve=on_serve)
     options = capricorn_jax.InMemoryOptions(
         store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,
         chunk_bytes=ckpt_cfg.chunk_bytes, replication_timeout_s=ckpt_cfg.replication_timeout_s,

@@ -29,7 +29,7 @@ def test_draws_are_replayable_and_valid():
         topo = trial.topology
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 2
-        last = ("recovery", "pause", "corrupt_frame", *PERSIST_FAULTS)
+        last = ("recovery", "mid_serve", "pause", "corrupt_frame", *PERSIST_FAULTS)
         kills = [f for f in trial.faults if f.point not in last]
         assert trial.faults[:len(kills)] == tuple(kills)
         rest = trial.faults[len(kills):]  # a kill during recovery, a pause, a persist fault
@@ -39,6 +39,10 @@ def test_draws_are_replayable_and_valid():
             # capricorn only; its victim sends to host 0 (whose metrics the oracle reads)
             assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
             assert send_rounds(topo.hosts, topo.replicas)[0][rest[0].hosts[0]] == 0
+        if rest and rest[0].point == "mid_serve":  # the holder of the lost store's replica
+            (lost,) = kills
+            assert lost.mode == "host" and topo.replicas == 2 and len(lost.hosts) == 1
+            assert rest[0].hosts == (send_rounds(topo.hosts, 2)[0][lost.hosts[0]],)
         if rest and rest[0].point == "pause":
             assert len(rest[0].hosts) == 1 and rest[0].pause_s in (3.0, 20.0)
             assert "--peer_timeout_s=8" in trial.flags(12, "tiny")
@@ -59,7 +63,7 @@ def test_draws_are_replayable_and_valid():
     seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
                                                             12).faults}
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                    "persist_error", "persist_hang", "pause", "corrupt_frame"}
+                    "mid_serve", "persist_error", "persist_hang", "pause", "corrupt_frame"}
 
 
 def _plan_flag(trial):

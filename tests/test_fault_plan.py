@@ -190,3 +190,21 @@ def test_a_network_fault_records_how_long_it_lasts():
     (fault,) = FaultConfig(**{**BASE, "fault_plan": plan, "shaped": True}).plan(12)
     assert fault == Fault((2,), 6, "slow_link", pause_s=8.0)
     assert fault.to_json()["pause_s"] == 8
+
+
+@pytest.mark.parametrize("plan", [
+    '[{"hosts": [0], "step": -1, "point": "mid_serve"}]',
+    '[{"hosts": [1], "step": 3}, {"hosts": [0], "step": -1, "point": "mid_serve"}]',
+])
+def test_a_mid_serve_kill_needs_a_lost_store_before_it(plan):
+    with pytest.raises(FlagError, match=r"^--fault_plan fault \d: mid_serve kills a host serving "
+                                        r"a peer's payload in a recovery: it follows a fault "
+                                        r"with mode 'host'"):
+        FaultConfig(**{**BASE, "fault_plan": plan})
+
+
+def test_a_mid_serve_kill_after_a_machine_loss_is_a_plan():
+    plan = ('[{"hosts": [1], "step": 3, "mode": "host"}, '
+            '{"hosts": [0], "step": -1, "point": "mid_serve"}]')
+    faults = FaultConfig(**{**BASE, "fault_plan": plan}).plan(12)
+    assert faults[1] == Fault((0,), -1, "mid_serve")

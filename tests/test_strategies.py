@@ -493,3 +493,28 @@ def test_a_host_cut_off_past_the_peer_timeout_ends_the_attempt_and_the_job_recov
     (recovery,) = _events(records, "recovery")
     assert 3 <= recovery["step"] <= 4 and set(recovery["tiers"]) <= {"local", "peer"}
     assert _losses(records) == reference
+
+
+def test_a_host_killed_while_serving_a_lost_peer_in_recovery_is_survived(
+        tmp_path, cache, reference):
+    """Fault class kill_mid_serve: host 1 is lost as a machine after step 3
+    (its store wiped); in the recovery, host 0, about to serve host 1's
+    replica (the serve round), is killed too. The job restarts again and
+    recovers from the peer tier (host 0's store survived its process),
+    bit for bit."""
+    plan = ('[{"hosts": [1], "step": 3, "mode": "host"}, '
+            '{"hosts": [0], "step": -1, "point": "mid_serve"}]')
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", f"--fault_plan={plan}", timeout=900, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fault: SIGKILLed host 1 at step 3 (after_step, mode host)" in proc.stdout
+    assert "fault: SIGKILLed host 0 serving a peer's version (mid_serve, mode process)" in \
+        proc.stdout
+    assert proc.stdout.count("fault: restarting all hosts; they recover") == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    (recovery,) = _events(records, "recovery")  # the interrupted one logged none
+    assert recovery["tiers"] == ["local", "peer"] and recovery["bytes_moved"] > 0
+    assert 3 <= recovery["step"] <= 4
+    assert _losses(records) == reference
+    assert [r["step"] for r in _steps(records)][-1] == STEPS - 1

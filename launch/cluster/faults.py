@@ -46,6 +46,7 @@ from launch.fault_plan import (
     PAUSE,
     PAUSING_POINTS,
     PERSIST_FAULTS,
+    RECOVERY_POINTS,
     SLOW_LINK,
     SLOW_LINK_FACTOR,
     Fault,
@@ -124,7 +125,8 @@ class FaultInjector:
             self.before_kill(fault.hosts, "killed")
         for host in fault.hosts:
             self.cluster.kill_host(host, signal.SIGKILL)
-        where = "recovering" if fault.point == "recovery" else f"at step {fault.step}"
+        where = ("recovering" if fault.point == "recovery" else "serving a peer's version"
+                 if fault.point == "mid_serve" else f"at step {fault.step}")
         victims = ", ".join(str(h) for h in fault.hosts)
         print(f"fault: SIGKILLed host{'s' if len(fault.hosts) > 1 else ''} {victims} {where} "
               f"({fault.point}, mode {fault.mode})", flush=True)
@@ -225,13 +227,14 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
     fault's, says so to the injector (a marker file) and, at a pausing point,
     waits there for the SIGKILL (bounded: it ends itself after 120 s)."""
     at = config.at()
-    if at is None or at[0] != point or (point != "recovery" and at[1] != step):
+    if at is None or at[0] != point or (point not in RECOVERY_POINTS and at[1] != step):
         return
     where = {"after_step": f"paused after step {step}",
              "mid_step": f"in step {step}, running on until killed",
              "mid_replication": f"paused halfway through writing replicas of version {step + 1}",
              "mid_persist": f"writing persistent version {step + 1}, running on until killed",
              "recovery": "paused at the start of its recovery",
+             "mid_serve": f"paused in its recovery, about to serve a peer version {step}",
              PAUSE: f"finished step {step}; the launcher stops it for a while",
              PARTITION: f"finished step {step}; the launcher cuts its link for a while",
              SLOW_LINK: f"finished step {step}; the launcher slows its link for a while"}[point]

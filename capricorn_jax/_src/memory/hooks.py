@@ -40,6 +40,8 @@ class FaultHooks:
         computed: a byte corrupted in transit, which the peer's check must
         catch.
       on_flip: called with that version when the byte is flipped.
+      on_serve: called with the version on a host about to serve a peer's
+        payload in a recovery's serve round (e.g. to kill the process there).
     """
 
     stall_replica_writer_at: tuple[int, float] | None = None
@@ -47,6 +49,7 @@ class FaultHooks:
     on_pause: Callable[[int], None] | None = None
     flip_frame_at: int | None = None
     on_flip: Callable[[int], None] | None = None
+    on_serve: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         stall = self.stall_replica_writer_at

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from jax.sharding import Mesh
 
+from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan
 from capricorn_jax._src.memory.pec_tier import PecTier
@@ -40,6 +41,7 @@ class TierReader(Protocol):
         serves a version through it).
       store: this host's store.
       pec: the PEC record (None: versions are whole).
+      hooks: fault injection (``hooks.FaultHooks``; a serve round's point).
     """
 
     host: int
@@ -52,6 +54,7 @@ class TierReader(Protocol):
     transport: Transport
     store: HostStore
     pec: PecTier | None
+    hooks: FaultHooks
 
     def drop_newer_than(self, step: int) -> None:
         """Removes every stored version newer than ``step`` (a recovery to it)."""

@@ -249,6 +249,8 @@ def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
     for perm in serve_rounds(sources):
         send = {}
         if ckpt.host in perm:
+            if ckpt.hooks.on_serve is not None:
+                ckpt.hooks.on_serve(step)  # fault injection: a server lost mid-recovery
             send = dict(enumerate(read_rows(ckpt, perm[ckpt.host], step, plan)))
         received = transport.serve(send, perm)
         if ckpt.host in perm.values():
