@@ -211,6 +211,9 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
             else:
                 faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
                                     rng.choice(["process", "host"])))
+                if rng.random() < 0.3:  # double_kill: the next recovery is struck too
+                    faults.append(Fault((rng.randrange(topo.hosts),), -1, "recovery",
+                                        rng.choice(["process", "host"])))
             break
         points = [p for p in POINTS
                   if (persist or p not in ("mid_persist", *PERSIST_FAULTS))

@@ -217,22 +217,26 @@ def test_inmem_over_the_chunk_channel_replicates_and_recovers_bitwise(tmp_path, 
         assert recovery["plt"] > 0
 
 
-def test_a_host_lost_while_the_job_recovers_leads_to_a_second_recovery(tmp_path, cache,
-                                                                        reference):
-    """Failure during recovery (--fault_plan): host 1 is killed after step 4;
-    while the restarted job recovers, host 0 is lost as a machine (killed, its
-    RAM store wiped). The third attempt recovers again: host 0's shards come
-    from host 1's replica, and every loss is the uninterrupted run's."""
+def test_hosts_lost_twice_while_the_job_recovers_lead_to_another_recovery(tmp_path, cache,
+                                                                           reference):
+    """Failures during recovery (--fault_plan), fault class double_kill: host 1
+    is killed after step 4; while the restarted job recovers, host 0 is lost
+    as a machine (killed, its RAM store wiped); while the next attempt
+    recovers, host 1 is killed again. The fourth attempt recovers: host 0's
+    shards come from host 1's replica, and every loss is the uninterrupted
+    run's."""
     plan = ('[{"hosts": [1], "step": 4}, '
-            '{"hosts": [0], "point": "recovery", "mode": "host"}]')
+            '{"hosts": [0], "point": "recovery", "mode": "host"}, '
+            '{"hosts": [1], "point": "recovery"}]')
     proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
                      "--ckpt=inmem", f"--fault_plan={plan}", timeout=600, env=cache)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert_no_orphans(str(tmp_path / "w"))
-    assert proc.stdout.count("fault: SIGKILLed") == 2
+    assert proc.stdout.count("fault: SIGKILLed") == 3
     assert "fault: SIGKILLed host 0 recovering (recovery, mode host)" in proc.stdout
+    assert "fault: SIGKILLed host 1 recovering (recovery, mode process)" in proc.stdout
     records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
-    (recovery,) = _events(records, "recovery")  # the attempt killed while recovering logs none
+    (recovery,) = _events(records, "recovery")  # the attempts killed while recovering log none
     # Version 5 when host 1's replica of it was written before the first kill, else 4.
     assert KILL_AT <= recovery["step"] <= KILL_AT + 1
     assert recovery["tiers"] == ["peer", "local"] and recovery["bytes_moved"] > 0
