@@ -38,7 +38,7 @@ def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
 def run_train(*flags: str, timeout: float = 300.0,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs ``python -m launch.train FLAGS`` from the repo root; captures output."""
-    env = child_env(**(env or {}))
+    env = child_env(None, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "launch.train", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,

@@ -169,7 +169,7 @@ def _state(step: int, shardings):
     import jax
 
     host = expected_state(step)
-    return {k: jax.make_array_from_callback(v.shape, shardings[k], lambda idx, v=v: v[idx])
+    return {k: jax.make_array_from_callback(v.shape, shardings[k], v.__getitem__)
             for k, v in host.items()}
 
 
@@ -333,6 +333,7 @@ def reshard(args: dict) -> None:
     state = manager.restore(args=ocp.args.Composite(
         state=capricorn_jax.CapricornRestore(target))).state
     info = manager.last_restore
+    assert info is not None
     _result(step=info.step, tier=info.tier, devices=len(jax.devices()),
             bitwise=_bitwise_equal(state, info.step),
             sharded_as_target=all(state[k].sharding == target[k].sharding for k in state))

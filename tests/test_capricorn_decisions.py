@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import collections
 import types
+from typing import cast
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capricorn_jax import InMemoryCheckpointer
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, Span
 from capricorn_jax._src.scheduling.load_windows import MODEL_MARGIN, windows_at_load
@@ -28,7 +30,11 @@ from capricorn_jax._src.scheduling.partitioner import (
     partition,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.transfers import schedule_at_risk, shortest_windows
+from capricorn_jax._src.scheduling.transfers import (
+    ScheduledTransfers,
+    schedule_at_risk,
+    shortest_windows,
+)
 from capricorn_jax._src.scheduling.window_model import WindowModel
 from capricorn_jax._src.strategies import scheduled, window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
@@ -138,8 +144,8 @@ class _Transfers:
 def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStrategy:
     s = ScheduledStrategy.__new__(ScheduledStrategy)
     s.kind, s.first_n, s.link = kind, first_n, LINK
-    s.transfers = _Transfers()
-    s.ckpt = types.SimpleNamespace(status_note=0, agreed_note=None)
+    s.transfers = cast(ScheduledTransfers, _Transfers())  # test doubles
+    s.ckpt = cast(InMemoryCheckpointer, types.SimpleNamespace(status_note=0, agreed_note=None))
     s.train = types.SimpleNamespace(moe_layers=MOE)
     s._profiles, s._profiles_seen, s._planned_on = [], 0, None
     s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)

@@ -29,7 +29,9 @@ def test_a_named_thread_s_cpu_lands_in_its_group_and_nowhere_else() -> None:
 
     def writer() -> None:
         _spin(0.5)
-        during.update(cpu_account.sample())  # sampled while this thread is alive
+        now = cpu_account.sample()  # sampled while this thread is alive
+        assert now is not None
+        during.update(now)
         done.set()
 
     t = threading.Thread(target=writer, name="ckpt-own-writer")

@@ -68,14 +68,16 @@ def _collective_sequence(hlo: str) -> list[str]:
     entry = hlo[hlo.index("ENTRY"):]
     out = []
     for line in entry.split("\n"):
-        name = re.search(r'op_name="([^"]*)"', line)
-        if not name or not re.search(r" (collective-permute|all-to-all)\(", line):
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        if not op_name or not re.search(r" (collective-permute|all-to-all)\(", line):
             continue
-        name = name.group(1)
+        name = op_name.group(1)
         if "ppermute" in name:
             out.append("B" if "transpose(" in name else "F" if "jvp(" in name else "S")
         else:
-            block = re.search(r"block(\d)", name).group(1)
+            block_m = re.search(r"block(\d)", name)
+            assert block_m is not None
+            block = block_m.group(1)
             out.append(("b" if "transpose(" in name else "f") + block)
     return out
 

@@ -97,7 +97,9 @@ def _kill_job_at(procs: list[subprocess.Popen], marker: str, timeout: float = 15
     seen = threading.Event()
 
     def pump(i: int) -> None:
-        for line in procs[i].stdout:
+        stdout = procs[i].stdout
+        assert stdout is not None
+        for line in stdout:
             lines[i].append(line)
             if line.strip() == marker:
                 seen.set()

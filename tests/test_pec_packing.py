@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import cast
 
 if __name__ == "__main__":  # a worker of the two-process test: set up JAX first
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -39,7 +40,7 @@ from capricorn_jax._src.memory.packing import (
 )
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.transport import Transport, local_rows
-from capricorn_jax._src.partial.leaves import expert_leaf_axes, leaf_steps, pec_bytes
+from capricorn_jax._src.partial.leaves import MoEShape, expert_leaf_axes, leaf_steps, pec_bytes
 from capricorn_jax._src.partial.plans import version_needs
 from capricorn_jax._src.partial.selection import PecOptions, padded_gather_indices, sequential_mask
 from capricorn_jax._src.partial.tracker import PltTracker, restore_plan
@@ -402,13 +403,14 @@ def _worker(host: int, port: int, root: str) -> None:
         ckpt.store.wipe()  # the machine is lost: its RAM store is gone
     multihost_utils.sync_global_devices("wiped")
     recovered = capricorn_jax.recover(checkpointer())
+    assert recovered is not None and recovered.pec is not None
     assert recovered.host_state == {"data": [host, 6]}, recovered.host_state
     tracker = _replay(masks)
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
     plan = restore_plan(saved, 6, tracker, 6 * TOKENS_PER_STEP)
     assert recovered.pec.source == plan.source.tolist() and recovered.pec.plt == plan.plt
     _check_shards(base, recovered.state, leaf_steps(plan, expert_leaf_axes(
-        trainer.abstract_state, cfg)))
+        trainer.abstract_state, cast(MoEShape, cfg))))
     print("RESULT " + json.dumps({
         "tiers": recovered.tiers, "step": recovered.step, "bytes_moved": recovered.bytes_moved,
         "versions": recovered.pec.versions, "plt": recovered.pec.plt,

@@ -11,6 +11,7 @@ windows at edges in a real step: tests/test_threaded.py."""
 from __future__ import annotations
 
 import types
+from typing import cast
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def _times(edges: dict[tuple[str, str], float], **boundaries: float) -> dict:
     at every mark but the start (a boundary is passed by the last device)."""
     marks = {("step", "start"): 0.0, ("block0", "fwd"): 10.0, ("block1", "fwd"): 30.0,
              ("block1", "bwd"): 40.0, ("block0", "bwd"): 70.0, ("step", "end"): 80.0}
-    marks.update({tuple(k.split("__")): v for k, v in boundaries.items()})
+    marks.update({cast("tuple[str, str]", tuple(k.split("__"))): v for k, v in boundaries.items()})
     marks.update(edges)
     out = {}
     for (name, direction), t in marks.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import types
+from typing import cast
 
 import jax
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capricorn_jax import InMemoryCheckpointer
 from capricorn_jax._src.memory.packing import encode_trailer
 from capricorn_jax._src.scheduling.executor import AFTER, START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
@@ -121,7 +123,8 @@ def _capricorn(trainer, transport, link: LinkModel, seconds: float) -> Scheduled
     host 0's note, this host's own)."""
     s = ScheduledStrategy.__new__(ScheduledStrategy)
     s.kind, s.link = "capricorn", link
-    s.ckpt = types.SimpleNamespace(transport=transport, status_note=0, agreed_note=None)
+    s.ckpt = cast(InMemoryCheckpointer,  # a test double
+                  types.SimpleNamespace(transport=transport, status_note=0, agreed_note=None))
     s.clock = WindowClock(trainer.mesh, BOUNDARIES)
     s.transfers = ScheduledTransfers(s.ckpt, trainer, BOUNDARIES, link, CHUNK, clock=s.clock)
     s.transfers.repartition(_windows(seconds))
@@ -136,6 +139,7 @@ def _run(s: ScheduledStrategy, trainer, batch, rows, versions: int):
     ``save`` does them; returns the last state, moved payloads and records."""
     state = trainer.init_state(0)
     step = s.transfers.step_fn(FACTORS)
+    assert s.clock is not None
     for version in range(versions):
         s.clock.clear()
         state, _, moved = step(state, batch, rows)

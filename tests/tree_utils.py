@@ -8,7 +8,9 @@ def assert_trees_equal(got, want, check_sharding: bool = False) -> None:
     """Same structure, and every leaf bitwise equal (and same sharding if asked)."""
     got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
     want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
-    assert got_def == want_def, f"tree structures differ: {got_def} vs {want_def}"
+    # jaxlib's native PyTreeDef ships no stub, so mypy cannot see its __eq__.
+    assert got_def == want_def, (  # type: ignore[operator]
+        f"tree structures differ: {got_def} vs {want_def}")
     for (path, a), (_, b) in zip(got_leaves, want_leaves, strict=True):
         name = jax.tree_util.keystr(path)
         if check_sharding:
