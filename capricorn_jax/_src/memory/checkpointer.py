@@ -38,8 +38,9 @@ safe version and the newest ``InMemoryOptions.window`` + 1 after it
 (``retention.versions_to_keep``, the keep rule of every store), so one
 version of every owner survives the loss of any m-1 hosts at any moment.
 
-The writer threads are the base class (``writers.VersionWriters``); the
-reports and the release's work on the store are in ``reports``.
+The writer threads are the base class (``writers.VersionWriters``), the
+status round over their records the next one (``status_round.StatusRound``);
+the reports and the release's work on the store are in ``reports``.
 
 Alternative not taken: a blocking save that returns when every replica is
 written. It is simpler but puts the peer's disk-less write and the slowest
@@ -64,7 +65,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory import placement, retention
+from capricorn_jax._src.memory import placement
 from capricorn_jax._src.memory.hooks import FaultHooks
 from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
@@ -73,21 +74,18 @@ from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_need
 from capricorn_jax._src.memory.phase_clock import PhaseClock
 from capricorn_jax._src.memory.pinned import arena_copier
 from capricorn_jax._src.memory.reports import SaveReport, StoreRelease, release_store
+from capricorn_jax._src.memory.status_round import StatusRound
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.store_lifecycle import StoreLimit
 from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writers import VersionWriters, _InSlot
+from capricorn_jax._src.memory.writers import _InSlot
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
-
-CONFIRM_ROUNDS = 3
-"""Status rounds, after the first that can confirm a version, before an
-unconfirmed version may be reported under-replicated (with the wall bound)."""
 
 log = logging.getLogger("capricorn_jax")
 
 
-class InMemoryCheckpointer(VersionWriters):
+class InMemoryCheckpointer(StatusRound):
     """Per-step in-memory checkpoints with peer replication.
 
     Args:
@@ -172,26 +170,6 @@ class InMemoryCheckpointer(VersionWriters):
         # strategy reads and resets it: ``Strategy.blocked_phases``).
         self.clock = PhaseClock()
 
-    def _decide_removals(self) -> None:
-        """Marks what each owner's store no longer keeps (training thread, after
-        adopting the safe version, before reporting the held versions)."""
-        with self._lock:
-            for owner, held in self._held.items():
-                if not held:
-                    continue
-                # A version saved whole reads itself; under PEC one without a
-                # record (an unreadable manifest) is not restorable.
-                needs = {v: self._needs.get(v, ((v,), self.pec is None)) for v in held}
-                keep = retention.versions_to_keep(needs, self._safe, self.options.window)
-                gone = held - keep
-                if gone:
-                    held -= gone
-                    self._doomed.setdefault(owner, []).extend(sorted(gone))
-            if self.pec is not None:
-                live = set().union(*self._held.values())
-                for v in [v for v in self._needs if v not in live and v < self._safe]:
-                    del self._needs[v]
-
     def drop_newer_than(self, step: int) -> None:
         """Removes every stored version newer than ``step`` (a recovery to
         ``step``, -1 for a fresh start, abandons them: the steps after it are
@@ -205,25 +183,6 @@ class InMemoryCheckpointer(VersionWriters):
             self._reported = {v for v in self._reported if v <= step}
 
     # ----- the training thread's API -----
-    def status_vector(self) -> np.ndarray:
-        """This host's held versions per owner (newest, mask), its store's KiB,
-        and 1 if a writer is still busy with an earlier version."""
-        with self._lock:
-            pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
-        self._store_bytes = self.store.bytes_held()  # one walk of the store per save
-        busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
-        return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
-                         self._store_bytes // 1024, busy, int(self.status_note)], np.int64)
-
-    def _over_budget(self) -> bool:
-        """Whether this version is skipped: under a cost budget, some host's
-        writers were busy at the previous save (the same answer on every host:
-        it reads the all-gathered statuses)."""
-        if self.options.max_wait_s is None or self._last_statuses is None:
-            return False
-        rows = np.asarray(self._last_statuses)
-        return bool(rows[:, 2 * self.hosts + 1].any())
-
     def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
         """Takes no version at ``step``; the statuses still travel."""
         if status_round is not None:
@@ -268,15 +227,6 @@ class InMemoryCheckpointer(VersionWriters):
         previous save's statuses, decides removals, then takes the status
         vector this save reports (in that order: ``retention``)."""
         return self._begin_save()
-
-    def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
-        with self.clock.phase("status_read"):
-            report = self._read_statuses()
-        with self.clock.phase("bookkeeping"):
-            self._decide_removals()
-            status = self.status_vector()
-        report.store_bytes = self._store_bytes  # walked by this save's status_vector
-        return report, status
 
     def save(self, step: int, state: Any, host_state: dict[str, Any], *,
              tokens_per_expert: Any = None, expert_mask: Any = None) -> SaveReport:
@@ -461,54 +411,6 @@ class InMemoryCheckpointer(VersionWriters):
             report.pec_k, report.pec_plt = version.k, self.pec.plt()
         return report
 
-    def _read_statuses(self) -> SaveReport:
-        """Folds in the statuses gathered by the previous save (already computed)."""
-        report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
-                            committed=self._newest[self.host], safe_version=self._safe,
-                            under_replicated=[], skipped=False)
-        if self._last_statuses is None:
-            return report
-        rows = np.asarray(self._last_statuses)
-        per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
-        h = self.hosts
-        report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
-        self.agreed_note = int(per_host[0, 2 * h + 2])
-        held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
-                 for o in range(h)} for x in range(h)]
-        self._safe = retention.safe_version(held, self.holders, self._safe,
-                                            None if self.pec is None else self._needs)
-        report.safe_version = self._safe
-        everywhere = retention.held_everywhere(held, self.holders)
-        report.newly_committed = sorted(everywhere - self._reported)
-        if everywhere:  # older ones are gone from every store: forget them
-            oldest = min(everywhere)
-            self._reported = {v for v in self._reported | everywhere if v >= oldest}
-        # per_host[x][o]: newest version of owner o held by host x.
-        confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
-        # A version's replication clock starts at the second round read after
-        # its save (a save's own round is gathered before its replicas are
-        # written: the next one is the first its peers can confirm it in), and
-        # it runs out only after CONFIRM_ROUNDS more rounds and
-        # replication_timeout_s: a compile or a restart is one slow round, not
-        # a peer that stopped confirming.
-        now = time.monotonic()
-        for step, started in sorted(self._pending.items()):
-            rounds = self._rounds_since[step] = self._rounds_since.get(step, 0) + 1
-            if confirmed[self.host] >= step:
-                del self._pending[step], self._rounds_since[step]
-            elif rounds == 2:
-                self._pending[step] = now
-            elif (rounds >= 2 + CONFIRM_ROUNDS
-                  and now - started > self.options.replication_timeout_s):
-                del self._pending[step], self._rounds_since[step]
-                missing = [int(x) for x in self.holders[self.host] if per_host[x][self.host] < step]
-                log.warning("host %d: version %d under-replicated: not confirmed by hosts %s "
-                            "in %d status rounds over %.0fs", self.host, step, missing,
-                            rounds - 1, now - started)
-                report.under_replicated.append({"owner": self.host, "step": step,
-                                                "missing": missing})
-        return report
-
     def _to_host(self, array: jax.Array) -> jax.Array:
         if self._memory_kind is None:
             array.copy_to_host_async()
@@ -528,11 +430,6 @@ class InMemoryCheckpointer(VersionWriters):
         ``newly_committed`` then account for every version saved so far."""
         self.wait_until_finished(timeout_s)
         return self._status_round()
-
-    def _status_round(self) -> SaveReport:
-        """Gathers every host's statuses now and adopts them (a collective)."""
-        self._last_statuses = self.transport.gather_status(self.status_vector())
-        return self._read_statuses()
 
     def release(self, keep: str) -> StoreRelease:
         """Gives this host's store back to the RAM disk after a clean finish.

@@ -1,0 +1,165 @@
+"""The in-memory tier's status round: what every save tells and learns of the hosts.
+
+Each save all-gathers every host's status vector (``status_vector``: per
+owner the newest held version and the mask of the held ones before it, the
+store's KiB, whether the writers are busy, the caller's note) and reads the
+previous round's (``_read_statuses``): the safe version
+(``retention.safe_version``), the versions newly held everywhere, the own
+versions that no holder confirmed in time (under-replicated), the cost
+budget's skip (``_over_budget``) and host 0's note. Removals are decided
+between reading and reporting (``_decide_removals``, in ``_begin_save``'s
+order: ``retention``).
+
+Design choice: a base class of ``InMemoryCheckpointer`` over the writers
+(``writers.VersionWriters``), whose records (``_held``, ``_newest``,
+``_lock``, the queues) it reads, apart from the lifecycle and the saves that
+run it, so each module stays a size a reader can hold. Alternative not
+taken: a status object the checkpointer calls, which would put an accessor
+between the round and every record the writers and the saves keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from capricorn_jax._src.memory import retention
+from capricorn_jax._src.memory.options import InMemoryOptions
+from capricorn_jax._src.memory.packing import PackPlan
+from capricorn_jax._src.memory.pec_tier import PecTier
+from capricorn_jax._src.memory.phase_clock import PhaseClock
+from capricorn_jax._src.memory.reports import SaveReport
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.writers import VersionWriters
+
+CONFIRM_ROUNDS = 3
+"""Status rounds, after the first that can confirm a version, before an
+unconfirmed version may be reported under-replicated (with the wall bound)."""
+
+log = logging.getLogger("capricorn_jax")
+
+
+class StatusRound(VersionWriters):
+    """The status round over the writers' records (see the module docstring);
+    ``InMemoryCheckpointer`` sets the state below."""
+
+    options: InMemoryOptions
+    hosts: int
+    plan: PackPlan
+    holders: list[list[int]]
+    transport: Transport
+    pec: PecTier | None
+    clock: PhaseClock
+    status_note: int
+    agreed_note: int | None
+    _needs: dict[int, tuple[tuple[int, ...], bool]]
+    _safe: int
+    _reported: set[int]
+    _pending: dict[int, float]
+    _rounds_since: dict[int, int]
+    _last_statuses: Any
+    _store_bytes: int
+
+    def _decide_removals(self) -> None:
+        """Marks what each owner's store no longer keeps (training thread, after
+        adopting the safe version, before reporting the held versions)."""
+        with self._lock:
+            for owner, held in self._held.items():
+                if not held:
+                    continue
+                # A version saved whole reads itself; under PEC one without a
+                # record (an unreadable manifest) is not restorable.
+                needs = {v: self._needs.get(v, ((v,), self.pec is None)) for v in held}
+                keep = retention.versions_to_keep(needs, self._safe, self.options.window)
+                gone = held - keep
+                if gone:
+                    held -= gone
+                    self._doomed.setdefault(owner, []).extend(sorted(gone))
+            if self.pec is not None:
+                live = set().union(*self._held.values())
+                for v in [v for v in self._needs if v not in live and v < self._safe]:
+                    del self._needs[v]
+
+    def status_vector(self) -> np.ndarray:
+        """This host's held versions per owner (newest, mask), its store's KiB,
+        and 1 if a writer is still busy with an earlier version."""
+        with self._lock:
+            pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
+        self._store_bytes = self.store.bytes_held()  # one walk of the store per save
+        busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
+        return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
+                         self._store_bytes // 1024, busy, int(self.status_note)], np.int64)
+
+    def _over_budget(self) -> bool:
+        """Whether this version is skipped: under a cost budget, some host's
+        writers were busy at the previous save (the same answer on every host:
+        it reads the all-gathered statuses)."""
+        if self.options.max_wait_s is None or self._last_statuses is None:
+            return False
+        rows = np.asarray(self._last_statuses)
+        return bool(rows[:, 2 * self.hosts + 1].any())
+
+    def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
+        with self.clock.phase("status_read"):
+            report = self._read_statuses()
+        with self.clock.phase("bookkeeping"):
+            self._decide_removals()
+            status = self.status_vector()
+        report.store_bytes = self._store_bytes  # walked by this save's status_vector
+        return report, status
+
+    def _read_statuses(self) -> SaveReport:
+        """Folds in the statuses gathered by the previous save (already computed)."""
+        report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
+                            committed=self._newest[self.host], safe_version=self._safe,
+                            under_replicated=[], skipped=False)
+        if self._last_statuses is None:
+            return report
+        rows = np.asarray(self._last_statuses)
+        per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
+        h = self.hosts
+        report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
+        self.agreed_note = int(per_host[0, 2 * h + 2])
+        held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
+                 for o in range(h)} for x in range(h)]
+        self._safe = retention.safe_version(held, self.holders, self._safe,
+                                            None if self.pec is None else self._needs)
+        report.safe_version = self._safe
+        everywhere = retention.held_everywhere(held, self.holders)
+        report.newly_committed = sorted(everywhere - self._reported)
+        if everywhere:  # older ones are gone from every store: forget them
+            oldest = min(everywhere)
+            self._reported = {v for v in self._reported | everywhere if v >= oldest}
+        # per_host[x][o]: newest version of owner o held by host x.
+        confirmed = [int(min(per_host[x][o] for x in self.holders[o])) for o in range(h)]
+        # A version's replication clock starts at the second round read after
+        # its save (a save's own round is gathered before its replicas are
+        # written: the next one is the first its peers can confirm it in), and
+        # it runs out only after CONFIRM_ROUNDS more rounds and
+        # replication_timeout_s: a compile or a restart is one slow round, not
+        # a peer that stopped confirming.
+        now = time.monotonic()
+        for step, started in sorted(self._pending.items()):
+            rounds = self._rounds_since[step] = self._rounds_since.get(step, 0) + 1
+            if confirmed[self.host] >= step:
+                del self._pending[step], self._rounds_since[step]
+            elif rounds == 2:
+                self._pending[step] = now
+            elif (rounds >= 2 + CONFIRM_ROUNDS
+                  and now - started > self.options.replication_timeout_s):
+                del self._pending[step], self._rounds_since[step]
+                missing = [int(x) for x in self.holders[self.host] if per_host[x][self.host] < step]
+                log.warning("host %d: version %d under-replicated: not confirmed by hosts %s "
+                            "in %d status rounds over %.0fs", self.host, step, missing,
+                            rounds - 1, now - started)
+                report.under_replicated.append({"owner": self.host, "step": step,
+                                                "missing": missing})
+        return report
+
+    def _status_round(self) -> SaveReport:
+        """Gathers every host's statuses now and adopts them (a collective)."""
+        self._last_statuses = self.transport.gather_status(self.status_vector())
+        return self._read_statuses()
