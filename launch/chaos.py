@@ -57,6 +57,7 @@ from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F
 from launch.cli_flags import FlagError
 from launch.fault_plan import (
     CORRUPT_FRAME,
+    DISK_FULL_FINALIZE,
     NETWORK_FAULTS,
     PARTITION,
     PAUSE,
@@ -113,7 +114,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
-          "persist_hang", PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK)
+          "persist_hang", DISK_FULL_FINALIZE, PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK)
 """The points drawn (``recovery`` too, as a second fault); the network faults
 only where the trials run on shaped links (``--link_gbps``)."""
 PERSIST_EVERY = 4
@@ -216,7 +217,7 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
                                         rng.choice(["process", "host"])))
             break
         points = [p for p in POINTS
-                  if (persist or p not in ("mid_persist", *PERSIST_FAULTS))
+                  if (persist or p not in ("mid_persist", DISK_FULL_FINALIZE, *PERSIST_FAULTS))
                   and (p != CORRUPT_FRAME or strategy == "capricorn")
                   and (shaped or p not in NETWORK_FAULTS)]
         point = rng.choice(points)
@@ -236,11 +237,12 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
                 faults.append(Fault((rng.randrange(topo.hosts),), rng.randrange(low, steps - 2),
                                     point, pause_s=rng.choice([SHORT_PAUSE_S, LONG_PAUSE_S])))
             break
-        if point in PERSIST_FAULTS:  # no kill: the plan's last fault, on one host
+        if point in (*PERSIST_FAULTS, DISK_FULL_FINALIZE):  # no kill: the plan's last
             writes = [s for s in range(low, steps - 1 - PERSIST_EVERY)
                       if (s + 1) % persist == 0]  # a later write shows the job goes on
-            if writes:
-                faults.append(Fault((rng.randrange(topo.hosts),), rng.choice(writes), point))
+            if writes:  # a full disk strikes the primary's finalize: host 0
+                victim = 0 if point == DISK_FULL_FINALIZE else rng.randrange(topo.hosts)
+                faults.append(Fault((victim,), rng.choice(writes), point))
             break
         if point == "mid_persist":
             writes = [s for s in range(low, steps - 1) if (s + 1) % persist == 0]
@@ -290,8 +292,10 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     # A pause past the peer timeout ends its attempt like a kill; a shorter
     # one ends nothing (and must cause no recovery).
     kills = [f for f in trial.faults if f.point not in (*RECOVERY_POINTS, CORRUPT_FRAME,
-                                                         *PERSIST_FAULTS) and not _outlasted(f)]
-    killing = len([f for f in trial.faults if f.point not in (CORRUPT_FRAME, *PERSIST_FAULTS)])
+                                                         DISK_FULL_FINALIZE, *PERSIST_FAULTS)
+             and not _outlasted(f)]
+    quiet = (CORRUPT_FRAME, DISK_FULL_FINALIZE, *PERSIST_FAULTS)
+    killing = len([f for f in trial.faults if f.point not in quiet])
     if strikes != killing:
         problems.append(f"{strikes} of {killing} faults struck")
     problems += _persist_fault_problems(trial, records)
@@ -368,11 +372,12 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
 
 
 def _persist_fault_problems(trial: Trial, records: list[dict]) -> list[str]:
-    """A persist_error / persist_hang fault: its version's persistent step is
-    dropped (a persist_error event names it) and a later one is written."""
+    """A persist_error / persist_hang / disk_full_finalize fault: its version's
+    persistent step is dropped (a persist_error event names it) and a later
+    one is written."""
     out = []
     for f in trial.faults:
-        if f.point not in PERSIST_FAULTS:
+        if f.point not in (*PERSIST_FAULTS, DISK_FULL_FINALIZE):
             continue
         version = f.step + 1
         errors = {r.get("step") for r in records if r.get("event") == "persist_error"}

@@ -24,8 +24,8 @@ from launch.strategies import IN_MEMORY, SCHEDULED
 # for its SIGKILL); at the others the victim says it got there and goes on, so
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                "mid_serve", "persist_error", "persist_hang", "pause", "corrupt_frame",
-                "partition", "slow_link")
+                "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
+                "corrupt_frame", "partition", "slow_link")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery", "mid_serve"})
 # Points of the next recovery (a fault's ``step`` is ignored): ``recovery``
 # kills the victims at its start; ``mid_serve`` kills a host as it is about to
@@ -37,6 +37,11 @@ RECOVERY_POINTS = frozenset({"recovery", "mid_serve"})
 # on (that step dropped on every host), so such a fault ends no attempt and
 # must be a plan's last.
 PERSIST_FAULTS = frozenset({"persist_error", "persist_hang"})
+# Neither does a full disk when the primary (host 0) finalizes Orbax's step
+# for version step + 1 (after every host wrote its files): the rename that
+# commits it fails with ENOSPC, the step is not committed (its temporary
+# directory removed), the job goes on and a later persistent step is written.
+DISK_FULL_FINALIZE = "disk_full_finalize"
 # A fault that kills no host either: the launcher stops the victims (SIGSTOP)
 # once they finished the step, for ``pause_s`` seconds, then lets them go on
 # (SIGCONT). Shorter than --peer_timeout_s, the job goes on (slow is not dead);
@@ -64,7 +69,7 @@ NETWORK_FAULTS = frozenset({PARTITION, SLOW_LINK})
 SLOW_LINK_FACTOR = 10.0
 TIMED = frozenset({PAUSE, *NETWORK_FAULTS})
 """Faults that last ``pause_s`` seconds, then end."""
-NO_KILL = frozenset({*PERSIST_FAULTS, CORRUPT_FRAME, *TIMED})
+NO_KILL = frozenset({*PERSIST_FAULTS, DISK_FULL_FINALIZE, CORRUPT_FRAME, *TIMED})
 """Faults that end no attempt: a plan's last."""
 
 
@@ -216,7 +221,11 @@ class FaultConfig:
             raise FlagError(f"{what}: corrupt_frame flips a byte on one host's chunk channel: "
                             f"one host, and --ckpt in {', '.join(SCHEDULED)} "
                             f"(got {strategy}, hosts {list(fault.hosts)})")
-        if fault.point in ("mid_persist", *PERSIST_FAULTS) and not (
+        if fault.point == DISK_FULL_FINALIZE and (fault.hosts != (0,) or fault.mode != "process"
+                                                  or fault.corrupt or fault.wipe_all):
+            raise FlagError(f"{what}: disk_full_finalize strikes the primary's Orbax finalize: "
+                            f"hosts [0], mode 'process', no corrupt, no wipe_all")
+        if fault.point in ("mid_persist", DISK_FULL_FINALIZE, *PERSIST_FAULTS) and not (
                 persist_every and (fault.step + 1) % persist_every == 0):
             raise FlagError(f"{what}: {fault.point} at step {fault.step} needs --persist_every "
                             f"to write version {fault.step + 1} (--persist_every="
@@ -244,6 +253,12 @@ class FaultConfig:
         """The version whose replicas this worker stops halfway through (-1: none)."""
         at = self.at()
         return at[1] + 1 if at is not None and at[0] == "mid_replication" else -1
+
+    @property
+    def full_disk_at(self) -> int | None:
+        """The version whose Orbax finalize fails with a full disk here (None: none)."""
+        at = self.at()
+        return at[1] + 1 if at is not None and at[0] == DISK_FULL_FINALIZE else None
 
     @property
     def flip_frame_at(self) -> int | None:

@@ -93,7 +93,8 @@ class PersistentTier:
     """
 
     def __init__(self, ckpt: Any, trainer: Any, metrics: MetricsWriter,
-                 checkpoint: CheckpointConfig, workdir: str):
+                 checkpoint: CheckpointConfig, workdir: str,
+                 temporary_path_class: type | None = None):
         import orbax.checkpoint as ocp
 
         import capricorn_jax
@@ -104,8 +105,9 @@ class PersistentTier:
             ckpt, read_timeout_s=checkpoint.persist_timeout_s)
         self.manager = capricorn_jax.CheckpointManager(
             Path(workdir).absolute() / "checkpoints",
-            options=ocp.CheckpointManagerOptions(save_interval_steps=checkpoint.persist_every,
-                                                 max_to_keep=checkpoint.max_to_keep),
+            options=ocp.CheckpointManagerOptions(
+                save_interval_steps=checkpoint.persist_every, max_to_keep=checkpoint.max_to_keep,
+                temporary_path_class=temporary_path_class),
             handler_registry=self.handler.registry("state"))
         self._errors = 0
         # Called with each version whose persistent write started (fault injection).

@@ -130,8 +130,10 @@ def train_worker(config: Config, process_id: int) -> None:
     ckpt = (persistence.make_checkpointer(config, trainer, mesh, host, num_hosts)
             if c.in_memory else None)
     strategy = _make_strategy(config, trainer, ckpt, host)
-    persistent = (persistence.PersistentTier(ckpt, trainer, metrics, c, t.workdir)
-                  if c.persist_every and c.in_memory else None)
+    persistent = (persistence.PersistentTier(
+        ckpt, trainer, metrics, c, t.workdir,
+        temporary_path_class=faults.full_disk_path_class(config.faults, host))
+        if c.persist_every and c.in_memory else None)
     if persistent is not None:
         persistent.on_write = lambda v: faults.reached(config.faults, t.workdir, host,
                                                        "mid_persist", v - 1)

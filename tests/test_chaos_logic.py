@@ -29,7 +29,8 @@ def test_draws_are_replayable_and_valid():
         topo = trial.topology
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 3
-        last = ("recovery", "mid_serve", "pause", "corrupt_frame", *PERSIST_FAULTS)
+        last = ("recovery", "mid_serve", "pause", "corrupt_frame", "disk_full_finalize",
+                *PERSIST_FAULTS)
         kills = [f for f in trial.faults if f.point not in last]
         assert trial.faults[:len(kills)] == tuple(kills)
         rest = trial.faults[len(kills):]  # a kill during recovery, a pause, a persist fault
@@ -37,7 +38,10 @@ def test_draws_are_replayable_and_valid():
             assert [f.point for f in rest] == ["recovery", "recovery"] and len(kills) == 1
             rest = rest[1:]
         assert len(rest) <= 1 and (kills or rest[0].point in (*PERSIST_FAULTS, "pause",
-                                                              "corrupt_frame"))
+                                                              "corrupt_frame",
+                                                              "disk_full_finalize"))
+        if rest and rest[0].point == "disk_full_finalize":
+            assert rest[0].hosts == (0,) and (rest[0].step + 1) % trial.persist_every == 0
         if rest and rest[0].point == "corrupt_frame":
             # capricorn only; its victim sends to host 0 (whose metrics the oracle reads)
             assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
@@ -68,7 +72,8 @@ def test_draws_are_replayable_and_valid():
     assert any(len(draw_trial(i, 7, TOPOLOGIES, STRATEGIES, 12).faults) == 3
                for i in range(300))  # a double kill in recovery is drawn
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
-                    "mid_serve", "persist_error", "persist_hang", "pause", "corrupt_frame"}
+                    "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
+                    "corrupt_frame"}
 
 
 def _plan_flag(trial):

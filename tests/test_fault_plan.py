@@ -208,3 +208,23 @@ def test_a_mid_serve_kill_after_a_machine_loss_is_a_plan():
             '{"hosts": [0], "step": -1, "point": "mid_serve"}]')
     faults = FaultConfig(**{**BASE, "fault_plan": plan}).plan(12)
     assert faults[1] == Fault((0,), -1, "mid_serve")
+
+
+@pytest.mark.parametrize("plan, message", [
+    ('[{"hosts": [1], "step": 3, "point": "disk_full_finalize"}]',
+     r"^--fault_plan fault 0: disk_full_finalize strikes the primary's Orbax finalize: hosts "
+     r"\[0\]"),
+    ('[{"hosts": [0], "step": 2, "point": "disk_full_finalize"}]',
+     r"^--fault_plan fault 0: disk_full_finalize at step 2 needs --persist_every to write "
+     r"version 3"),
+])
+def test_a_bad_full_disk_is_refused_naming_it(plan, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan})
+
+
+def test_a_full_disk_reaches_only_the_primarys_finalize_of_the_next_version():
+    plan = '[{"hosts": [0], "step": 3, "point": "disk_full_finalize"}]'
+    assert FaultConfig(**{**BASE, "fault_plan": plan, "fault_at": "disk_full_finalize:3"}
+                       ).full_disk_at == 4
+    assert FaultConfig(**{**BASE, "fault_plan": plan}).full_disk_at is None

@@ -346,6 +346,25 @@ def test_an_io_error_on_the_primary_host_stops_the_others_write_at_once(tmp_path
     assert set(range(2, 9)) <= versions
 
 
+def test_a_full_disk_in_the_primarys_finalize_drops_that_step_and_nobody_waits(tmp_path, cache):
+    """Fault class disk_full_finalize: every host wrote version 4's files, then
+    host 0 (Orbax's primary) fails to finalize step 4 with ENOSPC. The step is
+    not committed and its temporary directory is removed; host 1 does not
+    wait at Orbax's barrier for its timeout (with a 300 s persist timeout the
+    barrier's bound is 1200 s, past the job's 600 s bound here: before the
+    fix the job stopped after step 7); steps 8 and 12 are written and the
+    memory tier commits every version."""
+    records, error, committed = _persist_fault_job(tmp_path, cache, host=0,
+                                                   point="disk_full_finalize", steps=12,
+                                                   persist_timeout_s=300)
+    assert error["error"] == ("OSError: [Errno 28] injected: no space left on device "
+                              "finalizing step 4")
+    assert 4 not in committed and {8, 12} <= set(committed)
+    assert not [p for p in (tmp_path / "w" / "checkpoints").iterdir() if "tmp" in p.name]
+    versions = {v for c in _events(records, "checkpoint") for v in c["newly_committed"]}
+    assert set(range(2, 11)) <= versions  # (the last ones commit after the loop)
+
+
 @pytest.mark.parametrize("point", ["persist_error", "persist_hang"])
 def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_path, cache,
                                                                          point):

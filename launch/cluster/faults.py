@@ -273,6 +273,28 @@ def persistent_write_fault(config: FaultConfig, host: int
     return hook
 
 
+def full_disk_path_class(config: FaultConfig, host: int) -> type | None:
+    """The Orbax ``temporary_path_class`` of this worker's armed
+    disk_full_finalize fault, or None: Orbax's atomic-rename path whose
+    finalize of the fault's version raises ENOSPC before committing it (the
+    primary finalizes; the others' files are written by then)."""
+    version = config.full_disk_at
+    if version is None:
+        return None
+    from orbax.checkpoint.path import atomicity
+
+    class FullDiskAtFinalize(atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name == str(version):
+                print(f"fault: host {host}: the disk is full when Orbax finalizes persistent "
+                      f"step {version} (its fault point)", flush=True)
+                raise OSError(errno.ENOSPC, f"injected: no space left on device finalizing "
+                                            f"step {version}")
+            return await super().finalize(*args, **kwargs)
+
+    return FullDiskAtFinalize
+
+
 def wait_for_kill(host: int) -> None:
     """Waits for the supervisor's SIGKILL (bounded)."""
     time.sleep(120)

@@ -85,6 +85,7 @@ from capricorn_jax._src.memory.checkpointer import SaveReport
 from capricorn_jax._src.memory.pec_tier import PecTier
 from capricorn_jax._src.memory.recovery import PecRestore, recover
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
+from capricorn_jax._src.persistent import finalize
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.memory_read import check_tree
 from capricorn_jax._src.persistent.pec_steps import (
@@ -121,7 +122,8 @@ class CheckpointManager(ocp.CheckpointManager):
                  **kwargs: Any) -> None:
         self.item, self.handler = _find_handler(handler_registry)
         if len(args) < 2:  # options not given by position
-            kwargs["options"] = _bounded_options(kwargs.get("options"), self.handler)
+            kwargs["options"] = _recorded_finalize(
+                _bounded_options(kwargs.get("options"), self.handler), directory)
         self.persistent_errors: list[dict[str, Any]] = []
         self.last_memory_report: SaveReport | None = None
         self.last_restore: RestoreInfo | None = None
@@ -259,11 +261,18 @@ class CheckpointManager(ocp.CheckpointManager):
         return kind("; ".join(problems))
 
     def _collect_errors(self) -> None:
-        """Waits for the persistent save in flight; records (not raises) its failure."""
+        """Waits for the persistent save in flight; records (not raises) its
+        failure, also one the primary's finalize recorded (``finalize``):
+        that step is then forgotten (Orbax's step list reloaded)."""
         try:
             super().wait_until_finished()
         except Exception as e:  # noqa: BLE001
             self._record(self._persist_step, e)
+        failed = finalize.take_failures(self.directory)
+        for name, error in failed.items():
+            self._record(int(name) if name.isdigit() else self._persist_step, error)
+        if failed:
+            self.reload()
         self._cleanup_failed()
 
     def _record(self, step: int | None, error: BaseException) -> None:
@@ -480,6 +489,17 @@ def _bounded_options(options, handler: CapricornHandler):
         return options
     return dataclasses.replace(options, async_options=ocp.AsyncOptions(
         timeout_secs=math.ceil(handler.commit_timeout_s)))
+
+
+def _recorded_finalize(options, directory: Any):
+    """``options`` whose step directories record a failed finalize on the
+    primary instead of leaving the other hosts at Orbax's barrier
+    (``finalize``); local paths only (Orbax's atomic rename; object stores
+    keep Orbax's own choice)."""
+    if "://" in str(directory):
+        return options
+    base = options.temporary_path_class or ocp.path.atomicity.AtomicRenameTemporaryPath
+    return dataclasses.replace(options, temporary_path_class=finalize.recording(base))
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:
