@@ -312,6 +312,23 @@ def _windows(*spills: float) -> list[dict]:
     return [{"spill_s": x} for x in spills]
 
 
+def test_with_measured_bytes_a_spill_counts_only_when_bytes_met_the_collective():
+    """The deadline sender's records: a window shorter than planned whose
+    bytes were carried on (at most one frame met the collective) is no
+    spill; one whose bytes met it beyond that is."""
+    s = _strategy("capricorn")
+    s.repartitions = [3]
+    late = window_feedback.SPILL_LATE_BYTES
+    for windows in ([{"spill_s": 0.5, "bytes_late": 0}],
+                    [{"spill_s": 0.5, "bytes_late": late}],
+                    [{"spill_s": 0.0, "bytes_late": 10 * late}],  # no spill: the link's error
+                    [{"spill_s": 0.5, "bytes_late": late + 1}],
+                    [{"spill_s": 0.5, "bytes_late": None}]):  # not measured: the spill counts
+        s._note_spills(windows)
+    assert list(s._spills) == [False, False, True, True]  # the last SPILL_WINDOW (4) of 5
+    assert s.ckpt.status_note == 1000 + 2  # one schedule so far, 2 spilled of the last 4
+
+
 def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
     s = _strategy("capricorn")
     s.repartitions = [2, 7]

@@ -38,6 +38,12 @@ ones in which a window spilled; more than half of them ask for a profile."""
 SPILL_TOLERANCE_S = 0.001
 """A window spills when its chunks' modelled link time exceeds its measured
 idle time by more than this (the marks' own jitter on this box is ~0.1-1 ms)."""
+SPILL_LATE_BYTES = 64 << 10
+"""Where the bytes of a window are measured (the threaded deadline sender's
+records), a spilled window counts only when more than this many of its bytes
+met the collective that closed it (one deadline frame,
+``threaded.PIECE_BYTES``): a window shorter than planned otherwise only
+carried its bytes on, which costs the step nothing."""
 
 
 class WindowFeedback:
@@ -122,9 +128,15 @@ class WindowFeedback:
         the save about to run: (schedules so far) * 1000 + spilled versions
         among the last ``SPILL_WINDOW`` under the schedule in force."""
         # The modelled spill (a window shorter than planned), not the measured
-        # lateness: a new profile fixes the first; the second also holds the
-        # link model's error, which a profile would not change.
-        self._spills.append(any(w["spill_s"] > SPILL_TOLERANCE_S for w in windows))
+        # lateness alone: a new profile fixes the first; the second also holds
+        # the link model's error, which a profile would not change. With the
+        # deadline sender (bytes measured per window) a spill counts only when
+        # it cost: bytes met the collective (issue 38: at R 0.79 capricorn
+        # re-profiled 31 of 207 steps, 21 KB per step meeting a collective).
+        self._spills.append(any(
+            w["spill_s"] > SPILL_TOLERANCE_S
+            and (w.get("bytes_late") is None or w["bytes_late"] > SPILL_LATE_BYTES)
+            for w in windows))
         self.ckpt.status_note = len(self.repartitions) * 1000 + sum(self._spills)
 
     def _check_spills(self, version: int) -> None:
