@@ -312,3 +312,24 @@ def test_the_persistent_timeout_must_stay_below_the_agreement_bound(tmp_path):
     fv = train.define_flags(flags.FlagValues())
     fv(["train", f"--workdir={tmp_path}", "--ckpt=inmem", "--persist_timeout_s=449"])
     assert config.from_flags(fv).checkpoint.persist_timeout_s == 449
+
+
+def test_workers_bound_orbaxs_synchronous_barriers():
+    """A worker's Orbax runs its synchronous barriers on the distributed client
+    (bounded) rather than as collectives (``runtime.bound_orbax_barriers``)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = ("import sys; from absl import flags; flags.FLAGS(sys.argv[:1]); "
+            "from launch.runtime import bound_orbax_barriers, ORBAX_BARRIER_S; "
+            "from orbax.checkpoint._src.multihost import multihost as m; "
+            "before = m.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value; "
+            "bound_orbax_barriers(); "
+            "print(before, m.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value, "
+            "m.coordination_timeout() == ORBAX_BARRIER_S)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"]
