@@ -20,14 +20,15 @@ from capricorn_jax._src.profiling.boundary import (
 # The memory tier: a version every step in host RAM and on m-1 peers.
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.recovery import Recovered, recover
+from capricorn_jax._src.memory.recovery import recover
+from capricorn_jax._src.memory.restore_info import RestoreInfo
 from capricorn_jax._src.memory.reports import SaveReport
 from capricorn_jax._src.memory.store import ChecksumError
 from capricorn_jax._src.partial.selection import PecOptions
 
 # The persistent tier through Orbax: a handler, its args, a manager over both tiers.
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
-from capricorn_jax._src.persistent.manager import CheckpointManager, NoCheckpoint, RestoreInfo
+from capricorn_jax._src.persistent.manager import CheckpointManager, NoCheckpoint
 from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager, TwoTierOptions
 
 # Strategies: what a training loop drives (save / finish / close / restore),
@@ -57,7 +58,6 @@ __all__ = [
     "InMemoryCheckpointer",
     "InMemoryOptions",
     "PecOptions",
-    "Recovered",
     "SaveReport",
     "recover",
     # persistent tier (Orbax)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax import Recovered, Strategy
+from capricorn_jax import RestoreInfo, Strategy
 from capricorn_jax.experimental import allgather_json
 from launch.trainer import Trainer
 
@@ -88,6 +88,15 @@ def _target(train: Trainer) -> Any:
     """The train state's abstract arrays with their shardings (restore target)."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         train.abstract_state, train.state_shardings)
+
+
+def _restored(step: int, host_state: HostState, where: str, t0: float) -> RestoreInfo:
+    """A baseline restore's RestoreInfo, timed from ``t0``: ``where`` "local"
+    (this machine's disk or RAM disk on every host: tier "memory", each host
+    "local") or "persistent" (a disk every host reads); nothing moved between hosts."""
+    local = where == "local"
+    return RestoreInfo(step, "memory" if local else "persistent", time.perf_counter() - t0,
+                       host_state, [where] * jax.process_count() if local else None, 0)
 
 
 class _Baseline(Strategy):
@@ -157,7 +166,7 @@ class BlockingCheckpoint(_Baseline):
         self.bytes_per_step = total
         return [{"version": step, "bytes": total}]
 
-    def restore(self) -> Recovered | None:
+    def restore(self) -> tuple[Any, RestoreInfo] | None:
         """The newest version on every host's disk (collective), or None."""
         t0 = time.perf_counter()
         everyone = allgather_json(self._versions())
@@ -176,8 +185,7 @@ class BlockingCheckpoint(_Baseline):
             leaves.append(jax.make_array_from_callback(target.shape, target.sharding, fetch))
         state = jax.tree.unflatten(jax.tree.structure(self.train.abstract_state), leaves)
         meta = json.loads((folder / "meta.json").read_text())
-        return Recovered(state, meta["host_state"], step, "local", ["local"] * len(everyone),
-                         time.perf_counter() - t0, 0)
+        return state, _restored(step, meta["host_state"], "local", t0)
 
 
 class OrbaxAsync(_Baseline):
@@ -222,7 +230,7 @@ class OrbaxAsync(_Baseline):
             self.bytes_per_step = sum(s.data.nbytes for _, s in _unique_local_shards(state))
         return [{"version": step, "bytes": self.bytes_per_step}]
 
-    def restore(self) -> Recovered | None:
+    def restore(self) -> tuple[Any, RestoreInfo] | None:
         """The newest committed Orbax step (every host reads the same root), or None."""
         t0 = time.perf_counter()
         step = self.manager.latest_step()
@@ -230,8 +238,7 @@ class OrbaxAsync(_Baseline):
             return None
         state = self.manager.restore(step, args=self._ocp.args.StandardRestore(_target(self.train)))
         host_state = self._host_states.read(step)
-        return Recovered(state, host_state, step, self.tier, [self.tier] * jax.process_count(),
-                         time.perf_counter() - t0, 0)
+        return state, _restored(step, host_state, self.tier, t0)
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -323,7 +330,7 @@ class OrbaxEmergency(_Baseline):
     def _persisted(self) -> set[int]:
         return {int(p.name) for p in self.persistent.iterdir() if p.name.isdigit()}
 
-    def restore(self) -> Recovered | None:
+    def restore(self) -> tuple[Any, RestoreInfo] | None:
         """The newest step of either tier (Orbax's choice), or None."""
         t0 = time.perf_counter()
         step = self.manager.latest_step()
@@ -332,9 +339,7 @@ class OrbaxEmergency(_Baseline):
         local = self.local_tier and step not in self._persisted()
         restored = self.manager.restore(step)
         host_state = self._host_states.read(step)
-        tier = "local" if local else "persistent"
-        return Recovered(restored.state, host_state, step, tier, [tier] * jax.process_count(),
-                         time.perf_counter() - t0, 0)
+        return restored.state, _restored(step, host_state, "local" if local else "persistent", t0)
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -13,6 +13,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from launch.persistence import host_tiers
+
+if TYPE_CHECKING:
+    from capricorn_jax import RestoreInfo
 
 
 def recovery_times(ckpt, job, replicas: int) -> dict:
@@ -26,8 +32,7 @@ def recovery_times(ckpt, job, replicas: int) -> dict:
     local = capricorn_jax.recover(ckpt)
     if local is None:
         raise RuntimeError("recovery from the local store found no version every host holds")
-    out["local"] = {"seconds": local.seconds, "bytes_moved": local.bytes_moved,
-                    "tiers": local.tiers}
+    out["local"] = _times(local[1])
     if job.hosts > 1 and replicas > 1:
         if job.host == 1:
             ckpt.store.wipe()
@@ -35,9 +40,14 @@ def recovery_times(ckpt, job, replicas: int) -> dict:
         peer = capricorn_jax.recover(ckpt)
         if peer is None:
             raise RuntimeError("recovery from a peer found no version every host holds")
-        out["peer"] = {"seconds": peer.seconds, "bytes_moved": peer.bytes_moved,
-                       "tiers": peer.tiers}
+        out["peer"] = _times(peer[1])
     return out
+
+
+def _times(info: RestoreInfo) -> dict:
+    """A memory-tier recovery's record: the slowest host's seconds, the bytes
+    moved between hosts and each host's tier."""
+    return {"seconds": info.seconds, "bytes_moved": info.bytes_moved, "tiers": info.memory_tiers}
 
 
 def _drop_page_cache(job) -> bool:
@@ -69,8 +79,9 @@ def _timed_restore(strategy, job, cold: bool) -> dict:
     slowest = max(x[0] for x in allgather_floats([seconds], job.hosts))
     if recovered is None:
         raise RuntimeError(f"{strategy.name}: nothing to restore after the benchmark")
-    return {"seconds": slowest, "bytes_moved": recovered.bytes_moved or 0,
-            "tiers": recovered.tiers, "step": recovered.step, "cold_cache": dropped}
+    info = recovered[1]
+    return {"seconds": slowest, "bytes_moved": info.bytes_moved or 0,
+            "tiers": host_tiers(info), "step": info.step, "cold_cache": dropped}
 
 
 def baseline_recovery(name: str, strategy, job) -> dict:

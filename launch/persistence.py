@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
 from launch.cluster import faults as faults_lib
 from launch.config import CheckpointConfig, Config
 from launch.metrics import MetricsWriter
+
+if TYPE_CHECKING:
+    from capricorn_jax import RestoreInfo
 
 # The tiers a recovery may reach for, nearest first.
 TIER_ORDER = ("local", "peer", "persistent")
@@ -126,9 +129,7 @@ class PersistentTier:
             return None, 0, None     # missing file is an error, not step 0)
         info = self.manager.last_restore
         assert info is not None, "CheckpointManager.restore records last_restore"
-        tiers = info.memory_tiers or ["persistent"] * jax.process_count()
-        log_recovery(self.metrics, jax.process_index(), info.step, tiers, info.seconds,
-                     info.bytes_moved, **pec_fields(info))
+        log_recovery(self.metrics, jax.process_index(), info)
         return restored.state, info.step, info.host_state
 
     def offer(self, version: int, state: Any) -> None:
@@ -167,17 +168,25 @@ def resume(strategy: Any, persistent: PersistentTier | None, metrics: MetricsWri
     recovered = strategy.restore()
     if recovered is None:
         return None, 0, None
-    log_recovery(metrics, host, recovered.step, recovered.tiers, recovered.seconds,
-                 recovered.bytes_moved, **pec_fields(recovered))
-    return recovered.state, recovered.step, recovered.host_state
+    state, info = recovered
+    log_recovery(metrics, host, info)
+    return state, info.step, info.host_state
 
 
-def log_recovery(metrics: MetricsWriter, host: int, step: int, tiers: list[str],
-                 seconds: float, bytes_moved: int | None, **extra: Any) -> None:
-    """The ``recovery`` event (its ``tier``: the farthest any host reached for)."""
+def host_tiers(info: RestoreInfo) -> list[str]:
+    """Each host's tier of a restore: the memory tier's "local"/"peer", else "persistent"."""
+    import jax
+
+    return info.memory_tiers or ["persistent"] * jax.process_count()
+
+
+def log_recovery(metrics: MetricsWriter, host: int, info: RestoreInfo) -> None:
+    """The ``recovery`` event of a restore (its ``tier``: the farthest any host
+    reached for; ``tiers``: ``host_tiers``)."""
+    step, seconds, bytes_moved, tiers = info.step, info.seconds, info.bytes_moved, host_tiers(info)
     metrics.write({"event": "recovery", "step": step,
                    "tier": max(tiers, key=TIER_ORDER.index), "seconds": seconds,
-                   "tiers": tiers, "bytes_moved": bytes_moved, **extra})
+                   "tiers": tiers, "bytes_moved": bytes_moved, **pec_fields(info)})
     if host == 0:  # the job's line on the console (host 0 knows every host's tier)
         moved = "" if bytes_moved is None else f", {bytes_moved} bytes from peers"
         logging.info("recovery: resumed from step %d via tier %s (hosts: %s) in %.2fs%s", step,
@@ -187,9 +196,9 @@ def log_recovery(metrics: MetricsWriter, host: int, step: int, tiers: list[str],
                      tiers[host], seconds)
 
 
-def pec_fields(recovered: Any) -> dict:
+def pec_fields(info: RestoreInfo) -> dict:
     """A PEC restore's portion of lost tokens and where each expert came from."""
-    pec = getattr(recovered, "pec", None)
+    pec = info.pec
     if pec is None:
         return {}
     fields = {"plt": pec.plt, "accumulated_plt": pec.accumulated_plt, "pec_k": pec.k,

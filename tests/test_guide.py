@@ -27,12 +27,12 @@ def test_guide_loop_checkpoints_and_restores():
     finally:
         if "store_root" in names:
             shutil.rmtree(names["store_root"], ignore_errors=True)
-    recovered = names["recovered"]
-    assert recovered.step == 3
-    assert recovered.tier == "local"
-    assert recovered.host_state == {"data_position": 3}
-    np.testing.assert_array_equal(np.asarray(recovered.state["params"]["w"]),
+    info, restored = names["info"], names["restored"]
+    assert info.step == 3
+    assert (info.tier, info.memory_tiers) == ("memory", ["local"])
+    assert info.host_state == {"data_position": 3}
+    np.testing.assert_array_equal(np.asarray(restored["params"]["w"]),
                                   np.asarray(names["state"]["params"]["w"]))
-    assert int(recovered.state["step"]) == 3
+    assert int(restored["step"]) == 3
     assert names["events"][0]["version"] == 3
     assert names["events"][0]["bytes"] > 0

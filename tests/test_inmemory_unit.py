@@ -152,10 +152,11 @@ def test_payload_leaves_through_each_host_memory_kind_in_parallel_chunks(trainer
     ckpt.close()
     again = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    got = capricorn_jax.recover(again)
+    got, info = capricorn_jax.recover(again)
     again.close()
-    assert got.step == 5 and got.host_state == {"data": {"step": 5}}
-    assert_trees_equal(got.state, expected)
+    assert info.step == 5 and info.host_state == {"data": {"step": 5}}
+    assert info.tier == "memory" and info.memory_tiers == ["local"]
+    assert_trees_equal(got, expected)
 
 
 def test_host_memory_options_name_the_bad_value(tmp_path):
@@ -194,7 +195,7 @@ def test_safe_version_and_the_versions_kept_follow_the_saves(trainer, tmp_path, 
     store.chunk_view(0, 7, "d0.c0")[0] ^= 0xFF  # the newest version's first byte
     store.close()
     fresh = checkpointer()
-    recovered = capricorn_jax.recover(fresh)
+    _, recovered = capricorn_jax.recover(fresh)
     assert recovered.step == 6 and fresh.store.versions(0) == [5, 6]
     fresh.close()
 
@@ -278,7 +279,7 @@ def test_a_cost_budget_skips_whole_versions_while_the_writer_lags(trainer, tmp_p
     ckpt.close()
     fresh = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    assert capricorn_jax.recover(fresh).step == 6
+    assert capricorn_jax.recover(fresh)[1].step == 6
     fresh.close()
 
 
@@ -336,7 +337,7 @@ def test_a_status_round_run_by_the_caller_commits_and_skips_as_the_save_s_own(tr
     ckpt.close()
     fresh = capricorn_jax.InMemoryCheckpointer(
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
-    assert capricorn_jax.recover(fresh).step == 6
+    assert capricorn_jax.recover(fresh)[1].step == 6
     fresh.close()
 
 

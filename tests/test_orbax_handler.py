@@ -448,7 +448,8 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
         for s in (3, 6, 9):  # k_persist/R = 1 expert of each rank and layer
             assert persisted[s]["k_persist"] == 2
             assert [sorted(e // 4 for e in row) for row in persisted[s]["experts"]] == [[0, 1]] * 2
-    memory = capricorn_jax.recover(_pec_manager(trainer, tmp_path, "shm", k_persist)[0])
+    memory_state, memory = capricorn_jax.recover(
+        _pec_manager(trainer, tmp_path, "shm", k_persist)[0])
     assert memory.step == 9
     manager.close()
 
@@ -472,11 +473,11 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     if k_persist is None:
         # K_persist = N: the step is what a memory-tier restore at step 9 gives,
         # and plain Orbax restores it.
-        assert_trees_equal(restored, memory.state, check_sharding=True)
+        assert_trees_equal(restored, memory_state, check_sharding=True)
         assert info.pec.plt == memory.pec.plt and data.tolist() == memory.pec.source
         plain = ocp.CheckpointManager(tmp_path / "ckpt").restore(9, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target))).state
-        assert_trees_equal(plain, memory.state)
+        assert_trees_equal(plain, memory_state)
     else:
         assert info.pec.versions == [1, 3, 6, 9]  # experts from four steps
     # The memory tier goes on from step 9 with no expert in memory yet and the

@@ -186,9 +186,9 @@ def test_k_equal_n_is_bitwise_the_full_checkpoint(trainer, tmp_path):
         ckpt.close()
     restored = [capricorn_jax.recover(_checkpointer(trainer, tmp_path / name, opts))
                 for name, opts in (("full", None), ("pec", PecOptions(k=2)))]
-    assert_trees_equal(restored[0].state, state, check_sharding=True)
-    assert_trees_equal(restored[1].state, state, check_sharding=True)
-    assert restored[1].pec.versions == [1] and restored[1].pec.plt == 0.0
+    assert_trees_equal(restored[0][0], state, check_sharding=True)
+    assert_trees_equal(restored[1][0], state, check_sharding=True)
+    assert restored[1][1].pec.versions == [1] and restored[1][1].pec.plt == 0.0
 
 
 def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path):
@@ -207,7 +207,8 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
         ckpt.save_transferred(3, own, received, version=version)
     assert ckpt.save_transferred(2, own, received, version=version).pec_k == 2
     ckpt.close()
-    recovered = capricorn_jax.recover(_checkpointer(trainer, tmp_path, PecOptions(k=2)))
+    restored, recovered = capricorn_jax.recover(_checkpointer(trainer, tmp_path,
+                                                               PecOptions(k=2)))
     masks = {1: np.ones((2, 8), bool), 2: version.mask}
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
     plan = restore_plan(saved, 2, _replay(masks), 2 * TOKENS_PER_STEP)
@@ -215,7 +216,7 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
     leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     want = _expected([np.asarray(x) for x in jax.tree.leaves(base)], leaves,
                      leaf_steps(plan, leaves))
-    for (path, _), got in zip(leaves.items(), jax.tree.leaves(recovered.state), strict=True):
+    for (path, _), got in zip(leaves.items(), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want[path], err_msg=path)
 
 
@@ -247,7 +248,7 @@ def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_p
     with caplog.at_level("WARNING", logger="capricorn_jax"):
         fresh = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))
     assert said in caplog.text
-    recovered = capricorn_jax.recover(fresh)
+    _, recovered = capricorn_jax.recover(fresh)
     assert recovered.step == 2 and recovered.host_state == {"data": 2}
     fresh.close()
 
@@ -277,7 +278,7 @@ def test_restored_experts_come_from_one_step_and_prune_keeps_what_restore_needs(
     ckpt.close()
 
     fresh = _checkpointer(trainer, tmp_path, PecOptions(k=2, dynamic=False))
-    recovered = capricorn_jax.recover(fresh)
+    restored, recovered = capricorn_jax.recover(fresh)
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
     plan = restore_plan(saved, 11, tracker, 11 * TOKENS_PER_STEP)
     assert recovered.step == 11 and recovered.host_state == {"data": 11}
@@ -288,11 +289,11 @@ def test_restored_experts_come_from_one_step_and_prune_keeps_what_restore_needs(
     leaves = expert_leaf_axes(trainer.abstract_state, trainer.cfg)
     want = _expected([np.asarray(x) for x in jax.tree.leaves(base)], leaves,
                      leaf_steps(plan, leaves))
-    for (path, _), got in zip(leaves.items(), jax.tree.leaves(recovered.state), strict=True):
+    for (path, _), got in zip(leaves.items(), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want[path], err_msg=path)
     tracker.on_restored(plan)
     assert fresh.pec.tracker == tracker and fresh.pec.k == 1
-    fresh.save(12, recovered.state, {"data": 12}, tokens_per_expert=TPE)  # goes on from 11
+    fresh.save(12, restored, {"data": 12}, tokens_per_expert=TPE)  # goes on from 11
     fresh.close()
 
 
@@ -402,19 +403,21 @@ def _worker(host: int, port: int, root: str) -> None:
     if host == 1:
         ckpt.store.wipe()  # the machine is lost: its RAM store is gone
     multihost_utils.sync_global_devices("wiped")
-    recovered = capricorn_jax.recover(checkpointer())
-    assert recovered is not None and recovered.pec is not None
+    result = capricorn_jax.recover(checkpointer())
+    assert result is not None
+    restored, recovered = result
+    assert recovered.pec is not None
     assert recovered.host_state == {"data": [host, 6]}, recovered.host_state
     tracker = _replay(masks)
     saved = {key: [s for s in masks if masks[s][key]] for key in np.ndindex(2, 8)}
     plan = restore_plan(saved, 6, tracker, 6 * TOKENS_PER_STEP)
     assert recovered.pec.source == plan.source.tolist() and recovered.pec.plt == plan.plt
-    _check_shards(base, recovered.state, leaf_steps(plan, expert_leaf_axes(
+    _check_shards(base, restored, leaf_steps(plan, expert_leaf_axes(
         trainer.abstract_state, cast(MoEShape, cfg))))
     print("RESULT " + json.dumps({
-        "tiers": recovered.tiers, "step": recovered.step, "bytes_moved": recovered.bytes_moved,
-        "versions": recovered.pec.versions, "plt": recovered.pec.plt,
-        "source": recovered.pec.source}), flush=True)
+        "tiers": recovered.memory_tiers, "step": recovered.step,
+        "bytes_moved": recovered.bytes_moved, "versions": recovered.pec.versions,
+        "plt": recovered.pec.plt, "source": recovered.pec.source}), flush=True)
 
 
 def _check_shards(base, restored, steps) -> None:

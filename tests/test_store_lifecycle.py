@@ -256,7 +256,7 @@ def test_release_final_keeps_the_final_version_alone(trainer, tmp_path):
     assert len(slots) > 1 and before == held * len(slots)  # equal slots, one left
     assert not store_in_use(root)  # released: closed
     assert committed_steps(root) == {0: [5]}
-    recovered = capricorn_jax.recover(again := _checkpointer(trainer, tmp_path))
+    _, recovered = capricorn_jax.recover(again := _checkpointer(trainer, tmp_path))
     assert recovered.step == 5  # a later resume still finds it
     again.close()
 

@@ -36,7 +36,6 @@ must run the serve collectives anyway.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -54,6 +53,7 @@ from capricorn_jax._src.memory.packing import (
     unpack_pec,
 )
 from capricorn_jax._src.memory.reader import TierReader
+from capricorn_jax._src.memory.restore_info import PecRestore, RestoreInfo
 from capricorn_jax._src.memory.store import ChecksumError
 from capricorn_jax._src.memory.transport import Transport, local_rows
 from capricorn_jax._src.multihost.agree import allgather_json
@@ -67,55 +67,6 @@ from capricorn_jax._src.partial.tracker import (
 )
 
 log = logging.getLogger("capricorn_jax")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovered:
-    """A restored state and where it came from.
-
-    Attributes:
-      state: the train state (global arrays in the checkpointer's shardings).
-      host_state: the JSON state saved with it by this host (data position...).
-      step: the version restored.
-      tier: how this host got its shards: "local" or "peer".
-      tiers: the tier of every host.
-      seconds: wall time of the recovery on the slowest host.
-      bytes_moved: payload bytes moved between hosts, all hosts together.
-      pec: under PEC, where the experts came from and the PLT; else None.
-    """
-
-    state: Any
-    host_state: dict[str, Any]
-    step: int
-    tier: str
-    tiers: list[str]
-    seconds: float
-    bytes_moved: int
-    pec: PecRestore | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class PecRestore:
-    """What a PEC restore took from where (``Recovered.pec``).
-
-    Attributes:
-      plt: the portion of lost tokens of this restore (``pec.RestorePlan``).
-      accumulated_plt: the same with the earlier restores included.
-      source: [L][N] the step each expert (its parameters and its optimizer
-        state alike) was restored from.
-      versions: the versions read: the restore point and every expert source.
-      k: experts per layer of the restore point's version.
-      data_steps: [L][N] the training step of each restored expert's values
-        when it differs from ``source`` (a persisted step holds the memory
-        tier's newest copies, which may be older than the step); None: ``source``.
-    """
-
-    plt: float
-    accumulated_plt: float
-    source: list[list[int]]
-    versions: list[int]
-    k: int
-    data_steps: list[list[int]] | None = None
 
 
 def _servers_at(inventories: list[dict[int, list[int]]], step: int, hosts: int
@@ -289,8 +240,11 @@ def _decide(ckpt: TierReader, verify: bool = True
     return decision[0], decision[1], inventories, metas
 
 
-def recover(ckpt: TierReader) -> Recovered | None:
-    """Restores the newest version every host can reach, or None if there is none."""
+def recover(ckpt: TierReader) -> tuple[Any, RestoreInfo] | None:
+    """Restores the newest version every host can reach: (the state in the
+    checkpointer's shardings, its RestoreInfo: tier "memory", each host's
+    "local"/"peer" in ``memory_tiers``, the slowest host's seconds, the bytes
+    moved between hosts), or None if there is none."""
     if ckpt.pec is not None:
         return _recover_pec(ckpt)
     start = time.perf_counter()
@@ -311,8 +265,14 @@ def recover(ckpt: TierReader) -> Recovered | None:
     tiers = ["local" if sources[h] == h else "peer" for h in range(ckpt.hosts)]
     mine = {"seconds": time.perf_counter() - start, "bytes": moved}
     everyone = allgather_json(mine, ckpt.hosts)
-    return Recovered(state, decode_trailer(ckpt.plan, rows[0]), step, tiers[ckpt.host], tiers,
-                     max(x["seconds"] for x in everyone), sum(x["bytes"] for x in everyone))
+    return state, _info(step, decode_trailer(ckpt.plan, rows[0]), tiers, everyone)
+
+
+def _info(step: int, host_state: dict[str, Any], tiers: list[str],
+          everyone: list[dict[str, Any]], pec: PecRestore | None = None) -> RestoreInfo:
+    """A memory-tier RestoreInfo from every host's {"seconds", "bytes"}."""
+    return RestoreInfo(step, "memory", max(x["seconds"] for x in everyone), host_state, tiers,
+                       sum(x["bytes"] for x in everyone), pec)
 
 
 # --------------------------------------------------------------------------- PEC
@@ -373,7 +333,7 @@ def _tracker_at(ckpt: TierReader, inventories: list[dict[int, list[int]]], step:
     return whole_version_tracker(ckpt.pec.shape, ckpt.pec.tracker.top_k, step), None
 
 
-def _recover_pec(ckpt: TierReader) -> Recovered | None:
+def _recover_pec(ckpt: TierReader) -> tuple[Any, RestoreInfo] | None:
     assert ckpt.pec is not None  # PEC only
     start = time.perf_counter()
     step_or_none, servers_or_none, inventories, metas = _decide(ckpt)
@@ -416,9 +376,7 @@ def _recover_pec(ckpt: TierReader) -> Recovered | None:
                                ckpt.hosts)
     info = PecRestore(plan.plt, plan.accumulated_plt, plan.source.tolist(), sorted(servers),
                       int(metas[step]["k"]))
-    return Recovered(state, host_state, step, tiers[ckpt.host], tiers,
-                     max(x["seconds"] for x in everyone), sum(x["bytes"] for x in everyone),
-                     info)
+    return state, _info(step, host_state, tiers, everyone, info)
 
 
 class PecBlocks:

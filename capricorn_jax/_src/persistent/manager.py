@@ -83,7 +83,8 @@ import orbax.checkpoint as ocp
 
 from capricorn_jax._src.memory.checkpointer import SaveReport
 from capricorn_jax._src.memory.pec_tier import PecTier
-from capricorn_jax._src.memory.recovery import PecRestore, recover
+from capricorn_jax._src.memory.recovery import recover
+from capricorn_jax._src.memory.restore_info import PecRestore, RestoreInfo
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import finalize
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
@@ -423,20 +424,19 @@ class CheckpointManager(ocp.CheckpointManager):
         mine = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ckpt.abstract_state)
         check_tree(abstract, mine, "the in-memory checkpoint")
         recovered = recover(ckpt)
-        if recovered is None or (at_least is not None and recovered.step < at_least):
+        if recovered is None or (at_least is not None and recovered[1].step < at_least):
             # Every version newer than the persistent step failed its checksums.
             log.warning("memory tier gave %s; using the persistent tier",
-                        None if recovered is None else f"version {recovered.step}")
+                        None if recovered is None else f"version {recovered[1].step}")
             return None
+        restored, info = recovered
 
         def place(x, target):
             sharding = getattr(target, "sharding", None)
             return x if sharding is None or x.sharding == sharding else jax.device_put(x, sharding)
 
-        state = jax.tree.map(place, recovered.state, abstract)
-        self.last_restore = RestoreInfo(recovered.step, "memory", time.perf_counter() - start,
-                                        recovered.host_state, recovered.tiers,
-                                        recovered.bytes_moved, recovered.pec)
+        state = jax.tree.map(place, restored, abstract)
+        self.last_restore = dataclasses.replace(info, seconds=time.perf_counter() - start)
         return state
 
     # ----- helpers -----
@@ -452,33 +452,6 @@ class CheckpointManager(ocp.CheckpointManager):
             raise TypeError(f"{what}: item {self.item!r} takes {kind.__name__}, got "
                             f"{type(value).__name__}")
         return value
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreInfo:
-    """Where the last ``CheckpointManager.restore`` got the state.
-
-    Attributes:
-      step: the step restored.
-      tier: "memory" or "persistent".
-      seconds: wall time of the restore on this host.
-      host_state: this host's JSON state saved with that step ({} if none).
-      memory_tiers: for the memory tier, how each host got its shards
-        ("local" or "peer", see ``recover``); None otherwise.
-      bytes_moved: for the memory tier, bytes that came from peers (all hosts).
-      pec: under partial expert checkpointing, where the experts came from
-        and the restore's PLT (memory tier: ``recover``'s; persistent tier:
-        ``source`` holds the persisted step of each expert and ``data_steps``
-        the training step of its values); None otherwise.
-    """
-
-    step: int
-    tier: str
-    seconds: float
-    host_state: dict[str, Any]
-    memory_tiers: list[str] | None = None
-    bytes_moved: int | None = None
-    pec: PecRestore | None = None
 
 
 def _bounded_options(options, handler: CapricornHandler):

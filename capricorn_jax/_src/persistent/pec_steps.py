@@ -60,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capricorn_jax._src.memory import retention
 from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.recovery import PecRestore
+from capricorn_jax._src.memory.restore_info import PecRestore
 from capricorn_jax._src.multihost.agree import allgather_json
 from capricorn_jax._src.partial.plans import (
     PersistedPlan,

@@ -29,8 +29,9 @@ from jax.sharding import Sharding
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.options import InMemoryOptions, PecOptions
+from capricorn_jax._src.memory.restore_info import RestoreInfo
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
-from capricorn_jax._src.persistent.manager import CheckpointManager, RestoreInfo
+from capricorn_jax._src.persistent.manager import CheckpointManager
 
 ITEM = "state"
 """The Orbax item the state is saved under (what a plain Orbax program restores)."""

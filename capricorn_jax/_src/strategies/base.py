@@ -30,7 +30,7 @@ import numpy as np
 from capricorn_jax._src.profiling.train_step import Metrics, State, StepFn, TrainStep
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.memory.recovery import Recovered
+    from capricorn_jax._src.memory.restore_info import RestoreInfo
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.layer_profile import LayerProfile
     from capricorn_jax._src.scheduling.partitioner import Schedule
@@ -93,9 +93,10 @@ class Strategy(Protocol):
     def close(self) -> None:
         """Called once at the end: waits for background work, frees resources."""
 
-    def restore(self) -> Recovered | None:
-        """Called once at start-up: the newest version every host can restore
-        (state, step, host_state, tiers), or None (start from scratch)."""
+    def restore(self) -> tuple[State, RestoreInfo] | None:
+        """Called once at start-up: the newest version every host can restore,
+        (state, its RestoreInfo: step, tier, host_state, seconds...), or None
+        (start from scratch)."""
         return None
 
     # --- called by the profiling driver (no-op defaults) ---

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
-from capricorn_jax._src.memory.recovery import Recovered, recover
+from capricorn_jax._src.memory.recovery import recover
+from capricorn_jax._src.memory.restore_info import RestoreInfo
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, Strategy
 
@@ -64,7 +65,7 @@ class InMemoryStrategy(Strategy):
         """The checkpointer's phase clock since the last call (``memory.phase_clock``)."""
         return self.ckpt.clock.take()
 
-    def restore(self) -> Recovered | None:
+    def restore(self) -> tuple[State, RestoreInfo] | None:
         return recover(self.ckpt)
 
     def resume_at(self, step: int) -> None:
