@@ -352,6 +352,7 @@ def main(argv: list[str]) -> None:
     except FlagError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
+    runtime.bound_orbax_barriers(FLAGS)
     run(config)
 
 

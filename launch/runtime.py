@@ -42,7 +42,6 @@ def init_distributed(hosts: int, coordinator: str, process_id: int,
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
                                    initialization_timeout=120)
     if hosts > 1:
-        bound_orbax_barriers()
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         bound = max(1, math.ceil(peer_timeout_s))
         jax.distributed.initialize(coordinator, num_processes=hosts, process_id=process_id,
@@ -56,20 +55,19 @@ client (``multihost.coordination_timeout()`` in orbax-checkpoint 0.12.8, a
 constant): below the agreements' bound (``capricorn_jax`` 1800 s)."""
 
 
-def bound_orbax_barriers() -> None:
+def bound_orbax_barriers(fv: Any) -> None:
     """Orbax's synchronous barriers (a save's start, a deleted step's, ...)
     through the jax.distributed client, bounded (``ORBAX_BARRIER_S``), instead
     of collectives that wait for ever on a host that is alive but never comes
     (a dead or silent one is ended by the heartbeat, ``--peer_timeout_s``):
     Orbax's ``experimental_orbax_use_distributed_barrier`` flag, set in this
-    worker's absl flags (parsed by its command). Alternative not taken: the
-    project's own barrier around Orbax's calls (they are inside
+    command's parsed absl flags ``fv`` (its main calls this). Alternative not
+    taken: the project's own barrier around Orbax's calls (they are inside
     ``CheckpointManager.save``)."""
-    from absl import flags
     from orbax.checkpoint._src.multihost import multihost  # defines the flag
 
     del multihost
-    flags.FLAGS["experimental_orbax_use_distributed_barrier"].value = True
+    fv["experimental_orbax_use_distributed_barrier"].value = True
 
 
 @dataclasses.dataclass

@@ -289,6 +289,7 @@ def main(argv: list[str]) -> None:
     except FlagError as e:
         print(f"train: error: {e}", file=sys.stderr)
         sys.exit(2)
+    runtime.bound_orbax_barriers(FLAGS)
     if config.cluster.process_id >= 0:
         runtime.exit_now_on_failure(train_worker, config, config.cluster.process_id)
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)

@@ -326,7 +326,7 @@ def test_workers_bound_orbaxs_synchronous_barriers():
             "from launch.runtime import bound_orbax_barriers, ORBAX_BARRIER_S; "
             "from orbax.checkpoint._src.multihost import multihost as m; "
             "before = m.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value; "
-            "bound_orbax_barriers(); "
+            "bound_orbax_barriers(flags.FLAGS); "
             "print(before, m.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value, "
             "m.coordination_timeout() == ORBAX_BARRIER_S)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
