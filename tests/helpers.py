@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +87,29 @@ def two_host_transport():
                      device_host=[0, 0, 1, 1])
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 3)
     return trainer, plan, transport
+
+
+class StatusNotes:
+    """A stand-in for the memory tier where a strategy only notes and reads
+    the status note (``TierWriter.note_status``, ``agreed_note``): the test
+    plays the status round by setting ``agreed_note``. ``members``: any other
+    attribute the test's path reads (``transport``)."""
+
+    def __init__(self, **members: Any) -> None:
+        self.status_note = 0
+        self.agreed_note: int | None = None
+        for name, value in members.items():
+            setattr(self, name, value)
+
+    def note_status(self, value: int) -> None:
+        self.status_note = value
+
+
+def notes_of(strategy: Any) -> StatusNotes:
+    """The ``StatusNotes`` a test put in ``strategy.ckpt``."""
+    notes = strategy.ckpt
+    assert isinstance(notes, StatusNotes)
+    return notes
 
 
 def netns_usable() -> bool:

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax import InMemoryCheckpointer
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, Span
 from capricorn_jax._src.scheduling.load_windows import MODEL_MARGIN, windows_at_load
@@ -38,6 +38,7 @@ from capricorn_jax._src.scheduling.transfers import (
 from capricorn_jax._src.scheduling.window_model import WindowModel
 from capricorn_jax._src.strategies import scheduled, window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
+from tests.helpers import StatusNotes, notes_of
 
 LINK = LinkModel(alpha_s=0.0, bytes_per_s=100.0)  # 1 byte = 10 ms
 MOE = [0, 1]
@@ -145,7 +146,7 @@ def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStra
     s = ScheduledStrategy.__new__(ScheduledStrategy)
     s.kind, s.first_n, s.link = kind, first_n, LINK
     s.transfers = cast(ScheduledTransfers, _Transfers())  # test doubles
-    s.ckpt = cast(InMemoryCheckpointer, types.SimpleNamespace(status_note=0, agreed_note=None))
+    s.ckpt = cast(TierWriter, StatusNotes())
     s.train = types.SimpleNamespace(moe_layers=MOE)
     s._profiles, s._profiles_seen, s._planned_on = [], 0, None
     s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
@@ -326,7 +327,7 @@ def test_with_measured_bytes_a_spill_counts_only_when_bytes_met_the_collective()
                     [{"spill_s": 0.5, "bytes_late": None}]):  # not measured: the spill counts
         s._note_spills(windows)
     assert list(s._spills) == [False, False, True, True]  # the last SPILL_WINDOW (4) of 5
-    assert s.ckpt.status_note == 1000 + 2  # one schedule so far, 2 spilled of the last 4
+    assert notes_of(s).status_note == 1000 + 2  # one schedule so far, 2 spilled of the last 4
 
 
 def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
@@ -336,10 +337,10 @@ def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
     for windows in (_windows(0.0, window_feedback.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
                     _windows(0.5), _windows()):
         s._note_spills(windows)
-    assert s.ckpt.status_note == 2 * 1000 + 2
+    assert notes_of(s).status_note == 2 * 1000 + 2
     for _ in range(4):  # only the last SPILL_WINDOW versions count
         s._note_spills(_windows(0.0))
-    assert s.ckpt.status_note == 2000
+    assert notes_of(s).status_note == 2000
 
 
 @pytest.mark.parametrize("note, asks", [
@@ -351,8 +352,8 @@ def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
 def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
     s = _strategy("capricorn")
     s.repartitions = [3]
-    s.ckpt.status_note = 0  # this host's own count does not decide
-    s.ckpt.agreed_note = note
+    s.ckpt.note_status(0)  # this host's own count does not decide
+    notes_of(s).agreed_note = note
     s._check_spills(9)
     assert s.profile_requested() is asks
     assert s.spill_requests == ([9] if asks else [])
@@ -363,7 +364,7 @@ def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
 def test_gemini_only_reports_its_spills():
     s = _strategy("gemini")
     s.repartitions = [3]
-    s.ckpt.agreed_note = 1000 + window_feedback.SPILL_WINDOW
+    notes_of(s).agreed_note = 1000 + window_feedback.SPILL_WINDOW
     s._check_spills(9)
     assert not s.profile_requested() and s.spill_requests == []
 
@@ -387,10 +388,10 @@ def test_the_note_travels_in_the_save_round_and_host_0s_is_agreed(tmp_path):
     try:
         state = {"w": jax.device_put(np.arange(8, dtype=np.float32), sharding)}
         assert ckpt.agreed_note is None
-        ckpt.status_note = 3007
+        ckpt.note_status(3007)
         ckpt.save(0, state, {})
         assert ckpt.agreed_note is None  # the round is read by the next save
-        ckpt.status_note = 12
+        ckpt.note_status(12)
         ckpt.save(1, state, {})
         assert ckpt.agreed_note == 3007
         ckpt.confirm(60)

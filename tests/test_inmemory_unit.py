@@ -360,7 +360,7 @@ def test_a_received_payload_of_the_wrong_shape_is_refused_by_name(trainer, tmp_p
 
 
 def test_the_status_note_of_host_0_is_agreed_one_save_later(trainer, tmp_path):
-    """A caller's status_note travels in the save's status round; agreed_note is
+    """A caller's note (``note_status``) travels in the save's status round; agreed_note is
     host 0's note of the previous round (no collective of its own)."""
     import capricorn_jax
 
@@ -369,10 +369,10 @@ def test_the_status_note_of_host_0_is_agreed_one_save_later(trainer, tmp_path):
         opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
     state = trainer.init_state(0)
     assert ckpt.agreed_note is None
-    ckpt.status_note = 2003
+    ckpt.note_status(2003)
     ckpt.save(1, state, {"data": {"step": 1}})
     assert ckpt.agreed_note is None  # the first round is read by the next save
-    ckpt.status_note = 2004
+    ckpt.note_status(2004)
     ckpt.save(2, state, {"data": {"step": 2}})
     assert ckpt.agreed_note == 2003
     ckpt.save(3, state, {"data": {"step": 3}})

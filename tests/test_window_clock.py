@@ -12,7 +12,6 @@ longer than any window of a CPU step, and stay quiet when it makes them free.
 from __future__ import annotations
 
 import collections
-import types
 from typing import cast
 
 import jax
@@ -21,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax import InMemoryCheckpointer
 from capricorn_jax._src.memory.packing import encode_trailer
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.scheduling.executor import AFTER, START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.transfers import ScheduledTransfers, window_spills
@@ -34,7 +33,7 @@ from capricorn_jax._src.scheduling.window_clock import (
 )
 from capricorn_jax._src.strategies import window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
-from tests.helpers import two_host_transport
+from tests.helpers import StatusNotes, notes_of, two_host_transport
 from tests.tree_utils import assert_trees_equal
 
 BOUNDARIES = ["block0", "block1"]
@@ -123,8 +122,7 @@ def _capricorn(trainer, transport, link: LinkModel, seconds: float) -> Scheduled
     host 0's note, this host's own)."""
     s = ScheduledStrategy.__new__(ScheduledStrategy)
     s.kind, s.link = "capricorn", link
-    s.ckpt = cast(InMemoryCheckpointer,  # a test double
-                  types.SimpleNamespace(transport=transport, status_note=0, agreed_note=None))
+    s.ckpt = cast(TierWriter, StatusNotes(transport=transport))  # a test double
     s.clock = WindowClock(trainer.mesh, BOUNDARIES)
     s.transfers = ScheduledTransfers(s.ckpt, trainer, BOUNDARIES, link, CHUNK, clock=s.clock)
     s.transfers.repartition(_windows(seconds))
@@ -145,7 +143,7 @@ def _run(s: ScheduledStrategy, trainer, batch, rows, versions: int):
         state, _, moved = step(state, batch, rows)
         windows = s.in_graph_windows(moved, state)
         s._note_spills(windows)
-        s.ckpt.agreed_note = s.ckpt.status_note  # one host: the round agrees on its note
+        notes_of(s).agreed_note = notes_of(s).status_note  # one host: the round agrees on its note
         s._check_spills(version)
     return state, moved, windows
 
@@ -170,7 +168,7 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
         assert w["late_s"] == round(max(0.0, w["sent_s"] - w["observed_s"]), 6)
     # Most of the last SPILL_WINDOW versions spilled: one request, after the
     # third (more than half of 4), and not again until a profile answers.
-    assert s.ckpt.status_note == 1000 + window_feedback.SPILL_WINDOW
+    assert notes_of(s).status_note == 1000 + window_feedback.SPILL_WINDOW
     assert s.profile_requested() and s.spill_requests == [window_feedback.SPILL_WINDOW // 2]
 
     # The marks change no byte: the same schedule's step without a clock
@@ -197,5 +195,5 @@ def test_no_request_when_no_window_spills_on_the_in_graph_path(setup):
     s = _capricorn(trainer, transport, LinkModel(alpha_s=0.0, bytes_per_s=1e30), 1.0)
     _, _, windows = _run(s, trainer, batch, rows, window_feedback.SPILL_WINDOW)
     assert windows and [w["spill_s"] for w in windows] == [0.0] * len(windows)
-    assert s.ckpt.status_note == 1000
+    assert notes_of(s).status_note == 1000
     assert not s.profile_requested() and s.spill_requests == []

@@ -130,7 +130,7 @@ class InMemoryCheckpointer(StatusRound):
         # Status vector: per owner the newest held version, then the mask of
         # the held ones before it (retention.encode_held), then the store's
         # KiB, then whether the writers are busy (the cost budget's input),
-        # then the caller's note (``status_note``).
+        # then the caller's note (``status_note``, set by ``note_status``).
         self.status_len = 2 * hosts + 3
         # A small integer the caller wants every host to see: it travels with
         # this host's status in each save's round; ``agreed_note`` is host 0's,

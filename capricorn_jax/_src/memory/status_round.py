@@ -93,6 +93,11 @@ class StatusRound(VersionWriters):
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
                          self._store_bytes // 1024, busy, int(self.status_note)], np.int64)
 
+    def note_status(self, value: int) -> None:
+        """Sets the note this host's status vector carries from the next round
+        on (``status_note``); ``agreed_note`` becomes host 0's one round later."""
+        self.status_note = value
+
     def _over_budget(self) -> bool:
         """Whether this version is skipped: under a cost budget, some host's
         writers were busy at the previous save (the same answer on every host:

@@ -45,8 +45,8 @@ from capricorn_jax._src.scheduling.partitioner import (
 )
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
     from capricorn_jax._src.memory.transport import Transport
+    from capricorn_jax._src.memory.writer_door import TierWriter
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.train_step import TrainStep
 
@@ -114,7 +114,7 @@ class ScheduledTransfers:
     """Keeps the current schedule and the compiled scheduled steps.
 
     Args:
-      ckpt: the InMemoryCheckpointer (its transport, plan and writers).
+      ckpt: the host's memory tier (its transport).
       trainer: the caller's TrainStep (builds the steps).
       boundaries: the model's boundary names, forward order.
       link: the measured link model.
@@ -127,7 +127,7 @@ class ScheduledTransfers:
         whose marks the compiled steps carry; None: steps without marks.
     """
 
-    def __init__(self, ckpt: InMemoryCheckpointer, trainer: TrainStep, boundaries: list[str],
+    def __init__(self, ckpt: TierWriter, trainer: TrainStep, boundaries: list[str],
                  link: LinkModel, chunk_cap: int, margin: float = 0.8,
                  clock: SiteClock | None = None, even: bool = True) -> None:
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries

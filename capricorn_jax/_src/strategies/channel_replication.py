@@ -51,9 +51,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.pec_tier import PecVersion
 from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import pack_payload
@@ -71,7 +71,7 @@ _NO_LINK = LinkModel(0.0, 1.0)
 log = logging.getLogger(__name__)
 
 
-def peer_channel(ckpt: InMemoryCheckpointer) -> ChunkChannel:
+def peer_channel(ckpt: TierWriter) -> ChunkChannel:
     """The chunk channel to the peer of ``ckpt``'s replication round 0 (and
     from its source): every host builds its channels in the same order."""
     client = distributed_client()
@@ -109,7 +109,7 @@ class ChannelReplication(InMemoryStrategy):
     the module docstring).
 
     Args:
-      checkpointer: the host's InMemoryCheckpointer, one peer replica (its
+      checkpointer: the host's memory tier (``TierWriter``), one peer replica (its
         PEC options make this ``pec``).
       train: the caller's TrainStep (its state shardings and mesh).
       name: the strategy's name in events and reports.
@@ -117,7 +117,7 @@ class ChannelReplication(InMemoryStrategy):
       channel: the connections to the peer (default: ``peer_channel``).
     """
 
-    def __init__(self, checkpointer: InMemoryCheckpointer, train: TrainStep,
+    def __init__(self, checkpointer: TierWriter, train: TrainStep,
                  name: str = "inmem", chunk_cap: int = 1 << 20,
                  channel: ChunkChannel | None = None) -> None:
         if len(checkpointer.sources) != 1:

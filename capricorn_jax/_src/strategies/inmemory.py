@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
 from capricorn_jax._src.memory.recovery import recover
+from capricorn_jax._src.memory.reports import SaveReport
 from capricorn_jax._src.memory.restore_info import RestoreInfo
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, Strategy
 
@@ -28,12 +29,12 @@ class InMemoryStrategy(Strategy):
     """capricorn_jax's in-memory tier with the unscheduled (after-step) transfer.
 
     Args:
-      checkpointer: the host's InMemoryCheckpointer (its PEC options make
-        this ``pec``).
+      checkpointer: the host's memory tier (an InMemoryCheckpointer, used
+        through ``TierWriter``; its PEC options make this ``pec``).
       name: the strategy's name in events and reports.
     """
 
-    def __init__(self, checkpointer: InMemoryCheckpointer, name: str = "inmem") -> None:
+    def __init__(self, checkpointer: TierWriter, name: str = "inmem") -> None:
         self.ckpt, self.name = checkpointer, name
         self.bytes_per_step = 0
 

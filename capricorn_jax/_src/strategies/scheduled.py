@@ -63,8 +63,8 @@ from typing import Any, NotRequired, TypedDict
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.multihost.agree import allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile
@@ -139,7 +139,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
     Args:
       name: "gemini" or "capricorn", optionally with a "_pec" suffix (the
         checkpointer's PEC options decide what a version carries).
-      checkpointer: the host's InMemoryCheckpointer; one peer replica.
+      checkpointer: the host's memory tier (``TierWriter``); one peer replica.
       train: the caller's TrainStep (the scheduled steps are built on it).
       first_n: gemini: the profiled steps its fixed schedule is built from.
       chunk_cap: the partitioner's largest chunk, in bytes.
@@ -153,7 +153,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
 
     plans_on_profiles = True
 
-    def __init__(self, name: str, checkpointer: InMemoryCheckpointer, train: TrainStep,
+    def __init__(self, name: str, checkpointer: TierWriter, train: TrainStep,
                  first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20,
                  chunk_path: str = "auto", spans: bool | None = None) -> None:
         kind = name.removesuffix("_pec")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.partitioner import Window
@@ -51,7 +51,7 @@ class WindowFeedback:
     module docstring); ``ScheduledStrategy`` sets the state below."""
 
     kind: str
-    ckpt: InMemoryCheckpointer
+    ckpt: TierWriter
     train: TrainStep
     spans: bool
     repartitions: list[int]
@@ -137,7 +137,7 @@ class WindowFeedback:
             w["spill_s"] > SPILL_TOLERANCE_S
             and (w.get("bytes_late") is None or w["bytes_late"] > SPILL_LATE_BYTES)
             for w in windows))
-        self.ckpt.status_note = len(self.repartitions) * 1000 + sum(self._spills)
+        self.ckpt.note_status(len(self.repartitions) * 1000 + sum(self._spills))
 
     def _check_spills(self, version: int) -> None:
         """capricorn: when host 0's note (agreed through the save's status
