@@ -29,8 +29,9 @@ from typing import Any
 from absl import app, flags
 
 from launch.planner import presets, traces, validate
-from launch.planner.inputs import STRATEGIES, AcceleratorProfile, FailureModel
+from launch.planner.inputs import STRATEGIES, FailureModel
 from launch.planner.simulate import Scenario, simulate
+from models.emulation import profile as accelerator_profile
 
 
 def make_flags() -> flags.FlagValues:
@@ -44,8 +45,9 @@ def make_flags() -> flags.FlagValues:
                         "(default: the preset's)", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "synthetic trace seed", flag_values=fv)
     flags.DEFINE_string("model", None, "preset=none: a models.config name", flag_values=fv)
-    flags.DEFINE_string("profile", None, "an accelerator profile JSON "
-                        "(capricorn-plan-profile/1) replacing the preset's", flag_values=fv)
+    flags.DEFINE_string("profile", None, "an accelerator profile replacing the preset's: a "
+                        "shipped name or a JSON file (models.emulation.profile's schema, as "
+                        "--accelerator_profile)", flag_values=fv)
     flags.DEFINE_integer("hosts", None, "hosts (preset=none, or override)", flag_values=fv)
     flags.DEFINE_integer("devices_per_host", None, "accelerators per host", flag_values=fv)
     flags.DEFINE_float("link_gbps", None, "link per host, Gbit/s", flag_values=fv)
@@ -98,7 +100,7 @@ def scenario_from(fv: flags.FlagValues) -> tuple[Scenario, str, tuple[str, ...]]
         model = dataclasses.replace(model, state_bytes_per_host=fv.state_gb_per_host * 1e9)
     profile = sc.profile
     if fv.profile:
-        profile = AcceleratorProfile.from_json(fv.profile)
+        profile = accelerator_profile.load(fv.profile)
         notes += (f"profile {profile.name} from {fv.profile}",)
     options = sc.options
     for name in ("replicas", "pec_k", "budget_s"):

@@ -16,23 +16,27 @@ from capricorn_jax import experimental as ex
 from launch import plan
 from launch.planner import presets, traces, validate
 from launch.planner.events import Link, Sim
-from launch.planner.inputs import (
-    AcceleratorProfile,
-    Cluster,
-    LayerCosts,
-    ModelSpec,
-    StrategyOptions,
-)
+from launch.planner.inputs import Cluster, ModelSpec, StrategyOptions
 from launch.planner.simulate import Scenario, layer_profile, plain_step_s, segments, simulate
+from models.emulation import profile as accelerator_profile
+from models.emulation.profile import AcceleratorProfile, LayerTimes
 
 DATA = Path(__file__).parent / "data"
 
 
+def _profile(layers: tuple[LayerTimes, ...], name: str) -> AcceleratorProfile:
+    return AcceleratorProfile(name=name, accelerator="test", model="m", tokens_per_device=1,
+                              derivation="by hand", layers=layers)
+
+
 def _scenario(link_gbps: float = 100.0, state_gb: float = 4.0) -> Scenario:
-    layers = tuple(LayerCosts(f"block{i}", 0.01, 0.02, 1e-7 if i % 2 else 0.0,
-                              2e-7 if i % 2 else 0.0, 4096.0 if i % 2 else 0.0)
+    # Expert time at the balanced share (65536 x 2 / 16 = 8192 tokens per expert):
+    # 1e-7 s (forward) and 2e-7 s (backward) per token on the busiest expert.
+    layers = tuple(LayerTimes("moe" if i % 2 else "dense", 10.0, 20.0,
+                              0.8192 if i % 2 else 0.0, 1.6384 if i % 2 else 0.0,
+                              4096.0 if i % 2 else 0.0)
                    for i in range(6))
-    return Scenario(Cluster(4, 8, link_gbps), AcceleratorProfile(layers, "t"),
+    return Scenario(Cluster(4, 8, link_gbps), _profile(layers, "t"),
                     ModelSpec("m", state_gb * 1e9, 0.8, 16, 2, 65536),
                     StrategyOptions(first_n=5))
 
@@ -192,15 +196,15 @@ def test_trace_from_metrics(tmp_path):
 def test_profile_json_round_trip_and_errors(tmp_path):
     prof = _scenario().profile
     path = tmp_path / "p.json"
-    path.write_text(json.dumps(prof.to_dict()))
-    assert AcceleratorProfile.from_json(path) == prof
-    doc = prof.to_dict()
+    path.write_text(json.dumps(prof.to_json()))
+    assert accelerator_profile.load(str(path)) == prof
+    doc = prof.to_json()
     doc["layers"][0]["flops"] = 1
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="flops"):
-        AcceleratorProfile.from_json(path)
-    with pytest.raises(ValueError, match="dense_fwd_s"):
-        LayerCosts("x", -1.0, 0.0)
+        accelerator_profile.load(str(path))
+    with pytest.raises(ValueError, match="dense_fwd_ms"):
+        LayerTimes("dense", -1.0, 0.0)
 
 
 def test_validation_reads_a_bench_json(tmp_path):
@@ -284,11 +288,11 @@ def _two_segment(discipline: str, host_s: float) -> Scenario:
     cost: block0 dense (1 s forward, 2 s backward, no all-to-all); block1 MoE
     with ~0 s forward compute, 1 s backward compute and 1e8 B (1 s) of
     all-to-all after each direction. A version is 3e8 B (3 s of link)."""
-    layer = LayerCosts("block0", 1.0, 2.0, 0.0, 0.0, 0.0)
-    moe = LayerCosts("block1", 0.0, 1.0, 1e-30, 1e-30, 100e6 / (64 / 2))
+    layer = LayerTimes("dense", 1000.0, 2000.0, 0.0, 0.0, 0.0)
+    moe = LayerTimes("moe", 0.0, 1000.0, 0.0, 0.0, 100e6 / (64 / 2))
     return Scenario(Cluster(2, 1, 0.8, alpha_s=0.0, host_step_s=host_s,
                             link_discipline=discipline),
-                    AcceleratorProfile((layer, moe), "hand"),
+                    _profile((layer, moe), "hand"),
                     ModelSpec("m", 300e6, 0.0, 2, 1, 64), StrategyOptions())
 
 
@@ -313,7 +317,6 @@ def test_host_step_and_fifo_give_hand_computed_step_times():
 
 
 def test_emulation_and_planner_wait_the_same_compute_for_a_load():
-    from launch.planner.inputs import from_emulation
     from models.config import get_config
     from models.emulation.layers import expert_scale
     from models.emulation.profile import load
@@ -322,7 +325,7 @@ def test_emulation_and_planner_wait_the_same_compute_for_a_load():
     emu = load("a100_gpt_moe_350m_16e")
     moe = tuple(cfg.is_moe(i) for i in range(cfg.n_layers))
     routed = cfg.global_batch * cfg.seq_len * cfg.top_k
-    profile = from_emulation(emu, moe, routed, cfg.num_experts)
+    profile = emu.paired(moe)
     # A load: tokens per expert per MoE layer (sums to the routed assignments).
     counts = np.array([[400, 100, 100, 100, 100, 100, 100, 1048],
                        [256] * 8])
@@ -343,8 +346,8 @@ def test_emulation_and_planner_wait_the_same_compute_for_a_load():
         expected_ms += (times.dense_fwd_ms + times.dense_bwd_ms
                         + scale * (times.expert_fwd_ms + times.expert_bwd_ms))
     assert planner_s == pytest.approx(expected_ms / 1e3, rel=1e-6)
-    assert scale == 1.0 and planner_s > sum(c.dense_fwd_s + c.dense_bwd_s
-                                            for c in profile.layers)
+    assert scale == 1.0 and planner_s > sum(c.dense_fwd_ms + c.dense_bwd_ms
+                                            for c in profile.layers) / 1e3
 
 
 def test_blocking_checkpoint_adds_its_whole_link_time_to_the_step():

@@ -2,43 +2,28 @@
 
 * ``Cluster``: hosts x accelerators, the link rate per host, host RAM, the
   chunk cost ``alpha``.
-* ``LayerCosts`` / ``AcceleratorProfile``: per layer, what an accelerator
-  profile measures: dense forward and backward seconds, expert seconds per
-  token on the busiest expert (an MoE layer's expert time follows the largest
-  number of tokens routed to one expert of a device), and all-to-all bytes per
-  routed token. ``AcceleratorProfile.from_json`` reads the schema below.
+* the accelerator profile: ``models.emulation.profile.AcceleratorProfile``,
+  the emulated accelerator's own class and JSON schema (per layer: dense
+  forward and backward milliseconds, expert milliseconds at balanced load,
+  all-to-all bytes per routed token; ``simulate.segments`` scales an MoE
+  layer's expert time by the busiest expert's tokens over the balanced share).
 * ``ModelSpec``: what a checkpoint must move (state bytes per host, the
   experts' share of them) and the routing shape (MoE layers, experts, top-k,
   tokens per step).
 * ``StrategyOptions`` / ``FailureModel``: the strategy's knobs, the failure
   rate and the recovery costs.
 
-Profile JSON schema (``capricorn-plan-profile/1``)::
-
-    {"format": "capricorn-plan-profile/1",
-     "name": "a100_gpt_moe_125m",            # optional, shown in reports
-     "layers": [{"name": "block0",           # one entry per layer, in order
-                 "dense_fwd_s": 0.004, "dense_bwd_s": 0.008,
-                 "expert_fwd_s_per_token": 1e-7, "expert_bwd_s_per_token": 2e-7,
-                 "a2a_bytes_per_token": 3072}, ...]}
-
-A dense layer has zero expert seconds and zero all-to-all bytes (unless its
-training traffic, e.g. a gradient reduction, is modelled as such: see the
-``gemini_paper`` preset). Design choice: exactly the quantities an
-accelerator profile measures, so a profile of another loader maps onto it
-field by field; alternative not taken: reading the emulated-accelerator
-loader's own format here, which is being written at the same time.
+Design choice: the profile is the emulated accelerator's class, one schema
+for both, so a profile is written once and the validation simulates exactly
+what an emulated run waits; alternative not taken: a planner schema of its
+own (seconds, expert seconds per token) bridged by a converter, as until 0.12.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
-from typing import Any
 
-PROFILE_FORMAT = "capricorn-plan-profile/1"
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 
@@ -98,65 +83,6 @@ class Cluster:
     @property
     def link_bytes_per_s(self) -> float:
         return self.link_gbps * GBIT
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCosts:
-    """One layer of an accelerator profile (see the module docstring)."""
-
-    name: str
-    dense_fwd_s: float
-    dense_bwd_s: float
-    expert_fwd_s_per_token: float = 0.0
-    expert_bwd_s_per_token: float = 0.0
-    a2a_bytes_per_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self)[1:]:
-            _positive(f"LayerCosts[{self.name}]", f.name, getattr(self, f.name), zero_ok=True)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.expert_fwd_s_per_token > 0 or self.expert_bwd_s_per_token > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceleratorProfile:
-    """Per-layer costs of one accelerator, in layer order."""
-
-    layers: tuple[LayerCosts, ...]
-    name: str = "profile"
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise ValueError("AcceleratorProfile: no layers")
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        """Indices (into ``layers``) of the MoE layers, in order."""
-        return tuple(i for i, layer in enumerate(self.layers) if layer.is_moe)
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any], source: str = "profile") -> AcceleratorProfile:
-        if doc.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"{source}: format {doc.get('format')!r}, expected {PROFILE_FORMAT!r}")
-        names = {f.name for f in dataclasses.fields(LayerCosts)}
-        layers = []
-        for i, entry in enumerate(doc.get("layers", [])):
-            unknown = set(entry) - names
-            if unknown:
-                raise ValueError(f"{source}: layers[{i}] has unknown fields {sorted(unknown)}")
-            layers.append(LayerCosts(**{"name": f"block{i}", **entry}))
-        return cls(tuple(layers), str(doc.get("name", source)))
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> AcceleratorProfile:
-        """Reads a ``capricorn-plan-profile/1`` file (module docstring)."""
-        return cls.from_dict(json.loads(Path(path).read_text()), str(path))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "name": self.name,
-                "layers": [dataclasses.asdict(layer) for layer in self.layers]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,43 +189,3 @@ class FailureModel:
         _positive("FailureModel", "restart_s", self.restart_s, zero_ok=True)
         if self.persist_every < 1:
             raise ValueError(f"FailureModel.persist_every must be >= 1, got {self.persist_every}")
-
-
-def from_emulation(profile: Any, moe: tuple[bool, ...], routed_per_step: float,
-                   num_experts: int, *,
-                   a2a_bytes_per_token: float | None = None) -> AcceleratorProfile:
-    """The planner's profile of the emulated accelerator: per layer, exactly
-    what ``models.emulation`` waits (one schema: the emulation's own
-    ``AcceleratorProfile.on_layers``).
-
-    The emulation waits, per layer, the dense time plus the expert time at
-    balanced load scaled by the busiest expert's tokens over the balanced
-    share (``models.emulation.layers.expert_scale``); the planner's compute
-    is ``dense + expert_s_per_token x peak`` with ``peak`` the busiest
-    expert's tokens, so ``expert_s_per_token`` = balanced time / balanced
-    share, the share being ``routed_per_step / num_experts``.
-
-    Args:
-      profile: a ``models.emulation.profile.AcceleratorProfile``.
-      moe: per layer of the emulated model, whether it is MoE.
-      routed_per_step: token-expert assignments of one MoE layer per step in
-        one expert group (``ModelSpec.routed_per_step`` when the expert axis
-        spans the cluster).
-      num_experts: experts per MoE layer.
-      a2a_bytes_per_token: all-to-all bytes per routed token per MoE segment
-        (None: the profile's ``a2a_bytes_per_routed_token``, the profiled
-        model's).
-    """
-    if routed_per_step <= 0 or num_experts < 1:
-        raise ValueError(f"from_emulation: routed_per_step={routed_per_step} and "
-                         f"num_experts={num_experts} must be positive")
-    balanced = routed_per_step / num_experts
-    out = []
-    for i, times in enumerate(profile.on_layers(moe)):
-        expert = times.kind == "moe"
-        a2a = (times.a2a_bytes_per_routed_token if a2a_bytes_per_token is None
-               else a2a_bytes_per_token) if expert else 0.0
-        out.append(LayerCosts(f"block{i}", times.dense_fwd_ms / 1e3, times.dense_bwd_ms / 1e3,
-                              times.expert_fwd_ms / 1e3 / balanced,
-                              times.expert_bwd_ms / 1e3 / balanced, a2a))
-    return AcceleratorProfile(tuple(out), f"{profile.name} (emulated)")

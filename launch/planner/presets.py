@@ -13,7 +13,8 @@ does not give), so a reader sees which numbers carry the prediction.
   DeepSeek-MoE 16B (64 routed experts, top-6, 28 layers, d_model 2048).
   MoEvement reports per-iteration Gemini slowing training about 2.5x.
 
-``profile_from_flops`` builds a profile from parameter counts and an
+``profile_from_flops`` builds a profile (``models.emulation.profile``'s
+class, the emulated accelerator's) from parameter counts and an
 accelerator's throughput (6 FLOPs per parameter and token, a third of them
 forward), for the GPT-MoE shapes of ``models.config`` and the presets.
 """
@@ -23,15 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from launch.planner.inputs import (
-    GBIT,
-    AcceleratorProfile,
-    Cluster,
-    LayerCosts,
-    ModelSpec,
-    StrategyOptions,
-)
+from launch.planner.inputs import GBIT, Cluster, ModelSpec, StrategyOptions
 from launch.planner.simulate import Scenario
+from models.emulation.profile import AcceleratorProfile, LayerTimes
 
 BYTES_PER_PARAM = 16
 """Mixed-precision Adam state per parameter: bf16 weight and gradient (2 + 2),
@@ -48,22 +43,29 @@ class Preset:
 
 def profile_from_flops(name: str, *, layers: int, moe_every: int, dense_params: float,
                        expert_params: float, tokens_per_step: int, devices: int,
-                       experts_per_device: float, top_k: int, a2a_bytes_per_token: float,
-                       tflops: float, mfu: float, first_dense: bool = False) -> AcceleratorProfile:
+                       experts_per_device: float, num_experts: int, top_k: int,
+                       a2a_bytes_per_token: float, tflops: float, mfu: float,
+                       first_dense: bool = False) -> AcceleratorProfile:
     """A profile from FLOPs: per layer, forward = 2 x params x tokens / (devices
     x tflops x mfu) spread over the devices, backward twice that; an expert's
     time per token on the busiest expert = 2 x expert_params x experts per
-    device / (tflops x mfu) (its device runs its experts in turn)."""
+    device / (tflops x mfu) (its device runs its experts in turn), given at
+    the balanced share (tokens x top_k / num_experts), as profiles give it."""
     rate = tflops * 1e12 * mfu
+    balanced = tokens_per_step * top_k / num_experts
     out = []
     for i in range(layers):
         moe = (i % moe_every == moe_every - 1) and not (first_dense and i == 0)
-        dense = 2 * dense_params * tokens_per_step / (devices * rate)
-        per_token = 2 * expert_params * experts_per_device / rate if moe else 0.0
-        out.append(LayerCosts(f"block{i}", dense, 2 * dense, per_token, 2 * per_token,
-                              a2a_bytes_per_token if moe else 0.0))
-    del top_k
-    return AcceleratorProfile(tuple(out), name)
+        dense_ms = 2 * dense_params * tokens_per_step / (devices * rate) * 1e3
+        expert_ms = 2 * expert_params * experts_per_device / rate * balanced * 1e3 if moe else 0.0
+        out.append(LayerTimes("moe" if moe else "dense", dense_ms, 2 * dense_ms, expert_ms,
+                              2 * expert_ms, a2a_bytes_per_token if moe else 0.0))
+    return AcceleratorProfile(
+        name=name, accelerator=f"{tflops:g} TFLOP/s at {mfu:g} MFU", model=name,
+        tokens_per_device=tokens_per_step // devices,
+        derivation="From FLOPs (launch.planner.presets.profile_from_flops): 2 FLOPs per "
+                   "parameter and token forward, backward twice that",
+        layers=tuple(out))
 
 
 def gemini_paper() -> Preset:
@@ -74,10 +76,14 @@ def gemini_paper() -> Preset:
     # Each segment: compute (link idle), then the layer's share of the link's busy time.
     bytes_per_segment = busy_s / (2 * layers) * rate
     routed_per_host = tokens / hosts
-    profile = AcceleratorProfile(tuple(
-        LayerCosts(f"block{i}", idle_s / (3 * layers), 2 * idle_s / (3 * layers), 0.0, 0.0,
-                   bytes_per_segment / routed_per_host)
-        for i in range(layers)), "gemini_paper")
+    profile = AcceleratorProfile(
+        name="gemini_paper", accelerator="A100", model="gpt2_100b",
+        tokens_per_device=tokens // (hosts * 8),
+        derivation="Gemini's iteration: the idle 10 s and the 55 s of training traffic "
+                   "split evenly over the layers' segments",
+        layers=tuple(LayerTimes("dense", idle_s / (3 * layers) * 1e3,
+                                2 * idle_s / (3 * layers) * 1e3, 0.0, 0.0,
+                                bytes_per_segment / routed_per_host) for _ in range(layers)))
     model = ModelSpec("gpt2_100b", 87e9, 0.0, 2, 1, tokens)
     scenario = Scenario(Cluster(hosts, 8, 400, host_ram_gb=1152), profile, model,
                         StrategyOptions(replicas=2))
@@ -106,7 +112,7 @@ def moevement_paper() -> Preset:
     profile = profile_from_flops(
         "moevement_paper", layers=layers, moe_every=1, dense_params=attention + shared,
         expert_params=expert, tokens_per_step=MOEVEMENT_TOKENS, devices=hosts * devices,
-        experts_per_device=experts / (hosts * devices), top_k=top_k,
+        experts_per_device=experts / (hosts * devices), num_experts=experts, top_k=top_k,
         a2a_bytes_per_token=0.0, tflops=312, mfu=0.35, first_dense=True)
     model = ModelSpec("deepseek_moe_16b", total * BYTES_PER_PARAM / hosts,
                       expert_total / total, experts, top_k, MOEVEMENT_TOKENS)
@@ -144,7 +150,8 @@ def table_profile(config_name: str, hosts: int, devices_per_host: int, link_gbps
         config_name, layers=cfg.n_layers, moe_every=cfg.moe_every,
         dense_params=4 * d * d + (2 * d * cfg.d_ff if cfg.moe_every == 2 else 0) / 2,
         expert_params=expert, tokens_per_step=tokens, devices=devices,
-        experts_per_device=max(1.0, cfg.num_experts / devices), top_k=cfg.top_k,
+        experts_per_device=max(1.0, cfg.num_experts / devices),
+        num_experts=cfg.num_experts, top_k=cfg.top_k,
         a2a_bytes_per_token=2 * d * 2 * (1 - 1 / hosts), tflops=tflops, mfu=mfu)
     model = ModelSpec(config_name, counts["total"] * BYTES_PER_PARAM / hosts,
                       counts["expert"] / counts["total"], cfg.num_experts, cfg.top_k, tokens)

@@ -5,10 +5,11 @@ layers, and Gemini's placement sends each host's version to m-1 peers while
 it receives as many, so every host's send link carries the same load):
 
 * forward layers 0..L-1, then backward L-1..0; each (layer, direction) is a
-  *segment*: compute (dense time + expert seconds per token x the most
-  tokens on one expert at this step's load, from the accelerator profile),
-  then the layer's all-to-all (bytes per routed token x the host's routed
-  tokens) on the host's link. The link is idle during compute: these are
+  *segment*: compute (from the accelerator profile: dense time + the expert
+  time at balanced load x the most tokens on one expert at this step's load
+  over the balanced share, as the emulation waits), then the layer's
+  all-to-all (bytes per routed token x the host's routed tokens) on the
+  host's link. The link is idle during compute: these are
   the partitioner's windows (``windows_from_profile`` of a profile built
   from the segments).
 * checkpoint traffic shares the link with the all-to-alls (``events.Link``,
@@ -53,14 +54,9 @@ import numpy as np
 import capricorn_jax as cj
 from capricorn_jax import experimental as ex
 from launch.planner.events import Link, Sim
-from launch.planner.inputs import (
-    AcceleratorProfile,
-    Cluster,
-    FailureModel,
-    ModelSpec,
-    StrategyOptions,
-)
+from launch.planner.inputs import Cluster, FailureModel, ModelSpec, StrategyOptions
 from launch.planner.traces import tokens as to_tokens
+from models.emulation.profile import AcceleratorProfile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +84,7 @@ def segments(sc: Scenario, load: np.ndarray) -> list[tuple[str, str, float, floa
     """
     moe = {layer: i for i, layer in enumerate(sc.profile.moe_layers)}
     routed_per_host = sc.model.routed_per_step / sc.cluster.hosts
+    balanced = sc.model.routed_per_step / sc.model.num_experts
     out = []
     for direction in ("fwd", "bwd"):
         order = range(len(sc.profile.layers))
@@ -95,11 +92,12 @@ def segments(sc: Scenario, load: np.ndarray) -> list[tuple[str, str, float, floa
             layer = sc.profile.layers[idx]
             peak = float(load[moe[idx]].max()) if idx in moe else 0.0
             if direction == "fwd":
-                compute = layer.dense_fwd_s + layer.expert_fwd_s_per_token * peak
+                dense_ms, expert_ms = layer.dense_fwd_ms, layer.expert_fwd_ms
             else:
-                compute = layer.dense_bwd_s + layer.expert_bwd_s_per_token * peak
-            nbytes = layer.a2a_bytes_per_token * routed_per_host
-            out.append((layer.name, direction, compute, nbytes))
+                dense_ms, expert_ms = layer.dense_bwd_ms, layer.expert_bwd_ms
+            compute = dense_ms / 1e3 + expert_ms / 1e3 / balanced * peak
+            nbytes = layer.a2a_bytes_per_routed_token * routed_per_host
+            out.append((f"block{idx}", direction, compute, nbytes))
     return out
 
 

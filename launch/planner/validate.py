@@ -104,7 +104,7 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     (a warm-up block of ``warmup + a2a_steps`` steps, then ``reps`` blocks of
     ``steps`` timed steps but the first, and ``a2a_steps`` probed ones); the
     link rate (the link probe's exchange or one-way rate, ``rate``); the
-    compute from the run's accelerator profile (``from_emulation``); the
+    compute from the run's accelerator profile (``AcceleratorProfile.paired``); the
     all-to-all bytes from none's measured all-to-all time at that rate; the
     version's bytes per host from the rows' ``ckpt_bytes_per_step`` (PEC's
     expert share from pec's at the run's K, ``--pec_k``, fixed as the bench
@@ -120,13 +120,7 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     import numpy as np
 
     from launch.planner import traces
-    from launch.planner.inputs import (
-        GBIT,
-        Cluster,
-        ModelSpec,
-        StrategyOptions,
-        from_emulation,
-    )
+    from launch.planner.inputs import GBIT, Cluster, ModelSpec, StrategyOptions
     from launch.planner.simulate import Scenario, plain_step_s
     from launch.planner.traces import tokens as to_tokens
     from models.config import get_config
@@ -146,7 +140,7 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     a2a_total = float(rows["none"]["a2a_median_s"]) * gbps * GBIT
     per_token = a2a_total / (2 * n_moe * routed / hosts)
     emu = load(doc.get("accelerator_profile") or DEFAULT_PROFILE)
-    profile = from_emulation(emu, moe, routed, cfg.num_experts, a2a_bytes_per_token=per_token)
+    profile = emu.paired(moe, a2a_bytes_per_routed_token=per_token)
     # ckpt_bytes_per_step sums the hosts' versions (the bench's R divides it).
     full = max(float(r.get("ckpt_bytes_per_step") or 0) for n, r in rows.items()
                if n in ("inmem", "gemini", "capricorn")) / hosts

@@ -1,7 +1,10 @@
 """Accelerator profiles: how long each layer of a model takes on an accelerator.
 
-A profile is JSON data (``profiles/NAME.json``), one entry per layer of the
-model it was derived for::
+One schema and one class (``AcceleratorProfile``) for both readers: the
+emulated accelerator (``--accelerator=emulated --accelerator_profile=NAME|PATH``)
+and the planner (``python -m launch.plan --profile=NAME|PATH``, its presets).
+A profile is JSON data (``profiles/NAME.json`` when shipped), one entry per
+layer of the model it was derived for::
 
     {"name": ..., "accelerator": ..., "model": ..., "tokens_per_device": ...,
      "derivation": "how the numbers were obtained",
@@ -11,9 +14,15 @@ model it was derived for::
                  "a2a_bytes_per_routed_token"}, ...]}
 
 ``expert_*_ms`` is the device's expert compute when every expert receives the
-balanced share of tokens; a step's expert part scales with the busiest local
+balanced share of tokens; a step's expert part scales with the busiest
 expert's load over that share (grouped expert kernels pad every local expert
-to the busiest one's rows, as capacity buffers do).
+to the busiest one's rows, as capacity buffers do). The share is the paired
+model's: routed token-expert assignments per step over the experts (the
+emulation's ``layers.expert_scale``, the planner's ``simulate.segments``).
+``a2a_bytes_per_routed_token``: what one routed token moves per all-to-all
+after an MoE layer; the planner also puts a dense layer's bytes on the link
+(training traffic modelled so, the ``gemini_paper`` preset), the emulation
+moves only its model's own all-to-alls. Every number is finite and >= 0.
 
 Pairing with a model config (``for_model``): the emulated model usually has
 fewer layers than the profiled one, so the profile's layers are grouped in
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -60,9 +70,10 @@ class LayerTimes:
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "moe"):
             raise ValueError(f"layer kind {self.kind!r} is not 'dense' or 'moe'")
-        for name in _FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} is negative")
+        for name in (*_FIELDS, "a2a_bytes_per_routed_token"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value} is negative or not finite")
 
     @property
     def step_ms(self) -> float:
@@ -81,10 +92,19 @@ class AcceleratorProfile:
     derivation: str
     layers: tuple[LayerTimes, ...]
 
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"accelerator profile {self.name!r} has no layers")
+
     @property
     def step_ms(self) -> float:
         """The profiled step's compute at balanced load."""
         return sum(layer.step_ms for layer in self.layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices (into ``layers``) of the MoE layers, in order."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kind == "moe")
 
     def for_model(self, n_layers: int) -> tuple[LayerTimes, ...]:
         """The profile grouped onto ``n_layers`` emulated layers (module docstring)."""
@@ -109,8 +129,8 @@ class AcceleratorProfile:
         """What the emulation waits per layer of a model whose layer i is MoE
         where ``moe[i]``: ``for_model``'s groups, a dense layer of the model
         taking its group's expert time as dense time (it has no experts to
-        wait in), so the step's total is kept. ``layers.Emulation`` and the
-        planner (``launch.planner.inputs.from_emulation``) both read this."""
+        wait in), so the step's total is kept. ``layers.Emulation`` reads
+        this, the planner through ``paired``."""
         out = []
         for times, is_moe in zip(self.for_model(len(moe)), moe, strict=True):
             if not is_moe and times.kind == "moe":
@@ -120,6 +140,22 @@ class AcceleratorProfile:
                     expert_fwd_ms=0.0, expert_bwd_ms=0.0)
             out.append(times)
         return tuple(out)
+
+    def paired(self, moe: tuple[bool, ...], *,
+               a2a_bytes_per_routed_token: float | None = None) -> AcceleratorProfile:
+        """This profile as the emulation waits it on a model whose layer i is
+        MoE where ``moe[i]`` (``on_layers``), one entry per model layer: what
+        the planner simulates of an emulated run. Its MoE layers move
+        ``a2a_bytes_per_routed_token`` (None: the profile's, the profiled
+        model's), its dense layers none."""
+        layers = []
+        for times in self.on_layers(moe):
+            a2a = 0.0
+            if times.kind == "moe":
+                a2a = (times.a2a_bytes_per_routed_token if a2a_bytes_per_routed_token is None
+                       else a2a_bytes_per_routed_token)
+            layers.append(dataclasses.replace(times, a2a_bytes_per_routed_token=a2a))
+        return dataclasses.replace(self, layers=tuple(layers))
 
     def to_json(self) -> dict:
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -133,8 +169,6 @@ def from_json(data: dict) -> AcceleratorProfile:
     missing = [key for key in required if key not in data]
     if missing:
         raise ValueError(f"accelerator profile lacks {missing}")
-    if not data["layers"]:
-        raise ValueError(f"accelerator profile {data['name']!r} has no layers")
     layers = []
     for i, layer in enumerate(data["layers"]):
         try:
