@@ -228,7 +228,7 @@ def test_piece_bytes_must_be_positive():
 # share the queue): the stop rule meets a real queue (SIOCOUTQ) and a real
 # rate, not a slowed send.
 _SHAPED = """
-import json, sys
+import json, os, sys
 from tests.test_deadline_sender import _close, _schedule, _senders, _step
 from capricorn_jax._src.scheduling.partitioner import LinkModel
 import dataclasses
@@ -240,6 +240,12 @@ try:
     print(json.dumps([dataclasses.asdict(s.last_bytes[0]) for s in senders]))
 finally:
     _close(senders)
+# Done (a failure above exits non-zero with its traceback): leave as the
+# training workers do (launch.runtime.exit_in_order), the process ending its
+# threads; the interpreter's teardown aborted about 1 run in 3 here with
+# XLA's threads alive ("FATAL: exception not rethrown").
+sys.stdout.flush()
+os._exit(0)
 """
 
 
