@@ -122,18 +122,25 @@ def test_the_last_windows_leftovers_go_after_the_step_and_the_version_completes(
         _close(senders)
 
 
+def _held_version(mesh, senders):
+    """Version 1 in a step whose windows' deadlines both passed: every host
+    holds the whole version (nothing handed to the kernel); its payloads."""
+    data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
+    _marks(senders, 0.1)
+    for s in senders:
+        assert s.held_bytes(1, 20.0) == PAYLOAD
+        entry = s._versions[1]
+        assert entry.frames == [] and not entry.sent.is_set()
+    return data
+
+
 def test_held_leftovers_go_in_the_next_steps_windows_not_after_the_step():
     """``hold_tail``: both windows' deadlines passed, so the whole version is
     held (nothing handed to the kernel in or after its step); ``extend`` and
     ``resume`` give it the next step's windows, which carry every byte."""
     mesh, senders = _senders(hold_tail=8)
     try:
-        data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
-        _marks(senders, 0.1)
-        for s in senders:
-            assert s.held_bytes(1, 20.0) == PAYLOAD
-            entry = s._versions[1]
-            assert entry.frames == [] and not entry.sent.is_set()
+        data = _held_version(mesh, senders)
         for s in senders:
             s.extend(1)
             assert s.parts_left(1) == 1
@@ -157,10 +164,7 @@ def test_held_leftovers_go_in_the_next_steps_windows_not_after_the_step():
 def test_a_held_version_that_gets_no_later_step_is_sent_by_wait():
     mesh, senders = _senders(hold_tail=8)
     try:
-        data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
-        _marks(senders, 0.1)
-        for s in senders:
-            assert s.held_bytes(1, 20.0) == PAYLOAD
+        data = _held_version(mesh, senders)
         # Each host waits on its own thread (as its own process would): each
         # wait sends its host's held bytes now.
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
