@@ -53,7 +53,14 @@ from typing import Any
 from absl import app, flags
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos_config import ChaosConfig, Topology, parse_topology  # noqa: F401 (re-exported)
+from launch.chaos_config import (  # noqa: F401 (re-exported)
+    CAPRICORN_CLASSES,
+    FAULT_CLASSES,
+    NETWORK_CLASSES,
+    ChaosConfig,
+    Topology,
+    parse_topology,
+)
 from launch.cli_flags import FlagError
 from launch.fault_plan import (
     CORRUPT_FRAME,
@@ -65,6 +72,7 @@ from launch.fault_plan import (
     PERSIST_FAULTS,
     RECOVERY_POINTS,
     SLOW_LINK,
+    STALL_CHANNEL,
     TIMED,
     Fault,
 )
@@ -101,6 +109,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
                       flag_values=fv)
     flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
                       "Strategies drawn from (in-memory ones).", flag_values=fv)
+    flags.DEFINE_list("faults", [],
+                      "Fault classes drawn (empty: all): only trials whose last fault is of "
+                      "one of them; classes: " + ", ".join(FAULT_CLASSES) + ".",
+                      flag_values=fv)
     flags.DEFINE_float("trial_timeout_s", 900.0, "A trial's job must end within this.",
                        flag_values=fv)
     flags.DEFINE_boolean("keep_going", True, "Run every trial even after a failure.",
@@ -114,7 +126,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 
 POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "persist_error",
-          "persist_hang", DISK_FULL_FINALIZE, PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK)
+          "persist_hang", DISK_FULL_FINALIZE, PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK,
+          STALL_CHANNEL)
 """The points drawn (``recovery`` too, as a second fault); the network faults
 only where the trials run on shaped links (``--link_gbps``)."""
 PERSIST_EVERY = 4
@@ -127,6 +140,23 @@ PAUSE_PEER_TIMEOUT_S = 8.0
 SHORT_PAUSE_S is outlasted (the job goes on), one of LONG_PAUSE_S ends the
 attempt; a slow link of either length is outlasted."""
 SHORT_PAUSE_S, LONG_PAUSE_S = 3.0, 20.0
+STALL_REPLICATION_TIMEOUT_S = 2.0
+"""--replication_timeout_s of a trial with a stall_channel fault: the chunk
+channel's bound is 4x this (8 s), so a stall of SHORT_PAUSE_S is waited out
+(slow, not lost) and one of LONG_PAUSE_S loses the channel, which reconnects."""
+QUIET = (CORRUPT_FRAME, STALL_CHANNEL, DISK_FULL_FINALIZE, *PERSIST_FAULTS)
+"""Faults that kill no host and end no attempt, whatever their length."""
+
+
+THREADED, BUDGET = "--chunk_path=threaded", "--ckpt_budget=0"
+"""Job variants a trial may draw (``Trial.variant``): inmem / pec over the
+chunk channel (2 replicas), and the cost budget (versions skipped while a
+host's writers are busy; the scheduled strategies' versions spread over
+steps)."""
+BUDGET_POINTS = frozenset({"after_step", "mid_step", "recovery", "mid_serve", PAUSE, PARTITION,
+                           SLOW_LINK, CORRUPT_FRAME, STALL_CHANNEL})
+"""Faults that strike whether or not their version was skipped (the others
+strike inside a version's replication or persistent write)."""
 
 
 def _outlasted(f: Fault) -> bool:
@@ -147,6 +177,7 @@ class Trial:
     persist_every: int
     faults: tuple[Fault, ...]
     stall: tuple[int, int] | None  # (host, step): its replica writer stalls 3 s
+    variant: tuple[str, ...] = ()  # job flags drawn beside the faults (``VARIANTS``)
 
     @property
     def pec(self) -> bool:
@@ -164,17 +195,20 @@ class Trial:
             out.append(f"--persist_timeout_s={PERSIST_HANG_TIMEOUT_S}")
         if any(f.point in TIMED for f in self.faults):
             out.append(f"--peer_timeout_s={PAUSE_PEER_TIMEOUT_S:g}")
+        if any(f.point == STALL_CHANNEL for f in self.faults):
+            out.append(f"--replication_timeout_s={STALL_REPLICATION_TIMEOUT_S:g}")
         if self.pec:
             out += [f"--pec_k={PEC_K}", "--nopec_dynamic"]
         if self.stall is not None:
             out += [f"--stall_host={self.stall[0]}", f"--stall_at_step={self.stall[1]}",
                     "--stall_seconds=3"]
-        return out
+        return out + list(self.variant)
 
     def describe(self) -> str:
         faults = "; ".join(_describe(f) for f in self.faults)
         stall = "" if self.stall is None else f"; stall host {self.stall[0]}@{self.stall[1]}"
-        return (f"{self.topology.name} {self.strategy} persist={self.persist_every} "
+        variant = "".join(f" {v.lstrip('-')}" for v in self.variant)
+        return (f"{self.topology.name} {self.strategy}{variant} persist={self.persist_every} "
                 f"[{faults}{stall}]")
 
 
@@ -182,16 +216,46 @@ def _describe(f: Fault) -> str:
     who = "+".join(str(h) for h in f.hosts)
     where = f.point if f.point in RECOVERY_POINTS else f"{f.point}@{f.step}"
     extra = "".join([" wipe_all" if f.wipe_all else "", " corrupt" if f.corrupt else "",
-                     f" {f.pause_s:g}s" if f.point in TIMED else ""])
+                     f" {f.pause_s:g}s" if f.point in (*TIMED, STALL_CHANNEL) else ""])
     return f"host {who} {where} {f.mode}{extra}"
 
 
+_MAX_DRAWS = 10_000
+
+
+def fault_classes(faults: Sequence[Fault]) -> list[str]:
+    """Each fault's class (``FAULT_CLASSES``), in order."""
+    out = []
+    for i, f in enumerate(faults):
+        if f.point == "mid_serve":
+            out.append("kill_mid_serve")
+        elif f.point == "recovery" and i and faults[i - 1].point == "recovery":
+            out.append("double_kill")
+        else:
+            out.append(f.point)
+    return out
+
+
 def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: list[str],
-               steps: int, shaped: bool = False) -> Trial:
+               steps: int, shaped: bool = False, classes: Sequence[str] = ()) -> Trial:
     """Trial ``index`` of a soak: every choice from one generator seeded by
     (seed, index), so the trial is replayed by its seed; ``shaped``: the
-    trials run on shaped links (the network faults can be drawn)."""
+    trials run on shaped links (the network faults can be drawn);
+    ``classes`` (``--faults``): only trials whose last fault is of one of
+    them: the class is drawn first, evenly, then trials from the same
+    generator until one's last fault is of it)."""
     rng = random.Random(seed * 1000 + index)
+    target = rng.choice(list(classes)) if classes else None
+    for _ in range(_MAX_DRAWS):
+        trial = _draw(rng, index, seed, topologies, strategies, steps, shaped)
+        if target is None or (trial.faults and fault_classes(trial.faults)[-1] == target):
+            return trial
+    raise ValueError(f"no trial with a last fault of class {target} in {_MAX_DRAWS} draws "
+                     f"(strategies {strategies}, shaped links: {shaped})")
+
+
+def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
+          strategies: list[str], steps: int, shaped: bool) -> Trial:
     topo = rng.choice(topologies)
     choices = [s for s in strategies if topo.replicas == 2 or s in ("inmem", "pec")]
     if not choices:
@@ -218,7 +282,7 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
             break
         points = [p for p in POINTS
                   if (persist or p not in ("mid_persist", DISK_FULL_FINALIZE, *PERSIST_FAULTS))
-                  and (p != CORRUPT_FRAME or strategy == "capricorn")
+                  and (p not in (CORRUPT_FRAME, STALL_CHANNEL) or strategy == "capricorn")
                   and (shaped or p not in NETWORK_FAULTS)]
         point = rng.choice(points)
         if point == CORRUPT_FRAME:  # no kill: the plan's last fault
@@ -231,6 +295,15 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
             if low <= steps - 4:
                 faults.append(Fault((victim,), rng.randrange(max(low, 2), steps - 3),
                                     CORRUPT_FRAME))
+            break
+        if point == STALL_CHANNEL:  # no kill: the plan's last fault, capricorn only
+            # Early enough that the versions after the loss move again
+            # within the trial (lost at the next save, agreed at the one
+            # after, reconnected there).
+            if low <= steps - 6:
+                faults.append(Fault((rng.randrange(topo.hosts),),
+                                    rng.randrange(max(low, 2), steps - 5), STALL_CHANNEL,
+                                    pause_s=rng.choice([SHORT_PAUSE_S, LONG_PAUSE_S])))
             break
         if point in TIMED:  # no kill: the plan's last fault, on one host
             if low <= steps - 3:
@@ -263,7 +336,13 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
     stall = None
     if rng.random() < 0.15:
         stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
-    return Trial(index, seed * 1000 + index, topo, strategy, persist, tuple(faults), stall)
+    variant = []
+    if strategy in ("inmem", "pec") and topo.replicas == 2 and rng.random() < 0.4:
+        variant.append(THREADED)
+    if all(f.point in BUDGET_POINTS for f in faults) and stall is None and rng.random() < 0.25:
+        variant.append(BUDGET)
+    return Trial(index, seed * 1000 + index, topo, strategy, persist, tuple(faults), stall,
+                 tuple(variant))
 
 
 def _writer_lags(trial: Trial, fault: Fault) -> bool:
@@ -291,15 +370,14 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     problems: list[str] = []
     # A pause past the peer timeout ends its attempt like a kill; a shorter
     # one ends nothing (and must cause no recovery).
-    kills = [f for f in trial.faults if f.point not in (*RECOVERY_POINTS, CORRUPT_FRAME,
-                                                         DISK_FULL_FINALIZE, *PERSIST_FAULTS)
+    kills = [f for f in trial.faults if f.point not in (*RECOVERY_POINTS, *QUIET)
              and not _outlasted(f)]
-    quiet = (CORRUPT_FRAME, DISK_FULL_FINALIZE, *PERSIST_FAULTS)
-    killing = len([f for f in trial.faults if f.point not in quiet])
+    killing = len([f for f in trial.faults if f.point not in QUIET])
     if strikes != killing:
         problems.append(f"{strikes} of {killing} faults struck")
     problems += _persist_fault_problems(trial, records)
     problems += _corrupt_frame_problems(trial, records)
+    problems += _stall_channel_problems(trial, records)
     step_records = [r for r in records if "event" not in r]
     seen = {r["step"] for r in step_records}
     # A step trained and checkpointed whose line host 0 was killed before
@@ -317,7 +395,8 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     recoveries = [r for r in records if r.get("event") == "recovery"]
     expected_recoveries = len(kills) + len([f for f in trial.faults
                                             if f.point in RECOVERY_POINTS])
-    if any(_outlasted(f) or f.point == CORRUPT_FRAME for f in trial.faults) and \
+    if any(_outlasted(f) or f.point in (CORRUPT_FRAME, STALL_CHANNEL)
+           for f in trial.faults) and \
             len(recoveries) > expected_recoveries:
         problems.append(f"{len(recoveries)} recoveries where the faults end "
                         f"{expected_recoveries} attempts (a pause or partition shorter than "
@@ -404,6 +483,33 @@ def _corrupt_frame_problems(trial: Trial, records: list[dict]) -> list[str]:
     return out
 
 
+def _stall_channel_problems(trial: Trial, records: list[dict]) -> list[str]:
+    """A stall_channel fault: one past the channel's bound loses it (host 0
+    takes no version at some save at or after the fault's step: a
+    ``checkpoint`` event with "channel_lost") and it comes back (a version
+    moved in a step after the last lost one is committed); a shorter one is
+    waited out (no version lost)."""
+    out = []
+    for f in trial.faults:
+        if f.point != STALL_CHANNEL:
+            continue
+        lost = [r["step"] for r in records
+                if r.get("event") == "checkpoint" and r.get("channel_lost")]
+        moved = [r["moved_in_step"] for r in records
+                 if r.get("event") == "checkpoint" and "moved_in_step" in r]
+        if f.pause_s <= 4 * STALL_REPLICATION_TIMEOUT_S:
+            if lost:
+                out.append(f"stall_channel of {f.pause_s:g}s at step {f.step} (within the "
+                           f"channel's bound): versions lost {lost}, expected none")
+        elif not lost or min(lost) < f.step:
+            out.append(f"stall_channel of {f.pause_s:g}s at step {f.step}: versions lost "
+                       f"{lost}, expected some at or after it")
+        elif not any(v > max(lost) for v in moved):
+            out.append(f"stall_channel at step {f.step}: no version moved after the lost "
+                       f"ones {lost} (the channel did not come back)")
+    return out
+
+
 def _store_root(scratch: Path) -> Path:
     """The trials' RAM stores: on the RAM disk when there is one."""
     shm = Path("/dev/shm")
@@ -451,8 +557,10 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
     result: dict[str, Any] = {
         "trial": trial.index, "seed": trial.seed, "topology": trial.topology.name,
         "strategy": trial.strategy, "persist_every": trial.persist_every,
-        "faults": [f.to_json() for f in trial.faults],
-        "stall": None if trial.stall is None else list(trial.stall)}
+        "faults": [{**f.to_json(), "class": c}
+                   for f, c in zip(trial.faults, fault_classes(trial.faults), strict=True)],
+        "stall": None if trial.stall is None else list(trial.stall),
+        "variant": list(trial.variant)}
     reference = _reference(trial.topology, steps, model, scratch, references, timeout_s,
                            fast_compile, extra)
     work, store = scratch / f"trial{trial.index}", _store_root(scratch)
@@ -522,7 +630,7 @@ def run(config: ChaosConfig) -> int:
         indices = [config.only_trial] if config.only_trial >= 0 else range(config.trials)
         for i in indices:
             trial = draw_trial(i, config.seed, list(config.topologies), list(config.strategies),
-                               config.steps, shaped=config.link.shaped)
+                               config.steps, shaped=config.link.shaped, classes=config.faults)
             result = run_trial(trial, config.steps, config.model, scratch, references,
                                config.trial_timeout_s, config.fast_compile, job_flags)
             results.append(result)

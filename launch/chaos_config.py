@@ -23,8 +23,26 @@ from absl import flags
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
 from launch.config import AcceleratorConfig, resolve_routing_bias
+from launch.fault_plan import (
+    CORRUPT_FRAME,
+    DISK_FULL_FINALIZE,
+    PARTITION,
+    PAUSE,
+    SLOW_LINK,
+    STALL_CHANNEL,
+)
 
 IN_MEMORY_STRATEGIES = ("inmem", "gemini", "capricorn", "pec")
+
+FAULT_CLASSES = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
+                 "kill_mid_serve", "double_kill", "persist_error", "persist_hang",
+                 DISK_FULL_FINALIZE, PAUSE, CORRUPT_FRAME, PARTITION, SLOW_LINK, STALL_CHANNEL)
+"""The classes of ``--faults`` and of each fault of a trial's JSON (``fault_classes``):
+the fault points, a kill in a recovery's serve round (``kill_mid_serve``, point
+``mid_serve``) and a second recovery struck in a row (``double_kill``)."""
+NETWORK_CLASSES = frozenset({PARTITION, SLOW_LINK})
+CAPRICORN_CLASSES = frozenset({CORRUPT_FRAME, STALL_CHANNEL})
+"""Classes drawn only for capricorn (the channel from its first schedule on)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +79,7 @@ class ChaosConfig:
     trial_timeout_s: float
     keep_going: bool
     fast_compile: bool
+    faults: tuple[str, ...] = ()  # --faults: the classes drawn (empty: all)
     # shared groups: each trial's job
     model: str
     steps: int
@@ -90,7 +109,8 @@ class ChaosConfig:
             trials=fv.trials, only_trial=fv.only_trial, seed=fv.seed, json=fv.json,
             topologies=topologies, strategies=tuple(fv.strategies),
             trial_timeout_s=fv.trial_timeout_s, keep_going=fv.keep_going,
-            fast_compile=fv.fast_compile, model=fv.model, steps=fv.steps, workdir=fv.workdir)
+            fast_compile=fv.fast_compile, model=fv.model, steps=fv.steps, workdir=fv.workdir,
+            faults=tuple(fv.faults))
         try:
             accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                             profile=fv.accelerator_profile)
@@ -101,7 +121,21 @@ class ChaosConfig:
                 check_available(link)
         except (ValueError, LinkError) as e:
             raise FlagError(str(e)) from None
+        config.check_classes(link.shaped)
         return dataclasses.replace(config, link=link, accelerator=accelerator)
+
+    def check_classes(self, shaped: bool) -> None:
+        """``--faults``: known classes, each drawable with these flags."""
+        unknown = sorted(set(self.faults) - set(FAULT_CLASSES))
+        if unknown:
+            raise FlagError(f"--faults: {unknown} are not fault classes "
+                            f"({', '.join(FAULT_CLASSES)})")
+        if set(self.faults) & NETWORK_CLASSES and not shaped:
+            raise FlagError(f"--faults: {sorted(set(self.faults) & NETWORK_CLASSES)} act on "
+                            f"shaped links: they need --link_gbps > 0")
+        if set(self.faults) & CAPRICORN_CLASSES and "capricorn" not in self.strategies:
+            raise FlagError(f"--faults: {sorted(set(self.faults) & CAPRICORN_CLASSES)} are "
+                            f"drawn for capricorn only: add it to --strategies")
 
     def job_flags(self) -> list[str]:
         """Flags every job of every trial gets (the reference runs' too): the

@@ -25,7 +25,7 @@ from launch.strategies import IN_MEMORY, SCHEDULED
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
                 "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
-                "corrupt_frame", "partition", "slow_link")
+                "corrupt_frame", "partition", "slow_link", "stall_channel")
 PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery", "mid_serve"})
 # Points of the next recovery (a fault's ``step`` is ignored): ``recovery``
 # kills the victims at its start; ``mid_serve`` kills a host as it is about to
@@ -56,6 +56,18 @@ PAUSE = "pause"
 # strategy must move its versions over the chunk channel (gemini, capricorn
 # and their PEC forms on CPU).
 CORRUPT_FRAME = "corrupt_frame"
+# A fault that kills no host either: the victim's chunk channel sends nothing
+# for ``pause_s`` seconds before its first frame of the first version >=
+# ``step`` (a connection that hangs; ``FaultHooks.stall_channel_at``). Past the
+# channel's timeout (4x the in-memory tier's replication timeout) the hosts
+# declare the channel lost, skip versions together and
+# reconnect with backoff (``strategies.channel_loss``); training goes on with
+# no restart. The plan's last fault; a whole-version strategy on the channel
+# (gemini, capricorn; inmem with --chunk_path=threaded).
+STALL_CHANNEL = "stall_channel"
+CHANNEL_STRATEGIES = ("gemini", "capricorn")
+"""Strategies whose versions move on the chunk channel whatever --chunk_path
+says (on CPU), without PEC (a PEC version is not abandoned: its loss ends the job)."""
 # Faults of the network (shaped links only, ``--link_gbps``), kill no host: once
 # the victims finished the step, the launcher cuts their links (``partition``:
 # the veth down at the switch, both ways) or slows them ``SLOW_LINK_FACTOR``
@@ -69,7 +81,10 @@ NETWORK_FAULTS = frozenset({PARTITION, SLOW_LINK})
 SLOW_LINK_FACTOR = 10.0
 TIMED = frozenset({PAUSE, *NETWORK_FAULTS})
 """Faults that last ``pause_s`` seconds, then end."""
-NO_KILL = frozenset({*PERSIST_FAULTS, DISK_FULL_FINALIZE, CORRUPT_FRAME, *TIMED})
+LASTING = frozenset({*TIMED, STALL_CHANNEL})
+"""Faults with a length (``pause_s``)."""
+NO_KILL = frozenset({*PERSIST_FAULTS, DISK_FULL_FINALIZE, CORRUPT_FRAME, STALL_CHANNEL,
+                     *TIMED})
 """Faults that end no attempt: a plan's last."""
 
 
@@ -89,8 +104,9 @@ class Fault:
       corrupt: flip a byte of each victim's newest own version (RAM bit rot).
       wipe_all: every host's RAM store is lost (the persistent tier, if any,
         is what remains).
-      pause_s: points ``pause``, ``partition``, ``slow_link``: how long the
-        fault lasts (the victims stopped, cut off or slowed), in seconds.
+      pause_s: points ``pause``, ``partition``, ``slow_link``,
+        ``stall_channel``: how long the fault lasts (the victims stopped, cut
+        off, slowed, or their chunk channel hung), in seconds.
     """
 
     hosts: tuple[int, ...]
@@ -104,7 +120,7 @@ class Fault:
     def to_json(self) -> dict:
         out = {"hosts": list(self.hosts), "step": self.step, "point": self.point,
                "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
-        return {**out, "pause_s": self.pause_s} if self.point in TIMED else out
+        return {**out, "pause_s": self.pause_s} if self.point in LASTING else out
 
 
 def parse_fault_plan(text: str) -> tuple[Fault, ...]:
@@ -161,9 +177,10 @@ class FaultConfig:
     replicas: InitVar[int]
     persist_every: InitVar[int] = 0
     shaped: InitVar[bool] = False
+    chunk_path: InitVar[str] = "auto"
 
     def __post_init__(self, hosts: int, steps: int, strategy: str, replicas: int,
-                      persist_every: int, shaped: bool) -> None:
+                      persist_every: int, shaped: bool, chunk_path: str) -> None:
         if self.kill_every < 0 or (self.kill_every and self.kill_host < 0):
             raise FlagError(f"--kill_every={self.kill_every} needs --kill_host and must be >= 0")
         if self.fault_plan and self.kill_host >= 0:
@@ -175,7 +192,9 @@ class FaultConfig:
                 raise FlagError(f"--kill_at_step={self.kill_at_step} must be in [0, --steps)")
         plan = self.plan(steps)
         for i, fault in enumerate(plan):
-            self._check(i, fault, hosts, steps, strategy, replicas, persist_every)
+            self._check(i, fault, hosts, steps, strategy, replicas, persist_every,
+                        strategy in CHANNEL_STRATEGIES or (strategy == "inmem"
+                                                           and chunk_path == "threaded"))
             if fault.point == "mid_serve" and not (
                     i and (plan[i - 1].mode == "host" or plan[i - 1].wipe_all) and
                     strategy in IN_MEMORY and replicas >= 2):
@@ -188,7 +207,7 @@ class FaultConfig:
                                 f"shaped links: it needs --link_gbps > 0")
 
     def _check(self, i: int, fault: Fault, hosts: int, steps: int, strategy: str,
-               replicas: int, persist_every: int) -> None:
+               replicas: int, persist_every: int, channel: bool) -> None:
         what = f"--fault_plan fault {i}" if self.fault_plan else "--kill_point"
         if fault.point not in FAULT_POINTS:
             raise FlagError(f"{what}: point {fault.point!r} is not one of {FAULT_POINTS}")
@@ -208,12 +227,12 @@ class FaultConfig:
         if fault.point in NO_KILL and i != len(self.plan(steps)) - 1:
             raise FlagError(f"{what}: {fault.point} kills no host and ends no attempt: it "
                             f"must be the plan's last fault")
-        if (fault.point in TIMED) != (fault.pause_s > 0):
+        if (fault.point in LASTING) != (fault.pause_s > 0):
             raise FlagError(f"{what}: a pause needs point 'pause' and pause_s > 0 (got point "
                             f"{fault.point!r}, pause_s {fault.pause_s:g})"
-                            if fault.point not in NETWORK_FAULTS else
+                            if fault.point not in LASTING - {PAUSE} else
                             f"{what}: {fault.point} needs pause_s > 0 (how long it lasts)")
-        if fault.point in (CORRUPT_FRAME, *TIMED) and (
+        if fault.point in (CORRUPT_FRAME, *LASTING) and (
                 fault.mode != "process" or fault.corrupt or fault.wipe_all):
             raise FlagError(f"{what}: {fault.point} damages no store: mode 'process', no "
                             f"corrupt, no wipe_all")
@@ -221,6 +240,11 @@ class FaultConfig:
             raise FlagError(f"{what}: corrupt_frame flips a byte on one host's chunk channel: "
                             f"one host, and --ckpt in {', '.join(SCHEDULED)} "
                             f"(got {strategy}, hosts {list(fault.hosts)})")
+        if fault.point == STALL_CHANNEL and (len(fault.hosts) != 1 or not channel):
+            raise FlagError(f"{what}: stall_channel hangs one host's chunk channel: one host, "
+                            f"and --ckpt in {', '.join(CHANNEL_STRATEGIES)} (or inmem with "
+                            f"--chunk_path=threaded) (got {strategy}, hosts "
+                            f"{list(fault.hosts)})")
         if fault.point == DISK_FULL_FINALIZE and (fault.hosts != (0,) or fault.mode != "process"
                                                   or fault.corrupt or fault.wipe_all):
             raise FlagError(f"{what}: disk_full_finalize strikes the primary's Orbax finalize: "
@@ -245,8 +269,17 @@ class FaultConfig:
         """(point, step) where this worker announces itself to the injector, or None."""
         if not self.fault_at:
             return None
-        point, step = self.fault_at.split(":")
+        point, step = self.fault_at.split(":")[:2]
         return point, int(step)
+
+    @property
+    def stall_channel_at(self) -> tuple[int, float] | None:
+        """(version, seconds) of this worker's hung chunk channel (None: none);
+        ``fault_at`` is then STALL_CHANNEL:STEP:SECONDS."""
+        at = self.at()
+        if at is None or at[0] != STALL_CHANNEL:
+            return None
+        return at[1], float(self.fault_at.split(":")[2])
 
     @property
     def pause_mid_replication_at(self) -> int:

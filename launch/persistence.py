@@ -62,12 +62,18 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         print(f"fault: host {host} flipped a byte of its first chunk frame of version {version} "
               f"after its checksum (its fault point)", flush=True)
 
+    def on_stall(version: int) -> None:  # the chunk channel hangs
+        seconds = faults.stall_channel_at[1] if faults.stall_channel_at else 0
+        print(f"fault: host {host}'s chunk channel hangs for {seconds:g} s before its first "
+              f"frame of version {version} (its fault point)", flush=True)
+
     def on_serve(version: int) -> None:  # about to serve a peer's payload in a recovery
         faults_lib.reached(faults, workdir, host, "mid_serve", version)
 
     hooks = FaultHooks(stall_replica_writer_at=faults.stall(host),
                        pause_mid_replication_at=pause, on_pause=on_pause,
                        flip_frame_at=faults.flip_frame_at, on_flip=on_flip,
+                       stall_channel_at=faults.stall_channel_at, on_stall=on_stall,
                        on_serve=on_serve)
     options = capricorn_jax.InMemoryOptions(
         store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,

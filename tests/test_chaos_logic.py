@@ -3,7 +3,7 @@
 import pytest
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos import Trial, check_trial, draw_trial, parse_topology
+from launch.chaos import Trial, check_trial, draw_trial, fault_classes, parse_topology
 from launch.fault_plan import PERSIST_FAULTS, Fault, FaultConfig
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
@@ -30,7 +30,7 @@ def test_draws_are_replayable_and_valid():
         assert trial.strategy in ("inmem", "pec") or topo.replicas == 2
         assert 1 <= len(trial.faults) <= 3
         last = ("recovery", "mid_serve", "pause", "corrupt_frame", "disk_full_finalize",
-                *PERSIST_FAULTS)
+                "stall_channel", *PERSIST_FAULTS)
         kills = [f for f in trial.faults if f.point not in last]
         assert trial.faults[:len(kills)] == tuple(kills)
         rest = trial.faults[len(kills):]  # a kill during recovery, a pause, a persist fault
@@ -39,7 +39,12 @@ def test_draws_are_replayable_and_valid():
             rest = rest[1:]
         assert len(rest) <= 1 and (kills or rest[0].point in (*PERSIST_FAULTS, "pause",
                                                               "corrupt_frame",
+                                                              "stall_channel",
                                                               "disk_full_finalize"))
+        if rest and rest[0].point == "stall_channel":  # capricorn, one host, room to reconnect
+            assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
+            assert rest[0].pause_s in (3.0, 20.0) and 2 <= rest[0].step <= 12 - 6
+            assert "--replication_timeout_s=2" in trial.flags(12, "tiny")
         if rest and rest[0].point == "disk_full_finalize":
             assert rest[0].hosts == (0,) and (rest[0].step + 1) % trial.persist_every == 0
         if rest and rest[0].point == "corrupt_frame":
@@ -58,6 +63,12 @@ def test_draws_are_replayable_and_valid():
             assert (rest[0].step + 1) % trial.persist_every == 0
             assert rest[0].step + 1 + trial.persist_every < 12  # a later write follows
         assert [f.step for f in kills] == sorted({f.step for f in kills})
+        if "--chunk_path=threaded" in trial.variant:  # inmem / pec over the chunk channel
+            assert trial.strategy in ("inmem", "pec") and topo.replicas == 2
+        if "--ckpt_budget=0" in trial.variant:  # every fault strikes with versions skipped
+            assert trial.stall is None and not {f.point for f in trial.faults} & {
+                "mid_replication", "mid_persist", "disk_full_finalize", *PERSIST_FAULTS}
+        assert set(trial.flags(12, "tiny")) >= set(trial.variant)
         for f in trial.faults:
             assert len(f.hosts) <= 2 and not (f.corrupt and f.mode == "host")
             assert not f.wipe_all or trial.persist_every
@@ -73,7 +84,7 @@ def test_draws_are_replayable_and_valid():
                for i in range(300))  # a double kill in recovery is drawn
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
                     "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
-                    "corrupt_frame"}
+                    "corrupt_frame", "stall_channel"}
 
 
 def _plan_flag(trial):
@@ -219,6 +230,34 @@ def test_a_pause_the_job_outlasts_ends_nothing_and_a_longer_one_is_a_kill():
         "recovery to 7, after the fault at step 3 (pause)"]
 
 
+def test_a_stall_channel_strikes_no_host_loses_versions_only_past_the_bound_and_comes_back():
+    def lost(step):
+        return {"event": "checkpoint", "step": step, "skipped": True, "channel_lost": True}
+
+    def moved(step):
+        return {"event": "checkpoint", "step": step, "moved_in_step": step}
+
+    long = _trial(Fault((1,), 3, "stall_channel", pause_s=20.0), strategy="capricorn")
+    good = [*_steps(range(8)), moved(3), lost(4), lost(5), lost(6), moved(7)]
+    assert check_trial(long, good, REF, 8, strikes=0)[0] == []
+    assert check_trial(long, _steps(range(8)), REF, 8, strikes=0)[0] == [
+        "stall_channel of 20s at step 3: versions lost [], expected some at or after it"]
+    never_back = [*_steps(range(8)), moved(3), lost(4), lost(5), lost(6)]
+    assert check_trial(long, never_back, REF, 8, strikes=0)[0] == [
+        "stall_channel at step 3: no version moved after the lost ones [4, 5, 6] (the "
+        "channel did not come back)"]
+    short = _trial(Fault((1,), 3, "stall_channel", pause_s=3.0), strategy="capricorn")
+    assert check_trial(short, [*_steps(range(8)), moved(7)], REF, 8, strikes=0)[0] == []
+    assert check_trial(short, good, REF, 8, strikes=0)[0] == [
+        "stall_channel of 3s at step 3 (within the channel's bound): versions lost [4, 5, 6], "
+        "expected none"]
+    restarted = [*_steps(range(4)), {"event": "checkpoint", "replicated": 3},
+                 {"event": "recovery", "step": 4, "tier": "local", "seconds": 0.1},
+                 *_steps(range(4, 8)), moved(7)]
+    assert any("recoveries" in p
+               for p in check_trial(short, restarted, REF, 8, strikes=0)[0])
+
+
 def test_a_corrupt_frame_strikes_no_host_and_needs_exactly_one_version_dropped_after_it():
     trial = _trial(Fault((1,), 3, "corrupt_frame"), strategy="capricorn")
     dropped = {"event": "checkpoint", "step": 4, "corrupt": True}
@@ -266,3 +305,23 @@ def test_a_short_partition_or_any_slow_link_ends_nothing_and_a_long_partition_is
         assert check_trial(_trial(quiet), restarted, REF, 8, strikes=1)[0] != []
     long = _trial(Fault((1,), 3, "partition", pause_s=20.0))
     assert check_trial(long, restarted, REF, 8, strikes=1)[0] == []
+
+
+def test_faults_limits_the_drawn_classes_and_each_fault_carries_its_class():
+    """--faults: every trial's last fault is of a class asked for, the draw is
+    replayable, and the classes name what a plan does (mid_serve is
+    kill_mid_serve, a recovery struck after another is double_kill)."""
+    classes = ("stall_channel", "kill_mid_serve", "double_kill", "pause")
+    seen = set()
+    for index in range(60):
+        trial = draw_trial(index, 40, TOPOLOGIES, STRATEGIES, 12, classes=classes)
+        assert trial == draw_trial(index, 40, TOPOLOGIES, STRATEGIES, 12, classes=classes)
+        seen.add(fault_classes(trial.faults)[-1])
+    assert seen == set(classes)
+    kill = Fault((1,), 3, "after_step", "host")
+    assert fault_classes([kill, Fault((0,), -1, "mid_serve")]) == ["after_step",
+                                                                   "kill_mid_serve"]
+    assert fault_classes([kill, Fault((0,), -1, "recovery"), Fault((1,), -1, "recovery")]) == [
+        "after_step", "recovery", "double_kill"]
+    with pytest.raises(ValueError, match=r"no trial with a last fault of class partition"):
+        draw_trial(0, 40, TOPOLOGIES, STRATEGIES, 12, classes=("partition",))

@@ -170,6 +170,39 @@ def test_a_corrupt_frame_reaches_only_its_victims_channel():
     assert config.flip_frame_at is None and worker("after_step:5").flip_frame_at is None
 
 
+@pytest.mark.parametrize("plan, strategy, chunk_path, message", [
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "inmem", "auto",
+     r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel: one host, and "
+     r"--ckpt in gemini, capricorn \(or inmem with --chunk_path=threaded\) \(got inmem, "
+     r"hosts \[1\]\)"),
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "capricorn_pec",
+     "auto", r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel"),
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel"}]', "capricorn", "auto",
+     r"^--fault_plan fault 0: stall_channel needs pause_s > 0 \(how long it lasts\)"),
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 9}, {"hosts": [1], '
+     '"step": 4}]', "capricorn", "auto",
+     r"^--fault_plan fault 0: stall_channel kills no host and ends no attempt"),
+])
+def test_a_bad_stall_channel_is_refused_naming_it(plan, strategy, chunk_path, message):
+    with pytest.raises(FlagError, match=message):
+        FaultConfig(**{**BASE, "fault_plan": plan, "strategy": strategy,
+                       "chunk_path": chunk_path})
+
+
+def test_a_stall_channel_reaches_only_its_victims_channel_with_its_length():
+    plan = '[{"hosts": [1], "step": 5, "point": "stall_channel", "pause_s": 20}]'
+    for strategy, chunk_path in (("capricorn", "auto"), ("inmem", "threaded")):
+        config = FaultConfig(**{**BASE, "fault_plan": plan, "strategy": strategy,
+                                "chunk_path": chunk_path})
+        assert config.plan(12) == (Fault((1,), 5, "stall_channel", pause_s=20.0),)
+        assert config.plan(12)[0].to_json()["pause_s"] == 20
+        assert config.stall_channel_at is None
+    worker = FaultConfig(**{**BASE, "fault_plan": plan, "strategy": "capricorn",
+                            "fault_at": "stall_channel:5:20"})
+    assert worker.stall_channel_at == (5, 20.0) and worker.at() == ("stall_channel", 5)
+    assert worker.flip_frame_at is None
+
+
 @pytest.mark.parametrize("plan, shaped, message", [
     ('[{"hosts": [1], "step": 2, "point": "partition", "pause_s": 5}]', False,
      r"^--fault_plan fault 0: partition acts on the hosts' shaped links: it needs "

@@ -126,7 +126,9 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
     assert (cfg.trials, cfg.steps, cfg.seed, cfg.model) == (3, 12, 0, "tiny")
     assert cfg.strategies == ("inmem", "gemini", "capricorn", "pec")
     assert cfg.job_flags() == ["--accelerator=emulated"]
-    assert _chaos().job_flags() == []
+    assert _chaos().job_flags() == [] and _chaos().faults == ()
+    assert _chaos("--faults=stall_channel,double_kill").faults == ("stall_channel",
+                                                                   "double_kill")
     shaped = _chaos("--link_gbps=0.2", "--link_burst_kb=20")
     assert shaped.job_flags() == ["--link_gbps=0.2", "--link_latency_ms=0", "--link_burst_kb=20",
                                   "--traffic_class=fifo"]
@@ -141,6 +143,12 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
     (["--strategies=gemini", "--topologies=4x1r3"], cli_flags.FlagError,
      "--topologies=4x1r3: none of --strategies=gemini runs there"),
     (["--link_latency_ms=2"], cli_flags.FlagError, "--link_latency_ms needs --link_gbps > 0"),
+    (["--faults=pause,bitrot"], cli_flags.FlagError, "--faults: ['bitrot'] are not fault "
+                                                      "classes (after_step, mid_step"),
+    (["--faults=partition"], cli_flags.FlagError, "--faults: ['partition'] act on shaped "
+                                                   "links: they need --link_gbps > 0"),
+    (["--faults=stall_channel", "--strategies=inmem"], cli_flags.FlagError,
+     "--faults: ['stall_channel'] are drawn for capricorn only: add it to --strategies"),
 ])
 def test_chaos_config_names_a_bad_flag(argv, error, message):
     with pytest.raises(error, match=re.escape(message)) as info:

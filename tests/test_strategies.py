@@ -462,6 +462,40 @@ def test_a_byte_corrupted_in_transit_drops_that_version_on_the_receiver_and_the_
     assert _losses(records) == reference
 
 
+def test_a_hung_chunk_channel_is_lost_on_every_host_skipped_and_reconnected(
+        tmp_path, cache, reference):
+    """Fault class stall_channel: host 1's chunk channel sends nothing for 30 s
+    before its first frame of a version >= 2 (capricorn moves its versions
+    over the channel; --replication_timeout_s=2 makes the channel's bound
+    8 s). Both hosts' waits end at the bound; the next status round tells
+    every host, which abandons the version in flight, takes no version at
+    that save and reconnects; the versions after it are moved and committed
+    again. No restart, every loss the uninterrupted run's."""
+    plan = '[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 30}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=capricorn", "--replication_timeout_s=2", f"--fault_plan={plan}",
+                     timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    hung = re.search(r"fault: host 1's chunk channel hangs for 30 s before its first frame of "
+                     r"version (\d+) \(its fault point\)", proc.stdout)
+    assert hung, proc.stdout[-3000:]
+    version = int(hung.group(1))
+    assert "restarting" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    checkpoints = _events(records, "checkpoint")
+    lost = [c["step"] for c in checkpoints if c.get("channel_lost")]
+    # The hung version (its wait ran out), the one in flight when the hosts
+    # agreed, and the save at which they reconnected: none committed.
+    # (version + 1 only when that step moved it, not when it was profiled).
+    assert lost[0] == version and lost[-1] == version + 2, (lost, version)
+    assert set(lost) <= {version, version + 1, version + 2}, (lost, version)
+    moved = {c["moved_in_step"] for c in checkpoints if "moved_in_step" in c}
+    assert any(v > version + 2 for v in moved), sorted(moved)
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
 def _network_fault(tmp_path, cache, point, pause_s, *flags):
     plan = f'[{{"hosts": [1], "step": 3, "point": "{point}", "pause_s": {pause_s}}}]'
     proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",

@@ -51,12 +51,12 @@ class _DictStore:
             return self.values[key]
 
 
-def _pair(timeout_s=10.0):
+def _pair(timeout_s=10.0, job="t"):
     """Channels of hosts 0 and 1, each sending to the other."""
     store, out = _DictStore(), {}
 
     def make(h):
-        out[h] = ChunkChannel(h, 1 - h, 1 - h, "t", store, timeout_s)
+        out[h] = ChunkChannel(h, 1 - h, 1 - h, job, store, timeout_s)
 
     threads = [threading.Thread(target=make, args=(h,)) for h in (0, 1)]
     for t in threads:
@@ -468,12 +468,60 @@ def test_a_peer_that_dies_mid_window_fails_the_version_naming_it_within_the_boun
         with pytest.raises((RuntimeError, TimeoutError),
                            match=r"^host 0: version 1: (sending to|receiving from) host 1 "):
             a.wait(1, 20.0)
-        # Nothing of version 1 is handed on, and the channel refuses to go on:
-        # the job restarts (recovery), not a half-replicated next version.
-        with pytest.raises(RuntimeError, match="the chunk channel failed earlier"):
-            a.start(2, own, _schedule(split=True))
+        # Nothing of version 1 is handed on, and a version started on the
+        # failed channel is lost at once (its wait raises without waiting),
+        # never half-replicated: the strategy's lost-channel rule
+        # (strategies.channel_loss) takes it from there.
+        assert a.failure is not None
+        a.start(2, own, _schedule(split=True))
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^host 0: version 2: sending to host 1 failed"):
+            a.wait(2, 20.0)
+        assert time.monotonic() - t0 < 1.0
     finally:
         a.close()
+
+
+def test_a_hung_channel_times_out_then_both_hosts_reconnect_and_move_every_byte_again():
+    """Host 1's channel hangs (sends nothing for 30 s) at version 2: both
+    waits end at the bound; the hosts abandon what was in flight, move to
+    new connections, and the next versions arrive bit for bit, while the
+    hung thread, woken by the old channel's close, records no failure on the
+    new one."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    senders = [ThreadedSender(c, ["b0", "b1"], 1, mesh, 0.5)
+               for c in _pair(20.0, "hung")]
+    stalls = []
+    senders[1].channel.stall_at = (2, 30.0)
+    senders[1].channel.on_stall = stalls.append
+    schedule = _schedule(split=False)
+    try:
+        _round(mesh, senders, 1, schedule)
+        for h, sender in enumerate(senders):
+            sender.start(2, _own(mesh, 2, h)[1], schedule)
+        with pytest.raises(TimeoutError, match="host 0: version 2: receiving from host 1 did "
+                                               "not finish within 0.5s"):
+            senders[0].wait(2)
+        with pytest.raises(TimeoutError, match="host 1: version 2: sending to host 0 did not "
+                                               "finish within 0.5s"):
+            senders[1].wait(2)
+        assert stalls == [2]
+        for h, sender in enumerate(senders):
+            sender.start(3, _own(mesh, 3, h)[1], schedule)  # in flight when the hosts agree
+        old = [s.channel for s in senders]
+        fresh = _pair(20.0, "hung/r1")
+        t0 = time.monotonic()
+        for sender, channel in zip(senders, fresh):
+            assert sender.abandon() == [3]
+            sender.reconnect(channel)
+        assert time.monotonic() - t0 < 5.0  # the hung send woke with its channel's close
+        assert all(s.channel is c for s, c in zip(senders, fresh)) and old[1]._closed.is_set()
+        for version in (4, 5):
+            _round(mesh, senders, version, schedule)
+        assert all(s.failure is None for s in senders)
+    finally:
+        for s in senders:
+            s.close()
 
 
 def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised():

@@ -49,6 +49,7 @@ from launch.fault_plan import (
     RECOVERY_POINTS,
     SLOW_LINK,
     SLOW_LINK_FACTOR,
+    STALL_CHANNEL,
     Fault,
     FaultConfig,
 )
@@ -98,7 +99,8 @@ class FaultInjector:
         """The internal flag that makes a victim announce its fault point."""
         if not self.pending or host not in self.fault.hosts:
             return ()
-        return (f"--fault_at={self.fault.point}:{self.fault.step}",)
+        seconds = f":{self.fault.pause_s:g}" if self.fault.point == STALL_CHANNEL else ""
+        return (f"--fault_at={self.fault.point}:{self.fault.step}{seconds}",)
 
     def tick(self) -> None:
         """Kills the victims together once one of them reached its point.

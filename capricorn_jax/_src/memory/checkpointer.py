@@ -130,14 +130,16 @@ class InMemoryCheckpointer(StatusRound):
         # Status vector: per owner the newest held version, then the mask of
         # the held ones before it (retention.encode_held), then the store's
         # KiB, then whether the writers are busy (the cost budget's input),
-        # then the caller's note (``status_note``, set by ``note_status``).
-        self.status_len = 2 * hosts + 3
+        # then the caller's note (``status_note``, set by ``note_status``),
+        # then whether the caller's chunk channel is lost (``note_channel``).
+        self.status_len = 2 * hosts + 4
         # A small integer the caller wants every host to see: it travels with
         # this host's status in each save's round; ``agreed_note`` is host 0's,
         # as of the previous round (the same value on every host). Lets a
         # strategy agree on a decision without a collective of its own.
         self.status_note = 0
         self.agreed_note: int | None = None
+        self.channel_lost = False
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
                                    self.status_len)
         self.pec: PecTier | None = None

@@ -40,6 +40,11 @@ class FaultHooks:
         computed: a byte corrupted in transit, which the peer's check must
         catch.
       on_flip: called with that version when the byte is flipped.
+      stall_channel_at: (version, seconds): the chunk channel stops sending
+        for this long before the first frame of this version or a later one
+        (a connection that hangs: past the channel's timeout, the hosts
+        declare it lost and reconnect).
+      on_stall: called with that version when the stall begins.
       on_serve: called with the version on a host about to serve a peer's
         payload in a recovery's serve round (e.g. to kill the process there).
     """
@@ -49,12 +54,17 @@ class FaultHooks:
     on_pause: Callable[[int], None] | None = None
     flip_frame_at: int | None = None
     on_flip: Callable[[int], None] | None = None
+    stall_channel_at: tuple[int, float] | None = None
+    on_stall: Callable[[int], None] | None = None
     on_serve: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         stall = self.stall_replica_writer_at
         if stall is not None and (len(stall) != 2 or stall[1] < 0):
             raise ValueError(f"stall_replica_writer_at must be (step, seconds >= 0), got {stall!r}")
+        channel = self.stall_channel_at
+        if channel is not None and (len(channel) != 2 or channel[1] < 0):
+            raise ValueError(f"stall_channel_at must be (version, seconds >= 0), got {channel!r}")
         if self.pause_mid_replication_at is not None and self.on_pause is None:
             raise ValueError(f"pause_mid_replication_at={self.pause_mid_replication_at} needs "
                              f"on_pause (what happens at the pause)")

@@ -2,7 +2,8 @@
 
 Each save all-gathers every host's status vector (``status_vector``: per
 owner the newest held version and the mask of the held ones before it, the
-store's KiB, whether the writers are busy, the caller's note) and reads the
+store's KiB, whether the writers are busy, the caller's note, whether the
+caller's chunk channel is lost here) and reads the
 previous round's (``_read_statuses``): the safe version
 (``retention.safe_version``), the versions newly held everywhere, the own
 versions that no holder confirmed in time (under-replicated), the cost
@@ -54,6 +55,7 @@ class StatusRound(VersionWriters):
     pec: PecTier | None
     clock: PhaseClock
     status_note: int
+    channel_lost: bool
     agreed_note: int | None
     _needs: dict[int, tuple[tuple[int, ...], bool]]
     _safe: int
@@ -85,18 +87,32 @@ class StatusRound(VersionWriters):
 
     def status_vector(self) -> np.ndarray:
         """This host's held versions per owner (newest, mask), its store's KiB,
-        and 1 if a writer is still busy with an earlier version."""
+        1 if a writer is still busy with an earlier version, the caller's
+        note, and 1 if the caller's chunk channel is lost here."""
         with self._lock:
             pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
         busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
-                         self._store_bytes // 1024, busy, int(self.status_note)], np.int64)
+                         self._store_bytes // 1024, busy, int(self.status_note),
+                         int(self.channel_lost)], np.int64)
 
     def note_status(self, value: int) -> None:
         """Sets the note this host's status vector carries from the next round
         on (``status_note``); ``agreed_note`` becomes host 0's one round later."""
         self.status_note = value
+
+    def note_channel(self, lost: bool) -> None:
+        """Whether this host's chunk channel is lost (its status vector says
+        so from the next round on; ``channel_lost_anywhere`` one round later)."""
+        self.channel_lost = lost
+
+    def channel_lost_anywhere(self) -> bool:
+        """Whether some host's status vector, as of the previous round, said its
+        chunk channel was lost (the same answer on every host)."""
+        if self._last_statuses is None:
+            return False
+        return bool(np.asarray(self._last_statuses)[:, 2 * self.hosts + 3].any())
 
     def _over_budget(self) -> bool:
         """Whether this version is skipped: under a cost budget, some host's

@@ -5,7 +5,7 @@ The strategies (``strategies.inmemory``, ``strategies.channel_replication``,
 they build (``scheduling.transfers.ScheduledTransfers``) save versions
 through a host's checkpointer, commit versions their own steps moved, skip
 or drop versions, time their phases on its clock and agree on a small note
-through its status round; at start-up they recover through it
+and on a lost chunk channel through its status round; at start-up they recover through it
 (``memory.recovery.recover``, a ``TierReader``'s work). ``TierWriter`` names
 everything they use of the checkpointer, and nothing else;
 ``InMemoryCheckpointer`` is one.
@@ -62,6 +62,14 @@ class TierWriter(TierReader, Protocol):
 
     def note_status(self, value: int) -> None:
         """Sets the small integer this host's next status rounds carry (``agreed_note``)."""
+        ...
+
+    def note_channel(self, lost: bool) -> None:
+        """Whether this host's chunk channel is lost (carried by the next status rounds)."""
+        ...
+
+    def channel_lost_anywhere(self) -> bool:
+        """Whether any host's chunk channel was lost as of the previous round (agreed)."""
         ...
 
     def save(self, step: int, state: Any, host_state: dict[str, Any], *,

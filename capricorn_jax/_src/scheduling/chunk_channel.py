@@ -130,7 +130,10 @@ class ChunkChannel:
     Fault injection (tests and the chaos harness): ``flip_version`` set, the
     first frame sent of a version at or after it has a byte flipped after its
     checksum (a byte corrupted in transit; ``memory.hooks.FaultHooks.flip_frame_at``),
-    then ``on_flip(version)``.
+    then ``on_flip(version)``. ``stall_at`` (version, seconds) set, the
+    channel sends nothing for that long before the first frame of a version
+    at or after it (a connection that hangs; ``FaultHooks.stall_channel_at``),
+    after ``on_stall(version)``.
     """
 
     def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
@@ -139,6 +142,10 @@ class ChunkChannel:
         self.timeout_s = timeout_s
         self.flip_version: int | None = None
         self.on_flip: Callable[[int], None] | None = None
+        self.stall_at: tuple[int, float] | None = None
+        self.on_stall: Callable[[int], None] | None = None
+        self._closed = threading.Event()
+        self.job = job
         self.token = job.encode()
         if len(self.token) > _MAX_TOKEN:
             raise ValueError(f"job name of {len(self.token)} bytes; at most {_MAX_TOKEN}")
@@ -258,6 +265,11 @@ class ChunkChannel:
             views[0] = memoryview(flipped)
             if self.on_flip is not None:
                 self.on_flip(version)
+        if self.stall_at is not None and version >= self.stall_at[0]:  # fault injection
+            seconds, self.stall_at = self.stall_at[1], None
+            if self.on_stall is not None:
+                self.on_stall(version)
+            self._closed.wait(seconds)  # a hung connection: nothing leaves (until closed)
         self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows), crc))
         for view in views:
             self.out.sendall(view)
@@ -366,7 +378,15 @@ class ChunkChannel:
         return list(sizes), times
 
     def close(self) -> None:
+        """Closes both connections; a thread blocked in a send or receive on
+        them wakes with an error (``shutdown`` first: ``close`` alone would
+        leave it blocked until its timeout)."""
+        self._closed.set()
         for s in (self.out, self.inc):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:

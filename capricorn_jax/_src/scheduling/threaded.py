@@ -159,22 +159,20 @@ class ThreadedSender:
             raise ValueError(f"hold_tail={hold_tail} must be >= 0")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
         self.deadline, self.piece_bytes, self.hold_tail = deadline, piece_bytes, hold_tail
-        self.marks = WindowMarks(local_devices, channel.queued_bytes, devices=mesh.size)
+        self.marks = WindowMarks(local_devices, lambda: self.channel.queued_bytes(),
+                                 devices=mesh.size)
         self.marks.bind_socket(channel.out_fileno())
         self.mesh = mesh
         self._hook: ProfileHook | None = None
         self._jobs: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._receiver: threading.Thread | None = None
         self._versions: dict[int, _Version] = {}
         self._finished: set[int] = set()  # versions waited for or dropped: late frames discarded
         self._lock = threading.Lock()
         self._closed = False
-        self._sender = threading.Thread(target=self._send_loop, name="chunk-sender",
-                                        daemon=True)
-        self._receiver = threading.Thread(target=self._receive_loop, name="chunk-receiver",
-                                          daemon=True)
-        self._sender.start()
-        self._receiver.start()
         self.failure: BaseException | None = None
+        self._start_threads()
         self.last_times: dict[str, float] = {}
         self.last_spans: dict[int, float] = {}
         self.last_sends: dict[int, float] = {}
@@ -203,8 +201,6 @@ class ThreadedSender:
         ``parts`` > 1: the schedule's windows are ``parts`` steps' windows
         (``partition_search.spread``); this step sends the first step's, and each
         ``resume`` the next's."""
-        if self.failure is not None:
-            raise RuntimeError("the chunk channel failed earlier") from self.failure
         if parts < 1 or len(schedule.windows) % parts:
             raise ValueError(f"{len(schedule.windows)} windows are not {parts} steps' windows")
         rows = self.marks.local_devices
@@ -214,6 +210,15 @@ class ThreadedSender:
         entry.per_part = len(schedule.windows) // parts
         with self._lock:
             self._versions[version] = entry
+        if self.failure is not None:  # the channel failed earlier: this version is lost
+            entry.error = RuntimeError(f"host {self.channel.host}: the chunk channel failed "
+                                       f"before version {version}")
+            entry.error.__cause__ = self.failure
+            entry.sent.set()
+            entry.complete.set()
+            self._part_done(entry, parts)
+            entry.next_part = entry.parts
+            return
         self._queue_part(entry)
 
     def resume(self, version: int, flush: bool = False) -> None:
@@ -223,6 +228,8 @@ class ThreadedSender:
         marks, e.g. a profiled one)."""
         with self._lock:
             entry = self._versions[version]
+        if entry.error is not None and entry.next_part >= entry.parts:
+            return  # a version lost with the channel: nothing to send
         if entry.next_part >= entry.parts:
             raise ValueError(f"version {version}: all {entry.parts} parts were sent")
         self._queue_part(entry, flush)
@@ -300,9 +307,21 @@ class ThreadedSender:
         self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, step_windows),
                         done, hold, last))
 
-    def _send_loop(self) -> None:
+    def _start_threads(self) -> None:
+        """A sender and a receiver thread on the current channel (each keeps
+        its channel: after ``reconnect`` the old ones end on the old one)."""
+        self._jobs = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop,
+                                        args=(self._jobs, self.channel),
+                                        name="chunk-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, args=(self.channel,),
+                                          name="chunk-receiver", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    def _send_loop(self, jobs: queue.Queue, channel: ChunkChannel) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             entry, epoch, by_site, order, last, hold, upto = job
@@ -339,7 +358,8 @@ class ThreadedSender:
                         opened = (max(entry.part_t0, t_packed) if site == START
                                   else self.marks.opened_at.get(site, time.perf_counter()))
                         closes = opened + idle
-                    carry = self._send_until(entry, local, site, ranges, closes, rate)
+                    carry = self._send_until(channel, entry, local, site, ranges, closes,
+                                             rate)
                     entry.site_sent[site] = time.perf_counter()
                 if carry and hold:  # held for a later step: its windows carry them in
                     entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
@@ -350,7 +370,8 @@ class ThreadedSender:
                     entry.times["sent_s"] = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
-                self.failure = e
+                if channel is self.channel:  # not an old channel's (``reconnect``)
+                    self.failure = self.failure or e
                 entry.complete.set()
                 entry.sent.set()
                 self._part_done(entry, upto)
@@ -365,7 +386,7 @@ class ThreadedSender:
             entry.parts_done = max(entry.parts_done, upto)
             entry.done.notify_all()
 
-    def _send_until(self, entry: _Version, local: list, site: Site,
+    def _send_until(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
                     ranges: list[tuple[Site, int, int]], closes: float | None, rate: float
                     ) -> list[tuple[Site, int, int]]:
         """Sends ``ranges`` ((planning site, lo, hi), in order) in window
@@ -383,11 +404,11 @@ class ThreadedSender:
             stop = min(hi, lo + per_row) if closes is not None else hi
             nbytes = (stop - lo) * len(local)
             if closes is not None and rate > 0:
-                queued = self.channel.queued_bytes() or 0
+                queued = channel.queued_bytes() or 0
                 if time.perf_counter() + (queued + nbytes) / rate > closes:
                     return left
             t_frame = time.perf_counter()
-            self.channel.send(entry.version, lo, [row[lo:stop] for row in local])
+            channel.send(entry.version, lo, [row[lo:stop] for row in local])
             entry.frames.append((site, t_frame, time.perf_counter(), nbytes, origin))
             if stop < hi:
                 left[0] = (origin, stop, hi)
@@ -424,11 +445,11 @@ class ThreadedSender:
             if len(self._finished) > 1024:
                 self._finished = set(sorted(self._finished)[-512:])
 
-    def _receive_loop(self) -> None:
-        while not self._closed:
+    def _receive_loop(self, channel: ChunkChannel) -> None:
+        while not self._closed and channel is self.channel:
             try:
-                self.channel.inc.settimeout(None)  # idle between steps is not a failure
-                version, offset, length = self.channel.receive_into(self._buffer)
+                channel.inc.settimeout(None)  # idle between steps is not a failure
+                version, offset, length = channel.receive_into(self._buffer)
             except CorruptFrame as e:
                 # Checked end to end: the version is dropped (its wait raises,
                 # so no holder commits it; the caller's warning says so), the
@@ -441,9 +462,9 @@ class ThreadedSender:
                     bad.complete.set()
                 continue
             except BaseException as e:  # noqa: BLE001
-                if self._closed:
+                if self._closed or channel is not self.channel:
                     return
-                self.failure = e
+                self.failure = self.failure or e
                 with self._lock:
                     pending = list(self._versions.values())
                 for waiting in pending:
@@ -519,12 +540,45 @@ class ThreadedSender:
                                        entry.planned)
         return entry.received
 
+    def abandon(self) -> list[int]:
+        """Gives up every version not waited for yet (the hosts declared the
+        channel lost: none of them will wait for these): each is finished
+        (its late frames discarded) and its ``wait`` would raise. Returns
+        their numbers, oldest first."""
+        with self._lock:
+            pending = sorted(self._versions.items())
+        for version, entry in pending:
+            entry.error = entry.error or ConnectionError(
+                f"host {self.channel.host}: version {version} abandoned with its chunk channel")
+            entry.sent.set()
+            entry.complete.set()
+            self._part_done(entry, entry.parts)
+            self._finish(version)
+        return [v for v, _ in pending]
+
+    def reconnect(self, channel: ChunkChannel) -> None:
+        """Moves to ``channel`` (new connections to the same peers, after the
+        hosts agreed the old ones were lost): versions in flight are
+        abandoned, the old channel is closed (its threads wake and end
+        without touching this sender's state) and new threads start on the
+        new one, with no failure recorded. The marks (and so the compiled
+        steps) stay."""
+        self.abandon()
+        old = self.channel
+        self._jobs.put(None)
+        self.channel = channel
+        self.marks.bind_socket(channel.out_fileno())
+        old.close()
+        self.failure = None
+        self._start_threads()
+
     def close(self) -> None:
         self._closed = True
         self._jobs.put(None)
         self.marks.bind_socket(None)
         self.channel.close()
-        self._sender.join(5.0)
+        if self._sender is not None:
+            self._sender.join(5.0)
         self.marks.close()
 
 

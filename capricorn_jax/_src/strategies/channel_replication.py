@@ -60,6 +60,7 @@ from capricorn_jax._src.scheduling.executor import pack_payload
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
 from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped, pack_program
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
+from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 
 _channels = itertools.count()  # channel keys: strategies are built in the same order on every host
@@ -71,9 +72,14 @@ _NO_LINK = LinkModel(0.0, 1.0)
 log = logging.getLogger(__name__)
 
 
-def peer_channel(ckpt: TierWriter) -> ChunkChannel:
+def peer_channel(ckpt: TierWriter, job: str | None = None, faults: bool = True
+                 ) -> ChunkChannel:
     """The chunk channel to the peer of ``ckpt``'s replication round 0 (and
-    from its source): every host builds its channels in the same order."""
+    from its source): every host builds its channels in the same order.
+    ``job``: its key (default: the next of the job's channels; a reconnect
+    passes the lost one's with its attempt); ``faults``: with the
+    checkpointer's channel fault hooks (a reconnect's channel has none: the
+    one-shot faults struck the first)."""
     client = distributed_client()
     if client is None:
         raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "
@@ -81,10 +87,21 @@ def peer_channel(ckpt: TierWriter) -> ChunkChannel:
     destination = ckpt.rounds[0][ckpt.host]
     source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
     channel = ChunkChannel(ckpt.host, destination, source,
-                           f"{ckpt.options.job}/{next(_channels)}", client,
+                           job or f"{ckpt.options.job}/{next(_channels)}", client,
                            ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos)
-    channel.flip_version, channel.on_flip = ckpt.hooks.flip_frame_at, ckpt.hooks.on_flip
+    if faults:
+        channel.flip_version, channel.on_flip = ckpt.hooks.flip_frame_at, ckpt.hooks.on_flip
+        channel.stall_at, channel.on_stall = ckpt.hooks.stall_channel_at, ckpt.hooks.on_stall
     return channel
+
+
+def channel_keeper(ckpt: TierWriter, sender: ThreadedSender) -> ChannelKeeper:
+    """The lost-channel rule of ``sender`` (``strategies.channel_loss``): a
+    reconnect builds a channel to the same peers under the first one's key
+    and the attempt's number."""
+    base = sender.channel.job
+    return ChannelKeeper(ckpt, sender,
+                         lambda attempt: peer_channel(ckpt, f"{base}/r{attempt}", faults=False))
 
 
 def whole_version(payload_bytes: int, chunk_cap: int) -> Schedule:
@@ -128,6 +145,7 @@ class ChannelReplication(InMemoryStrategy):
         channel = channel or peer_channel(checkpointer)
         self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
                                      train.mesh, channel.timeout_s)
+        self.keeper = channel_keeper(checkpointer, self.sender)
         # transport id -> (pack program, pack + status round program,
         # whole-version schedule, the transport: kept so that its id is not
         # reused while the entry lives)
@@ -159,6 +177,11 @@ class ChannelReplication(InMemoryStrategy):
         except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
             report = self.ckpt.drop(version, status_round=status_round)
+        except Exception as e:
+            if self.ckpt.pec is not None or not self.keeper.is_loss(e):
+                raise  # PEC: a version it recorded cannot be dropped on one host
+            report = self.ckpt.drop(version, status_round=status_round)
+            return [{**self._event(version, report), "channel_lost": True}]
         else:
             report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
                                                 status_round=status_round)
@@ -185,6 +208,9 @@ class ChannelReplication(InMemoryStrategy):
           save's), if any.
         """
         previous, round_ = self._inflight, None
+        if self.keeper.down(step):  # every host alike: no version moves until it is back
+            return self._save_while_down(step, tokens_per_expert)
+        self.keeper.note()
         gather: tuple[jax.Array, ...] = ()
         pec_version, transport = None, self.ckpt.transport
         if self.ckpt.pec is not None:
@@ -207,10 +233,28 @@ class ChannelReplication(InMemoryStrategy):
         self._inflight = (step, own, pec_version)
         return self._commit(previous, None if round_ is None else (round_[0], statuses))
 
+    def _save_while_down(self, step: int, tokens_per_expert: np.ndarray | None
+                         ) -> list[CheckpointEvent]:
+        """A save while the hosts agree the channel is lost: the version in
+        flight is abandoned, the channel reconnects when the backoff says so
+        (``ChannelKeeper.while_down``), and version ``step`` is not taken."""
+        if self.ckpt.pec is not None:
+            raise RuntimeError(f"host {self.ckpt.host}: a host's chunk channel is lost and a "
+                               f"PEC version cannot be abandoned")
+        self._inflight = None
+        lost = self.keeper.while_down(step)
+        report = self.ckpt.skip(step)
+        return [*({**self._event(v, report), "channel_lost": True} for v in lost),
+                {**self._event(step, report), "channel_lost": True}]
+
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the
-        final version, so nothing is left behind)."""
+        final version, so nothing is left behind); with the channel lost on
+        some host, it is abandoned on every host."""
         inflight, self._inflight = self._inflight, None
+        if inflight is not None and self.keeper.down(step):
+            return [{"version": v, "skipped": True, "channel_lost": True}
+                    for v in self.sender.abandon()]
         return self._commit(inflight)
 
     def close(self) -> None:

@@ -91,7 +91,8 @@ from capricorn_jax._src.strategies.base import (
     State,
     TrainStep,
 )
-from capricorn_jax._src.strategies.channel_replication import peer_channel
+from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
+from capricorn_jax._src.strategies.channel_replication import channel_keeper, peer_channel
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.window_feedback import SPILL_WINDOW, WindowFeedback
 
@@ -183,7 +184,9 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
                                          train.mesh, channel.timeout_s, deadline=True,
                                          hold_tail=MAX_SPREAD if budget else 0)
+            self.keeper: ChannelKeeper | None = channel_keeper(checkpointer, self.sender)
         else:
+            self.keeper = None
             self.link = measure_link(checkpointer.transport)
             if kind == "capricorn":
                 self.clock = WindowClock(train.mesh, train.boundaries)
@@ -426,6 +429,10 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
           The ``checkpoint`` events of the versions committed now: the one
           moved in the step, and ``step`` when it is saved now.
         """
+        if self.keeper is not None:
+            if self.ckpt.pec is None and self.keeper.down(step):
+                return self._save_while_down(step)
+            self.keeper.note()
         self._hold_over()
         if self._spread is not None:
             if not next_step_profiled:
@@ -490,6 +497,12 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                 log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
                 self._last_saved = version
                 return [{**self._event(version, self.ckpt.drop(version)), "corrupt": True}]
+            except Exception as e:
+                assert self.keeper is not None
+                if self.ckpt.pec is not None or not self.keeper.is_loss(e):
+                    raise  # PEC: a version it recorded cannot be dropped on one host
+                self._last_saved = version
+                return [{**self._event(version, self.ckpt.drop(version)), "channel_lost": True}]
             schedule = payloads.get("schedule") or self.transfers.schedule_for(
                 payloads["transport"])  # a spread version's: its last step's windows timed
             windows = window_spills(schedule, sender.last_spans, self._planned_on,
@@ -511,9 +524,28 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             self._check_spills(version)
         return [event]
 
+    def _save_while_down(self, step: int) -> list[CheckpointEvent]:
+        """A save while the hosts agree the chunk channel is lost: the
+        versions in flight are abandoned, the channel reconnects when the
+        backoff says so (``ChannelKeeper.while_down``), and version ``step``
+        is not taken (no step moves one until the channel is back)."""
+        assert self.keeper is not None
+        self._moved = self._spread = None
+        self._host_states = {}
+        lost = self.keeper.while_down(step)
+        report = self.ckpt.skip(step)
+        self._last_saved = step
+        return [*({**self._event(v, report), "channel_lost": True} for v in lost),
+                {**self._event(step, report), "channel_lost": True}]
+
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Saves the final state (version ``step``), which no later step moves;
-        a spread version still on its way is sent whole and committed first."""
+        a spread version still on its way is sent whole and committed first
+        (with the chunk channel lost on some host: abandoned on every host)."""
+        if (self.keeper is not None and self.ckpt.pec is None
+                and (self._moved or self._spread) and self.keeper.down(step)):
+            self.sender.abandon()  # type: ignore[union-attr]
+            self._moved = self._spread = None
         self._flush_spread()
         events = self._commit_moved(state)
         if self._last_saved == step:

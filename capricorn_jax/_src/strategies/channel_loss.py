@@ -1,0 +1,145 @@
+"""A lost chunk channel: versions skipped on every host, reconnects with backoff, a bound.
+
+A chunk channel (``scheduling.chunk_channel``) is lost when a send or a
+receive on it failed or a version's ``wait`` ran past the channel's timeout
+(a peer whose connection hangs, a link cut for longer than the timeout).
+Slow is not dead: the job keeps training.
+
+* The host that saw it says so in its status vector (``note_channel``); one
+  status round later every host reads the same answer
+  (``channel_lost_anywhere``), and from that save on, every host alike:
+  abandons the versions in flight on the channel (none is committed: no
+  host waits for them), takes no version at the save (``skip``: the status
+  round still runs, the same collectives on every host), and at the saves
+  the backoff names (the 1st, 2nd, 4th, 8th, ... save since the hosts
+  agreed, ``attempt_due``) builds a new channel to the same peers under a
+  new key. A host whose attempt failed says so in its next status vector,
+  so every host tries again at the next due save.
+* The first save whose round says no host is lost moves versions again.
+* Bound: ``RECONNECT_ATTEMPTS`` attempts; if the channel is still lost at
+  the save after the last one (the 33rd save after the hosts agreed, each
+  failed attempt costing at most the channel's connect timeout) the save
+  raises ``ConnectionError`` naming the peers.
+
+Design choice: the agreement rides on the status round every save already
+runs, so a lost channel costs no collective of its own and every host
+decides from the same gathered vectors; the decision lags one round, so a
+version started on a host that has not heard yet is abandoned at the next
+save, never waited for. Alternative not taken: a reconnect inside the
+sender thread on its own (each host would resume at a different version,
+and a peer waiting for a version the other host abandoned would run into
+its timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded import ThreadedSender
+
+log = logging.getLogger("capricorn_jax")
+
+RECONNECT_ATTEMPTS = 6
+"""Reconnect attempts before a lost channel ends the job (the last at the
+32nd save since the hosts agreed it was lost)."""
+
+_LOST = (OSError, TimeoutError, ConnectionError, RuntimeError)
+"""What a wait on a lost channel raises (a corrupt frame is ``VersionDropped``, not a loss)."""
+
+
+def attempt_due(saves_down: int) -> bool:
+    """Whether the save ``saves_down`` saves after the hosts agreed the channel
+    was lost (0: that save) tries to reconnect: saves 0, 1, 3, 7, 15, ...
+    (the gaps double), ``RECONNECT_ATTEMPTS`` of them."""
+    n = saves_down + 1
+    return n & (n - 1) == 0 and n < 2 ** RECONNECT_ATTEMPTS
+
+
+class ChannelKeeper:
+    """The lost-channel rule of one strategy's sender (module docstring).
+
+    Args:
+      ckpt: the host's memory tier (its status round carries the flag).
+      sender: the strategy's sender; its channel is replaced on a reconnect.
+      connect: builds a new channel to the same peers for attempt ``n``
+        (its own key: ``peer_channel(ckpt, job=...)``).
+    """
+
+    def __init__(self, ckpt: TierWriter, sender: ThreadedSender,
+                 connect: Callable[[int], ChunkChannel]) -> None:
+        self.ckpt, self.sender, self._connect = ckpt, sender, connect
+        self.saves_down = 0  # saves since the hosts agreed the channel was lost (0: up)
+        self.attempts = 0  # reconnect attempts since then
+        self._attempt_failed = False
+        self.lost_versions: list[int] = []  # versions abandoned with a lost channel
+        self.reconnected_at: list[int] = []  # saves at which versions moved again
+
+    def lost_here(self) -> bool:
+        """Whether this host's channel is lost (its sender failed, or its last
+        reconnect attempt did)."""
+        return self.sender.failure is not None or self._attempt_failed
+
+    def note(self) -> None:
+        """Puts this host's answer in the status vector of the next round."""
+        self.ckpt.note_channel(self.lost_here())
+
+    def is_loss(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a version's ``wait``, means the channel
+        is lost here (then noted for the next round)."""
+        lost = isinstance(error, _LOST) and (self.sender.failure is not None
+                                             or isinstance(error, TimeoutError))
+        if lost:
+            if self.sender.failure is None:  # a wait past the timeout: the channel hangs
+                self.sender.failure = error
+            log.warning("host %d: the chunk channel is lost (%s: %s); every host skips "
+                        "versions until it reconnects", self.ckpt.host, type(error).__name__,
+                        error)
+            self.note()
+        return lost
+
+    def down(self, step: int) -> bool:
+        """Whether the hosts agree the channel is lost (as of the last round),
+        at save ``step``."""
+        if self.ckpt.channel_lost_anywhere():
+            return True
+        if self.saves_down:
+            log.info("host %d: the chunk channel is back at step %d after %d saves and %d "
+                     "attempts; versions move again", self.ckpt.host, step, self.saves_down,
+                     self.attempts)
+            self.reconnected_at.append(step)
+            self.saves_down = self.attempts = 0
+        return False
+
+    def while_down(self, step: int) -> list[int]:
+        """At save ``step``, the hosts agreeing the channel is lost: abandons
+        the versions in flight (returned, oldest first), and reconnects when
+        the backoff says so; raises past the bound. The caller then takes
+        no version at this save (every host alike)."""
+        if self.saves_down >= 2 ** (RECONNECT_ATTEMPTS - 1):
+            channel = self.sender.channel
+            raise ConnectionError(
+                f"host {self.ckpt.host}: the chunk channel (to host {channel.destination}, "
+                f"from host {channel.source}) stayed lost through {self.attempts} reconnect "
+                f"attempts over {self.saves_down} saves")
+        lost = self.sender.abandon()
+        self.lost_versions += lost
+        if attempt_due(self.saves_down):
+            self.attempts += 1
+            try:
+                channel = self._connect(self.attempts)
+            except _LOST as e:
+                self._attempt_failed = True
+                log.warning("host %d: chunk channel reconnect attempt %d at step %d failed "
+                            "(%s: %s)", self.ckpt.host, self.attempts, step,
+                            type(e).__name__, e)
+            else:
+                self.sender.reconnect(channel)
+                self._attempt_failed = False
+                log.info("host %d: chunk channel reconnect attempt %d at step %d: connected",
+                         self.ckpt.host, self.attempts, step)
+        self.saves_down += 1
+        self.note()
+        return lost

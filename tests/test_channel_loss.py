@@ -1,0 +1,106 @@
+"""The lost-channel rule (strategies.channel_loss), one part alone.
+
+The rule's inputs are the agreed status flag and this host's sender; here a
+stand-in tier (the flag as a list the test sets) and a stand-in sender (the
+versions in flight, a failure, the channel it moved to) stand around the
+real ``ChannelKeeper``. The multi-process path, a hung channel in a real
+training run, is tests/test_strategies.py's stall_channel test.
+"""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from capricorn_jax._src.strategies.channel_loss import (
+    RECONNECT_ATTEMPTS,
+    ChannelKeeper,
+    attempt_due,
+)
+
+
+@given(st.integers(0, 200))
+def test_attempts_come_at_doubling_gaps_and_stop_after_the_last(saves_down):
+    due = [n for n in range(saves_down + 1) if attempt_due(n)]
+    assert due == [n for n in (0, 1, 3, 7, 15, 31) if n <= saves_down]
+    assert len([n for n in range(1000) if attempt_due(n)]) == RECONNECT_ATTEMPTS
+
+
+class _Tier:
+    host = 0
+
+    def __init__(self):
+        self.anywhere, self.noted = False, []
+
+    def note_channel(self, lost):
+        self.noted.append(lost)
+
+    def channel_lost_anywhere(self):
+        return self.anywhere
+
+
+class _Channel:
+    destination = source = 1
+
+
+class _Sender:
+    def __init__(self):
+        self.failure, self.channel, self.inflight = None, _Channel(), [7]
+
+    def abandon(self):
+        lost, self.inflight = self.inflight, []
+        return lost
+
+    def reconnect(self, channel):
+        self.channel, self.failure = channel, None
+
+
+def _keeper(connects):
+    tier, sender = _Tier(), _Sender()
+
+    def connect(attempt):
+        result = connects[attempt - 1]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return tier, sender, ChannelKeeper(tier, sender, connect)
+
+
+def test_a_timed_out_wait_is_a_loss_a_corrupt_or_other_error_is_not():
+    tier, sender, keeper = _keeper([])
+    assert not keeper.is_loss(ValueError("a bug"))
+    assert not keeper.is_loss(RuntimeError("not the channel's"))
+    assert tier.noted == []
+    assert keeper.is_loss(TimeoutError("host 0: version 3: receiving from host 1 ..."))
+    assert sender.failure is not None and tier.noted == [True]
+
+
+def test_hosts_skip_until_an_attempt_connects_then_versions_move_again():
+    fresh = _Channel()
+    tier, sender, keeper = _keeper([TimeoutError("no connection"), fresh])
+    sender.failure = OSError("reset")
+    keeper.note()
+    tier.anywhere = True  # the next round: every host reads it
+    assert keeper.down(10)
+    assert keeper.while_down(10) == [7]  # attempt 1 fails: still lost here
+    assert tier.noted[-1] is True and sender.channel is not fresh
+    assert keeper.down(11)
+    assert keeper.while_down(11) == []  # attempt 2 connects
+    assert sender.channel is fresh and sender.failure is None and tier.noted[-1] is False
+    assert keeper.lost_versions == [7] and keeper.attempts == 2
+    tier.anywhere = False  # the round after: no host lost
+    assert not keeper.down(12)
+    assert keeper.reconnected_at == [12] and keeper.saves_down == 0 and keeper.attempts == 0
+
+
+def test_a_channel_lost_past_the_last_attempt_ends_the_job_naming_the_peers():
+    tier, sender, keeper = _keeper([TimeoutError("no connection")] * RECONNECT_ATTEMPTS)
+    tier.anywhere = True
+    saves = 0
+    with pytest.raises(ConnectionError, match=r"^host 0: the chunk channel \(to host 1, from "
+                                              r"host 1\) stayed lost through 6 reconnect "
+                                              r"attempts over 32 saves"):
+        while True:
+            keeper.while_down(saves)
+            saves += 1
+    assert saves == 2 ** (RECONNECT_ATTEMPTS - 1) and keeper.attempts == RECONNECT_ATTEMPTS
