@@ -511,11 +511,12 @@ def test_a_hung_channel_times_out_then_both_hosts_reconnect_and_move_every_byte_
         old = [s.channel for s in senders]
         fresh = _pair(20.0, "hung/r1")
         t0 = time.monotonic()
-        for sender, channel in zip(senders, fresh):
+        for sender, channel in zip(senders, fresh, strict=True):
             assert sender.abandon() == [3]
             sender.reconnect(channel)
         assert time.monotonic() - t0 < 5.0  # the hung send woke with its channel's close
-        assert all(s.channel is c for s, c in zip(senders, fresh)) and old[1]._closed.is_set()
+        assert all(s.channel is c for s, c in zip(senders, fresh, strict=True))
+        assert old[1]._closed.is_set()
         for version in (4, 5):
             _round(mesh, senders, version, schedule)
         assert all(s.failure is None for s in senders)
