@@ -45,7 +45,9 @@ def test_chaos_runs_trials_checks_them_and_writes_the_json(tmp_path):
     for trial, result in zip(trials, report["trials"], strict=True):
         assert result["ok"] and result["problems"] == []
         assert result["strategy"] == trial.strategy and result["topology"] == "2x1"
-        assert result["faults"] == [f.to_json() for f in trial.faults]
+        assert result["faults"] == [{**f.to_json(), "class": "mid_persist"}
+                                    for f in trial.faults]
+        assert result["variant"] == []
         assert len(result["resumed_from"]) == len(result["tier"]) >= 1
     assert "chaos: 1/1 trials passed" in proc.stdout
     assert "trial 1/1 (seed 1018000) 2x1 capricorn persist=4" in proc.stdout

@@ -220,11 +220,7 @@ def test_importing_every_launch_module_together_defines_no_flag():
 # Commands whose helpers read the flag namespace themselves: measurement
 # scripts of one experiment each (launch/experiments), where the flags are
 # the experiment's knobs and nothing else builds on the helpers.
-FLAG_READERS_BESIDE_MAIN = {
-    "launch/experiments/overlap.py", "launch/experiments/transfer_alt.py",
-    "launch/experiments/speculation_quality.py", "launch/experiments/pec_accuracy.py",
-    "launch/experiments/orbax_rss.py", "launch/experiments/emulated_sweep.py",
-}
+FLAG_READERS_BESIDE_MAIN = {"launch/experiments/emulated_sweep.py"}
 
 
 def flag_reads_outside_main(source: str) -> list[str]:

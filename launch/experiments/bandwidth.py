@@ -16,8 +16,9 @@ previous version kept so the slots are reused), ``store restore`` reads it
 back the way recovery does (one copy per row, each chunk checked, rows in
 parallel). The JSON's ``memcpy_gbps``, ``store_ingest_gbps`` and
 ``restore_gbps`` are the three medians side by side. The link between
-simulated hosts is measured by ``launch.experiments.transfer_alt`` (and by
-each scheduled strategy at start, ``scheduling.measure_link``). Median and
+simulated hosts was measured by ``launch.experiments.transfer_alt`` (tag
+experiments-2026-12-05; and by each scheduled strategy at start,
+``scheduling.measure_link``). Median and
 best of ``--repeats``, GB/s (1e9).
 """
 

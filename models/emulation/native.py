@@ -12,7 +12,7 @@ native window marks). Alternative not taken: a Python host callback
 that sleeps (``io_callback``): it needs the GIL to start and to return, so
 beside the checkpoint's Python threads (sender, writers) it measures GIL
 contention, which an accelerator host does not have (measured by
-``python -m launch.experiments.emulation_probe``; BUILD_NOTES). The library is
+``launch.experiments.emulation_probe`` at tag experiments-2026-12-05; BUILD_NOTES). The library is
 built once per source version into a cache directory outside the repository
 (``$CAPRICORN_NATIVE_CACHE``, else ``~/.cache/capricorn_jax``).
 """

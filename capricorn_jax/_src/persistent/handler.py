@@ -17,7 +17,7 @@
   ``ocp.StandardCheckpointHandler`` once Orbax has created the item's
   directory. The training thread only pays Orbax's barriers and directory
   creation. Peak extra host memory of a persistent save is about 1.1-1.4x
-  this host's state (``launch/experiments/orbax_rss.py``).
+  this host's state (``launch/experiments/orbax_rss.py`` at tag experiments-2026-12-05).
 
 On disk a step is exactly what ``StandardCheckpointHandler`` writes under the
 item name, and its step metadata names ``StandardCheckpointHandler`` as the

@@ -87,8 +87,9 @@ class DetectorOptions:
       threshold: a layer's drift score above this asks for a profile. 0.05
         (jsd) caught 92-100% of the capacity-bucket changes of ``tiny``
         (batch 16, bucketed dispatch) on the steady and the domain-shift
-        workload, 0.1 only 62-89% (launch.experiments.speculation_quality, BUILD_NOTES;
-        with batch 64, 0.05 caught 78-88% and 0.03 93-94%).
+        workload, 0.1 only 62-89% (launch.experiments.speculation_quality at
+        tag experiments-2026-12-05, BUILD_NOTES; with batch 64, 0.05 caught
+        78-88% and 0.03 93-94%).
       metric: "jsd" | "l1" | "max_load" (see ``drift_score``).
       min_interval: steps at least between two profiles (1 = any step).
       host_experts: the experts this host holds (indices), for the cost

@@ -32,8 +32,9 @@ devices 2 of 2 runs, 4 hosts x 1 device 1 of 2 runs (XLA's CPU collectives
 share one communicator per device set, with tag 0 for every op). A separate
 device set (one device per host) ran, but 4 hosts x 1 device has none. Why
 not ``jax.experimental.transfer``: a pull hung about once in 6 runs
-(launch.experiments.overlap). On GPUs the in-graph permutes run on their own
-streams and overlap: there ``executor.InStepSender`` is the path.
+(launch.experiments.overlap, tag experiments-2026-12-05). On GPUs the
+in-graph permutes run on their own streams and overlap: there
+``executor.InStepSender`` is the path.
 
 Every host sends and receives the same frames in the same order; a peer
 that stops answering ends ``wait`` with an error naming it after the
