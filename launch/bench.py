@@ -67,7 +67,7 @@ from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import links_for
-from launch.persistence import chunk_tos
+from launch.persistence import chunk_tos, memory_tier
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
 
 FLAGS = flags.FLAGS
@@ -133,7 +133,6 @@ def _checkpointer(name: str, job, config: BenchConfig):
     """An in-memory strategy's InMemoryCheckpointer (its own job in the store root)."""
     import capricorn_jax
 
-    cfg = job.trainer.cfg
     options = capricorn_jax.InMemoryOptions(
         store_root=config.store_root, job=f"bench-{name}", replicas=config.replicas,
         chunk_bytes=config.chunk_bytes,
@@ -144,9 +143,7 @@ def _checkpointer(name: str, job, config: BenchConfig):
         pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
         if VARIANTS.get(name, name) in PEC else None,
         chunk_tos=chunk_tos(config.setup.link.traffic_class))
-    return capricorn_jax.InMemoryCheckpointer(
-        options, job.mesh, job.trainer.abstract_state, job.trainer.state_shardings,
-        job.host, job.hosts, model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len)
+    return memory_tier(options, job.trainer, job.mesh, job.host, job.hosts)
 
 
 def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, dict]:

@@ -85,11 +85,19 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
                                      dynamic=ckpt_cfg.pec_dynamic) if ckpt_cfg.pec_k else None,
         chunk_tos=chunk_tos(config.cluster.link.traffic_class),
     )
+    return memory_tier(options, trainer, mesh, host, hosts, hooks)
+
+
+def memory_tier(options: Any, trainer: Any, mesh: Any, host: int, hosts: int,
+                hooks: Any = None) -> Any:
+    """The one builder of a launcher's ``InMemoryCheckpointer`` (train's and
+    the bench's): ``options`` over ``trainer``'s state, model and batch."""
+    import capricorn_jax
+
     cfg = trainer.cfg
-    ckpt = capricorn_jax.InMemoryCheckpointer(
+    return capricorn_jax.InMemoryCheckpointer(
         options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts,
         model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len, hooks=hooks)
-    return ckpt
 
 
 class PersistentTier:
