@@ -173,6 +173,8 @@ class ChannelReplication(InMemoryStrategy):
         version, own, pec_version = inflight
         try:
             with self.ckpt.clock.phase("peer_wait"):
+                if self.keeper.lost_here():  # nothing in flight will arrive: no wait
+                    self.sender.abandon()
                 received = self.sender.wait(version)  # [local devices, bytes]; bounded
         except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)

@@ -492,6 +492,8 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             assert sender is not None, "only the threaded path leaves the peer's payload out"
             try:
                 with self.ckpt.clock.phase("peer_wait"):
+                    if self.keeper is not None and self.keeper.lost_here():
+                        sender.abandon()  # nothing in flight will arrive: no wait
                     payloads["received"] = sender.wait(version)  # [local devices, bytes]
             except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
                 log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
