@@ -52,9 +52,10 @@ PAUSE = "pause"
 # of its first frame of the first version >= ``step`` it moves on the channel,
 # after the frame's checksum (a byte corrupted in transit). The receiving
 # peer's check fails: that peer takes no such version (a ``checkpoint`` event
-# with "corrupt"), the channel and training go on. The plan's last fault; the
-# strategy must move its versions over the chunk channel (gemini, capricorn
-# and their PEC forms on CPU).
+# with "corrupt"), the channel and training go on. inmem on the in-graph
+# exchange: the victim's first chunk of that version is corrupted after its
+# sums, in the collectives' transit; the peer's replica writer stores no such
+# replica (a warning), so the version is never committed. The plan's last fault.
 CORRUPT_FRAME = "corrupt_frame"
 # A fault that kills no host either: the victim's chunk channel sends nothing
 # for ``pause_s`` seconds before its first frame of the first version >=
@@ -65,6 +66,9 @@ CORRUPT_FRAME = "corrupt_frame"
 # no restart. The plan's last fault; a whole-version strategy on the channel
 # (gemini, capricorn; inmem with --chunk_path=threaded).
 STALL_CHANNEL = "stall_channel"
+CORRUPT_FRAME_STRATEGIES = (*SCHEDULED, "inmem")
+"""corrupt_frame: on the chunk channel (the scheduled strategies, inmem with
+--chunk_path=threaded) or the in-graph exchange's collectives (inmem)."""
 CHANNEL_STRATEGIES = ("gemini", "capricorn")
 """Strategies whose versions move on the chunk channel whatever --chunk_path
 says (on CPU), without PEC (a PEC version is not abandoned: its loss ends the job)."""
@@ -236,9 +240,10 @@ class FaultConfig:
                 fault.mode != "process" or fault.corrupt or fault.wipe_all):
             raise FlagError(f"{what}: {fault.point} damages no store: mode 'process', no "
                             f"corrupt, no wipe_all")
-        if fault.point == CORRUPT_FRAME and (strategy not in SCHEDULED or len(fault.hosts) != 1):
-            raise FlagError(f"{what}: corrupt_frame flips a byte on one host's chunk channel: "
-                            f"one host, and --ckpt in {', '.join(SCHEDULED)} "
+        if fault.point == CORRUPT_FRAME and (strategy not in CORRUPT_FRAME_STRATEGIES
+                                             or len(fault.hosts) != 1):
+            raise FlagError(f"{what}: corrupt_frame flips a byte in transit from one host: "
+                            f"one host, and --ckpt in {', '.join(CORRUPT_FRAME_STRATEGIES)} "
                             f"(got {strategy}, hosts {list(fault.hosts)})")
         if fault.point == STALL_CHANNEL and (len(fault.hosts) != 1 or not channel):
             raise FlagError(f"{what}: stall_channel hangs one host's chunk channel: one host, "

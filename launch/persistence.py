@@ -27,6 +27,7 @@ from absl import logging
 from launch.cluster import faults as faults_lib
 from launch.config import CheckpointConfig, Config
 from launch.metrics import MetricsWriter
+from launch.strategies import SCHEDULED
 
 if TYPE_CHECKING:
     from capricorn_jax import RestoreInfo
@@ -59,7 +60,8 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         faults_lib.reached(faults, workdir, host, "mid_replication", version - 1)
 
     def on_flip(version: int) -> None:  # a byte of a frame corrupted in transit
-        print(f"fault: host {host} flipped a byte of its first chunk frame of version {version} "
+        what = "chunk frame" if channel else "chunk in the exchange"
+        print(f"fault: host {host} flipped a byte of its first {what} of version {version} "
               f"after its checksum (its fault point)", flush=True)
 
     def on_stall(version: int) -> None:  # the chunk channel hangs
@@ -70,9 +72,14 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
     def on_serve(version: int) -> None:  # about to serve a peer's payload in a recovery
         faults_lib.reached(faults, workdir, host, "mid_serve", version)
 
+    # A corrupted frame strikes the path the strategy's versions take: the
+    # chunk channel, or the in-graph exchange (inmem / pec without it).
+    channel = ckpt_cfg.strategy in SCHEDULED or ckpt_cfg.chunk_path == "threaded"
     hooks = FaultHooks(stall_replica_writer_at=faults.stall(host),
                        pause_mid_replication_at=pause, on_pause=on_pause,
-                       flip_frame_at=faults.flip_frame_at, on_flip=on_flip,
+                       flip_frame_at=faults.flip_frame_at if channel else None,
+                       flip_exchange_at=None if channel else faults.flip_frame_at,
+                       on_flip=on_flip,
                        stall_channel_at=faults.stall_channel_at, on_stall=on_stall,
                        on_serve=on_serve)
     options = capricorn_jax.InMemoryOptions(

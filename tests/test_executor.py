@@ -53,7 +53,7 @@ def setup():
 def test_scheduled_step_trains_bitwise_and_delivers_the_peer_payload(setup):
     trainer, transport, _, step, batch, trailer, rows = setup
     want_state, want_metrics = trainer.step_fn((2.0, 2.0))(trainer.init_state(0), batch)
-    own, received, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))
+    own, received, _, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))
     state, metrics, out = step(trainer.init_state(0), batch, rows)
     assert_trees_equal(state, want_state)
     assert float(metrics["loss"]) == float(want_metrics["loss"])
@@ -134,7 +134,7 @@ def test_probed_scheduled_step_times_every_all_to_all_and_changes_nothing(setup)
     probe = capricorn_jax.CollectiveProbe()
     probed = scheduled_step(trainer, sender, (2.0, 2.0), hooks=(probe,))
     want_state, _ = trainer.step_fn((2.0, 2.0))(trainer.init_state(0), batch)
-    own, received, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))
+    own, received, _, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))
     state, _, out = probed(trainer.init_state(0), batch, rows)
     jax.block_until_ready(state)
     assert_trees_equal(state, want_state)

@@ -143,11 +143,11 @@ def test_a_pause_is_a_plan_of_its_own():
 
 
 @pytest.mark.parametrize("plan, strategy, message", [
-    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "inmem",
-     r"^--fault_plan fault 0: corrupt_frame flips a byte on one host's chunk channel: one host, "
-     r"and --ckpt in gemini, capricorn, capricorn_pec \(got inmem, hosts \[1\]\)"),
+    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "pec",
+     r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host, "
+     r"and --ckpt in gemini, capricorn, capricorn_pec, inmem \(got pec, hosts \[1\]\)"),
     ('[{"hosts": [0, 1], "step": 2, "point": "corrupt_frame"}]', "capricorn",
-     r"^--fault_plan fault 0: corrupt_frame flips a byte on one host's chunk channel: one host"),
+     r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host"),
     ('[{"hosts": [1], "step": 2, "point": "corrupt_frame", "mode": "host"}]', "capricorn",
      r"^--fault_plan fault 0: corrupt_frame damages no store"),
     ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}, {"hosts": [1], "step": 4}]',

@@ -39,8 +39,9 @@ def test_pack_replicate_unpack_roundtrip(trainer):
                      chunk_bytes=100_000, device_host=[0, 0, 1, 1])
     assert plan.num_chunks > 1  # the transfer really is chunked
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 2)
-    own, received, statuses = transport.replicate(state, encode_trailer({"h": 7}),
-                                                  np.array([3, 4]))
+    own, received, statuses, corrupt = transport.replicate(state, encode_trailer({"h": 7}),
+                                                           np.array([3, 4]))
+    assert not np.asarray(corrupt[0]).any()  # every chunk passed its end-to-end check
     own_rows, recv_rows = local_rows(own), local_rows(received[0])
     # Host 0's devices received host 1's payloads and vice versa, byte for byte.
     for j in range(2):
@@ -51,6 +52,35 @@ def test_pack_replicate_unpack_roundtrip(trainer):
     blocks = {**unpack(plan, 0, own_rows[:2]), **unpack(plan, 1, own_rows[2:])}
     restored = global_arrays(blocks, trainer.abstract_state, trainer.state_shardings, trainer.mesh)
     assert_trees_equal(restored, state, check_sharding=True)
+
+
+def test_a_byte_flipped_in_transit_fails_exactly_that_chunks_check(trainer):
+    """The in-graph exchange checks every chunk end to end: a byte XORed into
+    each device's first chunk after its sums were taken (the fault hook's
+    input, here on both hosts' rows) fails that chunk's check on the
+    receiving device, and only that chunk's; the received bytes differ from
+    the sent ones in exactly that byte."""
+    state = trainer.init_state(0)
+    plan = make_plan(trainer.abstract_state, trainer.state_shardings, trainer.mesh,
+                     chunk_bytes=100_000, device_host=[0, 0, 1, 1])
+    transport = Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 2,
+                          flip_input=True)
+    trailer = encode_trailer({"h": 7})
+    own, received, _, corrupt = transport.replicate(state, trailer, np.array([3, 4]), flip=0x10)
+    bad = np.stack(local_rows(corrupt[0]))
+    assert bad.shape == (4, plan.num_chunks)
+    assert bad[:, 0].all() and not bad[:, 1:].any()
+    own_rows, recv_rows = local_rows(own), local_rows(received[0])
+    lo, hi = plan.chunk_range(0)
+    for j, src in ((0, 2), (1, 3), (2, 0), (3, 1)):
+        diff = np.flatnonzero(recv_rows[j] != own_rows[src])
+        assert diff.tolist() == [lo + (hi - lo) // 2]
+        assert recv_rows[j][diff[0]] == own_rows[src][diff[0]] ^ 0x10
+    _, _, _, clean = transport.replicate(state, trailer, np.array([3, 4]))
+    assert not np.asarray(clean[0]).any()
+    with pytest.raises(ValueError, match="flip needs a transport built with flip_input"):
+        Transport(plan, trainer.mesh, trainer.state_shardings, send_rounds(2, 2), 2).replicate(
+            state, trailer, np.array([3, 4]), flip=1)
 
 
 def test_each_host_payload_holds_each_unique_byte_once(trainer):

@@ -136,8 +136,8 @@ def test_pec_plan_roundtrip_on_two_simulated_hosts():
     plan = make_pec_plan(base, layers, gather.shape[1])
     assert plan.fingerprint() != base.fingerprint()
     transport = Transport(plan, trainer.mesh, trainer.state_shardings, [{0: 1, 1: 0}], 2)
-    own, received, _ = transport.replicate(state, np.zeros(TRAILER_BYTES, np.uint8),
-                                           np.zeros(2), gather)
+    own, received, _, _ = transport.replicate(state, np.zeros(TRAILER_BYTES, np.uint8),
+                                              np.zeros(2), gather)
     rows, peer = local_rows(own), local_rows(received[0])
     np.testing.assert_array_equal(np.stack(peer[:2]), np.stack(rows[2:]))
     leaves = jax.tree.leaves(state)
@@ -196,12 +196,12 @@ def test_scheduled_path_commits_full_and_planned_pec_versions(trainer, tmp_path)
     plan), version 2 packed by the program of a planned PEC version."""
     bump, base = _bump(trainer), trainer.init_state(0)
     ckpt = _checkpointer(trainer, tmp_path, PecOptions(k=2, dynamic=False))
-    own, received, _ = ckpt.transport.replicate(bump(base, jnp.int32(1)),
-                                                np.zeros(TRAILER_BYTES, np.uint8), np.zeros(2))
+    own, received, _, _ = ckpt.transport.replicate(
+        bump(base, jnp.int32(1)), np.zeros(TRAILER_BYTES, np.uint8), np.zeros(2))
     assert ckpt.save_transferred(1, own, received, tokens_per_expert=TPE).pec_k == 8
     version = ckpt.plan_pec_version(2, TPE)
     assert version.k == 2 and version.gather.shape == (2, 2)
-    own, received, _ = version.transport.replicate(
+    own, received, _, _ = version.transport.replicate(
         bump(base, jnp.int32(2)), np.zeros(TRAILER_BYTES, np.uint8), np.zeros(2), version.gather)
     with pytest.raises(ValueError, match="version 2"):
         ckpt.save_transferred(3, own, received, version=version)

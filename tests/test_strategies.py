@@ -462,6 +462,32 @@ def test_a_byte_corrupted_in_transit_drops_that_version_on_the_receiver_and_the_
     assert _losses(records) == reference
 
 
+def test_a_byte_corrupted_in_the_in_graph_exchange_is_never_committed(tmp_path, cache,
+                                                                      reference):
+    """Fault class corrupt_frame on the collectives' path: inmem exchanges
+    its versions in the jitted program; host 1's first chunk of a version >= 3
+    gets a byte flipped after its sums were taken. Host 0's check fails, its
+    replica writer stores no such replica (a warning), so that version is
+    never committed (held by every holder) while the next ones are; no
+    restart, every loss the uninterrupted run's."""
+    plan = '[{"hosts": [1], "step": 3, "point": "corrupt_frame"}]'
+    proc = run_train(*COMMON, f"--workdir={tmp_path / 'w'}", f"--store_root={tmp_path / 's'}",
+                     "--ckpt=inmem", f"--fault_plan={plan}", timeout=600, env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    flipped = re.search(r"fault: host 1 flipped a byte of its first chunk in the exchange of "
+                        r"version (\d+) after its checksum \(its fault point\)", proc.stdout)
+    assert flipped, proc.stdout[-3000:]
+    version = int(flipped.group(1))
+    assert version == 3
+    assert "restarting" not in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    committed = {v for c in _events(records, "checkpoint") for v in c["newly_committed"]}
+    assert version not in committed and {version - 1, version + 1} <= committed, committed
+    assert not _events(records, "recovery")
+    assert [r["step"] for r in _steps(records)] == list(range(STEPS))
+    assert _losses(records) == reference
+
+
 def test_a_hung_chunk_channel_is_lost_on_every_host_skipped_and_reconnected(
         tmp_path, cache, reference):
     """Fault class stall_channel: host 1's chunk channel sends nothing for 30 s

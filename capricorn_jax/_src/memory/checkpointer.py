@@ -140,8 +140,10 @@ class InMemoryCheckpointer(StatusRound):
         self.status_note = 0
         self.agreed_note: int | None = None
         self.channel_lost = False
+        flip_at = None if hooks is None else hooks.flip_exchange_at
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
-                                   self.status_len)
+                                   self.status_len, flip_input=flip_at is not None)
+        self._flip_at = flip_at  # fault injection: the first exchanged version >= it
         self.pec: PecTier | None = None
         if options.pec is not None:
             assert model is not None  # checked above
@@ -250,8 +252,9 @@ class InMemoryCheckpointer(StatusRound):
                 return self._skip(step)
             report, status = self._begin_save()
             with self.clock.phase("exchange"):
-                own, received, statuses = self.transport.replicate(state, trailer, status)
-            return self._enqueue(report, step, own, received, statuses)
+                own, received, statuses, corrupt = self.transport.replicate(
+                    state, trailer, status, flip=self._flip(step))
+            return self._enqueue(report, step, own, received, statuses, corrupt=corrupt)
         if self._over_budget():
             self.pec.skip(step, tokens_per_expert)
             return self._skip(step)
@@ -259,9 +262,20 @@ class InMemoryCheckpointer(StatusRound):
             version = self.pec.version(step, tokens_per_expert, expert_mask)
         report, status = self._begin_save()
         with self.clock.phase("exchange"):
-            own, received, statuses = version.transport.replicate(state, trailer, status,
-                                                                  version.gather)
-        return self._enqueue(report, step, own, received, statuses, version)
+            own, received, statuses, corrupt = version.transport.replicate(
+                state, trailer, status, version.gather, flip=self._flip(step))
+        return self._enqueue(report, step, own, received, statuses, version, corrupt)
+
+    def _flip(self, step: int) -> int:
+        """Fault injection (``FaultHooks.flip_exchange_at``): the byte this
+        host's exchange of version ``step`` corrupts in transit (0: none),
+        once, at the first version at or after the hook's."""
+        if self._flip_at is None or step < self._flip_at:
+            return 0
+        self._flip_at = None
+        if self.hooks.on_flip is not None:
+            self.hooks.on_flip(step)
+        return 0xFF
 
     def trailer_rows(self, host_state: dict[str, Any]):
         """The [devices, trailer] input of a scheduled step (InStepSender)."""
@@ -357,7 +371,7 @@ class InMemoryCheckpointer(StatusRound):
         self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k, cumulative)
 
     def _enqueue(self, report: SaveReport, step: int, own, received: list, statuses,
-                 version: PecVersion | None = None) -> SaveReport:
+                 version: PecVersion | None = None, corrupt: list | None = None) -> SaveReport:
         if self._errors:
             raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
         plan = self.plan if version is None else version.plan
@@ -399,7 +413,7 @@ class InMemoryCheckpointer(StatusRound):
                         wait, step)
         if received:
             try:
-                self._rep_q.put_nowait((step, received, plan, meta))
+                self._rep_q.put_nowait((step, received, plan, meta, corrupt))
             except queue.Full:
                 report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "

@@ -40,6 +40,11 @@ class FaultHooks:
         computed: a byte corrupted in transit, which the peer's check must
         catch.
       on_flip: called with that version when the byte is flipped.
+      flip_exchange_at: the in-graph exchange (``InMemoryCheckpointer.save``
+        over the training mesh's collectives) flips one byte of each of
+        this host's devices' first chunk of the first version it exchanges
+        at or after this one, after the chunk's sums were taken (a byte
+        corrupted in transit on the collectives' path); ``on_flip`` too.
       stall_channel_at: (version, seconds): the chunk channel stops sending
         for this long before the first frame of this version or a later one
         (a connection that hangs: past the channel's timeout, the hosts
@@ -54,6 +59,7 @@ class FaultHooks:
     on_pause: Callable[[int], None] | None = None
     flip_frame_at: int | None = None
     on_flip: Callable[[int], None] | None = None
+    flip_exchange_at: int | None = None
     stall_channel_at: tuple[int, float] | None = None
     on_stall: Callable[[int], None] | None = None
     on_serve: Callable[[int], None] | None = None

@@ -9,6 +9,13 @@ every owner), which is how owners learn that their replicas are in place. Its
 outputs are fresh arrays, never the state's own buffers, so the next step may
 donate the state while the host copies of these outputs are still being made.
 
+Each chunk is checked end to end: before it leaves, the sender computes its
+``chunk_sums`` (one collective-permute carries every chunk's sums of a
+round), and after the receiver has it, the program computes them again; the
+program's fourth output says, per round, device and chunk, whether they
+differ (a byte changed in transit). The replica writer stores no version
+whose check failed (``writers``), so no holder commits it.
+
 ``Transport.serve`` moves payloads read from a host store to the hosts that
 need them during recovery, by the same collective-permutes.
 
@@ -54,6 +61,17 @@ def _as_bytes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
+def chunk_sums(chunk: jax.Array) -> jax.Array:
+    """uint32 [2] of a uint8 chunk: the sum of its bytes and the sum of each
+    byte times its position (from 1), both mod 2**32. Any one changed byte
+    changes the first (the change is at most 255); a moved or swapped byte
+    the second. Two XLA reductions over the chunk, no table (a CRC in XLA
+    would be a serial scan)."""
+    v = chunk.astype(jnp.uint32)
+    at = jnp.arange(1, chunk.shape[0] + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(v, dtype=jnp.uint32), jnp.sum(v * at, dtype=jnp.uint32)])
+
+
 def device_perm(plan: PackPlan, host_perm: dict[int, int]) -> tuple[tuple[int, int], ...]:
     """Host-level (src -> dst) pairs to device-level pairs: local device j -> j."""
     pairs: list[tuple[int, int]] = []
@@ -74,11 +92,15 @@ class Transport:
       state_shardings: the state's NamedShardings (pytree).
       rounds: the replication rounds, host -> peer maps (placement.send_rounds).
       status_len: entries of each host's status vector.
+      flip_input: fault injection (tests, the chaos harness): ``replicate``
+        takes a byte that is XORed into the middle of each device's first
+        chunk after its sums were taken (a byte corrupted in transit).
     """
 
     def __init__(self, plan: PackPlan, mesh: Mesh, state_shardings: Any,
-                 rounds: list[dict[int, int]], status_len: int):
+                 rounds: list[dict[int, int]], status_len: int, flip_input: bool = False):
         self.plan, self.mesh, self.status_len = plan, mesh, status_len
+        self.flip_input = flip_input
         self._state_shardings, self._rounds = state_shardings, rounds
         self.axes = tuple(mesh.axis_names)
         self.rows = NamedSharding(mesh, P(self.axes))
@@ -87,22 +109,25 @@ class Transport:
         specs = jax.tree.map(lambda s: s.spec, state_shardings)
         body = functools.partial(self._replicate_body, treedef=jax.tree.structure(specs))
         gather_spec = (P(),) if plan.experts is not None else ()
+        flip_spec = (P(self.axes),) if flip_input else ()
         mapped = jax.shard_map(
             body, mesh=mesh,
             in_specs=(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                      P(self.axes), P(self.axes), *gather_spec),
-            out_specs=(P(self.axes), [P(self.axes)] * len(self.perms), P()),
+                      P(self.axes), P(self.axes), *flip_spec, *gather_spec),
+            out_specs=(P(self.axes), [P(self.axes)] * len(self.perms), P(),
+                       [P(self.axes)] * len(self.perms)),
             check_vma=False,  # the all-gathered statuses are replicated by construction
         )
-        self._replicate = jax.jit(lambda leaves, trailer, status, *gather: mapped(
-            leaves, trailer, status, *gather))
+        self._replicate = jax.jit(lambda leaves, trailer, status, *rest: mapped(
+            leaves, trailer, status, *rest))
         self._serve: dict[tuple, Any] = {}
         self._gather: Any = None  # compiled at the first gather_status
 
     def for_plan(self, plan: PackPlan) -> Transport:
         """A transport of ``plan`` over the same mesh, state and rounds (e.g.
         the plan of a PEC version with fewer records per device)."""
-        return Transport(plan, self.mesh, self._state_shardings, self._rounds, self.status_len)
+        return Transport(plan, self.mesh, self._state_shardings, self._rounds, self.status_len,
+                         self.flip_input)
 
     def pack_local(self, leaves: list[jax.Array], trailer: jax.Array,
                    gather: jax.Array | None = None) -> jax.Array:
@@ -161,12 +186,30 @@ class Transport:
             chunks.append(jax.lax.ppermute(payload[lo:hi], self.axes, perm))
         return jnp.concatenate(chunks)
 
-    def _replicate_body(self, leaves, trailer, status, *gather, treedef):
+    def _send_checked(self, payload: jax.Array, perm: tuple[tuple[int, int], ...],
+                      flip: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """``_send`` with each chunk checked end to end: (the received payload,
+        bool [num_chunks]: whether a received chunk's sums differ from the
+        ones its sender computed before it left)."""
+        ranges = [self.plan.chunk_range(k) for k in range(self.plan.num_chunks)]
+        sums = jnp.stack([chunk_sums(payload[lo:hi]) for lo, hi in ranges])
+        if flip is not None:  # fault injection: after the sums, before the send
+            lo, hi = ranges[0]
+            mid = lo + (hi - lo) // 2
+            payload = payload.at[mid].set(payload[mid] ^ flip.reshape(()))
+        received = self._send(payload, perm)
+        sent_sums = jax.lax.ppermute(sums, self.axes, perm)
+        got = jnp.stack([chunk_sums(received[lo:hi]) for lo, hi in ranges])
+        return received, jnp.any(got != sent_sums, axis=1)
+
+    def _replicate_body(self, leaves, trailer, status, *rest, treedef):
         del treedef
+        flip, gather = (rest[0], rest[1:]) if self.flip_input else (None, rest)
         payload = self.pack_local(leaves, trailer, *gather)
-        received = [self._send(payload, perm)[None] for perm in self.perms]
+        moved = [self._send_checked(payload, perm, flip) for perm in self.perms]
         statuses = jax.lax.all_gather(status, self.axes, tiled=True)
-        return payload[None], received, statuses
+        return (payload[None], [r[None] for r, _ in moved], statuses,
+                [bad[None] for _, bad in moved])
 
     def gather_status(self, status: np.ndarray) -> jax.Array:
         """All-gathers each host's status vector alone (used with scheduled steps)."""
@@ -186,7 +229,7 @@ class Transport:
         return jax.make_array_from_process_local_data(self.rows, np.ascontiguousarray(local))
 
     def replicate(self, state: Any, trailer: np.ndarray, status: np.ndarray,
-                  gather: np.ndarray | None = None):
+                  gather: np.ndarray | None = None, flip: int = 0):
         """Dispatches pack + replication of ``state``; returns device arrays.
 
         Args:
@@ -195,13 +238,21 @@ class Transport:
           status: this host's status vector.
           gather: int32 [R, C] gather indices of a PEC version (PEC plans
             only; every host passes the same).
+          flip: fault injection (``flip_input`` transports only): this host's
+            byte XORed into each of its devices' first chunk in transit.
 
         Returns:
           (own [devices, payload] uint8, [received per round], statuses
-          [devices, status_len] int32): own and received rows live on each
-          host's devices; statuses is replicated.
+          [devices, status_len] int32, [corrupt per round]: bool [devices,
+          num_chunks], a received chunk that failed its end-to-end check):
+          own, received and corrupt rows live on each host's devices;
+          statuses is replicated.
         """
         args = [jax.tree.leaves(state), self._rows(trailer, np.uint8), self._rows(status, np.int32)]
+        if self.flip_input:
+            args.append(self._rows(np.array([flip]), np.uint8))
+        elif flip:
+            raise ValueError("flip needs a transport built with flip_input=True")
         ep = self.plan.experts
         if (gather is None) != (ep is None):
             raise ValueError("gather indices are required by a PEC plan and only by one")

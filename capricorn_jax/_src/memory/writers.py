@@ -69,6 +69,8 @@ class VersionWriters:
         self._own_q: queue.Queue = queue.Queue(maxsize=1)
         self._rep_q: queue.Queue = queue.Queue(maxsize=1)
         self._errors: list[BaseException] = []
+        # (owner, version) of replicas not stored: their end-to-end check failed.
+        self.corrupt_replicas: list[tuple[int, int]] = []
         self._write_pool = concurrent.futures.ThreadPoolExecutor(
             write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [
@@ -174,14 +176,27 @@ class VersionWriters:
                 self._own_queued.discard(step)
 
     def _write_replicas(self, step: int, received: list, plan: PackPlan,
-                        pec_meta: dict | None) -> None:
+                        pec_meta: dict | None, corrupt: list | None = None) -> None:
+        """Writes version ``step`` of each source host; ``corrupt`` (the
+        in-graph exchange's end-to-end check, per round: bool [devices,
+        chunks]) set for a round on this host's rows, that replica is not
+        stored (its owner's version is then held by no holder here, so it is
+        never committed) and ``corrupt_replicas`` records it."""
         stall = self.hooks.stall_replica_writer_at
         if stall is not None and stall[0] == step:
             log.warning("host %d: fault injection: replica writer stalls %.1fs at step %d",
                         self.host, stall[1], step)
             time.sleep(stall[1])
         pause = self.hooks.pauses_at(step)
-        for owner, array in zip(self.sources, received, strict=True):
+        checks = corrupt if corrupt is not None else [None] * len(received)
+        for owner, array, bad in zip(self.sources, received, checks, strict=True):
+            failed = [] if bad is None else _failed_chunks(bad)
+            if failed:
+                log.warning("host %d: version %d from host %d failed its end-to-end check in "
+                            "transit (local device, chunk: %s); not stored", self.host, step,
+                            owner, failed)
+                self.corrupt_replicas.append((owner, step))
+                continue
             self._write_version(owner, step, _host_rows(array), plan, pec_meta,
                                 pause_halfway=pause)
 
@@ -213,6 +228,12 @@ class _InSlot:
 
     writer: Any  # store.VersionWriter
     rows: int
+
+
+def _failed_chunks(bad: Any) -> list[tuple[int, int]]:
+    """(local device, chunk) pairs of this host's rows whose check failed."""
+    rows = local_rows(bad) if not isinstance(bad, np.ndarray) else list(bad)
+    return [(j, int(k)) for j, row in enumerate(rows) for k in np.flatnonzero(row)]
 
 
 def _host_rows(payload: Any) -> list[np.ndarray] | _InSlot:
