@@ -19,7 +19,8 @@ from capricorn_jax import InMemoryCheckpointer, InMemoryOptions
 from capricorn_jax._src.memory.reader import TierReader
 from capricorn_jax._src.memory.writer_door import TierWriter
 
-WRITE_MEMBERS = {"clock", "rounds", "sources", "agreed_note", "note_status", "save",
+WRITE_MEMBERS = {"clock", "rounds", "sources", "agreed_note", "note_status", "note_channel",
+                 "channel_lost_anywhere", "save",
                  "save_transferred", "skip", "drop", "begin_round", "plan_pec_version",
                  "trailer_rows", "close"}
 """What the strategies use of the checkpointer beyond what recovery reads."""
@@ -54,5 +55,7 @@ def test_an_in_memory_checkpointer_has_every_member_of_the_door(tmp_path):
         assert missing == []
         writer.note_status(7)
         assert ckpt.status_note == 7  # the note the next status round carries
+        writer.note_channel(True)
+        assert ckpt.status_vector()[-1] == 1 and not writer.channel_lost_anywhere()
     finally:
         ckpt.close()
