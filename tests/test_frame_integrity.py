@@ -9,6 +9,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
@@ -130,3 +132,21 @@ def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_i
     finally:
         a.close()
         b.close()
+
+
+@given(st.binary(min_size=1, max_size=257), st.data())
+@settings(max_examples=60, deadline=None)
+def test_chunk_sums_change_with_any_one_changed_byte(chunk, data):
+    """The in-graph exchange's check (``transport.chunk_sums``): any one byte
+    changed, at any position of a chunk of any length, changes the sums."""
+    import jax.numpy as jnp
+
+    from capricorn_jax._src.memory.transport import chunk_sums
+
+    at = data.draw(st.integers(0, len(chunk) - 1))
+    delta = data.draw(st.integers(1, 255))
+    changed = bytearray(chunk)
+    changed[at] ^= delta
+    before = np.asarray(chunk_sums(jnp.frombuffer(chunk, jnp.uint8)))
+    after = np.asarray(chunk_sums(jnp.frombuffer(bytes(changed), jnp.uint8)))
+    assert (before != after).any()
