@@ -11,6 +11,9 @@ profile (``models/emulation/profiles/NAME.json``) or a profile file.
 
 from __future__ import annotations
 
+import dataclasses
+
+from models import routing_bias
 from models.emulation.profile import DEFAULT_PROFILE, load
 
 ACCELERATORS = ("none", "emulated")
@@ -38,3 +41,36 @@ def emulation(accelerator: str, profile: str, cfg):
 def profile_name(accelerator: str, profile: str) -> str | None:
     """The profile's name for records (None without emulation)."""
     return load(profile or DEFAULT_PROFILE).name if accelerator == "emulated" else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AcceleratorConfig:
+    """--accelerator / --accelerator_profile (train, bench, chaos).
+
+    ``none`` (the default) computes on the devices for real. ``emulated`` runs
+    each layer's heavy compute as a wait of the profile's duration
+    (``launch.accelerator``, ``models.emulation``); ``profile`` names a shipped
+    profile or a profile file (checked here, before any process starts).
+    """
+
+    accelerator: str = "none"
+    profile: str = ""
+
+    def __post_init__(self) -> None:
+        from launch.cli_flags import FlagError  # (cli_flags imports this module)
+
+        try:
+            check(self.accelerator, self.profile)
+        except ValueError as err:
+            raise FlagError(str(err)) from None
+
+
+def resolve_routing_bias(value: str, accelerator: str, workload: str) -> str:
+    """``--routing_bias`` resolved against ``--accelerator`` and ``--workload``
+    (``models.routing_bias.resolve``); raises FlagError naming the bad value."""
+    from launch.cli_flags import FlagError  # (cli_flags imports this module)
+
+    try:
+        return routing_bias.resolve(value, accelerator=accelerator, workload=workload)
+    except ValueError as err:
+        raise FlagError(str(err)) from None

@@ -14,7 +14,7 @@ stays the same (launch.bench wipes its own ``--store_root`` and defaults
 ``--dispatch=bucketed`` and ``--pec_k=2``, with which its published results
 were measured); ``--help`` shows the command's default.
 Each command's ``main`` reads the parsed flags once into frozen dataclasses
-(``launch.config`` for train, ``launch.bench_config``, ``launch.chaos_config``);
+(``launch.train.config`` for train, ``launch.bench.config``, ``launch.chaos.config``);
 nothing past ``main`` reads the namespace (tests/test_launch_flags.py checks it).
 Design choice: flag specs as data registered by group, definitions applied
 on request. Alternatives not taken: absl definitions at import (broke CI

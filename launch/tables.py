@@ -193,7 +193,7 @@ def long_run_table(docs: list[dict]) -> str:
     numbers of DESIGN.md's long-run accounting (steady ratio, long-run
     ratio, warm-up seconds), the versions taken, and the bytes per step that
     met a collective (window records, the scheduled strategies)."""
-    from launch.records import late_bytes_per_step
+    from launch.bench.records import late_bytes_per_step
 
     if not docs:
         raise ValueError("long_run_table needs at least one bench JSON")
@@ -260,7 +260,7 @@ def windows_table(doc: dict) -> str:
     window its steps, planned and observed idle time, bytes per step planned,
     sent inside it and late, and the share of its steps with late bytes; then
     each collective's median time."""
-    from launch.records import collective_times, window_collisions
+    from launch.bench.records import collective_times, window_collisions
 
     lines = [f"From `{doc['command']}` ({doc['date']}, {doc['machine']}); host 0's windows.", ""]
     for name, r in doc["strategies"].items():
@@ -292,8 +292,8 @@ def windows_table(doc: dict) -> str:
 
 def shifts_table(doc: dict) -> str:
     """Per strategy and MoE layer span, how far a domain shift moved it next
-    to its step-to-step noise (``launch.records.shift_effect``)."""
-    from launch.records import schedule_at_shifts, shift_effect
+    to its step-to-step noise (``launch.bench.records.shift_effect``)."""
+    from launch.bench.records import schedule_at_shifts, shift_effect
 
     every = doc["config"].get("shift_every")
     lines = [f"From `{doc['command']}` ({doc['date']}); shift every {every} steps; "

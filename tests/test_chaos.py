@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from launch.chaos import draw_trial, parse_topology
+from launch.chaos.command import draw_trial, parse_topology
 from launch.cluster.netns import stale_namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env, netns_usable
 

@@ -3,8 +3,8 @@
 import pytest
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos import Trial, check_trial, draw_trial, fault_classes, parse_topology
-from launch.fault_plan import PERSIST_FAULTS, Fault, FaultConfig
+from launch.chaos.command import Trial, check_trial, draw_trial, fault_classes, parse_topology
+from launch.train.fault_plan import PERSIST_FAULTS, Fault, FaultConfig
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
 STRATEGIES = ["inmem", "gemini", "capricorn", "pec"]

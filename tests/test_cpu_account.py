@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launch.bench_report import cpu_per_step
+from launch.bench.report import cpu_per_step
 from launch.cluster import cpu_account
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

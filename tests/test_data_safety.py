@@ -14,8 +14,8 @@ import types
 import pytest
 
 from launch.cluster.console import Console
-from launch.cluster.supervisor import prepare_workdir
-from launch.config import CheckpointConfig
+from launch.train.config import CheckpointConfig
+from launch.train.supervisor import prepare_workdir
 from models.config import get_config
 from tests.helpers import assert_no_orphans, run_train
 
@@ -104,8 +104,8 @@ def test_console_shows_the_job_and_hides_library_chatter():
     console = Console(write=out.append)
     _feed(console, [
         (0, ABSL.format("distributed.py", 149, "Starting JAX distributed service")),
-        (0, ABSL.format("train.py", 111, "host 0/2: 2 local devices")),
-        (1, ABSL.format("train.py", 111, "host 1/2: 2 local devices")),
+        (0, ABSL.format("command.py", 111, "host 0/2: 2 local devices")),
+        (1, ABSL.format("command.py", 111, "host 1/2: 2 local devices")),
         (0, "[Gloo] Rank 0 is connected to 1 peer ranks."),
         (1, "3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"),
         (1, " peer ranks. Expected number of connected peer ranks is : 3"),  # split by threads
@@ -115,8 +115,8 @@ def test_console_shows_the_job_and_hides_library_chatter():
         (0, "ed t"),
         (1, "/x/jax/_src/foo.py:12: UserWarning: something"),
         (1, "  warnings.warn("),
-        (0, ABSL.format("train.py", 187, "step 10/60 loss 5.1")),
-        (1, ABSL.format("train.py", 187, "step 10/60 loss 5.1")),
+        (0, ABSL.format("command.py", 187, "step 10/60 loss 5.1")),
+        (1, ABSL.format("command.py", 187, "step 10/60 loss 5.1")),
         (0, "W1201 03:25:43.470851 1 checkpoint_manager_orbax.py:9] orbax says"),
         (1, "W1201 03:25:43.470851 1 recovery.py:207] host 1: version 8 fails its checksums"),
         (0, "E1201 03:25:43.470851 1 gloo.cc:9] an error"),
@@ -146,7 +146,7 @@ def test_console_after_an_injected_kill_says_one_line_per_survivor():
     console = Console(write=out.append)
     console.injected_kill((1,))
     _feed(console, [
-        (0, ABSL.format("train.py", 187, "step 30/60 loss 4.2")), (0, "[Gloo] connection closed"),
+        (0, ABSL.format("command.py", 187, "step 30/60 loss 4.2")), (0, "[Gloo] connection closed"),
         (0, "E1201 03:25:43.470851 1 gloo.cc:9] peer gone"), (1, "exited with code -9"),
         *[(0, line) for line in TRACEBACK]])
     console.ended(1)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from launch.cli_flags import FlagError
-from launch.fault_plan import Fault, FaultConfig, parse_fault_plan
+from launch.train.fault_plan import Fault, FaultConfig, parse_fault_plan
 
 BASE = dict(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",
             kill_point="after_step", corrupt_store=False, stall_host=-1, stall_at_step=-1,
@@ -79,7 +79,7 @@ def test_hosts_lost_together_die_when_the_first_reaches_its_point(tmp_path):
     """A fault of several hosts strikes them all at once when one of them
     reached its point (the soak found a victim that never reaches it: its
     busy replica writer dropped the version's replicas, and the job hung)."""
-    from launch.cluster.faults import FaultInjector, pause_marker
+    from launch.train.faults import FaultInjector, pause_marker
 
     class Cluster:
         killed: list[int] = []
@@ -101,7 +101,7 @@ def test_hosts_lost_together_die_when_the_first_reaches_its_point(tmp_path):
 
 
 def test_a_persist_fault_is_the_plans_last_and_only_its_victim_gets_the_hook():
-    from launch.cluster.faults import persistent_write_fault
+    from launch.train.faults import persistent_write_fault
 
     plan = '[{"hosts": [0], "step": 1}, {"hosts": [1], "step": 3, "point": "persist_error"}]'
     assert FaultConfig(**{**BASE, "fault_plan": plan}).plan(12)[1].point == "persist_error"

@@ -15,17 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _launch_modules() -> list[str]:
-    names = []
-    for package, path in (("launch", ROOT / "launch"),
-                          ("launch.experiments", ROOT / "launch" / "experiments")):
-        names += [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(path)])
-                  if m.name != "experiments"]
-    return sorted(names)
+    """Every module of launch/, its command packages' and sub-packages' included
+    (not their ``__main__``, which runs the command)."""
+    return sorted(m.name for m in pkgutil.walk_packages([str(ROOT / "launch")], "launch.")
+                  if not m.name.endswith("__main__"))
 
 
 def test_every_launch_module_imports_beside_every_other():
     modules = _launch_modules()
-    assert "launch.train" in modules and "launch.experiments.emulated_sweep" in modules
+    assert {"launch.train", "launch.train.config", "launch.bench.runner", "launch.chaos.config",
+            "launch.experiments.emulated_sweep", "launch.cluster.netns"} <= set(modules)
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     # Both orders: a clash is reported by whichever module defines second.
     for order in (modules, modules[::-1]):

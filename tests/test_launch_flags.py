@@ -15,16 +15,13 @@ import pytest
 from absl import flags
 
 from capricorn_jax import stores
-from launch import (
-    bench,
-    bench_config,
-    chaos,
-    chaos_config,
-    cli_flags,
-    config,
-    link_probe,
-    train,
-)
+from launch import accelerator, cli_flags, link_probe
+from launch.bench import command as bench
+from launch.bench import config as bench_config
+from launch.chaos import command as chaos
+from launch.chaos import config as chaos_config
+from launch.train import command as train
+from launch.train import config
 from tests.helpers import ROOT
 
 COMMANDS = {"train": train, "bench": bench, "chaos": chaos, "stores": stores,
@@ -48,12 +45,12 @@ def test_every_command_defines_and_parses_its_flags(name, tmp_path):
 def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
     fv = train.define_flags(flags.FlagValues())
     fv(["train", f"--workdir={tmp_path}"])
-    want = config.AcceleratorConfig(accelerator="none", profile="")
+    want = accelerator.AcceleratorConfig(accelerator="none", profile="")
     assert config.from_flags(fv).accelerator == want
     fv = train.define_flags(flags.FlagValues())
     fv(["train", f"--workdir={tmp_path}", "--accelerator=emulated",
         "--accelerator_profile=h200_gpt_moe_125m_8e"])
-    want = config.AcceleratorConfig(accelerator="emulated", profile="h200_gpt_moe_125m_8e")
+    want = accelerator.AcceleratorConfig(accelerator="emulated", profile="h200_gpt_moe_125m_8e")
     assert config.from_flags(fv).accelerator == want
     fv = train.define_flags(flags.FlagValues())
     fv(["train", f"--workdir={tmp_path}", "--accelerator=emulated", "--accelerator_profile=h100"])
@@ -197,7 +194,8 @@ import importlib, json, pkgutil
 from absl import app, flags, logging  # absl's own flags (logging, app) come with it
 import launch
 before = sorted(flags.FLAGS)
-names = sorted(m.name for m in pkgutil.walk_packages(launch.__path__, "launch."))
+names = sorted(m.name for m in pkgutil.walk_packages(launch.__path__, "launch.")
+               if not m.name.endswith("__main__"))  # a command's __main__ runs it
 for name in names:
     importlib.import_module(name)
 added = set(flags.FLAGS) - set(before)  # libraries' own flags (orbax) aside:
@@ -212,8 +210,8 @@ def test_importing_every_launch_module_together_defines_no_flag():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
-    assert {"launch.train", "launch.bench", "launch.chaos", "launch.cli_flags"} <= set(
-        out["modules"])
+    assert {"launch.train.command", "launch.bench.command", "launch.chaos.command",
+            "launch.cli_flags"} <= set(out["modules"])
     assert out["added"] == []
 
 
@@ -263,8 +261,8 @@ def flag_reads_outside_main(source: str) -> list[str]:
 
 
 def test_only_a_commands_main_reads_the_flags():
-    """Everything past a command's main gets frozen config objects (launch.config,
-    launch.bench_config, launch.chaos_config), never the flag namespace."""
+    """Everything past a command's main gets frozen config objects (launch.train.config,
+    launch.bench.config, launch.chaos.config), never the flag namespace."""
     found = {}
     for folder in ("launch", "models", "capricorn_jax"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -303,7 +301,8 @@ if __name__ == "__main__":
 
 def test_the_persistent_timeout_must_stay_below_the_agreement_bound(tmp_path):
     from capricorn_jax._src.multihost import agree
-    from launch import config, train
+    from launch.train import command as train
+    from launch.train import config
 
     assert config.AGREEMENT_TIMEOUT_S == agree.DEFAULT_TIMEOUT_S
     fv = train.define_flags(flags.FlagValues())

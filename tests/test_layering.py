@@ -18,7 +18,10 @@ The rules:
 * no import circle between modules of the library;
 * the concept folders of ``capricorn_jax._src`` lie on the floors of
   ``FLOORS``, and a module imports only from its own folder or from a lower
-  floor (never upward, never sideways into another folder of its floor).
+  floor (never upward, never sideways into another folder of its floor);
+* the launchers' shared modules (``LAUNCH_SHARED``: the cluster harness,
+  the flags, the trainer, ...) import no command package (``COMMANDS``):
+  a command builds on them, never the other way.
 
 Design choice: the checker is a pure function of a source tree (``check``),
 so the self-check runs it over a synthetic tree with a planted upward import
@@ -42,6 +45,12 @@ LIB = "capricorn_jax"
 SRC = f"{LIB}._src"
 FACES = (LIB, f"{LIB}.experimental", f"{LIB}.stores")
 TOOLS = ("launch", "models")
+COMMANDS = ("launch.train", "launch.bench", "launch.chaos")
+"""The launchers' command packages (each with its own helpers)."""
+LAUNCH_SHARED = ("launch.cluster", "launch.cli_flags", "launch.trainer", "launch.data",
+                 "launch.strategies", "launch.baselines", "launch.runtime", "launch.accelerator",
+                 "launch.metrics", "launch.tiers")
+"""What the commands share."""
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("strategies",),
@@ -168,10 +177,14 @@ def check(root: Path) -> dict[str, list[str]]:
     known, imports = graph(root)
     found: dict[str, list[str]] = {
         "tools_private": [], "lib_imports_tools": [], "src_imports_face": [],
-        "unknown_folder": [], "upward": [], "sideways": [], "circles": []}
+        "unknown_folder": [], "upward": [], "sideways": [], "circles": [],
+        "shared_imports_command": []}
     edges: dict[str, set[str]] = {}
     for i in imports:
         where = f"{i.importer}:{i.line} imports {i.imported}"
+        if (any(_in(i.importer, m) for m in LAUNCH_SHARED)
+                and any(_in(i.imported, c) for c in COMMANDS)):
+            found["shared_imports_command"].append(where)
         if any(_in(i.importer, t) for t in TOOLS):
             if _in(i.imported, LIB) and i.imported not in FACES:
                 found["tools_private"].append(where)
@@ -226,7 +239,7 @@ def _synthetic(root: Path) -> None:
     _write(root, "capricorn_jax/_src/memory/store.py", "import os\n")
     _write(root, "capricorn_jax/_src/strategies/base.py",
            "from capricorn_jax._src.memory import store\n")
-    _write(root, "launch/train.py",
+    _write(root, "launch/train/__init__.py",
            "import capricorn_jax\nfrom capricorn_jax import experimental\n")
 
 
@@ -257,6 +270,7 @@ def test_checker_reports_type_checking_circles_sideways_and_faces(tmp_path):
     _write(tmp_path, "launch/admin.py", "from capricorn_jax._src.memory.store import HostStore\n"
            "import models\n")
     _write(tmp_path, "capricorn_jax/_src/partial/x.py", "import launch.train\n")
+    _write(tmp_path, "launch/cluster/processes.py", "from launch.train import config\n")
     found = check(tmp_path)
     assert found["circles"] == [
         "capricorn_jax._src.memory.store <-> capricorn_jax._src.memory.tier"]
@@ -269,6 +283,8 @@ def test_checker_reports_type_checking_circles_sideways_and_faces(tmp_path):
     assert found["lib_imports_tools"] == [
         "capricorn_jax._src.partial.x:1 imports launch.train"]
     assert found["upward"] == []
+    assert found["shared_imports_command"] == [
+        "launch.cluster.processes:1 imports launch.train"]
 
 
 if __name__ == "__main__":

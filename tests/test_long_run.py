@@ -8,15 +8,15 @@ import pytest
 from capricorn_jax._src.profiling.layer_profile import Recorder
 from capricorn_jax._src.profiling.probe import CollectiveProbe, StepCollectives
 from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
-from launch.bench_report import warmup_seconds
-from launch.bench_runner import step_record
-from launch.records import (
+from launch.bench.records import (
     collective_times,
     late_bytes_per_step,
     schedule_at_shifts,
     shift_effect,
     window_collisions,
 )
+from launch.bench.report import warmup_seconds
+from launch.bench.runner import step_record
 
 A, B, C = ("block1", "fwd"), ("block1", "fwd@a2a"), ("block2", "fwd")
 

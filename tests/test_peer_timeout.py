@@ -15,7 +15,7 @@ import pytest
 
 from launch.cli_flags import FlagError
 from launch.cluster.console import Console
-from launch.config import ClusterConfig
+from launch.train.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

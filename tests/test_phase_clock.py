@@ -1,10 +1,10 @@
 """The training thread's blocked time by phase (``memory.phase_clock``) and
-the bench's per-step means of it (``launch.step_stats.blocked``)."""
+the bench's per-step means of it (``launch.bench.step_stats.blocked``)."""
 
 import pytest
 
 from capricorn_jax._src.memory import phase_clock
-from launch import step_stats
+from launch.bench import step_stats
 
 
 class _FakeTime:

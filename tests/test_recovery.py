@@ -425,8 +425,8 @@ def test_store_audit_catches_a_read_of_another_hosts_store(tmp_path):
     code = (
         "import os, sys\n"
         "from absl import flags\n"
-        "from launch import config, train\n"
-        "from launch.cluster import faults\n"
+        "from launch.train import command as train, config\n"
+        "from launch.train import faults\n"
         "train.define_flags()\n"
         f"flags.FLAGS(['x', '--workdir={tmp_path}/w', '--store_root={tmp_path}/s'])\n"
         "ckpt = config.from_flags(flags.FLAGS).checkpoint\n"

@@ -8,10 +8,15 @@ import numpy as np
 import pytest
 from absl import flags
 
-from launch import bench, bench_config, chaos, chaos_config, config, train
+from launch.bench import command as bench
+from launch.bench import config as bench_config
+from launch.chaos import command as chaos
+from launch.chaos import config as chaos_config
 from launch.cli_flags import FlagError
 from launch.data import Corpus, DataIterator, DataOptions
 from launch.experiments.routing_bias import loads
+from launch.train import command as train
+from launch.train import config
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import routing_bias as rb
 from models.config import get_config

@@ -68,7 +68,7 @@ def test_the_traffic_class_is_recorded_and_described():
         "0.5 Gbit/s each way per host"
     assert priority.record()["traffic_class"] == "priority"
     assert priority.describe().endswith(", checkpoint bytes in a low-priority class")
-    from launch.persistence import chunk_tos
+    from launch.tiers import chunk_tos
 
     assert chunk_tos("fifo") == 0 and chunk_tos("priority") == 0x08
 

@@ -19,7 +19,7 @@ from capricorn_jax._src.memory.store import (
     StoreIsolationError,
     VersionGone,
 )
-from launch.cluster.faults import corrupt_newest_own_chunk
+from launch.train.faults import corrupt_newest_own_chunk
 
 
 def _chunks(seed: int, sizes: list[int]) -> dict[str, bytes]:

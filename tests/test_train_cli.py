@@ -72,7 +72,8 @@ def test_bad_flags_give_one_line_error(tmp_path, flags, flag_name):
 _CHECK_FLAGS = """
 import json, sys
 from absl import flags
-from launch import config, train
+from launch.train import command as train
+from launch.train import config
 train.define_flags()
 out = []
 for argv in json.loads(sys.argv[1]):
@@ -171,7 +172,7 @@ def test_supervisor_killed_takes_hosts_with_it(tmp_path):
 def test_checkpoint_config_chunk_cap_and_checks():
     """The config dataclasses check themselves without absl: --chunk_cap_bytes
     defaults to --chunk_bytes, and a check spanning two parts names its flag."""
-    from launch.config import CheckpointConfig, FlagError
+    from launch.train.config import CheckpointConfig, FlagError
     from models.config import get_config
 
     base = dict(strategy="capricorn", replicas=2, chunk_bytes=4 << 20, chunk_cap_bytes=0,
@@ -204,7 +205,7 @@ def test_different_work_names_each_step_where_strategies_disagree():
 
 
 def test_the_console_reports_a_repartition_only_when_the_schedule_moved(monkeypatch):
-    from launch import train
+    from launch.train import command as train
 
     said = []
     monkeypatch.setattr(train.logging, "info", lambda fmt, *args: said.append(fmt % args))
@@ -219,8 +220,8 @@ def test_the_console_reports_a_repartition_only_when_the_schedule_moved(monkeypa
 
 
 def test_one_job_per_workdir_and_a_symlinked_workdir_is_the_same_job(tmp_path):
-    from launch.cluster.supervisor import WorkdirInUse, workdir_lock
-    from launch.config import job_name
+    from launch.train.config import job_name
+    from launch.train.supervisor import WorkdirInUse, workdir_lock
 
     real = tmp_path / "real"
     real.mkdir()
@@ -228,7 +229,7 @@ def test_one_job_per_workdir_and_a_symlinked_workdir_is_the_same_job(tmp_path):
     assert job_name(str(tmp_path / "link")) == job_name(str(real))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[2]); "
-         "from launch.cluster.supervisor import workdir_lock\n"
+         "from launch.train.supervisor import workdir_lock\n"
          "with workdir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
          str(real), str(ROOT)],
         stdout=subprocess.PIPE, text=True)

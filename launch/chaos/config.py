@@ -3,7 +3,7 @@
 ``ChaosConfig.from_flags`` reads the flags (defined by ``launch.cli_flags`` and
 ``launch.chaos.define_flags``) once, in ``launch.chaos``'s ``main``; the
 trials receive the object, never the flag namespace (as launch.train with
-``launch.config`` and launch.bench with ``launch.bench_config``).
+``launch.train.config`` and launch.bench with ``launch.bench.config``).
 ``Topology`` (``HxD`` / ``HxDrM``) is the shape a trial draws.
 
 The checks raise, in the order the command always ran them: a topology that
@@ -20,10 +20,10 @@ import dataclasses
 
 from absl import flags
 
+from launch.accelerator import AcceleratorConfig, resolve_routing_bias
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
-from launch.config import AcceleratorConfig, resolve_routing_bias
-from launch.fault_plan import (
+from launch.train.fault_plan import (
     CORRUPT_FRAME,
     DISK_FULL_FINALIZE,
     PARTITION,

@@ -4,7 +4,7 @@
 a ``Config`` of five parts: the cluster (``ClusterConfig``), the training job
 (``TrainConfig``), layer profiling (``ProfileConfig``), the checkpoint tiers
 (``CheckpointConfig``), fault injection (``FaultConfig``, in
-``launch.fault_plan``) and the accelerator (``AcceleratorConfig``). Everything past
+``launch.train.fault_plan``) and the accelerator (``AcceleratorConfig``). Everything past
 ``main`` receives these objects, never the flag namespace.
 
 Each part checks its own values at construction (``__post_init__``) and
@@ -35,13 +35,12 @@ from absl import flags
 
 from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
-from launch import accelerator as accelerator_lib
 from launch import runtime
+from launch.accelerator import AcceleratorConfig, resolve_routing_bias
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions
-from launch.fault_plan import FaultConfig
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
-from models import routing_bias
+from launch.train.fault_plan import FaultConfig
 from models.config import CONFIGS, ModelConfig, get_config
 
 AGREEMENT_TIMEOUT_S = 1800.0
@@ -412,26 +411,6 @@ class CheckpointConfig:
         return self.job_root / f"host{host}"
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AcceleratorConfig:
-    """--accelerator / --accelerator_profile (train, bench, chaos).
-
-    ``none`` (the default) computes on the devices for real. ``emulated`` runs
-    each layer's heavy compute as a wait of the profile's duration
-    (``launch.accelerator``, ``models.emulation``); ``profile`` names a shipped
-    profile or a profile file (checked here, before any process starts).
-    """
-
-    accelerator: str = "none"
-    profile: str = ""
-
-    def __post_init__(self) -> None:
-        try:
-            accelerator_lib.check(self.accelerator, self.profile)
-        except ValueError as err:
-            raise FlagError(str(err)) from None
-
-
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Everything launch.train reads from its flags."""
@@ -442,15 +421,6 @@ class Config:
     checkpoint: CheckpointConfig
     faults: FaultConfig
     accelerator: AcceleratorConfig = AcceleratorConfig()
-
-
-def resolve_routing_bias(value: str, accelerator: str, workload: str) -> str:
-    """``--routing_bias`` resolved against ``--accelerator`` and ``--workload``
-    (``models.routing_bias.resolve``); raises FlagError naming the bad value."""
-    try:
-        return routing_bias.resolve(value, accelerator=accelerator, workload=workload)
-    except ValueError as err:
-        raise FlagError(str(err)) from None
 
 
 def from_flags(fv: flags.FlagValues) -> Config:

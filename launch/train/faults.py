@@ -39,8 +39,8 @@ from absl import logging
 from capricorn_jax.experimental import HostStore
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import ShapedNetwork
-from launch.config import CheckpointConfig
-from launch.fault_plan import (
+from launch.train.config import CheckpointConfig
+from launch.train.fault_plan import (
     NETWORK_FAULTS,
     PARTITION,
     PAUSE,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launch.persistence import host_tiers
+from launch.tiers import host_tiers
 
 if TYPE_CHECKING:
     from capricorn_jax import RestoreInfo

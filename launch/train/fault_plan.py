@@ -4,8 +4,8 @@
 --kill_* flags, a stalled replica writer) and checks them against the job
 (hosts, steps, strategy, replicas, persistent interval); ``Fault`` is one
 fault of a plan, ``parse_fault_plan`` reads --fault_plan. launch.train's
-supervisor (``launch.cluster.faults``) and launch.chaos's trials both read plans as
-these values. Split from ``launch.config`` (which builds a ``FaultConfig``
+supervisor (``launch.train.faults``) and launch.chaos's trials both read plans as
+these values. Split from ``launch.train.config`` (which builds a ``FaultConfig``
 in ``from_flags``) because the plan is a concept of its own that chaos uses
 without a training configuration. Alternative not taken: the fault fields
 inside the checkpoint options, which a user would then see.

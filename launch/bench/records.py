@@ -5,7 +5,7 @@ Pure functions of one strategy's row of the bench JSON (DESIGN.md contracts,
 "Long-run accounting": per timed step ``windows``, ``collectives`` and
 ``expert_spans``, with ``record_steps`` the steps they belong to), for
 ``python -m launch.tables windows|shifts JSON``. Alternative not taken: the
-analysis inside ``launch.bench_report``, which summarizes a run; these read
+analysis inside ``launch.bench.report``, which summarizes a run; these read
 a saved one, and a reader asks them about a run long after it ran.
 """
 

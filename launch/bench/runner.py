@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from launch import step_stats
+from launch.bench import step_stats
 from launch.cluster import cpu_account
 
 
@@ -54,7 +54,7 @@ class Runner:
         self.cpu: dict[str, list[float]] = {}
         self.steady_cpu: dict[str, list[float]] = {}
         # strategy -> per timed step, seconds the training thread spent in the
-        # step call and in the strategy's save (launch.step_stats.blocked);
+        # step call and in the strategy's save (launch.bench.step_stats.blocked);
         # and the emulated windows' check records (step_stats.emulation_errors).
         self.blocked: dict[str, list[dict[str, float]]] = {}
         self.emulation: dict[str, list[dict]] = {}

@@ -3,7 +3,7 @@
 ``BenchConfig.from_flags`` reads the flags (defined by ``launch.cli_flags``
 and ``launch.bench.define_flags``) once, in ``launch.bench``'s ``main``; the
 workers, the strategies' factory calls and the report receive these objects,
-never the flag namespace (as launch.train with ``launch.config``):
+never the flag namespace (as launch.train with ``launch.train.config``):
 
 * ``BenchSetup``: the job every strategy runs in (the cluster, its links, the
   model, the data, the accelerator), the same for every row;
@@ -14,7 +14,7 @@ never the flag namespace (as launch.train with ``launch.config``):
 The checks raise ``FlagError`` naming the bad flag, in the order the command
 printed them before (``--strategies``, ``--pec_k``, the accelerator and the
 links, links on a GPU); ``main`` prints ``bench: error: <message>`` and
-exits 2. Design choice: the bench's own pair rather than ``launch.config``'s
+exits 2. Design choice: the bench's own pair rather than ``launch.train.config``'s
 ``Config``: train's parts check flags the bench does not take (faults,
 ``--ckpt``), and the bench's rows carry several strategies.
 """
@@ -26,10 +26,10 @@ from typing import Any
 
 from absl import flags
 
-from launch.bench_report import VARIANTS
+from launch.accelerator import AcceleratorConfig, resolve_routing_bias
+from launch.bench.report import VARIANTS
 from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions, link_from_flags
-from launch.config import AcceleratorConfig, resolve_routing_bias
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES
 
 
@@ -54,7 +54,7 @@ class BenchSetup:
     workload: str
     shift_every: int
     accelerator: AcceleratorConfig
-    routing_bias: str = "none"  # --routing_bias, resolved (launch.config.resolve_routing_bias)
+    routing_bias: str = "none"  # --routing_bias, resolved (launch.accelerator.resolve_routing_bias)
 
     def overrides(self) -> dict[str, Any]:
         """The model config's overrides (``--dispatch``, ``--global_batch``, the routing bias)."""

@@ -58,17 +58,18 @@ from absl import app, flags, logging
 
 from capricorn_jax import DetectorOptions
 from capricorn_jax.experimental import xla_flags
-from launch import runtime, step_stats
-from launch.bench_config import BenchConfig, BenchSetup
-from launch.bench_recovery import baseline_recovery, recovery_times
-from launch.bench_report import VARIANTS, markdown, plot, summarize
-from launch.bench_runner import Runner
+from launch import runtime
+from launch.bench import step_stats
+from launch.bench.config import BenchConfig, BenchSetup
+from launch.bench.recovery import baseline_recovery, recovery_times
+from launch.bench.report import VARIANTS, markdown, plot, summarize
+from launch.bench.runner import Runner
 from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import links_for
-from launch.persistence import chunk_tos, memory_tier
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
+from launch.tiers import chunk_tos, memory_tier
 
 FLAGS = flags.FLAGS
 
@@ -425,7 +426,8 @@ def run(config: BenchConfig) -> None:
              f"{setup.model}, {setup.hosts}x{setup.devices_per_host} CPU, {setup.workload}")
 
 
-if __name__ == "__main__":
+def _run() -> None:
+    """The command (``python -m launch.bench``, its ``__main__``)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     define_flags()
     app.run(main)

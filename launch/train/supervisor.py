@@ -3,7 +3,7 @@
 With ``--hosts=H`` on CPU the process a user starts is the supervisor: it
 starts H workers (this same command line plus ``--process_id`` and the
 coordinator's address, ``launch.cluster.processes``), restarts all of them after each
-injected kill (``launch.cluster.faults``), shows the job's console
+injected kill (``launch.train.faults``), shows the job's console
 (``launch.cluster.console``) and prints a summary at the end.
 
 Nothing is deleted behind the user's back: a WORKDIR that holds checkpoints
@@ -33,10 +33,10 @@ from pathlib import Path
 
 from launch.cluster import processes as cluster_lib
 from launch.cluster.console import Console
-from launch.cluster.faults import FaultInjector
 from launch.cluster.netns import ShapedNetwork, links_for
-from launch.config import CheckpointConfig, Config
 from launch.metrics import read_metrics, summarize
+from launch.train.config import CheckpointConfig, Config
+from launch.train.faults import FaultInjector
 
 LOCK_NAME = ".capricorn.lock"
 """The workdir's lock file (``workdir_lock``)."""

@@ -25,11 +25,11 @@ from absl import app, flags, logging
 
 import capricorn_jax
 from capricorn_jax.experimental import xla_flags
-from launch import cli_flags, persistence, runtime
-from launch.cluster import faults
-from launch.cluster.supervisor import WorkdirInUse, prepare_workdir, supervise
-from launch.config import Config, FlagError, from_flags
+from launch import cli_flags, runtime
 from launch.metrics import MetricsWriter
+from launch.train import faults, persistence
+from launch.train.config import Config, FlagError, from_flags
+from launch.train.supervisor import WorkdirInUse, prepare_workdir, supervise
 
 FLAGS = flags.FLAGS
 
@@ -304,7 +304,8 @@ def main(argv: list[str]) -> None:
             sys.exit(2)
 
 
-if __name__ == "__main__":
+def _run() -> None:
+    """The command (``python -m launch.train``, its ``__main__``)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     define_flags()
     app.run(main)

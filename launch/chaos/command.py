@@ -53,7 +53,7 @@ from typing import Any
 from absl import app, flags
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos_config import (  # noqa: F401 (re-exported)
+from launch.chaos.config import (  # noqa: F401 (re-exported)
     CAPRICORN_CLASSES,
     FAULT_CLASSES,
     NETWORK_CLASSES,
@@ -62,7 +62,7 @@ from launch.chaos_config import (  # noqa: F401 (re-exported)
     parse_topology,
 )
 from launch.cli_flags import FlagError
-from launch.fault_plan import (
+from launch.train.fault_plan import (
     CORRUPT_FRAME,
     DISK_FULL_FINALIZE,
     NETWORK_FAULTS,
@@ -667,6 +667,7 @@ def _write_json(path: str, results: list[dict], seed: int, steps: int, model: st
          "steps": steps, "model": model}, indent=1))
 
 
-if __name__ == "__main__":
+def _run() -> None:
+    """The command (``python -m launch.chaos``, its ``__main__``)."""
     define_flags()
     app.run(lambda argv: sys.exit(main(argv)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 
-from launch import step_stats
+from launch.bench import step_stats
 from launch.cluster import cpu_account
 from launch.metrics import different_work
 from launch.strategies import IN_MEMORY

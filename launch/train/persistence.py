@@ -24,27 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from absl import logging
 
-from launch.cluster import faults as faults_lib
-from launch.config import CheckpointConfig, Config
 from launch.metrics import MetricsWriter
 from launch.strategies import SCHEDULED
+from launch.tiers import chunk_tos, host_tiers, memory_tier
+from launch.train import faults as faults_lib
+from launch.train.config import CheckpointConfig, Config
 
 if TYPE_CHECKING:
     from capricorn_jax import RestoreInfo
 
 # The tiers a recovery may reach for, nearest first.
 TIER_ORDER = ("local", "peer", "persistent")
-
-
-LOW_PRIORITY_TOS = 0x08
-"""IP TOS "maximize throughput": Linux's pfifo_fast puts it in its last band,
-behind the default class the collectives send in."""
-
-
-def chunk_tos(traffic_class: str) -> int:
-    """The chunk channel's IP TOS byte (``InMemoryOptions.chunk_tos``) for
-    ``--traffic_class``."""
-    return LOW_PRIORITY_TOS if traffic_class == "priority" else 0
 
 
 def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
@@ -93,18 +83,6 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         chunk_tos=chunk_tos(config.cluster.link.traffic_class),
     )
     return memory_tier(options, trainer, mesh, host, hosts, hooks)
-
-
-def memory_tier(options: Any, trainer: Any, mesh: Any, host: int, hosts: int,
-                hooks: Any = None) -> Any:
-    """The one builder of a launcher's ``InMemoryCheckpointer`` (train's and
-    the bench's): ``options`` over ``trainer``'s state, model and batch."""
-    import capricorn_jax
-
-    cfg = trainer.cfg
-    return capricorn_jax.InMemoryCheckpointer(
-        options, mesh, trainer.abstract_state, trainer.state_shardings, host, hosts,
-        model=cfg, tokens_per_step=cfg.global_batch * cfg.seq_len, hooks=hooks)
 
 
 class PersistentTier:
@@ -192,13 +170,6 @@ def resume(strategy: Any, persistent: PersistentTier | None, metrics: MetricsWri
     state, info = recovered
     log_recovery(metrics, host, info)
     return state, info.step, info.host_state
-
-
-def host_tiers(info: RestoreInfo) -> list[str]:
-    """Each host's tier of a restore: the memory tier's "local"/"peer", else "persistent"."""
-    import jax
-
-    return info.memory_tiers or ["persistent"] * jax.process_count()
 
 
 def log_recovery(metrics: MetricsWriter, host: int, info: RestoreInfo) -> None:
