@@ -14,7 +14,10 @@ training time lost per failure with the effective training-time ratio at
     python -m launch.plan --projection               # paper-scale: presets x traces
 
 Flags are defined on a FlagValues of this module's own (``make_flags``), so
-importing it defines no global flag.
+importing it defines no global flag. The cluster, model, steps and checkpoint
+flags are ``launch.cli_flags``' (one meaning in every command; here unset
+means the preset's value); the planner's own are named for what they are
+(``--trace_seed``, not the job's ``--seed``).
 """
 
 from __future__ import annotations
@@ -33,31 +36,40 @@ from launch.planner.inputs import STRATEGIES, FailureModel
 from launch.planner.simulate import Scenario, simulate
 from models.emulation import profile as accelerator_profile
 
+SHARED_FLAGS = {"cluster": ("hosts", "devices_per_host"), "links": ("link_gbps",),
+                "model": ("model",), "data": ("steps",),
+                "checkpoint": ("replicas", "pec_k", "ckpt_budget"),
+                "accelerator": ("accelerator_profile",)}
+"""The ``launch.cli_flags`` flags the planner takes, with their meaning there
+(a simulated job's hosts, model, steps, ...)."""
+PLAN_DEFAULTS = {"hosts": None, "devices_per_host": None, "link_gbps": None, "model": None,
+                 "steps": 200, "replicas": None, "pec_k": None, "ckpt_budget": None,
+                 "accelerator_profile": ""}
+"""Unset (None, ''): the preset's value; given, it replaces the preset's."""
+
 
 def make_flags() -> flags.FlagValues:
-    fv = flags.FlagValues()
+    """The planner's flags on a FlagValues of their own."""
+    return define_flags(flags.FlagValues())
+
+
+def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
+    """Defines the planner's flags into ``fv``: the shared ones (``SHARED_FLAGS``
+    with ``PLAN_DEFAULTS``) and its own."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, SHARED_FLAGS, PLAN_DEFAULTS)
     flags.DEFINE_string("preset", "moevement_paper",
-                        f"one of {sorted(presets.PRESETS)} or 'none' (build from the flags)",
+                        f"one of {sorted(presets.PRESETS)} or 'none' (build from the flags: "
+                        f"--model, --hosts, --devices_per_host and --link_gbps)",
                         flag_values=fv)
     flags.DEFINE_list("strategies", list(STRATEGIES), "strategies to simulate", flag_values=fv)
-    flags.DEFINE_integer("steps", 200, "simulated steps", flag_values=fv)
     flags.DEFINE_string("trace", None, "steady | dynamic | PATH of a metrics.jsonl "
                         "(default: the preset's)", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "synthetic trace seed", flag_values=fv)
-    flags.DEFINE_string("model", None, "preset=none: a models.config name", flag_values=fv)
-    flags.DEFINE_string("profile", None, "an accelerator profile replacing the preset's: a "
-                        "shipped name or a JSON file (models.emulation.profile's schema, as "
-                        "--accelerator_profile)", flag_values=fv)
-    flags.DEFINE_integer("hosts", None, "hosts (preset=none, or override)", flag_values=fv)
-    flags.DEFINE_integer("devices_per_host", None, "accelerators per host", flag_values=fv)
-    flags.DEFINE_float("link_gbps", None, "link per host, Gbit/s", flag_values=fv)
+    flags.DEFINE_integer("trace_seed", 0, "seed of a synthetic trace", flag_values=fv)
     flags.DEFINE_float("host_ram_gb", None, "host RAM, GB", flag_values=fv)
     flags.DEFINE_float("state_gb_per_host", None, "override: train state per host, GB",
                        flag_values=fv)
-    flags.DEFINE_integer("replicas", None, "m: copies of each version", flag_values=fv)
-    flags.DEFINE_integer("pec_k", None, "PEC's base K", flag_values=fv)
-    flags.DEFINE_float("budget_s", None, "cost budget: skip a version while the previous "
-                       "one is on the link", flag_values=fv)
     flags.DEFINE_float("mtbf_h", 24.0, "mean time between failures, hours", flag_values=fv)
     flags.DEFINE_string("json", None, "write the results here", flag_values=fv)
     flags.DEFINE_string("plot", None, "write a plot here (matplotlib)", flag_values=fv)
@@ -99,13 +111,13 @@ def scenario_from(fv: flags.FlagValues) -> tuple[Scenario, str, tuple[str, ...]]
     if fv.state_gb_per_host is not None:
         model = dataclasses.replace(model, state_bytes_per_host=fv.state_gb_per_host * 1e9)
     profile = sc.profile
-    if fv.profile:
-        profile = accelerator_profile.load(fv.profile)
-        notes += (f"profile {profile.name} from {fv.profile}",)
+    if fv.accelerator_profile:
+        profile = accelerator_profile.load(fv.accelerator_profile)
+        notes += (f"profile {profile.name} from {fv.accelerator_profile}",)
     options = sc.options
-    for name in ("replicas", "pec_k", "budget_s"):
-        if fv[name].value is not None:
-            options = dataclasses.replace(options, **{name: fv[name].value})  # type: ignore[arg-type]
+    for flag, name in (("replicas", "replicas"), ("pec_k", "pec_k"), ("ckpt_budget", "budget_s")):
+        if fv[flag].value is not None:
+            options = dataclasses.replace(options, **{name: fv[flag].value})  # type: ignore[arg-type]
     failure = FailureModel(mtbf_h=fv.mtbf_h)
     return Scenario(cluster, profile, model, options, failure), kind, notes
 
@@ -114,7 +126,7 @@ def load_trace(fv: flags.FlagValues, sc: Scenario, kind: str) -> Any:
     trace = fv.trace or kind
     layers, experts = len(sc.profile.moe_layers), sc.model.num_experts
     if trace in traces.KINDS:
-        return traces.synthetic(trace, fv.steps, layers, experts, fv.seed)
+        return traces.synthetic(trace, fv.steps, layers, experts, fv.trace_seed)
     return traces.fit_shape(traces.from_metrics(trace), fv.steps, layers, experts)
 
 
@@ -212,7 +224,7 @@ def run(fv: flags.FlagValues) -> dict[str, Any]:
     print("inputs:\n  " + "\n  ".join(notes))
     doc = {
         "simulated": True, "preset": fv.preset, "trace": fv.trace or kind, "steps": fv.steps,
-        "seed": fv.seed, "cluster": dataclasses.asdict(sc.cluster),
+        "seed": fv.trace_seed, "cluster": dataclasses.asdict(sc.cluster),
         "model": dataclasses.asdict(sc.model), "options": dataclasses.asdict(sc.options),
         "failure": dataclasses.asdict(sc.failure), "profile": sc.profile.name,
         "inputs": list(notes), "strategies": results,

@@ -15,7 +15,7 @@ import pytest
 from absl import flags
 
 from capricorn_jax import stores
-from launch import accelerator, cli_flags, link_probe
+from launch import accelerator, cli_flags, link_probe, plan
 from launch.bench import command as bench
 from launch.bench import config as bench_config
 from launch.chaos import command as chaos
@@ -25,7 +25,7 @@ from launch.train import config
 from tests.helpers import ROOT
 
 COMMANDS = {"train": train, "bench": bench, "chaos": chaos, "stores": stores,
-            "link_probe": link_probe}
+            "link_probe": link_probe, "plan": plan}
 # A command's own flag under a shared name: chaos's --seed seeds the trial
 # draws (its DESIGN.md contract), not the job.
 OWN = {("chaos", "seed")}

@@ -2,7 +2,7 @@
 
 One schema and one class (``AcceleratorProfile``) for both readers: the
 emulated accelerator (``--accelerator=emulated --accelerator_profile=NAME|PATH``)
-and the planner (``python -m launch.plan --profile=NAME|PATH``, its presets).
+and the planner (``python -m launch.plan --accelerator_profile=NAME|PATH``, its presets).
 A profile is JSON data (``profiles/NAME.json`` when shipped), one entry per
 layer of the model it was derived for::
 
