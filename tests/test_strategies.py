@@ -462,6 +462,27 @@ def test_a_byte_corrupted_in_transit_drops_that_version_on_the_receiver_and_the_
     assert _losses(records) == reference
 
 
+def test_a_version_dropped_on_one_host_is_not_persisted_and_nobody_waits(tmp_path, cache,
+                                                                          reference):
+    """Found by the chaos soak (seed 43, trial 25: 321 s against ~40): host 1's
+    channel corrupts version 4 (inmem over the chunk channel, so that version
+    exactly), host 0 drops it, and version 4 is due on disk. The persistent
+    tier's pre-check now asks every host whether it took the version: host
+    0 did not, so no host starts Orbax's save of step 4 (before, host 1 waited
+    at Orbax's barrier for its 300 s bound while host 0 had failed alone);
+    step 8 is written and every loss is the uninterrupted run's."""
+    plan = '[{"hosts": [1], "step": 4, "point": "corrupt_frame"}]'
+    records = _train(tmp_path, cache, "--ckpt=inmem", "--chunk_path=threaded",
+                     "--persist_every=4", f"--fault_plan={plan}")
+    assert [c["step"] for c in _events(records, "checkpoint") if c.get("corrupt")] == [4]
+    (error,) = _events(records, "persist_error")
+    assert error["step"] == 4 and "host 0: took no in-memory version 4" in error["error"]
+    persisted = [p["step"] for p in _events(records, "persist")]
+    assert 4 not in persisted and 8 in persisted, persisted
+    assert not _events(records, "recovery")
+    assert _losses(records) == reference
+
+
 def test_a_byte_corrupted_in_the_in_graph_exchange_is_never_committed(tmp_path, cache,
                                                                       reference):
     """Fault class corrupt_frame on the collectives' path: inmem exchanges

@@ -348,6 +348,14 @@ class InMemoryCheckpointer(StatusRound):
         with self.clock.phase("pec_decision"):
             return self.pec.version(step, tokens_per_expert, expert_mask)
 
+    def took(self, step: int) -> bool:
+        """Whether this host took its own version ``step``: its copy is held or
+        queued for its writer. Not after ``drop`` (a peer's frame failed its
+        check), a skip, or a write that failed: a persistent step of that
+        version has nothing to read here."""
+        with self._lock:
+            return step in self._held.get(self.host, ()) or step in self._own_queued
+
     def missing_for_read(self, step: int) -> list[int]:
         """Versions older than ``step`` that a read of this host's own version
         ``step`` needs (PEC: the versions holding its experts' newest copies)

@@ -69,6 +69,10 @@ class TierReader(Protocol):
         """Older versions a read of own version ``step`` needs that will never be held."""
         ...
 
+    def took(self, step: int) -> bool:
+        """Whether this host took its own version ``step`` (held, or queued for its writer)."""
+        ...
+
     def wait_until_finished(self, timeout_s: float | None = None) -> None:
         """Blocks until the writers are idle (bounded by ``timeout_s``)."""
         ...

@@ -233,9 +233,12 @@ class CheckpointManager(ocp.CheckpointManager):
         (collective), or None.
 
         Every host checks that it can create directories in the root (each
-        writes its own files of a step) and that its own store holds the
-        older in-memory versions a read of version ``step`` needs (PEC: the
-        versions of its experts' newest copies); the answers are all-gathered,
+        writes its own files of a step), that it took version ``step`` (not
+        dropped, skipped or failed: without this, a host that dropped it
+        failed inside Orbax's save while the others waited at Orbax's barrier
+        for its bound, 300 s, found by the chaos soak) and that its own store
+        holds the older in-memory versions a read of version ``step`` needs
+        (PEC: the versions of its experts' newest copies); the answers are all-gathered,
         so either every host starts the Orbax save or none does. Without this,
         a host that cannot write fails alone inside Orbax's background save,
         and the others learn it only after their own writes (the handler's
@@ -250,6 +253,9 @@ class CheckpointManager(ocp.CheckpointManager):
             except OSError as e:
                 mine = f"host {jax.process_index()}: {self.directory} is not writable: {e}"
         ckpt = self.handler.checkpointer
+        if not mine and ckpt is not None and not ckpt.took(step):
+            mine = (f"host {jax.process_index()}: took no in-memory version {step} (dropped, "
+                    f"skipped or its write failed)")
         missing = [] if mine or ckpt is None else ckpt.missing_for_read(step)
         if missing:
             mine = (f"host {jax.process_index()}: its store lacks in-memory versions {missing} "
