@@ -18,8 +18,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.scheduling.chunk_channel import CorruptFrame
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.threaded import ThreadedSender
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped
 from tests.helpers import netns_usable
 from tests.test_threaded import _pair
 
@@ -175,6 +176,35 @@ def test_a_held_version_that_gets_no_later_step_is_sent_by_wait():
         _step(mesh, senders, 2, _schedule(10.0, 10.0))  # the next version goes as usual
     finally:
         _close(senders)
+
+
+def test_a_held_version_whose_peer_frame_came_corrupt_still_sends_its_rest():
+    """Host 0 received a corrupt frame of version 1 (its copy of host 1's
+    payload is dropped) while holding its own rest of version 1: its held
+    bytes are still reported and sent, so host 1 gets host 0's payload whole
+    and host 0's own wait says the version was dropped (before the fix host 0
+    reported 0 held bytes, no host extended, and host 1 waited past its
+    bound: the soak's seed 45 trial 5)."""
+    mesh, senders = _senders(hold_tail=8)
+    try:
+        data = _held_version(mesh, senders)
+        entry = senders[0]._versions[1]
+        entry.error = CorruptFrame(1, "host 0: version 1: a frame from host 1 fails its checksum")
+        entry.complete.set()
+        assert senders[0].held_bytes(1, 20.0) == PAYLOAD
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda s: _outcome(s.wait, 1, 20.0), senders))
+        assert isinstance(got[0], VersionDropped)
+        assert (got[1] == data[0]).all()
+    finally:
+        _close(senders)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test asserts which
+        return e
 
 
 def test_at_its_bound_a_version_sends_its_rest_after_the_step():

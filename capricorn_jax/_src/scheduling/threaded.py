@@ -255,8 +255,11 @@ class ThreadedSender:
         if not finished:
             raise TimeoutError(f"host {self.channel.host}: version {version}: the sender did "
                                f"not finish its step's windows within {timeout_s:g}s")
-        if entry.error is not None:
-            return 0  # ``wait`` raises it
+        if entry.error is not None and not isinstance(entry.error, CorruptFrame):
+            return 0  # the channel failed: ``wait`` raises it
+        # A peer's corrupt frame fails this host's copy of the peer's version,
+        # not what this host sends: its held bytes still go (the peer needs
+        # them), or the peer's wait runs into its timeout (found by the soak).
         return entry.held
 
     def extend(self, version: int) -> None:
