@@ -209,6 +209,22 @@ def test_a_persist_fault_strikes_no_host_and_needs_its_step_dropped_and_a_later_
     stopped = good[:-1]
     assert check_trial(trial, stopped, REF, 8, strikes=0)[0] == [
         "persist_error: no persistent step started after version 4"]
+    # With the disk read: the later step must be complete, the failed one absent.
+    assert check_trial(trial, good, REF, 8, strikes=0, committed={8})[0] == []
+    assert check_trial(trial, good, REF, 8, strikes=0, committed=set())[0] == [
+        "persist_error: no persistent step after version 4 complete on disk (committed: [])"]
+    assert check_trial(trial, good, REF, 8, strikes=0, committed={4, 8})[0] == [
+        "persist_error: the failed step 4 is committed on disk"]
+
+
+def test_committed_steps_are_orbax_s_finalized_step_directories(tmp_path):
+    from launch.chaos.command import committed_steps
+
+    assert committed_steps(tmp_path / "none") == set()
+    for name in ("4", "8", "12.orbax-checkpoint-tmp-3", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "16").write_text("")  # a file, not a step
+    assert committed_steps(tmp_path) == {4, 8}
 
 
 def test_a_pause_the_job_outlasts_ends_nothing_and_a_longer_one_is_a_kill():

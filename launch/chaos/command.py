@@ -359,13 +359,18 @@ def _writer_lags(trial: Trial, fault: Fault) -> bool:
 
 
 def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], steps: int,
-                strikes: int) -> tuple[list[str], dict[str, Any]]:
+                strikes: int, committed: set[int] | None = None
+                ) -> tuple[list[str], dict[str, Any]]:
     """The problems of a finished trial (empty: it passed) and what happened.
 
     Args:
       records: the job's metrics.jsonl.
       reference: step -> loss of the uninterrupted run.
       strikes: the faults the supervisor reported striking.
+      committed: the persistent steps on disk at the end (Orbax's finalized
+        step directories), when the caller read them: a persistent-write
+        fault then needs its step absent and a later one complete, not
+        only started.
     """
     problems: list[str] = []
     # A pause past the peer timeout ends its attempt like a kill; a shorter
@@ -375,7 +380,7 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     killing = len([f for f in trial.faults if f.point not in QUIET])
     if strikes != killing:
         problems.append(f"{strikes} of {killing} faults struck")
-    problems += _persist_fault_problems(trial, records)
+    problems += _persist_fault_problems(trial, records, committed)
     problems += _corrupt_frame_problems(trial, records)
     problems += _stall_channel_problems(trial, records)
     step_records = [r for r in records if "event" not in r]
@@ -450,7 +455,8 @@ def check_trial(trial: Trial, records: list[dict], reference: dict[int, float], 
     return problems, happened
 
 
-def _persist_fault_problems(trial: Trial, records: list[dict]) -> list[str]:
+def _persist_fault_problems(trial: Trial, records: list[dict],
+                            committed: set[int] | None = None) -> list[str]:
     """A persist_error / persist_hang / disk_full_finalize fault: its version's
     persistent step is dropped (a persist_error event names it) and a later
     one is written."""
@@ -464,7 +470,20 @@ def _persist_fault_problems(trial: Trial, records: list[dict]) -> list[str]:
             out.append(f"{f.point}: no persist_error for version {version}")
         if not any(r.get("event") == "persist" and r["step"] > version for r in records):
             out.append(f"{f.point}: no persistent step started after version {version}")
+        elif committed is not None and not any(s > version for s in committed):
+            out.append(f"{f.point}: no persistent step after version {version} complete on "
+                       f"disk (committed: {sorted(committed)})")
+        if committed is not None and version in committed:
+            out.append(f"{f.point}: the failed step {version} is committed on disk")
     return out
+
+
+def committed_steps(checkpoints: Path) -> set[int]:
+    """The persistent steps Orbax finalized under ``checkpoints`` (its step
+    directories; an unfinished one has another name)."""
+    if not checkpoints.is_dir():
+        return set()
+    return {int(p.name) for p in checkpoints.iterdir() if p.is_dir() and p.name.isdigit()}
 
 
 def _corrupt_frame_problems(trial: Trial, records: list[dict]) -> list[str]:
@@ -586,7 +605,8 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
             (proc.stdout + proc.stderr).strip().splitlines()[-6:])]
         happened: dict[str, Any] = {}
     else:
-        problems, happened = check_trial(trial, records, reference, steps, strikes)
+        problems, happened = check_trial(trial, records, reference, steps, strikes,
+                                         committed_steps(work / "checkpoints"))
     result.update(happened, ok=not problems, problems=problems,
                   seconds=round(time.monotonic() - start, 1))
     if not problems:
