@@ -43,7 +43,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "capricorn_jax"
 SRC = f"{LIB}._src"
-FACES = (LIB, f"{LIB}.experimental", f"{LIB}.stores")
+FACES = (LIB, f"{LIB}.experimental", f"{LIB}.stores",
+         *(f"{LIB}.experimental.{m}" for m in ("planning", "store", "testing", "measuring",
+                                               "multihost")))
+"""The faces: the stable API, the stores command, and the unstable names by audience."""
 TOOLS = ("launch", "models")
 COMMANDS = ("launch.train", "launch.bench", "launch.chaos")
 """The launchers' command packages (each with its own helpers)."""

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from capricorn_jax._src.multihost.agree import agree_measured
-from capricorn_jax._src.scheduling.partitioner import LinkModel, fit_link_model
+from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
 
@@ -391,12 +391,6 @@ class ChunkChannel:
                 s.close()
             except OSError:
                 pass
-
-
-MEASURE_ATTEMPTS = 3
-"""Measurements of the channel before its fit's error is raised: on a busy
-host the smallest size's fastest time can exceed the largest's (measured on
-this box beside a CPU-bound process: a fit with a negative slope)."""
 
 
 def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:

@@ -110,6 +110,12 @@ class LinkModel:
         return chunks * self.alpha_s + nbytes / self.bytes_per_s
 
 
+MEASURE_ATTEMPTS = 3
+"""Measurements of a link before its fit's error is raised: on a busy host the
+smallest size's fastest time can exceed the largest's (measured on this box
+beside a CPU-bound process: a fit with a negative slope)."""
+
+
 def fit_link_model(sizes: Sequence[int], seconds: Sequence[float]) -> LinkModel:
     """Least-squares fit of seconds ~ alpha + size / B to measured transfers.
 

@@ -1,0 +1,27 @@
+"""The transports and schedules the bench and the GPU check measure directly, and the
+benchmark control ``ChannelReplication`` (a replica over the chunk channel after the step).
+
+Unstable: see ``capricorn_jax.experimental``."""
+
+from __future__ import annotations
+
+from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.native import NativeBuildError
+from capricorn_jax._src.native import build as build_native
+from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
+from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
+from capricorn_jax._src.scheduling.window_marks import WindowMarks
+from capricorn_jax._src.strategies.channel_replication import ChannelReplication
+
+__all__ = [
+    "build_native",
+    "ChannelReplication",
+    "hlo_schedule",
+    "InStepSender",
+    "NativeBuildError",
+    "scheduled_step",
+    "timeline",
+    "Transport",
+    "WindowMarks",
+    "xla_flags",
+]
