@@ -65,6 +65,7 @@ def test_draws_are_replayable_and_valid():
         assert [f.step for f in kills] == sorted({f.step for f in kills})
         if "--chunk_path=threaded" in trial.variant:  # inmem / pec over the chunk channel
             assert trial.strategy in ("inmem", "pec") and topo.replicas == 2
+            assert not (trial.strategy == "pec" and trial.persist_every)
         if "--ckpt_budget=0" in trial.variant:  # every fault strikes with versions skipped
             assert trial.stall is None and not {f.point for f in trial.faults} & {
                 "mid_replication", "mid_persist", "disk_full_finalize", *PERSIST_FAULTS}

@@ -53,6 +53,8 @@ def test_two_hosts_two_devices_train(tmp_path):
         (["--ckpt=inmem", "--pec_k=2", "--persist_every=2", "--pec_k_persist=4"],
          "--pec_k_persist"),
         (["--ckpt=capricorn", "--replicas=1"], "--replicas"),
+        (["--ckpt=pec", "--pec_k=2", "--chunk_path=threaded", "--persist_every=4"],
+         "--ckpt=pec --chunk_path=threaded with --persist_every=4"),
         (["--ckpt=gemini", "--profile=every"], "--profile"),
         (["--ckpt=inmem", "--timeline"], "--timeline"),
         (["--kill_every=5"], "--kill_every"),

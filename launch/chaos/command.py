@@ -337,7 +337,8 @@ def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
     if rng.random() < 0.15:
         stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
     variant = []
-    if strategy in ("inmem", "pec") and topo.replicas == 2 and rng.random() < 0.4:
+    if (strategy in ("inmem", "pec") and topo.replicas == 2 and rng.random() < 0.4
+            and not (strategy == "pec" and persist)):  # (launch.train refuses it)
         variant.append(THREADED)
     if all(f.point in BUDGET_POINTS for f in faults) and stall is None and rng.random() < 0.25:
         variant.append(BUDGET)

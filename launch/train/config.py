@@ -322,6 +322,14 @@ class CheckpointConfig:
         if self.in_memory and self.chunk_path == "threaded" and self.replicas != 2:
             raise FlagError(f"--replicas={self.replicas}: --chunk_path=threaded sends one peer "
                             f"replica over the chunk channel; it needs --replicas=2")
+        if self.strategy == "pec" and self.chunk_path == "threaded" and self.persist_every:
+            # Found by the chaos soak (seed 46, trial 0): every persistent step failed.
+            raise FlagError(f"--ckpt=pec --chunk_path=threaded with --persist_every="
+                            f"{self.persist_every}: over the chunk channel a version is "
+                            f"committed one save later, after the next PEC version was "
+                            f"decided, and a persistent PEC step is written from the newest "
+                            f"one; use the in-graph exchange (--chunk_path=auto) with "
+                            f"--persist_every")
         if self.budget_s != -1.0 and not self.in_memory:
             raise FlagError(f"--ckpt_budget bounds the in-memory tier: it needs --ckpt in "
                             f"{', '.join(IN_MEMORY)}, got --ckpt={self.strategy}")
