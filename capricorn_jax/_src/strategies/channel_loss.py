@@ -36,9 +36,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
+from capricorn_jax._src.memory.reports import SaveReport
 from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.threaded import ThreadedSender
+from capricorn_jax._src.strategies.base import CheckpointEvent
 
 log = logging.getLogger("capricorn_jax")
 
@@ -85,6 +89,14 @@ class ChannelKeeper:
     def note(self) -> None:
         """Puts this host's answer in the status vector of the next round."""
         self.ckpt.note_channel(self.lost_here())
+
+    def wait(self, version: int) -> np.ndarray:
+        """The sender's ``wait`` for ``version``; on a host that knows its
+        channel is lost, nothing in flight will arrive: abandoned first, so
+        the wait raises at once instead of at its bound."""
+        if self.lost_here():
+            self.sender.abandon()
+        return self.sender.wait(version)
 
     def is_loss(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a version's ``wait``, means the channel
@@ -143,3 +155,13 @@ class ChannelKeeper:
         self.saves_down += 1
         self.note()
         return lost
+
+    def skip_save(self, step: int, event: Callable[[int, SaveReport], CheckpointEvent]
+                  ) -> list[CheckpointEvent]:
+        """A save while the hosts agree the channel is lost (``while_down``),
+        then version ``step`` not taken (the status round still runs): the
+        ``checkpoint`` events (``event``: the strategy's) of the versions
+        abandoned and of ``step``, each marked ``channel_lost``."""
+        lost = self.while_down(step)
+        report = self.ckpt.skip(step)
+        return [{**event(v, report), "channel_lost": True} for v in (*lost, step)]

@@ -173,9 +173,7 @@ class ChannelReplication(InMemoryStrategy):
         version, own, pec_version = inflight
         try:
             with self.ckpt.clock.phase("peer_wait"):
-                if self.keeper.lost_here():  # nothing in flight will arrive: no wait
-                    self.sender.abandon()
-                received = self.sender.wait(version)  # [local devices, bytes]; bounded
+                received = self.keeper.wait(version)  # [local devices, bytes]; bounded
         except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
             report = self.ckpt.drop(version, status_round=status_round)
@@ -244,10 +242,7 @@ class ChannelReplication(InMemoryStrategy):
             raise RuntimeError(f"host {self.ckpt.host}: a host's chunk channel is lost and a "
                                f"PEC version cannot be abandoned")
         self._inflight = None
-        lost = self.keeper.while_down(step)
-        report = self.ckpt.skip(step)
-        return [*({**self._event(v, report), "channel_lost": True} for v in lost),
-                {**self._event(step, report), "channel_lost": True}]
+        return self.keeper.skip_save(step, self._event)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the

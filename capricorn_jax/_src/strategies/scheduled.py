@@ -492,9 +492,8 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             assert sender is not None, "only the threaded path leaves the peer's payload out"
             try:
                 with self.ckpt.clock.phase("peer_wait"):
-                    if self.keeper is not None and self.keeper.lost_here():
-                        sender.abandon()  # nothing in flight will arrive: no wait
-                    payloads["received"] = sender.wait(version)  # [local devices, bytes]
+                    waiter = sender.wait if self.keeper is None else self.keeper.wait
+                    payloads["received"] = waiter(version)  # [local devices, bytes]
             except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
                 log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
                 self._last_saved = version
@@ -534,11 +533,8 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         assert self.keeper is not None
         self._moved = self._spread = None
         self._host_states = {}
-        lost = self.keeper.while_down(step)
-        report = self.ckpt.skip(step)
         self._last_saved = step
-        return [*({**self._event(v, report), "channel_lost": True} for v in lost),
-                {**self._event(step, report), "channel_lost": True}]
+        return self.keeper.skip_save(step, self._event)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Saves the final state (version ``step``), which no later step moves;
