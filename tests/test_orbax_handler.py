@@ -101,7 +101,7 @@ def _kill_job_at(procs: list[subprocess.Popen], marker: str, timeout: float = 15
         assert stdout is not None
         for line in stdout:
             lines[i].append(line)
-            if line.strip() == marker:
+            if line.rstrip().endswith(marker):  # gloo prints share the pipe, may share a line
                 seen.set()
 
     threads = [threading.Thread(target=pump, args=(i,), daemon=True) for i in range(len(procs))]

@@ -22,12 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 _WORKER = """
 import sys, time
 from launch import runtime
-host, port = int(sys.argv[1]), sys.argv[2]
+host, port, ready = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 runtime.init_distributed(2, f"127.0.0.1:{port}", host, peer_timeout_s=5)
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("ready")
-print("ready", flush=True)
+open(ready, "w").close()  # a file, not a line: gloo's own prints share the pipe
 if host == 1:
     time.sleep(600)  # the test pauses this host here
 multihost_utils.process_allgather(jnp.ones(4))  # host 1 never joins
@@ -41,16 +41,18 @@ def test_a_paused_host_ends_the_job_within_the_peer_timeout_naming_it(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(h), str(port)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for h in range(2)]
+    ready = [tmp_path / f"ready{h}" for h in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(h), str(port), str(ready[h])],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for h in range(2)]
     try:
-        for p in procs:  # both joined and passed the first barrier
-            for line in p.stdout:
-                if line.strip() == "ready":
-                    break
-            else:
-                raise AssertionError(f"a host ended before its first barrier: {p.wait()}")
+        deadline = time.monotonic() + 120  # both joined and passed the first barrier
+        while not all(r.exists() for r in ready):
+            ended = [h for h, p in enumerate(procs) if p.poll() is not None]
+            if ended or time.monotonic() > deadline:
+                raise AssertionError(f"hosts {ended} ended before the first barrier, or the "
+                                     f"hosts did not all pass it within 120 s")
+            time.sleep(0.1)
         os.kill(procs[1].pid, signal.SIGSTOP)
         paused = time.monotonic()
         out, _ = procs[0].communicate(timeout=180)
