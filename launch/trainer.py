@@ -280,10 +280,11 @@ class Trainer:
             )
         return self._steps[key]
 
-    def has_step(self, factors: tuple[float, ...], hooks: tuple[BoundaryHook, ...] = ()) -> bool:
+    def has_step(self, factors: tuple[float, ...], hooks: tuple[BoundaryHook, ...] = (),
+                 wrap: Callable[[StepBody], StepBody] | None = None) -> bool:
         """Whether the step for these capacity factors (plain, or with ``hooks``
-        and no wrap) is compiled already."""
-        return (tuple(float(f) for f in factors), tuple(hooks), None) in self._steps
+        and ``wrap``) is compiled already."""
+        return (tuple(float(f) for f in factors), tuple(hooks), wrap) in self._steps
 
     def global_batch(self, local_batch: np.ndarray) -> jax.Array:
         """This process's rows -> the global batch array over the mesh."""

@@ -149,9 +149,11 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
         assert len(row["windows"]) == len(row["collectives"]) == len(row["expert_spans"]) == 5
         assert row["record_steps"] == sorted(row["record_steps"])
         for profiled, collectives in zip(row["step_profiled"], row["collectives"], strict=True):
-            if profiled:  # the profiler's marks, not the probe
+            if profiled and name != "capricorn":  # an instrumented variant, not the probe
                 assert collectives == []
                 continue
+            # capricorn's profiled steps run its own program (its marks are
+            # the profile: issue 38 part 4), the probe on it as on every step.
             names = {c["name"] for c in collectives}
             assert {"block1/fwd/dispatch", "block1/fwd/combine", "block1/bwd/dispatch",
                     "block1/bwd/combine", "grad_all_reduce"} <= names, name

@@ -309,13 +309,21 @@ def test_span_windows_open_at_the_edge_that_ends_their_all_to_all():
         jax.block_until_ready(step(x))
         received = sender.wait(5)
         opened = dict(sender.marks.opened_at)
+        native = sender.marks.table.native
     finally:
         sender.close()
     assert (received == own_np).all()
-    # Only the edges that end the all-to-all (forward .end, backward .begin) are marked.
+    # The edges that end the all-to-all (forward .end, backward .begin) open
+    # windows; with native marks the ones that begin it are marked too (the
+    # step's marks are its profile), with host callbacks they are not.
     order = [("b0", "fwd"), edge_fwd, ("b1", "fwd"), ("b1", "bwd"), edge_bwd, ("b0", "bwd")]
-    assert set(opened) == set(order)
+    others = {("b1", "fwd:dispatch.begin"), ("b1", "bwd:dispatch.end")}
+    assert set(opened) == set(order) | (others if native else set())
     assert [opened[s] for s in order] == sorted(opened[s] for s in order)
+    if native:
+        assert opened[("b1", "fwd:dispatch.begin")] <= opened[edge_fwd]
+        # backward: the cotangent passes the edges in reverse (.end, then .begin)
+        assert opened[("b1", "bwd:dispatch.end")] <= opened[edge_bwd]
     # Each span window's frames left after its edge's mark; it closes at the next site.
     for i, edge in ((2, edge_fwd), (5, edge_bwd)):
         for c in schedule.chunks[i]:
@@ -324,6 +332,55 @@ def test_span_windows_open_at_the_edge_that_ends_their_all_to_all():
         assert sender.last_spans[i] == opened[after] - opened[edge]
     # The window before an edge closes at it.
     assert sender.last_spans[1] == opened[edge_fwd] - opened[("b0", "fwd")]
+
+
+def test_a_steps_own_marks_are_the_profile_the_instrumented_variant_measures():
+    """Issue 38 part 4: the program a scheduled strategy runs every step
+    (the sender's native marks at every boundary and collective edge, and
+    the step's start and end) gives the profile a separately compiled
+    instrumented variant gives: the same segments, the same idle spans, and
+    the same values as the plain step."""
+    from capricorn_jax._src.profiling.layer_profile import build_profile
+    from capricorn_jax._src.profiling.profiler import make_profiled_step, step_marks
+    from launch import runtime
+
+    job = runtime.build_job("tiny", {}, 1, 4, 1e-3, 1, "steady", 4, 0, "none", "")
+    trainer = job.trainer
+    factors = (1.25,) * len(trainer.moe_layers)
+    batch = trainer.global_batch(job.data.next_batch())
+    channel = ChunkChannel(0, 0, 0, "own-marks", _DictStore(), timeout_s=20.0)
+    sender = ThreadedSender(channel, trainer.boundaries, local_devices=4, mesh=trainer.mesh,
+                            timeout_s=20.0)
+    try:
+        assert sender.marks.table.native  # gcc is there: the marks are native
+        wrap = step_marks(trainer, sender.marks, ordered=False)
+        program = trainer.step_fn(factors, (sender.hook(),), wrap)
+        jax.block_until_ready(program(trainer.init_state(0), batch))  # compiles
+        assert trainer.has_step(factors, (sender.hook(),), wrap)
+        state = trainer.init_state(0)
+        jax.block_until_ready(state)
+        sender.marks.reset()
+        t0 = time.perf_counter()
+        marked_state, _ = program(state, batch)
+        jax.block_until_ready(marked_state)
+        total = time.perf_counter() - t0
+        own = build_profile(0, total, sender.hook().names, sender.marks.step_times())
+    finally:
+        sender.close()
+    plain_state, _ = trainer.step_fn(factors)(trainer.init_state(0), batch)
+    variant_state, _, variant = make_profiled_step(trainer, factors)(trainer.init_state(0), batch)
+    for a, b in zip(jax.tree.leaves(marked_state), jax.tree.leaves(plain_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    keys = [(s.name, s.direction) for s in own.segments]
+    assert keys == [(s.name, s.direction) for s in variant.segments]
+    assert own.devices == variant.devices == 4
+    for mine, theirs in zip(own.segments, variant.segments, strict=True):
+        assert mine.duration_s >= 0
+        assert (mine.spans is None) == (theirs.spans is None), (mine.name, mine.direction)
+        if mine.spans is not None:
+            assert [s.edge for s in mine.spans] == [s.edge for s in theirs.spans]
+    assert any(s.spans for s in own.segments)  # the MoE layers' idle spans are measured
+    assert sum(s.duration_s for s in own.segments) <= total
 
 
 # ------------------------------------------------------------------ failures

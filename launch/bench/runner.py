@@ -58,8 +58,10 @@ class Runner:
         # and the emulated windows' check records (step_stats.emulation_errors).
         self.blocked: dict[str, list[dict[str, float]]] = {}
         self.emulation: dict[str, list[dict]] = {}
-        # ``every_step``: the probe rides on every step (but the profiled ones,
-        # which carry the profiler's marks); strategy -> per timed step, what
+        # ``every_step``: the probe rides on every step (but the profiled ones
+        # of a strategy that profiles with an instrumented variant; one whose
+        # own program's marks are the profile carries it there too);
+        # strategy -> per timed step, what
         # its windows and collectives did (``step_record``).
         self.every_step = every_step
         self.records: dict[str, list[dict]] = {}

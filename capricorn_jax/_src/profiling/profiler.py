@@ -291,6 +291,27 @@ def _specs_of(shardings: Any) -> Any:
     return jax.tree.map(lambda s: s.spec, shardings)
 
 
+def step_marks(trainer: TrainStep, recorder: MarkSink,
+               ordered: bool = True) -> Callable[[Callable], Callable]:
+    """The ``wrap`` of a step marked at its start and end: (STEP, START) on
+    the batch, (STEP, END) on the new state and the metrics, into
+    ``recorder`` (``ordered``: see ``mark``). Build it once per trainer and
+    recorder: the trainer compiles one program per wrap object."""
+    mesh, batch_spec = trainer.mesh, trainer.batch_sharding.spec
+    state_specs = _specs_of(trainer.state_shardings)
+
+    def wrap(body: Callable) -> Callable:
+        def marked(state: Any, batch: jax.Array) -> tuple[Any, dict]:
+            batch = mark(batch, batch_spec, mesh, recorder, STEP, START, ordered)
+            new_state, metrics = body(state, batch)
+            specs = (state_specs, jax.tree.map(lambda _: P(), metrics))  # metrics: replicated
+            return mark((new_state, metrics), specs, mesh, recorder, STEP, END, ordered)
+
+        return marked
+
+    return wrap
+
+
 class ProfiledStep:
     """The instrumented train step of one trainer and capacity-factor tuple.
 
@@ -312,20 +333,8 @@ class ProfiledStep:
         self.recorder = Recorder()
         self.hook = ProfileHook(self.mesh, self.recorder, edges="all")
         self.collectives_s = dict(collectives_s) if collectives_s is not None else None
-        self._batch_spec = trainer.batch_sharding.spec
-        self._state_specs = _specs_of(trainer.state_shardings)
-        self.jitted = trainer.step_fn(tuple(factors), hooks=(self.hook,), wrap=self._wrap)
-
-    def _wrap(self, body: Callable) -> Callable:
-        mesh, rec = self.mesh, self.recorder
-
-        def profiled(state: Any, batch: jax.Array) -> tuple[Any, dict]:
-            batch = mark(batch, self._batch_spec, mesh, rec, STEP, START)
-            new_state, metrics = body(state, batch)
-            specs = (self._state_specs, jax.tree.map(lambda _: P(), metrics))  # metrics: replicated
-            return mark((new_state, metrics), specs, mesh, rec, STEP, END)
-
-        return profiled
+        self.jitted = trainer.step_fn(tuple(factors), hooks=(self.hook,),
+                                      wrap=step_marks(trainer, self.recorder))
 
     def __call__(self, state: Any, batch: jax.Array) -> tuple[Any, dict, LayerProfile]:
         """Runs one profiled step.
@@ -393,29 +402,47 @@ def make_profiled_step(
     reduce_key = _collectives_key({"": reductions} if reductions else None)
     key = (factors, _collectives_key(collectives), collective_axis, reduce_key)
     if key not in variants.steps:
-        estimate = None
-        if collectives is not None:
-            # One timing per buffer shape, shared by the variants (a layer's
-            # dispatch and combine, and the layers that keep their capacity
-            # when another layer's bucket changes, have the same buffers).
-            timed = variants.all_to_all_s
-
-            def seconds(b: jax.ShapeDtypeStruct) -> float:
-                shape_key = (collective_axis, tuple(b.shape), str(b.dtype))
-                if shape_key not in timed:
-                    timed[shape_key] = time_all_to_all(trainer.mesh, collective_axis, b)
-                return timed[shape_key]
-
-            estimate = {name: sum(seconds(b) for b in bufs) for name, bufs in collectives.items()}
+        estimate, tail = collective_estimates(trainer, collectives, collective_axis, reductions)
         if variants.mark_cost_s is None:
             variants.mark_cost_s = time_marks(trainer.mesh)
-        tail = 0.0
-        if reductions:
-            if reduce_key not in variants.all_reduce_s:
-                variants.all_reduce_s[reduce_key] = time_all_reduce(trainer.mesh, reductions)
-            tail = variants.all_reduce_s[reduce_key]
         variants.steps[key] = ProfiledStep(trainer, factors, estimate, variants.mark_cost_s, tail)
     return variants.steps[key]
+
+
+def collective_estimates(
+    trainer: TrainStep,
+    collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] | None = None,
+    collective_axis: str = "expert",
+    reductions: Sequence[jax.ShapeDtypeStruct] | None = None,
+) -> tuple[dict[str, float] | None, float]:
+    """The collective time estimates a profile of ``trainer``'s step takes
+    (``make_profiled_step``'s ``collectives`` and ``reductions``): {boundary
+    name: its layer's all-to-all seconds} (None without ``collectives``) and
+    the gradient all-reduce's seconds (0 without ``reductions``). Each buffer
+    shape is timed once per trainer, in isolation (a collective in the mesh's
+    sense: every process calls it at the same point)."""
+    variants = _VARIANTS.setdefault(trainer, _Variants())
+    estimate = None
+    if collectives is not None:
+        # One timing per buffer shape, shared by the variants (a layer's
+        # dispatch and combine, and the layers that keep their capacity
+        # when another layer's bucket changes, have the same buffers).
+        timed = variants.all_to_all_s
+
+        def seconds(b: jax.ShapeDtypeStruct) -> float:
+            shape_key = (collective_axis, tuple(b.shape), str(b.dtype))
+            if shape_key not in timed:
+                timed[shape_key] = time_all_to_all(trainer.mesh, collective_axis, b)
+            return timed[shape_key]
+
+        estimate = {name: sum(seconds(b) for b in bufs) for name, bufs in collectives.items()}
+    tail = 0.0
+    if reductions:
+        reduce_key = _collectives_key({"": reductions})
+        if reduce_key not in variants.all_reduce_s:
+            variants.all_reduce_s[reduce_key] = time_all_reduce(trainer.mesh, reductions)
+        tail = variants.all_reduce_s[reduce_key]
+    return estimate, tail
 
 
 def _collectives_key(collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] | None) -> Any:

@@ -62,8 +62,9 @@ class TrainStep(Protocol):
         inside the traced step, ``wrap`` instruments the traced body."""
         ...
 
-    def has_step(self, factors: tuple[float, ...], hooks: tuple = ()) -> bool:
-        """Whether ``step_fn(factors, hooks)`` (no wrap) is compiled already."""
+    def has_step(self, factors: tuple[float, ...], hooks: tuple = (),
+                 wrap: Callable[[StepFn], StepFn] | None = None) -> bool:
+        """Whether ``step_fn(factors, hooks, wrap)`` is compiled already."""
         ...
 
     def step_with_sender(self, state: State, batch: jax.Array, factors: tuple[float, ...],

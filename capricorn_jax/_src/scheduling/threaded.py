@@ -189,11 +189,16 @@ class ThreadedSender:
         no filled window uses costs one host callback per device. The
         collective edges that open an idle span (``layer_profile.opens_span``,
         2 per MoE layer and direction) are marked too: span windows
-        (``Window.edge``) open there."""
+        (``Window.edge``) open there; with native marks every collective
+        edge is, so a step's marks give its ``LayerProfile``
+        (``WindowMarks.step_times``)."""
         if self._hook is None:
             sites = frozenset(sites_in_order(self.boundaries)) - {START, AFTER}
+            # Native marks cost ~3 us: every edge, so the step's marks are
+            # its profile (``profiles_from_marks``); host callbacks ~0.5 ms:
+            # only the edges a window opens at.
             self._hook = ProfileHook(self.mesh, self.marks, sites=sites, ordered=False,
-                                     edges="opening")
+                                     edges="all" if self.marks.table.native else "opening")
         return self._hook
 
     def start(self, version: int, own: jax.Array, schedule: Schedule, parts: int = 1) -> None:

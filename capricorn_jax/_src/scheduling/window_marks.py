@@ -105,6 +105,17 @@ class WindowMarks:
         return {site: self.table.stamps[self._index[site], col] / 1e9 + self._to_perf
                 for site, col in self._open_sites().items()}
 
+    def step_times(self) -> dict[tuple[str, str, int], float]:
+        """Every stamp of this step: {(name, direction, device): perf_counter
+        seconds}, the shape ``layer_profile.build_profile`` takes (a step
+        whose marks are its profile: ``ScheduledStrategy.run_profiled``)."""
+        out = {}
+        for (name, direction), index in list(self._index.items()):
+            row = self.table.stamps[index]
+            for device in np.flatnonzero(row >= self._epoch_ns):
+                out[(name, direction, int(device))] = row[device] / 1e9 + self._to_perf
+        return out
+
     @property
     def queued_at(self) -> dict[Site, int | None]:
         """site -> the chunk bytes still unacknowledged when it opened (None: unknown)."""

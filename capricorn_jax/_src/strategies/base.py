@@ -60,11 +60,16 @@ class Strategy(Protocol):
       bytes_per_step: bytes of this host's last saved version (0: none yet).
       plans_on_profiles: the strategy plans on layer profiles, so every host
         must see the same ones: the driver hands it host 0's durations.
+      profiles_from_marks: the strategy's own step program is marked at every
+        boundary and collective edge, so a profiled step runs it
+        (``run_profiled``) instead of a separately compiled instrumented
+        variant.
     """
 
     name: str
     bytes_per_step: int = 0
     plans_on_profiles: bool = False
+    profiles_from_marks: bool = False
 
     def save(self, step: int, state: State, host_state: HostState, *,
              tokens_per_expert: np.ndarray | None = None,
@@ -110,6 +115,17 @@ class Strategy(Protocol):
                  hooks: tuple = ()) -> bool:
         """Whether ``run_step`` for step ``step`` would run a compiled program."""
         return train.has_step(factors, hooks)
+
+    def run_profiled(self, train: TrainStep, step: int, factors: tuple[float, ...],
+                     state: State, batch: jax.Array, estimates: tuple[dict[str, float] | None,
+                                                                     float],
+                     hooks: tuple = ()) -> tuple[State, Metrics, LayerProfile]:
+        """Runs profiled step ``step`` on the strategy's own marked program
+        (only where ``profiles_from_marks``); ``estimates``: the collectives'
+        (``profiler.collective_estimates``). Returns (state, metrics, this
+        process's profile of the step)."""
+        raise RuntimeError(f"{self.name}: its step carries no profile marks (profiles_from_marks "
+                           f"is False); the driver profiles with an instrumented variant")
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
         """Takes the profile of step ``step`` (``cold``: the step ran its

@@ -33,7 +33,7 @@ from capricorn_jax._src.profiling.policy import (
     round_us,
     should_profile,
 )
-from capricorn_jax._src.profiling.profiler import make_profiled_step
+from capricorn_jax._src.profiling.profiler import collective_estimates, make_profiled_step
 from capricorn_jax._src.profiling.train_step import Metrics, State, TrainStep
 from capricorn_jax._src.strategies.base import Strategy
 
@@ -122,12 +122,19 @@ class ProfilingDriver:
         factors = tuple(float(f) for f in factors)
         profile = None
         if self.profile_next:
-            compiled = factors not in self._variants
-            self._variants.add(factors)
             buffers = None if self.collectives is None else self.collectives(factors)
             reduced = None if self.reductions is None else self.reductions()
-            state, metrics, profile = make_profiled_step(self.train, factors, buffers,
-                                                         reductions=reduced)(state, batch)
+            if self.strategy.profiles_from_marks:
+                # The strategy's own program is the profile: no variant to compile.
+                compiled = not self.strategy.has_step(self.train, step, factors, hooks)
+                estimates = collective_estimates(self.train, buffers, reductions=reduced)
+                state, metrics, profile = self.strategy.run_profiled(
+                    self.train, step, factors, state, batch, estimates, hooks)
+            else:
+                compiled = factors not in self._variants
+                self._variants.add(factors)
+                state, metrics, profile = make_profiled_step(self.train, factors, buffers,
+                                                             reductions=reduced)(state, batch)
             if not compiled and self.strategy.plans_on_profiles:
                 profile = agree_profile(profile)  # host 0's durations drive every host
             self.profiled_steps.append(step)

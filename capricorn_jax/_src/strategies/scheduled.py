@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Any, NotRequired, TypedDict
 
 import jax
@@ -67,8 +68,9 @@ from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.memory.writer_door import TierWriter
 from capricorn_jax._src.multihost.agree import allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile
+from capricorn_jax._src.profiling.layer_profile import LayerProfile, build_profile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
+from capricorn_jax._src.profiling.profiler import step_marks
 from capricorn_jax._src.scheduling import xla_flags
 from capricorn_jax._src.scheduling.chunk_channel import measure_channel
 from capricorn_jax._src.scheduling.load_windows import windows_at_load
@@ -191,6 +193,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             if kind == "capricorn":
                 self.clock = WindowClock(train.mesh, train.boundaries)
         self._packs: dict[int, Any] = {}
+        self._step_wrap: Any = None  # the step's start and end marks (``_step_args``)
         self.transfers = ScheduledTransfers(checkpointer, train, train.boundaries, self.link,
                                             chunk_cap, clock=self.clock)
         self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
@@ -227,6 +230,59 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         assert self.sender is not None
         return (*hooks, self.sender.hook())
 
+    @property
+    def profiles_from_marks(self) -> bool:  # type: ignore[override]
+        """On the threaded path with native marks: every step runs one
+        program per capacity tuple, marked at every boundary and collective
+        edge and at its start and end, and a profiled step is that program
+        (``run_profiled``), not a separately compiled variant."""
+        return self.sender is not None and self.sender.marks.table.native
+
+    def _step_args(self, train: TrainStep, hooks: tuple) -> tuple[tuple, Any]:
+        """(hooks, wrap) of this strategy's step program for every step it
+        runs (moving a version or not): the plain step without a sender; the
+        sender's marks (and, where ``profiles_from_marks``, the step's start
+        and end marks) with one."""
+        if self.sender is None:
+            return hooks, None
+        if not self.profiles_from_marks:
+            return self._hooks(hooks), None
+        if self._step_wrap is None:
+            self._step_wrap = step_marks(train, self.sender.marks, ordered=False)
+        return self._hooks(hooks), self._step_wrap
+
+    def _step(self, train: TrainStep, factors: tuple[float, ...], hooks: tuple) -> Any:
+        return train.step_fn(factors, *self._step_args(train, hooks))
+
+    def _has_step(self, train: TrainStep, factors: tuple[float, ...], hooks: tuple) -> bool:
+        return train.has_step(factors, *self._step_args(train, hooks))
+
+    def run_profiled(self, train: TrainStep, step: int, factors: tuple[float, ...],
+                     state: State, batch: jax.Array, estimates: tuple[dict[str, float] | None,
+                                                                     float],
+                     hooks: tuple = ()) -> tuple[State, Metrics, LayerProfile]:
+        """Profiled step ``step`` on this strategy's own program: no version
+        moves in it (``save`` saved version ``step`` unscheduled and flushed
+        a spread one), its marks are read after it into a ``LayerProfile``.
+        The previous step is waited for first, so the table holds this
+        step's stamps only. The native marks' cost (~3 us each) is taken as 0."""
+        if not self.profiles_from_marks:
+            raise RuntimeError(f"{self.name}: run_profiled needs the threaded path's native "
+                               f"marks; the driver profiles with an instrumented variant")
+        assert self.sender is not None and not self._moves(step)
+        jax.block_until_ready(state)
+        marks = self.sender.marks
+        marks.reset()
+        program = self._step(train, factors, hooks)
+        t0 = time.perf_counter()
+        state, metrics = program(state, batch)
+        jax.block_until_ready((state, metrics))
+        total = time.perf_counter() - t0
+        collectives_s, tail_s = estimates
+        profile = build_profile(step, total, self.sender.hook().names, marks.step_times(),
+                                collectives_s, 0.0, tail_s)
+        return state, metrics, profile
+
     def _pack(self, transport: Transport) -> Any:
         """The pack program of ``transport``'s payload (kept with the transport,
         so that its id is not reused by another while the entry lives)."""
@@ -244,15 +300,15 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         """Under PEC it assumes the payload of the last version moved (K is
         fixed in the bench; a new K compiles a variant)."""
         if self._spread is not None:
-            return train.has_step(factors, self._hooks(hooks))
+            return self._has_step(train, factors, hooks)
         if self._moves(step):
             if self.ckpt.pec is not None and self._pec_transport is None:
                 return False
             if self.sender is not None:
-                return (train.has_step(factors, self._hooks(hooks))
+                return (self._has_step(train, factors, hooks)
                         and id(self._pec_transport or self.ckpt.transport) in self._packs)
             return self.transfers.has_step(factors, hooks, self._pec_transport)
-        return train.has_step(factors, hooks)
+        return self._has_step(train, factors, hooks)
 
     def run_step(self, train: TrainStep, step: int, factors: tuple[float, ...], state: State,
                  batch: jax.Array, hooks: tuple = ()) -> tuple[State, Metrics]:
@@ -262,7 +318,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         if self._spread is not None:
             return self._continue_spread(train, factors, state, batch, hooks)
         if not self._moves(step):
-            return train.step_fn(factors, hooks)(state, batch)
+            return self._step(train, factors, hooks)(state, batch)
         host_state, tokens_per_expert = self._host_states[step]
         trailer = self.ckpt.trailer_rows(host_state)
         version, transport = None, None
@@ -284,7 +340,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                 transport, MAX_SPREAD if self.ckpt.options.max_wait_s is not None else 1)
             with self.ckpt.clock.phase("send_handoff"):
                 self.sender.start(step, own, schedule, parts)
-            state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
+            state, metrics = self._step(train, factors, hooks)(state, batch)
             sent: tuple[int, MovedPayloads, Any] = (
                 step, {"own": own, "received": None, "transport": transport,
                        "schedule": schedule}, version)
@@ -310,7 +366,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         version = self._spread[0]
         with self.ckpt.clock.phase("send_handoff"):
             self.sender.resume(version)
-        state, metrics = train.step_fn(factors, self._hooks(hooks))(state, batch)
+        state, metrics = self._step(train, factors, hooks)(state, batch)
         if self.sender.parts_left(version) == 0:
             self._moved, self._spread = self._spread, None
         return state, metrics
