@@ -202,7 +202,7 @@ def _init(args: dict) -> None:
                                    process_id=args["process"], initialization_timeout=60)
 
 
-def _manager(args: dict, **options):
+def _manager(args: dict, hooks=None, **options):
     import jax
     import orbax.checkpoint as ocp
 
@@ -213,7 +213,8 @@ def _manager(args: dict, **options):
         capricorn_jax.InMemoryOptions(store_root=args["store"], job="job",
                                       replicas=jax.process_count(),
                                       chunk_bytes=1024),
-        mesh, abstract, shardings, host=jax.process_index(), hosts=jax.process_count())
+        mesh, abstract, shardings, host=jax.process_index(), hosts=jax.process_count(),
+        hooks=hooks)
     handler = capricorn_jax.CapricornHandler(inmem)
     manager = capricorn_jax.CheckpointManager(
         args["ckpt"], options=ocp.CheckpointManagerOptions(
@@ -281,6 +282,30 @@ def resume(args: dict) -> None:
     manager.wait_until_finished()
     _result(**out, persisted=persisted, all_steps=list(manager.all_steps()),
             errors=manager.persistent_errors)
+    manager.close()
+
+
+def serve(args: dict) -> None:
+    """Restores the newest version where host 1 lost its store: host 0
+    serves host 1's rows, flipping a byte in its first ``flip_serve`` tries."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import capricorn_jax
+    from capricorn_jax.experimental import FaultHooks
+
+    _init(args)
+    hooks = FaultHooks(flip_serve=args["flip_serve"] if jax.process_index() == 0 else 0)
+    manager, _, shardings, abstract = _manager(args, hooks=hooks)
+    try:
+        state = manager.restore(None, args=ocp.args.Composite(
+            state=capricorn_jax.CapricornRestore(_target(shardings, abstract)))).state
+    except capricorn_jax.ChecksumError as e:
+        _result(error=str(e))
+    else:
+        info = manager.last_restore
+        _result(step=info.step, tier=info.tier, tiers=info.memory_tiers,
+                bitwise=_bitwise_equal(state, info.step))
     manager.close()
 
 
@@ -401,7 +426,7 @@ def main() -> None:
         return
     args = json.loads(sys.argv[2])
     {"train": train, "resume": resume, "plain": plain, "readonly": readonly,
-     "reshard": reshard}[mode](args)
+     "reshard": reshard, "serve": serve}[mode](args)
 
 
 if __name__ == "__main__":

@@ -597,6 +597,38 @@ def test_restart_takes_the_newest_tier(killed_job, tmp_path):
     assert not any(e.startswith(f"{KILL_STEP}.") for e in os.listdir(tmp_path / "job" / "ckpt"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flips", [1, 3])
+def test_a_served_row_hit_in_transit_is_served_again_or_fails_on_every_host(killed_job,
+                                                                            tmp_path, flips):
+    """Issue 39: recovery's serve round is checked end to end. Host 1 lost
+    its store; host 0 serves its rows, flipping a byte after the checksum in
+    its first ``flips`` tries: one bad try is served again and the restore
+    is bit for bit; SERVE_ATTEMPTS bad tries fail the memory tier's restore
+    on every host, naming the rows and their server, and the manager takes
+    the persistent step."""
+    root, _ = killed_job
+    shutil.copytree(root, tmp_path / "job")
+    shutil.rmtree(tmp_path / "job" / "shm" / "job" / "host1")  # host 1's RAM store lost
+    args = {"store": str(tmp_path / "job" / "shm"), "ckpt": str(tmp_path / "job" / "ckpt"),
+            "flip_serve": flips}
+    outs = _finish_job(_start_job("serve", args))
+    results = [_results(out) for out in outs]
+    if flips == 1:
+        for (r,) in results:
+            assert r == {"step": KILL_STEP, "tier": "memory", "tiers": ["local", "peer"],
+                         "bitwise": True}
+        assert "serve try 1" in outs[0] and "try 1 of 3" in outs[1]
+        assert "serve try 2" not in outs[0]
+    else:  # every host gives up on the memory tier: the persistent step (4) instead
+        for (r,) in results:
+            assert r == {"step": 4, "tier": "persistent", "tiers": None, "bitwise": True}
+        for out in outs:
+            assert (f"memory tier: version {KILL_STEP}: the rows served in recovery failed "
+                    f"their check 3 times (host 1 rows [0] from host 0); using the persistent "
+                    f"tier") in out
+
+
 def test_orbax_barrier_timeout_is_the_handlers_write_bound_unless_the_caller_set_it(tmp_path):
     """Orbax's barrier timeout is the handler's commit bound (its write, then
     the wait for the other hosts' outcomes), not Orbax's own 1200 s."""

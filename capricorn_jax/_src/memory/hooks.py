@@ -52,6 +52,10 @@ class FaultHooks:
       on_stall: called with that version when the stall begins.
       on_serve: called with the version on a host about to serve a peer's
         payload in a recovery's serve round (e.g. to kill the process there).
+      flip_serve: in each serve round this host serves, its first this many
+        tries flip one byte of the first row it sends, after the row's
+        checksum was taken (bytes corrupted in transit; the receiver's check
+        fails and the round is served again: ``recovery.SERVE_ATTEMPTS``).
     """
 
     stall_replica_writer_at: tuple[int, float] | None = None
@@ -63,8 +67,11 @@ class FaultHooks:
     stall_channel_at: tuple[int, float] | None = None
     on_stall: Callable[[int], None] | None = None
     on_serve: Callable[[int], None] | None = None
+    flip_serve: int = 0
 
     def __post_init__(self) -> None:
+        if self.flip_serve < 0:
+            raise ValueError(f"flip_serve must be >= 0, got {self.flip_serve}")
         stall = self.stall_replica_writer_at
         if stall is not None and (len(stall) != 2 or stall[1] < 0):
             raise ValueError(f"stall_replica_writer_at must be (step, seconds >= 0), got {stall!r}")

@@ -85,6 +85,7 @@ from capricorn_jax._src.memory.checkpointer import SaveReport
 from capricorn_jax._src.memory.pec_tier import PecTier
 from capricorn_jax._src.memory.recovery import recover
 from capricorn_jax._src.memory.restore_info import PecRestore, RestoreInfo
+from capricorn_jax._src.memory.store import ChecksumError
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import finalize
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
@@ -429,7 +430,13 @@ class CheckpointManager(ocp.CheckpointManager):
         assert ckpt is not None, "a memory step exists only with a memory tier"
         mine = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ckpt.abstract_state)
         check_tree(abstract, mine, "the in-memory checkpoint")
-        recovered = recover(ckpt)
+        try:
+            recovered = recover(ckpt)
+        except ChecksumError as e:  # every host raises it: the verdicts are agreed
+            if at_least is None:
+                raise
+            log.warning("memory tier: %s; using the persistent tier", e)
+            return None
         if recovered is None or (at_least is not None and recovered[1].step < at_least):
             # Every version newer than the persistent step failed its checksums.
             log.warning("memory tier gave %s; using the persistent tier",
