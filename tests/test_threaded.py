@@ -364,7 +364,8 @@ def test_a_steps_own_marks_are_the_profile_the_instrumented_variant_measures():
         marked_state, _ = program(state, batch)
         jax.block_until_ready(marked_state)
         total = time.perf_counter() - t0
-        own = build_profile(0, total, sender.hook().names, sender.marks.step_times())
+        own = build_profile(0, total, sender.hook().names, sender.marks.step_times(),
+                            measured_collectives=True)
     finally:
         sender.close()
     plain_state, _ = trainer.step_fn(factors)(trainer.init_state(0), batch)
@@ -380,6 +381,10 @@ def test_a_steps_own_marks_are_the_profile_the_instrumented_variant_measures():
         if mine.spans is not None:
             assert [s.edge for s in mine.spans] == [s.edge for s in theirs.spans]
     assert any(s.spans for s in own.segments)  # the MoE layers' idle spans are measured
+    for seg in own.segments:  # and their all-to-alls' time, between the edges
+        assert seg.collective_s == (None if seg.spans is None else
+                                    sum(span.busy_s for span in seg.spans))
+        assert seg.spans is None or seg.collective_s > 0
     assert sum(s.duration_s for s in own.segments) <= total
 
 

@@ -238,6 +238,7 @@ def build_profile(
     collectives_s: Mapping[str, float] | None = None,
     mark_cost_s: float = 0.0,
     tail_collective_s: float = 0.0,
+    measured_collectives: bool = False,
 ) -> LayerProfile:
     """Turns one step's timestamps into a LayerProfile.
 
@@ -256,6 +257,11 @@ def build_profile(
         boundary (the gradient all-reduce of the parameters every device
         holds, which XLA runs after the backward), added to the TAIL
         segment's collective estimate.
+      measured_collectives: a segment whose collectives' edges were all
+        marked (its ``spans``) takes as ``collective_s`` their measured time
+        in the step (the sum of its spans' busy time, the tail's estimate
+        included) instead of ``collectives_s``' estimate: no all-to-all timed
+        in isolation, so no probe program compiled per buffer shape.
 
     Raises:
       RuntimeError: a mark is missing or the marks are out of order.
@@ -287,6 +293,8 @@ def build_profile(
         # Every gap between two marks holds about one mark's cost.
         duration = max(0.0, t1 - t0 - (len(inside) + 1) * mark_cost_s)
         spans = _spans(t0, t1, inside, mark_cost_s, tail) if inside else None
+        if measured_collectives and spans is not None:
+            coll = sum(span.busy_s for span in spans)
         segments.append(Segment(key[0], key[1], start, duration, coll, spans))
         start += duration
     devices = len({d for (_, _, d) in times})

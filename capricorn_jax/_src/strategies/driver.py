@@ -122,17 +122,19 @@ class ProfilingDriver:
         factors = tuple(float(f) for f in factors)
         profile = None
         if self.profile_next:
-            buffers = None if self.collectives is None else self.collectives(factors)
             reduced = None if self.reductions is None else self.reductions()
             if self.strategy.profiles_from_marks:
                 # The strategy's own program is the profile: no variant to compile.
+                # The all-to-alls are timed between their marked edges (no
+                # probe per buffer shape); the gradient all-reduce is estimated.
                 compiled = not self.strategy.has_step(self.train, step, factors, hooks)
-                estimates = collective_estimates(self.train, buffers, reductions=reduced)
+                estimates = collective_estimates(self.train, None, reductions=reduced)
                 state, metrics, profile = self.strategy.run_profiled(
                     self.train, step, factors, state, batch, estimates, hooks)
             else:
                 compiled = factors not in self._variants
                 self._variants.add(factors)
+                buffers = None if self.collectives is None else self.collectives(factors)
                 state, metrics, profile = make_profiled_step(self.train, factors, buffers,
                                                              reductions=reduced)(state, batch)
             if not compiled and self.strategy.plans_on_profiles:

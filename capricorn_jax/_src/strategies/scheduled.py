@@ -265,7 +265,10 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         moves in it (``save`` saved version ``step`` unscheduled and flushed
         a spread one), its marks are read after it into a ``LayerProfile``.
         The previous step is waited for first, so the table holds this
-        step's stamps only. The native marks' cost (~3 us each) is taken as 0."""
+        step's stamps only. The native marks' cost (~3 us each) is taken as 0;
+        the all-to-alls' times are measured between their edges
+        (``measured_collectives``; ``estimates`` gives the gradient
+        all-reduce's, and the others' where a segment has no spans)."""
         if not self.profiles_from_marks:
             raise RuntimeError(f"{self.name}: run_profiled needs the threaded path's native "
                                f"marks; the driver profiles with an instrumented variant")
@@ -280,7 +283,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         total = time.perf_counter() - t0
         collectives_s, tail_s = estimates
         profile = build_profile(step, total, self.sender.hook().names, marks.step_times(),
-                                collectives_s, 0.0, tail_s)
+                                collectives_s, 0.0, tail_s, measured_collectives=True)
         return state, metrics, profile
 
     def _pack(self, transport: Transport) -> Any:
