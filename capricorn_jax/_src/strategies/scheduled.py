@@ -255,7 +255,10 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         return train.step_fn(factors, *self._step_args(train, hooks))
 
     def _has_step(self, train: TrainStep, factors: tuple[float, ...], hooks: tuple) -> bool:
-        return train.has_step(factors, *self._step_args(train, hooks))
+        hooks, wrap = self._step_args(train, hooks)
+        # A trainer written before ``has_step`` took ``wrap`` is asked without it.
+        return train.has_step(factors, hooks) if wrap is None else \
+            train.has_step(factors, hooks, wrap)
 
     def run_profiled(self, train: TrainStep, step: int, factors: tuple[float, ...],
                      state: State, batch: jax.Array, estimates: tuple[dict[str, float] | None,
