@@ -404,6 +404,13 @@ def results_page(root: Path) -> str:
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
     parts += _long_run_section(res, "deadline", "the long-run sweep with the deadline sender "
                                "(issue 38), FIFO links and a traffic class")
+    parts += _long_run_section(res, "one_program", "one step program per capacity tuple "
+                               "(issue 38 part 4, code c83c26b), FIFO links")
+    parts += _long_run_section(res, "one_program_21a2e7f", "one step program per capacity "
+                               "tuple, its first run (code 21a2e7f: all-to-alls still timed "
+                               "by probes)")
+    parts += _long_run_section(res, "holdover", "a version's rest held for the next step's "
+                               "windows under the budget (code bf00b9b)")
     first = sorted((res / "emulated" / "deadline_62bbca1").glob("bench_*.json"))
     if first:
         parts += ["## Emulated accelerator: the deadline sender's first point (superseded)", "",
