@@ -385,7 +385,7 @@ def test_a_received_payload_of_the_wrong_shape_is_refused_by_name(trainer, tmp_p
             f"shape (2, {ckpt.plan.payload_bytes + 1}); version 1 needs "
             f"(2, {ckpt.plan.payload_bytes})")):
         ckpt.save_transferred(1, None, [bad])
-    assert ckpt._own_q.unfinished_tasks == 0 and ckpt._rep_q.unfinished_tasks == 0
+    assert ckpt.writers.own_q.unfinished_tasks == 0 and ckpt.writers.rep_q.unfinished_tasks == 0
     ckpt.close()
 
 

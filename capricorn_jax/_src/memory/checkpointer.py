@@ -66,7 +66,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory import placement
-from capricorn_jax._src.memory.hooks import FaultHooks
+from capricorn_jax._src.memory.hooks import NO_FAULTS, FaultHooks
 from capricorn_jax._src.memory.host_arrays import host_memory_kind
 from capricorn_jax._src.memory.options import InMemoryOptions
 from capricorn_jax._src.memory.packing import PackPlan, encode_trailer, make_plan
@@ -78,7 +78,7 @@ from capricorn_jax._src.memory.status_round import StatusRound
 from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.store_lifecycle import StoreLimit
 from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writers import _InSlot
+from capricorn_jax._src.memory.writers import VersionWriters, _InSlot
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
 
@@ -149,12 +149,14 @@ class InMemoryCheckpointer(StatusRound):
             assert model is not None  # checked above
             self.pec = PecTier(options.pec, model, tokens_per_step, self.abstract_state,
                                self.transport)
-        super().__init__(self.store, host, hosts, sources, self.copier, hooks,
-                         options.write_threads)
+        self.hooks = NO_FAULTS if hooks is None else hooks
+        self.sources = sources
+        self.writers = VersionWriters(self.store, host, hosts, sources, self.copier, hooks,
+                                      options.write_threads)
         # PEC: version -> (versions a restore to it reads, complete).
         self._needs: dict[int, tuple[tuple[int, ...], bool]] = {}
         if self.pec is not None:
-            for o, steps in self._held.items():
+            for o, steps in self.writers.held.items():
                 for v in sorted(steps):
                     try:
                         self._needs.setdefault(v, version_needs_of(self.store.manifest(o, v), v))
@@ -178,12 +180,12 @@ class InMemoryCheckpointer(StatusRound):
         """Removes every stored version newer than ``step`` (a recovery to
         ``step``, -1 for a fresh start, abandons them: the steps after it are
         trained again and must not mix with the old ones). Call before saving."""
-        with self._lock:
-            for owner, held in self._held.items():
+        with self.writers.lock:
+            for owner, held in self.writers.held.items():
                 for v in sorted(v for v in held if v > step):
                     held.discard(v)
                     self.store.remove(owner, v)
-                self._newest[owner] = max(held, default=-1)
+                self.writers.newest[owner] = max(held, default=-1)
             self._reported = {v for v in self._reported if v <= step}
 
     # ----- the training thread's API -----
@@ -353,8 +355,8 @@ class InMemoryCheckpointer(StatusRound):
         queued for its writer. Not after ``drop`` (a peer's frame failed its
         check), a skip, or a write that failed: a persistent step of that
         version has nothing to read here."""
-        with self._lock:
-            return step in self._held.get(self.host, ()) or step in self._own_queued
+        with self.writers.lock:
+            return step in self.writers.held.get(self.host, ()) or step in self.writers.own_queued
 
     def missing_for_read(self, step: int) -> list[int]:
         """Versions older than ``step`` that a read of this host's own version
@@ -363,8 +365,8 @@ class InMemoryCheckpointer(StatusRound):
         will never hold). Version ``step`` itself may still be in flight and is
         not checked."""
         needed = self._needs.get(step, ((step,), True))[0]
-        with self._lock:
-            queued = set(self._own_queued)
+        with self.writers.lock:
+            queued = set(self.writers.own_queued)
         held = set(self.store.versions(self.host))
         return sorted(v for v in needed if v < step and v not in held and v not in queued)
 
@@ -380,8 +382,9 @@ class InMemoryCheckpointer(StatusRound):
 
     def _enqueue(self, report: SaveReport, step: int, own, received: list, statuses,
                  version: PecVersion | None = None, corrupt: list | None = None) -> SaveReport:
-        if self._errors:
-            raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
+        if self.writers.errors:
+            raise RuntimeError(f"host {self.host}: checkpoint writer failed") \
+                from self.writers.errors[0]
         plan = self.plan if version is None else version.plan
         meta = None if version is None else version.meta
         if meta is not None:
@@ -392,7 +395,7 @@ class InMemoryCheckpointer(StatusRound):
         # slot taken now; its writer waits for the copy and checksums in place.
         with self.clock.phase("d2h"):
             if self.copier is not None and not isinstance(own, np.ndarray):
-                own = self._copy_into_slot(step, own, plan)
+                own = self.writers.copy_into_slot(step, own, plan)
             else:
                 own = own if isinstance(own, np.ndarray) else self._to_host(own)
             received = [a if isinstance(a, np.ndarray) else self._to_host(a) for a in received]
@@ -401,17 +404,17 @@ class InMemoryCheckpointer(StatusRound):
         if self.options.max_wait_s is not None:
             wait = self.options.max_wait_s
         try:
-            with self._lock:
-                self._own_queued.add(step)
+            with self.writers.lock:
+                self.writers.own_queued.add(step)
             with self.clock.phase("writer_handoff"):
-                self._own_q.put((step, own, plan, meta), timeout=wait)
+                self.writers.own_q.put((step, own, plan, meta), timeout=wait)
             self._pending[step] = time.monotonic()
             if self._last_taken >= 0:
                 report.interval = step - self._last_taken
             self._last_taken = step
         except queue.Full:
-            with self._lock:
-                self._own_queued.discard(step)
+            with self.writers.lock:
+                self.writers.own_queued.discard(step)
             if isinstance(own, _InSlot):  # the copy must land before the slot is free
                 assert self.copier is not None  # an _InSlot comes from _copy_into_slot
                 self.copier.wait()
@@ -421,7 +424,7 @@ class InMemoryCheckpointer(StatusRound):
                         wait, step)
         if received:
             try:
-                self._rep_q.put_nowait((step, received, plan, meta, corrupt))
+                self.writers.rep_q.put_nowait((step, received, plan, meta, corrupt))
             except queue.Full:
                 report.dropped_replicas = len(received)
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
@@ -441,11 +444,16 @@ class InMemoryCheckpointer(StatusRound):
             return array
         return jax.device_put(array, array.sharding.with_memory_kind(self._memory_kind))
 
+    def wait_until_finished(self, timeout_s: float | None = None) -> None:
+        """Blocks until both writers are idle (bounded by ``timeout_s``);
+        raises a writer's first failure."""
+        self.writers.wait_until_finished(timeout_s)
+
     def close(self, timeout_s: float = 60.0) -> None:
         self.wait_until_finished(timeout_s)
         if self.copier is not None:
             self.copier.close()
-        self._stop_writers()
+        self.writers.stop()
         self._closed = True
 
     def confirm(self, timeout_s: float = 60.0) -> SaveReport:

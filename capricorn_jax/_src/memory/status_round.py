@@ -11,12 +11,13 @@ budget's skip (``_over_budget``) and host 0's note. Removals are decided
 between reading and reporting (``_decide_removals``, in ``_begin_save``'s
 order: ``retention``).
 
-Design choice: a base class of ``InMemoryCheckpointer`` over the writers
-(``writers.VersionWriters``), whose records (``_held``, ``_newest``,
-``_lock``, the queues) it reads, apart from the lifecycle and the saves that
-run it, so each module stays a size a reader can hold. Alternative not
-taken: a status object the checkpointer calls, which would put an accessor
-between the round and every record the writers and the saves keep.
+Design choice: a base class of ``InMemoryCheckpointer`` that reads the
+records of its writers component (``writers``: a ``writers.VersionWriters``,
+whose ``held``, ``newest``, ``lock`` and queues are its public state) and
+the saves' bookkeeping, apart from the lifecycle and the saves that run it,
+so each module stays a size a reader can hold. Alternative not taken: a
+status object the checkpointer calls, which would put an accessor between
+the round and every record the saves keep.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from capricorn_jax._src.memory.packing import PackPlan
 from capricorn_jax._src.memory.pec_tier import PecTier
 from capricorn_jax._src.memory.phase_clock import PhaseClock
 from capricorn_jax._src.memory.reports import SaveReport
+from capricorn_jax._src.memory.store import HostStore
 from capricorn_jax._src.memory.transport import Transport
 from capricorn_jax._src.memory.writers import VersionWriters
 
@@ -43,10 +45,13 @@ unconfirmed version may be reported under-replicated (with the wall bound)."""
 log = logging.getLogger("capricorn_jax")
 
 
-class StatusRound(VersionWriters):
+class StatusRound:
     """The status round over the writers' records (see the module docstring);
     ``InMemoryCheckpointer`` sets the state below."""
 
+    writers: VersionWriters
+    store: HostStore
+    host: int
     options: InMemoryOptions
     hosts: int
     plan: PackPlan
@@ -68,8 +73,8 @@ class StatusRound(VersionWriters):
     def _decide_removals(self) -> None:
         """Marks what each owner's store no longer keeps (training thread, after
         adopting the safe version, before reporting the held versions)."""
-        with self._lock:
-            for owner, held in self._held.items():
+        with self.writers.lock:
+            for owner, held in self.writers.held.items():
                 if not held:
                     continue
                 # A version saved whole reads itself; under PEC one without a
@@ -79,9 +84,9 @@ class StatusRound(VersionWriters):
                 gone = held - keep
                 if gone:
                     held -= gone
-                    self._doomed.setdefault(owner, []).extend(sorted(gone))
+                    self.writers.doomed.setdefault(owner, []).extend(sorted(gone))
             if self.pec is not None:
-                live = set().union(*self._held.values())
+                live = set().union(*self.writers.held.values())
                 for v in [v for v in self._needs if v not in live and v < self._safe]:
                     del self._needs[v]
 
@@ -89,10 +94,12 @@ class StatusRound(VersionWriters):
         """This host's held versions per owner (newest, mask), its store's KiB,
         1 if a writer is still busy with an earlier version, the caller's
         note, and 1 if the caller's chunk channel is lost here."""
-        with self._lock:
-            pairs = [retention.encode_held(self._held.get(o, ())) for o in range(self.hosts)]
+        with self.writers.lock:
+            pairs = [retention.encode_held(self.writers.held.get(o, ()))
+                     for o in range(self.hosts)]
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
-        busy = int(self._own_q.unfinished_tasks > 0 or self._rep_q.unfinished_tasks > 0)
+        writers = self.writers
+        busy = int(writers.own_q.unfinished_tasks > 0 or writers.rep_q.unfinished_tasks > 0)
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
                          self._store_bytes // 1024, busy, int(self.status_note),
                          int(self.channel_lost)], np.int64)
@@ -135,7 +142,7 @@ class StatusRound(VersionWriters):
     def _read_statuses(self) -> SaveReport:
         """Folds in the statuses gathered by the previous save (already computed)."""
         report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
-                            committed=self._newest[self.host], safe_version=self._safe,
+                            committed=self.writers.newest[self.host], safe_version=self._safe,
                             under_replicated=[], skipped=False)
         if self._last_statuses is None:
             return report

@@ -15,7 +15,7 @@ also restores), which the strategies are typed against, so mypy rejects any
 member outside this list: the checkpointer's writers, store bookkeeping and
 status round stay its own, and the one state a strategy sets (its status
 note) goes through a named method. Alternative not taken: the strategies
-typed against ``InMemoryCheckpointer``, whose every attribute (``_held``,
+typed against ``InMemoryCheckpointer``, whose every attribute (``writers``,
 ``status_note``, ...) a strategy could then read or assign unseen.
 """
 

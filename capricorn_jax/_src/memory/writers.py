@@ -5,20 +5,20 @@ One thread writes this host's own versions, one the replicas it received
 CRC32C release the GIL). A writer removes the versions of its owner that the
 training thread decided away before it writes (``_remove_doomed``), so a
 removal never races a write of the same owner, and records each committed
-version in ``_held`` / ``_newest``, which the status round reads under
-``_lock``. An own version may reach its slot straight from the device
-(``pinned.SlotCopier``; ``_copy_into_slot`` on the training thread, the
+version in ``held`` / ``newest``, which the status round reads under
+``lock``. An own version may reach its slot straight from the device
+(``pinned.SlotCopier``; ``copy_into_slot`` on the training thread, the
 writer then waits for the copy and checksums in place). Fault injection
 (``hooks.FaultHooks``, test-only) stalls the replica writer or pauses it
 halfway through a version.
 
-Design choice: the writers as the base class of ``InMemoryCheckpointer``,
-which adds the lifecycle, the saves and the status round on the same
-records, so every name the two halves share (``_held``, ``_lock``,
-``_own_q`` ...) keeps its meaning and the checkpointer module stays a size a
-reader can hold. Alternative not taken: a separate writers object the
-checkpointer calls, which would put an accessor between the status round and
-every record the writers keep, for no caller other than the checkpointer.
+Design choice: the writers as a component of ``InMemoryCheckpointer`` (its
+``writers``): it hands them versions through ``own_q`` / ``rep_q`` and its
+status round reads their records (``held``, ``newest``, under ``lock``); the
+writers' state is theirs and public, the checkpointer's saves and lifecycle
+are not theirs to see. Alternative not taken (the previous state): the
+writers as the checkpointer's base class, which shared every private name of
+the two halves and let a save reach into a writer's internals.
 """
 
 from __future__ import annotations
@@ -59,24 +59,24 @@ class VersionWriters:
                  copier: SlotCopier | None, hooks: FaultHooks | None, write_threads: int):
         self.store, self.host, self.sources, self.copier = store, host, sources, copier
         self.hooks = NO_FAULTS if hooks is None else hooks
-        # Guards _held, _newest and _doomed (the writers commit, the training
+        # Guards held, newest and doomed (the writers commit, the training
         # thread decides removals and reports).
-        self._lock = threading.Lock()
-        self._held = {o: set(self.store.versions(o)) for o in self.store.owners()}
-        self._newest = {o: max(self._held.get(o, ()), default=-1) for o in range(hosts)}
-        self._doomed: dict[int, list[int]] = {}  # owner -> versions its writer removes
-        self._own_queued: set[int] = set()  # own versions handed to the writer, not written yet
-        self._own_q: queue.Queue = queue.Queue(maxsize=1)
-        self._rep_q: queue.Queue = queue.Queue(maxsize=1)
-        self._errors: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.held = {o: set(self.store.versions(o)) for o in self.store.owners()}
+        self.newest = {o: max(self.held.get(o, ()), default=-1) for o in range(hosts)}
+        self.doomed: dict[int, list[int]] = {}  # owner -> versions its writer removes
+        self.own_queued: set[int] = set()  # own versions handed to the writer, not written yet
+        self.own_q: queue.Queue = queue.Queue(maxsize=1)
+        self.rep_q: queue.Queue = queue.Queue(maxsize=1)
+        self.errors: list[BaseException] = []
         # (owner, version) of replicas not stored: their end-to-end check failed.
         self.corrupt_replicas: list[tuple[int, int]] = []
         self._write_pool = concurrent.futures.ThreadPoolExecutor(
             write_threads, thread_name_prefix="ckpt-chunk-writer")
         self._threads = [
-            threading.Thread(target=self._run, args=(self._own_q, self._write_own), daemon=True,
+            threading.Thread(target=self._run, args=(self.own_q, self._write_own), daemon=True,
                              name="ckpt-own-writer"),
-            threading.Thread(target=self._run, args=(self._rep_q, self._write_replicas),
+            threading.Thread(target=self._run, args=(self.rep_q, self._write_replicas),
                              daemon=True, name="ckpt-replica-writer"),
         ]
         for t in self._threads:
@@ -91,11 +91,11 @@ class VersionWriters:
                 work(*item)
             except BaseException as e:  # noqa: BLE001 - reported by the next save
                 log.exception("host %d: checkpoint writer failed", self.host)
-                self._errors.append(e)
+                self.errors.append(e)
             finally:
                 q.task_done()
 
-    def _copy_into_slot(self, step: int, own: jax.Array, plan: PackPlan) -> _InSlot:
+    def copy_into_slot(self, step: int, own: jax.Array, plan: PackPlan) -> _InSlot:
         """Takes the own version's slot and starts the copier's copy of this
         host's device rows into it (training thread; the copy is asynchronous
         on an accelerator)."""
@@ -156,15 +156,15 @@ class VersionWriters:
         if pec_meta is not None:
             meta["pec"] = pec_meta
         writer.commit(meta)
-        with self._lock:
-            self._held.setdefault(owner, set()).add(step)
-            self._newest[owner] = max(self._newest.get(owner, -1), step)
+        with self.lock:
+            self.held.setdefault(owner, set()).add(step)
+            self.newest[owner] = max(self.newest.get(owner, -1), step)
 
     def _remove_doomed(self, owner: int) -> None:
         """Removes the versions of ``owner`` decided away (by that owner's writer,
         so a removal never races a write of the same owner)."""
-        with self._lock:
-            doomed = self._doomed.pop(owner, [])
+        with self.lock:
+            doomed = self.doomed.pop(owner, [])
         for v in doomed:
             self.store.remove(owner, v)
 
@@ -172,8 +172,8 @@ class VersionWriters:
         try:
             self._write_version(self.host, step, _host_rows(own), plan, pec_meta)
         finally:
-            with self._lock:
-                self._own_queued.discard(step)
+            with self.lock:
+                self.own_queued.discard(step)
 
     def _write_replicas(self, step: int, received: list, plan: PackPlan,
                         pec_meta: dict | None, corrupt: list | None = None) -> None:
@@ -203,19 +203,19 @@ class VersionWriters:
     def wait_until_finished(self, timeout_s: float | None = None) -> None:
         """Blocks until both writers are idle (bounded by ``timeout_s``)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for q in (self._own_q, self._rep_q):
+        for q in (self.own_q, self.rep_q):
             while q.unfinished_tasks:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"host {self.host}: checkpoint writers still busy")
                 time.sleep(0.01)
-        if self._errors:
-            raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self._errors[0]
+        if self.errors:
+            raise RuntimeError(f"host {self.host}: checkpoint writer failed") from self.errors[0]
 
-    def _stop_writers(self) -> None:
+    def stop(self) -> None:
         """Ends both threads (after ``wait_until_finished``) and the pool."""
-        for owner in list(self._doomed):
+        for owner in list(self.doomed):
             self._remove_doomed(owner)
-        for q in (self._own_q, self._rep_q):
+        for q in (self.own_q, self.rep_q):
             q.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
