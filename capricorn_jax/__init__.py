@@ -18,12 +18,12 @@ from capricorn_jax._src.profiling.boundary import (
 )
 
 # The memory tier: a version every step in host RAM and on m-1 peers.
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
-from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.recovery import recover
-from capricorn_jax._src.memory.restore_info import RestoreInfo
-from capricorn_jax._src.memory.reports import SaveReport
-from capricorn_jax._src.memory.store import ChecksumError
+from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.recovery import recover
+from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
+from capricorn_jax._src.memory.tier.reports import SaveReport
+from capricorn_jax._src.memory.store.store import ChecksumError
 from capricorn_jax._src.partial.selection import PecOptions
 
 # The persistent tier through Orbax: a handler, its args, a manager over both tiers.

@@ -21,7 +21,7 @@ import sys
 
 from absl import app, flags
 
-from capricorn_jax._src.memory import store_admin
+from capricorn_jax._src.memory.store import store_admin
 
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> flags.FlagValues:

@@ -76,9 +76,9 @@ def two_host_transport():
     Returns:
       (trainer, plan, transport).
     """
-    from capricorn_jax._src.memory.packing import make_plan
-    from capricorn_jax._src.memory.placement import send_rounds
-    from capricorn_jax._src.memory.transport import Transport
+    from capricorn_jax._src.memory.wire.packing import make_plan
+    from capricorn_jax._src.memory.wire.placement import send_rounds
+    from capricorn_jax._src.memory.wire.transport import Transport
     from launch.trainer import OptimizerOptions, Trainer, make_mesh
     from models import get_config
 

@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.memory.host_arrays import global_arrays
-from capricorn_jax._src.memory.packing import decode_trailer, unpack
-from capricorn_jax._src.memory.recovery import read_rows
+from capricorn_jax._src.memory.tier.recovery import read_rows
+from capricorn_jax._src.memory.wire.host_arrays import global_arrays
+from capricorn_jax._src.memory.wire.packing import decode_trailer, unpack
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES, make_strategy
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax._src.memory.packing import encode_trailer
+from capricorn_jax._src.memory.wire.packing import encode_trailer
 from capricorn_jax._src.scheduling.executor import (
     AFTER,
     START,

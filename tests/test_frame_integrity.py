@@ -141,7 +141,7 @@ def test_chunk_sums_change_with_any_one_changed_byte(chunk, data):
     changed, at any position of a chunk of any length, changes the sums."""
     import jax.numpy as jnp
 
-    from capricorn_jax._src.memory.transport import chunk_sums
+    from capricorn_jax._src.memory.wire.transport import chunk_sums
 
     at = data.draw(st.integers(0, len(chunk) - 1))
     delta = data.draw(st.integers(1, 255))

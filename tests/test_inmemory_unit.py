@@ -11,18 +11,18 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax._src.memory.host_arrays import global_arrays
-from capricorn_jax._src.memory.packing import (
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.tier.recovery import choose_version, serve_rounds
+from capricorn_jax._src.memory.wire.host_arrays import global_arrays
+from capricorn_jax._src.memory.wire.packing import (
     check_compatible,
     decode_trailer,
     encode_trailer,
     make_plan,
     unpack,
 )
-from capricorn_jax._src.memory.placement import send_rounds
-from capricorn_jax._src.memory.recovery import choose_version, serve_rounds
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.memory.wire.placement import send_rounds
+from capricorn_jax._src.memory.wire.transport import Transport, local_rows
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal

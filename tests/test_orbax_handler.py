@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import capricorn_jax
-from capricorn_jax._src.memory.packing import unpack
+from capricorn_jax._src.memory.wire.packing import unpack
 from capricorn_jax._src.persistent.memory_read import read_own_blocks
 from tests.helpers import ROOT, child_env
 from tests.orbax_worker import INTERVAL, README_SNIPPET, SHAPES, expected_state
@@ -407,7 +407,7 @@ def test_pec_persistent_steps_restore_like_the_memory_tier(pec_trainer, tmp_path
     """PEC memory tier (K=2 of 8, 2 expert ranks), persistent steps every 3
     steps with K_persist = N or 2, max_to_keep=1; each version's values are
     base + its step, so every restored expert names the step it comes from."""
-    from capricorn_jax._src.memory.retention import versions_to_keep
+    from capricorn_jax._src.memory.tier.retention import versions_to_keep
     from capricorn_jax._src.partial.plans import newest_copies, persisted_needs
 
     trainer = pec_trainer

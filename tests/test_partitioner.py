@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax import LayerProfile
-from capricorn_jax._src.memory.packing import LeafSlot
+from capricorn_jax._src.memory.wire.packing import LeafSlot
 from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.scheduling.partition_search import spread
 from capricorn_jax._src.scheduling.partitioner import (

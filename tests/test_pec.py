@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.retention import versions_to_keep
+from capricorn_jax._src.memory.tier.retention import versions_to_keep
 from capricorn_jax._src.partial.leaves import expert_leaf_axes, leaf_steps, state_bytes
 from capricorn_jax._src.partial.plans import (
     newest_copies,

@@ -30,16 +30,16 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.memory import retention
-from capricorn_jax._src.memory.packing import (
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.tier import retention
+from capricorn_jax._src.memory.wire.packing import (
     TRAILER_BYTES,
     make_pec_plan,
     make_plan,
     unpack,
     unpack_pec,
 )
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.memory.wire.transport import Transport, local_rows
 from capricorn_jax._src.partial.leaves import MoEShape, expert_leaf_axes, leaf_steps, pec_bytes
 from capricorn_jax._src.partial.plans import version_needs
 from capricorn_jax._src.partial.selection import PecOptions, padded_gather_indices, sequential_mask

@@ -3,7 +3,7 @@ the bench's per-step means of it (``launch.bench.step_stats.blocked``)."""
 
 import pytest
 
-from capricorn_jax._src.memory import phase_clock
+from capricorn_jax._src.memory.tier import phase_clock
 from launch.bench import step_stats
 
 

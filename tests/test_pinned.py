@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.copy_path import (
+from capricorn_jax._src.memory.store.copy_path import (
     COPY_PATHS,
     BackendCaps,
     CopyPath,
     choose_copy_path,
     row_copies,
 )
-from capricorn_jax._src.memory.pinned import (
+from capricorn_jax._src.memory.store.pinned import (
     HUGE_PAGE,
     SlotCopier,
     SlotRegistry,
@@ -30,7 +30,7 @@ from capricorn_jax._src.memory.pinned import (
     wants_madvise,
     zero_copy,
 )
-from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store.store import HostStore
 
 
 @given(st.integers(0, 1 << 40), st.integers(0, 30))

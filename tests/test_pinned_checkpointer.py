@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import capricorn_jax
-from capricorn_jax._src.memory import arena as store_module
-from capricorn_jax._src.memory.host_arrays import global_arrays
-from capricorn_jax._src.memory.packing import unpack
-from capricorn_jax._src.memory.pinned import arena_copier
+from capricorn_jax._src.memory.store import arena as store_module
+from capricorn_jax._src.memory.store.pinned import arena_copier
+from capricorn_jax._src.memory.wire.host_arrays import global_arrays
+from capricorn_jax._src.memory.wire.packing import unpack
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal

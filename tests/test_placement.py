@@ -2,7 +2,7 @@
 
 import pytest
 
-from capricorn_jax._src.memory.placement import groups, holders, replica_sources, send_rounds
+from capricorn_jax._src.memory.wire.placement import groups, holders, replica_sources, send_rounds
 
 CASES = [(h, m) for h in range(1, 17) for m in range(1, 4) if m <= h]
 

@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store.store import HostStore
 from tests.helpers import assert_no_orphans, run_train
 from tests.tree_utils import assert_trees_equal
 

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory import placement, retention
-from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.recovery import choose_pec_version, choose_version
+from capricorn_jax._src.memory.tier import retention
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.recovery import choose_pec_version, choose_version
+from capricorn_jax._src.memory.wire import placement
 
 
 @given(st.sets(st.integers(0, 200), max_size=40))
@@ -187,7 +188,7 @@ def test_a_safe_version_survives_any_m_minus_1_host_losses_at_every_moment(data)
 
 
 def test_held_everywhere_is_what_every_holder_of_every_owner_holds():
-    from capricorn_jax._src.memory.retention import held_everywhere
+    from capricorn_jax._src.memory.tier.retention import held_everywhere
 
     held = [{0: {1, 2, 3}, 1: {2}}, {0: {2, 3}, 1: {1, 2, 3}}, {2: {3}}]
     # Owner 0 on hosts 0, 1; owner 1 on hosts 1, 0; owner 2 on host 2 alone.

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.store import (
+from capricorn_jax._src.memory.store.store import (
     ChecksumError,
     HostStore,
     StoreIsolationError,
@@ -359,7 +359,7 @@ def test_a_damaged_commit_record_is_not_a_version(tmp_path, caplog):
 def test_a_store_written_in_another_head_format_is_refused_naming_it(tmp_path):
     import json
 
-    from capricorn_jax._src.memory.store import StoreFormatError
+    from capricorn_jax._src.memory.store.store import StoreFormatError
 
     store = HostStore(tmp_path / "h0")
     _write(store, 0, 3, _chunks(5, [10]))

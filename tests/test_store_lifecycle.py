@@ -20,9 +20,9 @@ import pytest
 import capricorn_jax
 from capricorn_jax import stores
 from capricorn_jax import stores as store_admin
-from capricorn_jax._src.memory import store_lifecycle as store_lib
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.store_lifecycle import (
+from capricorn_jax._src.memory.store import store_lifecycle as store_lib
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.store.store_lifecycle import (
     StoreFullError,
     StoreLimit,
     committed_steps,

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.transport import local_rows
+from capricorn_jax._src.memory.wire.transport import local_rows
 from capricorn_jax._src.profiling.boundary import (
     boundary_hooks,
     collective_boundary,

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.packing import encode_trailer
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
+from capricorn_jax._src.memory.wire.packing import encode_trailer
 from capricorn_jax._src.scheduling.executor import AFTER, START
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.transfers import ScheduledTransfers, window_spills

@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from capricorn_jax import InMemoryCheckpointer, InMemoryOptions
-from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.reader import TierReader
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
 
 WRITE_MEMBERS = {"clock", "rounds", "sources", "agreed_note", "note_status", "note_channel",
                  "channel_lost_anywhere", "save",

@@ -5,7 +5,7 @@ Unstable: see ``capricorn_jax.experimental``."""
 
 from __future__ import annotations
 
-from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.native import NativeBuildError
 from capricorn_jax._src.native import build as build_native
 from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags

@@ -5,10 +5,10 @@ Unstable: see ``capricorn_jax.experimental``."""
 
 from __future__ import annotations
 
-from capricorn_jax._src.memory.packing import TRAILER_BYTES, make_plan
-from capricorn_jax._src.memory.placement import holders as placement_holders
-from capricorn_jax._src.memory.placement import send_rounds
-from capricorn_jax._src.memory.retention import versions_to_keep, whole_versions
+from capricorn_jax._src.memory.tier.retention import versions_to_keep, whole_versions
+from capricorn_jax._src.memory.wire.packing import TRAILER_BYTES, make_plan
+from capricorn_jax._src.memory.wire.placement import holders as placement_holders
+from capricorn_jax._src.memory.wire.placement import send_rounds
 from capricorn_jax._src.partial.plans import version_needs
 from capricorn_jax._src.partial.selection import DynamicK, version_mask
 from capricorn_jax._src.partial.tracker import PltTracker

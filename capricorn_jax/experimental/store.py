@@ -5,9 +5,9 @@ Unstable: see ``capricorn_jax.experimental``."""
 
 from __future__ import annotations
 
-from capricorn_jax._src.memory import pinned
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.store_lifecycle import (
+from capricorn_jax._src.memory.store import pinned
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.store.store_lifecycle import (
     committed_steps,
     mount_point,
     remove_unused,

@@ -4,7 +4,7 @@ Unstable: see ``capricorn_jax.experimental``."""
 
 from __future__ import annotations
 
-from capricorn_jax._src.memory.hooks import FaultHooks
+from capricorn_jax._src.memory.tier.hooks import FaultHooks
 
 __all__ = [
     "FaultHooks",

@@ -61,13 +61,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer, SaveReport
-from capricorn_jax._src.memory.host_arrays import (
+from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer, SaveReport
+from capricorn_jax._src.memory.tier.recovery import restorable_version
+from capricorn_jax._src.memory.wire.host_arrays import (
     check_host_memory_kind,
     global_arrays,
     host_memory_kind,
 )
-from capricorn_jax._src.memory.recovery import restorable_version
 from capricorn_jax._src.persistent.memory_read import (
     carried_blocks,
     check_tree,

@@ -81,11 +81,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from capricorn_jax._src.memory.checkpointer import SaveReport
-from capricorn_jax._src.memory.pec_tier import PecTier
-from capricorn_jax._src.memory.recovery import recover
-from capricorn_jax._src.memory.restore_info import PecRestore, RestoreInfo
-from capricorn_jax._src.memory.store import ChecksumError
+from capricorn_jax._src.memory.store.store import ChecksumError
+from capricorn_jax._src.memory.tier.checkpointer import SaveReport
+from capricorn_jax._src.memory.tier.pec_tier import PecTier
+from capricorn_jax._src.memory.tier.recovery import recover
+from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import finalize
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave

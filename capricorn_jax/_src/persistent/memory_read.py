@@ -31,9 +31,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from capricorn_jax._src.memory.packing import make_pec_plan
-from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.recovery import PecBlocks, read_rows, row_chunk_names
+from capricorn_jax._src.memory.tier.reader import TierReader
+from capricorn_jax._src.memory.tier.recovery import PecBlocks, read_rows, row_chunk_names
+from capricorn_jax._src.memory.wire.packing import make_pec_plan
 from capricorn_jax._src.partial.plans import mask_from_hex
 from capricorn_jax._src.partial.tracker import (
     PltTracker,

@@ -58,9 +58,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from capricorn_jax._src.memory import retention
-from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.restore_info import PecRestore
+from capricorn_jax._src.memory.tier import retention
+from capricorn_jax._src.memory.tier.reader import TierReader
+from capricorn_jax._src.memory.tier.restore_info import PecRestore
 from capricorn_jax._src.multihost.agree import allgather_json
 from capricorn_jax._src.partial.plans import (
     PersistedPlan,

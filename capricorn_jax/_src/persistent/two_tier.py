@@ -27,9 +27,9 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
-from capricorn_jax._src.memory.checkpointer import InMemoryCheckpointer
-from capricorn_jax._src.memory.options import InMemoryOptions, PecOptions
-from capricorn_jax._src.memory.restore_info import RestoreInfo
+from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
+from capricorn_jax._src.memory.tier.options import InMemoryOptions, PecOptions
+from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
 

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.profiling.boundary import boundary_hooks
 from capricorn_jax._src.scheduling.partitioner import Schedule, Window
 

@@ -60,7 +60,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.transport import local_rows
+from capricorn_jax._src.memory.wire.transport import local_rows
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of

@@ -46,8 +46,8 @@ from capricorn_jax._src.scheduling.partitioner import (
 )
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.memory.transport import Transport
-    from capricorn_jax._src.memory.writer_door import TierWriter
+    from capricorn_jax._src.memory.tier.writer_door import TierWriter
+    from capricorn_jax._src.memory.wire.transport import Transport
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.train_step import TrainStep
 

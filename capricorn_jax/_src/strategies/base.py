@@ -30,7 +30,7 @@ import numpy as np
 from capricorn_jax._src.profiling.train_step import Metrics, State, StepFn, TrainStep
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.memory.restore_info import RestoreInfo
+    from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.layer_profile import LayerProfile
     from capricorn_jax._src.scheduling.partitioner import Schedule

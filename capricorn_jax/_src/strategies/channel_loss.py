@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from capricorn_jax._src.memory.reports import SaveReport
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.reports import SaveReport
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.threaded import ThreadedSender
 from capricorn_jax._src.strategies.base import CheckpointEvent

@@ -51,9 +51,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.pec_tier import PecVersion
-from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.pec_tier import PecVersion
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import pack_payload

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from capricorn_jax._src.memory.recovery import recover
-from capricorn_jax._src.memory.reports import SaveReport
-from capricorn_jax._src.memory.restore_info import RestoreInfo
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.recovery import recover
+from capricorn_jax._src.memory.tier.reports import SaveReport
+from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, Strategy
 

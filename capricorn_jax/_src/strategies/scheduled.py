@@ -64,8 +64,8 @@ from typing import Any, NotRequired, TypedDict
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.multihost.agree import allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, build_profile

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.writer_door import TierWriter
+from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
 from capricorn_jax._src.scheduling.partitioner import Window

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.packing import PackPlan, make_pec_plan
-from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.wire.packing import PackPlan, make_pec_plan
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.partial.leaves import MoEShape, expert_leaf_axes
 from capricorn_jax._src.partial.plans import mask_to_hex, version_needs
 from capricorn_jax._src.partial.selection import (

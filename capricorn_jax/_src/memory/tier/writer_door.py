@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.pec_tier import PecVersion
-from capricorn_jax._src.memory.phase_clock import PhaseClock
-from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.reports import SaveReport
+from capricorn_jax._src.memory.tier.pec_tier import PecVersion
+from capricorn_jax._src.memory.tier.phase_clock import PhaseClock
+from capricorn_jax._src.memory.tier.reader import TierReader
+from capricorn_jax._src.memory.tier.reports import SaveReport
 
 
 class TierWriter(TierReader, Protocol):

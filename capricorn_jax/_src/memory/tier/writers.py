@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.hooks import NO_FAULTS, FaultHooks
-from capricorn_jax._src.memory.packing import PackPlan, decode_trailer
-from capricorn_jax._src.memory.pinned import SlotCopier
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.transport import local_rows
+from capricorn_jax._src.memory.store.pinned import SlotCopier
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.tier.hooks import NO_FAULTS, FaultHooks
+from capricorn_jax._src.memory.wire.packing import PackPlan, decode_trailer
+from capricorn_jax._src.memory.wire.transport import local_rows
 
 log = logging.getLogger("capricorn_jax")
 

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import crc32c as _crc32c
 import numpy as np
 
-from capricorn_jax._src.memory.pinned import SlotRegistry, align_up
-from capricorn_jax._src.memory.store_lifecycle import StoreFullError
+from capricorn_jax._src.memory.store.pinned import SlotRegistry, align_up
+from capricorn_jax._src.memory.store.store_lifecycle import StoreFullError
 
 HEAD_FORMAT = "cjx-head/1"
 """The commit record's format, written into every head; a store whose heads

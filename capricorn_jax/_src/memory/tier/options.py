@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from capricorn_jax._src.memory.host_arrays import check_host_memory_kind
+from capricorn_jax._src.memory.wire.host_arrays import check_host_memory_kind
 from capricorn_jax._src.partial.selection import PecOptions
 
 

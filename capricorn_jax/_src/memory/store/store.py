@@ -63,9 +63,15 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.arena import HEAD_FORMAT, VersionWriter, _Slot, checksum, round_up
-from capricorn_jax._src.memory.pinned import SlotRegistry
-from capricorn_jax._src.memory.store_lifecycle import (
+from capricorn_jax._src.memory.store.arena import (
+    HEAD_FORMAT,
+    VersionWriter,
+    _Slot,
+    checksum,
+    round_up,
+)
+from capricorn_jax._src.memory.store.pinned import SlotRegistry
+from capricorn_jax._src.memory.store.store_lifecycle import (
     LOCK,
     StoreFullError,
     StoreLimit,

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.packing import PackPlan
+from capricorn_jax._src.memory.wire.packing import PackPlan
 
 
 def _linear_index(mesh: Mesh) -> jax.Array:

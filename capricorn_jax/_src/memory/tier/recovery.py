@@ -44,19 +44,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.arena import checksum
-from capricorn_jax._src.memory.host_arrays import global_arrays
-from capricorn_jax._src.memory.packing import (
+from capricorn_jax._src.memory.store.arena import checksum
+from capricorn_jax._src.memory.store.store import ChecksumError
+from capricorn_jax._src.memory.tier.reader import TierReader
+from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
+from capricorn_jax._src.memory.wire.host_arrays import global_arrays
+from capricorn_jax._src.memory.wire.packing import (
     PackPlan,
     check_compatible,
     decode_trailer,
     unpack,
     unpack_pec,
 )
-from capricorn_jax._src.memory.reader import TierReader
-from capricorn_jax._src.memory.restore_info import PecRestore, RestoreInfo
-from capricorn_jax._src.memory.store import ChecksumError
-from capricorn_jax._src.memory.transport import Transport, local_rows
+from capricorn_jax._src.memory.wire.transport import Transport, local_rows
 from capricorn_jax._src.multihost.agree import allgather_json
 from capricorn_jax._src.partial.plans import mask_from_hex, mask_to_hex
 from capricorn_jax._src.partial.selection import padded_gather_indices

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from capricorn_jax._src.memory.store import HostStore
+from capricorn_jax._src.memory.store.store import HostStore
 
 
 @dataclasses.dataclass(frozen=True)

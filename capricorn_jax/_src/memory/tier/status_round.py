@@ -28,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory import retention
-from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.packing import PackPlan
-from capricorn_jax._src.memory.pec_tier import PecTier
-from capricorn_jax._src.memory.phase_clock import PhaseClock
-from capricorn_jax._src.memory.reports import SaveReport
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writers import VersionWriters
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.tier import retention
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.pec_tier import PecTier
+from capricorn_jax._src.memory.tier.phase_clock import PhaseClock
+from capricorn_jax._src.memory.tier.reports import SaveReport
+from capricorn_jax._src.memory.tier.writers import VersionWriters
+from capricorn_jax._src.memory.wire.packing import PackPlan
+from capricorn_jax._src.memory.wire.transport import Transport
 
 CONFIRM_ROUNDS = 3
 """Status rounds, after the first that can confirm a version, before an

@@ -20,12 +20,12 @@ from typing import Any, Protocol
 
 from jax.sharding import Mesh
 
-from capricorn_jax._src.memory.hooks import FaultHooks
-from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.packing import PackPlan
-from capricorn_jax._src.memory.pec_tier import PecTier
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.transport import Transport
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.tier.hooks import FaultHooks
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.pec_tier import PecTier
+from capricorn_jax._src.memory.wire.packing import PackPlan
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.partial.tracker import PltTracker
 
 

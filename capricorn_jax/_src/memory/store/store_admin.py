@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from capricorn_jax._src.memory.store_lifecycle import (
+from capricorn_jax._src.memory.store.store_lifecycle import (
     committed_steps,
     mount_point,
     remove_unused,

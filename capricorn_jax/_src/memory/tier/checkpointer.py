@@ -65,20 +65,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory import placement
-from capricorn_jax._src.memory.hooks import NO_FAULTS, FaultHooks
-from capricorn_jax._src.memory.host_arrays import host_memory_kind
-from capricorn_jax._src.memory.options import InMemoryOptions
-from capricorn_jax._src.memory.packing import PackPlan, encode_trailer, make_plan
-from capricorn_jax._src.memory.pec_tier import PecTier, PecVersion, version_needs_of
-from capricorn_jax._src.memory.phase_clock import PhaseClock
-from capricorn_jax._src.memory.pinned import arena_copier
-from capricorn_jax._src.memory.reports import SaveReport, StoreRelease, release_store
-from capricorn_jax._src.memory.status_round import StatusRound
-from capricorn_jax._src.memory.store import HostStore
-from capricorn_jax._src.memory.store_lifecycle import StoreLimit
-from capricorn_jax._src.memory.transport import Transport
-from capricorn_jax._src.memory.writers import VersionWriters, _InSlot
+from capricorn_jax._src.memory.store.pinned import arena_copier
+from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.store.store_lifecycle import StoreLimit
+from capricorn_jax._src.memory.tier.hooks import NO_FAULTS, FaultHooks
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.pec_tier import PecTier, PecVersion, version_needs_of
+from capricorn_jax._src.memory.tier.phase_clock import PhaseClock
+from capricorn_jax._src.memory.tier.reports import SaveReport, StoreRelease, release_store
+from capricorn_jax._src.memory.tier.status_round import StatusRound
+from capricorn_jax._src.memory.tier.writers import VersionWriters, _InSlot
+from capricorn_jax._src.memory.wire import placement
+from capricorn_jax._src.memory.wire.host_arrays import host_memory_kind
+from capricorn_jax._src.memory.wire.packing import PackPlan, encode_trailer, make_plan
+from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.partial.leaves import MoEShape
 from capricorn_jax._src.partial.tracker import PltTracker
 

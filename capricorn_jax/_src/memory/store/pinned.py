@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.memory.copy_path import (
+from capricorn_jax._src.memory.store.copy_path import (
     BackendCaps,
     CopyPath,
     choose_copy_path,

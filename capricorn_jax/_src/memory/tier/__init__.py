@@ -1,0 +1,2 @@
+"""The tier protocol: the checkpointer, its writers and status round, retention,
+recovery, PEC, and the doors the strategies and the persistent tier use."""
