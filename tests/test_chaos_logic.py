@@ -41,15 +41,16 @@ def test_draws_are_replayable_and_valid():
                                                               "corrupt_frame",
                                                               "stall_channel",
                                                               "disk_full_finalize"))
-        if rest and rest[0].point == "stall_channel":  # capricorn, one host, room to reconnect
-            assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
+        on_channel = trial.strategy == "capricorn" or "--chunk_path=threaded" in trial.variant
+        if rest and rest[0].point == "stall_channel":  # on the channel, room to reconnect
+            assert on_channel and len(rest[0].hosts) == 1
             assert rest[0].pause_s in (3.0, 20.0) and 2 <= rest[0].step <= 12 - 6
             assert "--replication_timeout_s=2" in trial.flags(12, "tiny")
         if rest and rest[0].point == "disk_full_finalize":
             assert rest[0].hosts == (0,) and (rest[0].step + 1) % trial.persist_every == 0
         if rest and rest[0].point == "corrupt_frame":
-            # capricorn only; its victim sends to host 0 (whose metrics the oracle reads)
-            assert trial.strategy == "capricorn" and len(rest[0].hosts) == 1
+            # on the channel; its victim sends to host 0 (whose metrics the oracle reads)
+            assert on_channel and len(rest[0].hosts) == 1
             assert send_rounds(topo.hosts, topo.replicas)[0][rest[0].hosts[0]] == 0
         if rest and rest[0].point == "mid_serve":  # the holder of the lost store's replica
             (lost,) = kills
@@ -78,7 +79,8 @@ def test_draws_are_replayable_and_valid():
                     stall_at_step=-1, stall_seconds=0.0,
                     fault_plan=_plan_flag(trial),
                     hosts=topo.hosts, steps=12, strategy=trial.strategy,
-                    replicas=topo.replicas, persist_every=trial.persist_every)
+                    replicas=topo.replicas, persist_every=trial.persist_every,
+                    chunk_path="threaded" if "--chunk_path=threaded" in trial.variant else "auto")
     seen = {f.point for i in range(300) for f in draw_trial(i, 7, TOPOLOGIES, STRATEGIES,
                                                             12).faults}
     assert any(len(draw_trial(i, 7, TOPOLOGIES, STRATEGIES, 12).faults) == 3
@@ -263,6 +265,9 @@ def test_a_stall_channel_strikes_no_host_loses_versions_only_past_the_bound_and_
     assert check_trial(long, never_back, REF, 8, strikes=0)[0] == [
         "stall_channel at step 3: no version moved after the lost ones [4, 5, 6] (the "
         "channel did not come back)"]
+    over_channel = _trial(Fault((1,), 3, "stall_channel", pause_s=20.0), strategy="pec")
+    committed = {"event": "checkpoint", "step": 8, "newly_committed": [7]}
+    assert check_trial(over_channel, [*never_back, committed], REF, 8, strikes=0)[0] == []
     short = _trial(Fault((1,), 3, "stall_channel", pause_s=3.0), strategy="capricorn")
     assert check_trial(short, [*_steps(range(8)), moved(7)], REF, 8, strikes=0)[0] == []
     assert check_trial(short, good, REF, 8, strikes=0)[0] == [
@@ -342,3 +347,14 @@ def test_faults_limits_the_drawn_classes_and_each_fault_carries_its_class():
         "after_step", "recovery", "double_kill"]
     with pytest.raises(ValueError, match=r"no trial with a last fault of class partition"):
         draw_trial(0, 40, TOPOLOGIES, STRATEGIES, 12, classes=("partition",))
+
+
+def test_the_channel_faults_are_drawn_for_every_strategy_on_the_channel():
+    """stall_channel and corrupt_frame strike capricorn, and inmem and pec over
+    the chunk channel (the threaded variant, drawn with them)."""
+    drawn = [draw_trial(i, 11, TOPOLOGIES, STRATEGIES, 12, classes=["stall_channel",
+                                                                   "corrupt_frame"])
+             for i in range(120)]
+    assert {t.strategy for t in drawn} == {"capricorn", "inmem", "pec"}
+    for t in drawn:
+        assert t.strategy == "capricorn" or "--chunk_path=threaded" in t.variant

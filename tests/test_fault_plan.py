@@ -143,9 +143,10 @@ def test_a_pause_is_a_plan_of_its_own():
 
 
 @pytest.mark.parametrize("plan, strategy, message", [
-    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "pec",
+    ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "orbax_async",
      r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host, "
-     r"and --ckpt in gemini, capricorn, capricorn_pec, inmem \(got pec, hosts \[1\]\)"),
+     r"and --ckpt in gemini, capricorn, capricorn_pec, inmem, pec \(got orbax_async, hosts "
+     r"\[1\]\)"),
     ('[{"hosts": [0, 1], "step": 2, "point": "corrupt_frame"}]', "capricorn",
      r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host"),
     ('[{"hosts": [1], "step": 2, "point": "corrupt_frame", "mode": "host"}]', "capricorn",
@@ -173,9 +174,9 @@ def test_a_corrupt_frame_reaches_only_its_victims_channel():
 @pytest.mark.parametrize("plan, strategy, chunk_path, message", [
     ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "inmem", "auto",
      r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel: one host, and "
-     r"--ckpt in gemini, capricorn \(or inmem with --chunk_path=threaded\) \(got inmem, "
-     r"hosts \[1\]\)"),
-    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "capricorn_pec",
+     r"--ckpt in gemini, capricorn, capricorn_pec \(or inmem or pec with "
+     r"--chunk_path=threaded\) \(got inmem, hosts \[1\]\)"),
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "pec",
      "auto", r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel"),
     ('[{"hosts": [1], "step": 2, "point": "stall_channel"}]', "capricorn", "auto",
      r"^--fault_plan fault 0: stall_channel needs pause_s > 0 \(how long it lasts\)"),
@@ -191,7 +192,8 @@ def test_a_bad_stall_channel_is_refused_naming_it(plan, strategy, chunk_path, me
 
 def test_a_stall_channel_reaches_only_its_victims_channel_with_its_length():
     plan = '[{"hosts": [1], "step": 5, "point": "stall_channel", "pause_s": 20}]'
-    for strategy, chunk_path in (("capricorn", "auto"), ("inmem", "threaded")):
+    for strategy, chunk_path in (("capricorn", "auto"), ("inmem", "threaded"),
+                                 ("pec", "threaded"), ("capricorn_pec", "auto")):
         config = FaultConfig(**{**BASE, "fault_plan": plan, "strategy": strategy,
                                 "chunk_path": chunk_path})
         assert config.plan(12) == (Fault((1,), 5, "stall_channel", pause_s=20.0),)

@@ -21,7 +21,7 @@ from capricorn_jax._src.memory.tier.writer_door import TierWriter
 
 WRITE_MEMBERS = {"clock", "rounds", "sources", "agreed_note", "note_status", "note_channel",
                  "channel_lost_anywhere", "save",
-                 "save_transferred", "skip", "drop", "begin_round", "plan_pec_version",
+                 "save_transferred", "skip", "drop", "note_lost", "begin_round", "plan_pec_version",
                  "trailer_rows", "close"}
 """What the strategies use of the checkpointer beyond what recovery reads."""
 
@@ -56,6 +56,9 @@ def test_an_in_memory_checkpointer_has_every_member_of_the_door(tmp_path):
         writer.note_status(7)
         assert ckpt.status_note == 7  # the note the next status round carries
         writer.note_channel(True)
-        assert ckpt.status_vector()[-1] == 1 and not writer.channel_lost_anywhere()
+        lost_flag = 2 * ckpt.hosts + 3  # then the versions never held here: (newest, mask)
+        assert ckpt.status_vector()[lost_flag] == 1 and not writer.channel_lost_anywhere()
+        writer.note_lost([5, 3])
+        assert list(ckpt.status_vector()[lost_flag + 1:]) == [5, 0b10]
     finally:
         ckpt.close()

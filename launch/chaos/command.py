@@ -236,6 +236,15 @@ def fault_classes(faults: Sequence[Fault]) -> list[str]:
     return out
 
 
+def _on_channel(strategy: str, topo: Topology, persist: int) -> bool:
+    """Whether a trial's versions can move on the chunk channel from its first
+    step (the faults of the channel can strike): capricorn's, or inmem's and
+    pec's with ``THREADED`` (2 replicas; pec not with a persistent tier,
+    which launch.train refuses)."""
+    return strategy == "capricorn" or (strategy in ("inmem", "pec") and topo.replicas == 2
+                                       and not (strategy == "pec" and persist))
+
+
 def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: list[str],
                steps: int, shaped: bool = False, classes: Sequence[str] = ()) -> Trial:
     """Trial ``index`` of a soak: every choice from one generator seeded by
@@ -282,21 +291,23 @@ def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
             break
         points = [p for p in POINTS
                   if (persist or p not in ("mid_persist", DISK_FULL_FINALIZE, *PERSIST_FAULTS))
-                  and (p not in (CORRUPT_FRAME, STALL_CHANNEL) or strategy == "capricorn")
+                  and (p not in (CORRUPT_FRAME, STALL_CHANNEL)
+                       or _on_channel(strategy, topo, persist))
                   and (shaped or p not in NETWORK_FAULTS)]
         point = rng.choice(points)
         if point == CORRUPT_FRAME:  # no kill: the plan's last fault
             # The victim is the host that sends to host 0 (whose metrics the
-            # oracle reads): host 0 receives the corrupted frame. Capricorn
-            # only: it moves its versions on the chunk channel from its first
-            # schedule on (gemini profiles longer than a trial).
+            # oracle reads): host 0 receives the corrupted frame. Strategies
+            # whose versions move on the chunk channel from the start:
+            # capricorn from its first schedule on (gemini profiles longer
+            # than a trial), inmem and pec over it (``THREADED``).
             victim = next(h for h, d in send_rounds(topo.hosts, topo.replicas)[0].items()
                           if d == 0)
             if low <= steps - 4:
                 faults.append(Fault((victim,), rng.randrange(max(low, 2), steps - 3),
                                     CORRUPT_FRAME))
             break
-        if point == STALL_CHANNEL:  # no kill: the plan's last fault, capricorn only
+        if point == STALL_CHANNEL:  # no kill: the plan's last fault, on the channel
             # Early enough that the versions after the loss move again
             # within the trial (lost at the next save, agreed at the one
             # after, reconnected there).
@@ -337,8 +348,9 @@ def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
     if rng.random() < 0.15:
         stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
     variant = []
-    if (strategy in ("inmem", "pec") and topo.replicas == 2 and rng.random() < 0.4
-            and not (strategy == "pec" and persist)):  # (launch.train refuses it)
+    channel_fault = any(f.point in (CORRUPT_FRAME, STALL_CHANNEL) for f in faults)
+    if strategy != "capricorn" and _on_channel(strategy, topo, persist) and (
+            channel_fault or rng.random() < 0.4):
         variant.append(THREADED)
     if all(f.point in BUDGET_POINTS for f in faults) and stall is None and rng.random() < 0.25:
         variant.append(BUDGET)
@@ -507,16 +519,17 @@ def _stall_channel_problems(trial: Trial, records: list[dict]) -> list[str]:
     """A stall_channel fault: one past the channel's bound loses it (host 0
     takes no version at some save at or after the fault's step: a
     ``checkpoint`` event with "channel_lost") and it comes back (a version
-    moved in a step after the last lost one is committed); a shorter one is
-    waited out (no version lost)."""
+    after the last lost one is moved in a step or committed); a shorter one
+    is waited out (no version lost)."""
     out = []
     for f in trial.faults:
         if f.point != STALL_CHANNEL:
             continue
         lost = [r["step"] for r in records
                 if r.get("event") == "checkpoint" and r.get("channel_lost")]
-        moved = [r["moved_in_step"] for r in records
-                 if r.get("event") == "checkpoint" and "moved_in_step" in r]
+        moved = [v for r in records if r.get("event") == "checkpoint"
+                 for v in ([r["moved_in_step"]] if "moved_in_step" in r else [])
+                 + r.get("newly_committed", [])]
         if f.pause_s <= 4 * STALL_REPLICATION_TIMEOUT_S:
             if lost:
                 out.append(f"stall_channel of {f.pause_s:g}s at step {f.step} (within the "

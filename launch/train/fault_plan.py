@@ -63,15 +63,16 @@ CORRUPT_FRAME = "corrupt_frame"
 # channel's timeout (4x the in-memory tier's replication timeout) the hosts
 # declare the channel lost, skip versions together and
 # reconnect with backoff (``strategies.channel_loss``); training goes on with
-# no restart. The plan's last fault; a whole-version strategy on the channel
-# (gemini, capricorn; inmem with --chunk_path=threaded).
+# no restart. The plan's last fault; a strategy on the channel (gemini,
+# capricorn, capricorn_pec; inmem and pec with --chunk_path=threaded). Under
+# PEC the versions lost are rolled back in every host's tracker.
 STALL_CHANNEL = "stall_channel"
-CORRUPT_FRAME_STRATEGIES = (*SCHEDULED, "inmem")
-"""corrupt_frame: on the chunk channel (the scheduled strategies, inmem with
---chunk_path=threaded) or the in-graph exchange's collectives (inmem)."""
-CHANNEL_STRATEGIES = ("gemini", "capricorn")
+CORRUPT_FRAME_STRATEGIES = (*SCHEDULED, "inmem", "pec")
+"""corrupt_frame: on the chunk channel (the scheduled strategies, inmem and pec
+with --chunk_path=threaded) or the in-graph exchange's collectives (inmem, pec)."""
+CHANNEL_STRATEGIES = SCHEDULED
 """Strategies whose versions move on the chunk channel whatever --chunk_path
-says (on CPU), without PEC (a PEC version is not abandoned: its loss ends the job)."""
+says (on CPU); inmem and pec do with --chunk_path=threaded."""
 # Faults of the network (shaped links only, ``--link_gbps``), kill no host: once
 # the victims finished the step, the launcher cuts their links (``partition``:
 # the veth down at the switch, both ways) or slows them ``SLOW_LINK_FACTOR``
@@ -197,7 +198,7 @@ class FaultConfig:
         plan = self.plan(steps)
         for i, fault in enumerate(plan):
             self._check(i, fault, hosts, steps, strategy, replicas, persist_every,
-                        strategy in CHANNEL_STRATEGIES or (strategy == "inmem"
+                        strategy in CHANNEL_STRATEGIES or (strategy in ("inmem", "pec")
                                                            and chunk_path == "threaded"))
             if fault.point == "mid_serve" and not (
                     i and (plan[i - 1].mode == "host" or plan[i - 1].wipe_all) and
@@ -247,7 +248,7 @@ class FaultConfig:
                             f"(got {strategy}, hosts {list(fault.hosts)})")
         if fault.point == STALL_CHANNEL and (len(fault.hosts) != 1 or not channel):
             raise FlagError(f"{what}: stall_channel hangs one host's chunk channel: one host, "
-                            f"and --ckpt in {', '.join(CHANNEL_STRATEGIES)} (or inmem with "
+                            f"and --ckpt in {', '.join(CHANNEL_STRATEGIES)} (or inmem or pec with "
                             f"--chunk_path=threaded) (got {strategy}, hosts "
                             f"{list(fault.hosts)})")
         if fault.point == DISK_FULL_FINALIZE and (fault.hosts != (0,) or fault.mode != "process"

@@ -504,7 +504,10 @@ class ThreadedSender:
         t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            entry = self._versions[version]
+            entry = self._versions.get(version)
+        if entry is None:  # ``abandon`` finished it (or it never started)
+            raise ConnectionError(f"host {self.channel.host}: version {version} is not in "
+                                  f"flight on the chunk channel (abandoned with it)")
         deadline = time.monotonic() + timeout_s
         if self.hold_tail and entry.next_part == entry.parts:
             # A held rest that the caller gave no later step goes now.

@@ -101,7 +101,7 @@ class ChannelKeeper:
     def is_loss(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a version's ``wait``, means the channel
         is lost here (then noted for the next round)."""
-        lost = isinstance(error, _LOST) and (self.sender.failure is not None
+        lost = isinstance(error, _LOST) and (self.lost_here()
                                              or isinstance(error, TimeoutError))
         if lost:
             if self.sender.failure is None:  # a wait past the timeout: the channel hangs
@@ -156,12 +156,15 @@ class ChannelKeeper:
         self.note()
         return lost
 
-    def skip_save(self, step: int, event: Callable[[int, SaveReport], CheckpointEvent]
-                  ) -> list[CheckpointEvent]:
+    def skip_save(self, step: int, event: Callable[[int, SaveReport], CheckpointEvent],
+                  tokens_per_expert: np.ndarray | None = None) -> list[CheckpointEvent]:
         """A save while the hosts agree the channel is lost (``while_down``),
         then version ``step`` not taken (the status round still runs): the
         ``checkpoint`` events (``event``: the strategy's) of the versions
-        abandoned and of ``step``, each marked ``channel_lost``."""
+        abandoned and of ``step``, each marked ``channel_lost``. The
+        abandoned versions are named to the status round (PEC rolls them
+        back on every host); ``tokens_per_expert``: PEC, the step's."""
         lost = self.while_down(step)
-        report = self.ckpt.skip(step)
+        self.ckpt.note_lost(lost)
+        report = self.ckpt.skip(step, tokens_per_expert)
         return [{**event(v, report), "channel_lost": True} for v in (*lost, step)]

@@ -178,9 +178,9 @@ class ChannelReplication(InMemoryStrategy):
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
             report = self.ckpt.drop(version, status_round=status_round)
         except Exception as e:
-            if self.ckpt.pec is not None or not self.keeper.is_loss(e):
-                raise  # PEC: a version it recorded cannot be dropped on one host
-            report = self.ckpt.drop(version, status_round=status_round)
+            if not self.keeper.is_loss(e):
+                raise
+            report = self.ckpt.drop(version, status_round=status_round, corrupt=False)
             return [{**self._event(version, report), "channel_lost": True}]
         else:
             report = self.ckpt.save_transferred(version, own, [received], version=pec_version,
@@ -238,11 +238,8 @@ class ChannelReplication(InMemoryStrategy):
         """A save while the hosts agree the channel is lost: the version in
         flight is abandoned, the channel reconnects when the backoff says so
         (``ChannelKeeper.while_down``), and version ``step`` is not taken."""
-        if self.ckpt.pec is not None:
-            raise RuntimeError(f"host {self.ckpt.host}: a host's chunk channel is lost and a "
-                               f"PEC version cannot be abandoned")
         self._inflight = None
-        return self.keeper.skip_save(step, self._event)
+        return self.keeper.skip_save(step, self._event, tokens_per_expert)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the
@@ -250,8 +247,9 @@ class ChannelReplication(InMemoryStrategy):
         some host, it is abandoned on every host."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None and self.keeper.down(step):
-            return [{"version": v, "skipped": True, "channel_lost": True}
-                    for v in self.sender.abandon()]
+            lost = self.sender.abandon()
+            self.ckpt.note_lost(lost)
+            return [{"version": v, "skipped": True, "channel_lost": True} for v in lost]
         return self._commit(inflight)
 
     def close(self) -> None:

@@ -492,8 +492,8 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
           moved in the step, and ``step`` when it is saved now.
         """
         if self.keeper is not None:
-            if self.ckpt.pec is None and self.keeper.down(step):
-                return self._save_while_down(step)
+            if self.keeper.down(step):
+                return self._save_while_down(step, tokens_per_expert)
             self.keeper.note()
         self._hold_over()
         if self._spread is not None:
@@ -562,10 +562,11 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                 return [{**self._event(version, self.ckpt.drop(version)), "corrupt": True}]
             except Exception as e:
                 assert self.keeper is not None
-                if self.ckpt.pec is not None or not self.keeper.is_loss(e):
-                    raise  # PEC: a version it recorded cannot be dropped on one host
+                if not self.keeper.is_loss(e):
+                    raise
                 self._last_saved = version
-                return [{**self._event(version, self.ckpt.drop(version)), "channel_lost": True}]
+                report = self.ckpt.drop(version, corrupt=False)
+                return [{**self._event(version, report), "channel_lost": True}]
             schedule = payloads.get("schedule") or self.transfers.schedule_for(
                 payloads["transport"])  # a spread version's: its last step's windows timed
             windows = window_spills(schedule, sender.last_spans, self._planned_on,
@@ -587,7 +588,8 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             self._check_spills(version)
         return [event]
 
-    def _save_while_down(self, step: int) -> list[CheckpointEvent]:
+    def _save_while_down(self, step: int, tokens_per_expert: np.ndarray | None
+                         ) -> list[CheckpointEvent]:
         """A save while the hosts agree the chunk channel is lost: the
         versions in flight are abandoned, the channel reconnects when the
         backoff says so (``ChannelKeeper.while_down``), and version ``step``
@@ -596,15 +598,15 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         self._moved = self._spread = None
         self._host_states = {}
         self._last_saved = step
-        return self.keeper.skip_save(step, self._event)
+        return self.keeper.skip_save(
+            step, self._event, tokens_per_expert if self.ckpt.pec is not None else None)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Saves the final state (version ``step``), which no later step moves;
         a spread version still on its way is sent whole and committed first
         (with the chunk channel lost on some host: abandoned on every host)."""
-        if (self.keeper is not None and self.ckpt.pec is None
-                and (self._moved or self._spread) and self.keeper.down(step)):
-            self.sender.abandon()  # type: ignore[union-attr]
+        if self.keeper is not None and (self._moved or self._spread) and self.keeper.down(step):
+            self.ckpt.note_lost(self.sender.abandon())  # type: ignore[union-attr]
             self._moved = self._spread = None
         self._flush_spread()
         events = self._commit_moved(state)

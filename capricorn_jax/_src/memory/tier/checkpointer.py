@@ -131,8 +131,10 @@ class InMemoryCheckpointer(StatusRound):
         # the held ones before it (retention.encode_held), then the store's
         # KiB, then whether the writers are busy (the cost budget's input),
         # then the caller's note (``status_note``, set by ``note_status``),
-        # then whether the caller's chunk channel is lost (``note_channel``).
-        self.status_len = 2 * hosts + 4
+        # then whether the caller's chunk channel is lost (``note_channel``),
+        # then the versions this host will never hold (``_lost_here``, as
+        # (newest, mask): PEC rolls them back on every host).
+        self.status_len = 2 * hosts + 6
         # A small integer the caller wants every host to see: it travels with
         # this host's status in each save's round; ``agreed_note`` is host 0's,
         # as of the previous round (the same value on every host). Lets a
@@ -140,6 +142,8 @@ class InMemoryCheckpointer(StatusRound):
         self.status_note = 0
         self.agreed_note: int | None = None
         self.channel_lost = False
+        self._lost_here: set[int] = set()  # versions dropped here, until a round told every host
+        self._corrupt_seen = 0  # writers.corrupt_replicas already in _lost_here
         flip_at = None if hooks is None else hooks.flip_exchange_at
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
                                    self.status_len, flip_input=flip_at is not None)
@@ -187,6 +191,7 @@ class InMemoryCheckpointer(StatusRound):
                     self.store.remove(owner, v)
                 self.writers.newest[owner] = max(held, default=-1)
             self._reported = {v for v in self._reported if v <= step}
+        self._lost_here = {v for v in self._lost_here if v <= step}
 
     # ----- the training thread's API -----
     def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
@@ -212,19 +217,19 @@ class InMemoryCheckpointer(StatusRound):
             _refuse_pec_args(tokens_per_expert, None)
         return self._skip(step)
 
-    def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None
-             ) -> SaveReport:
+    def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None, *,
+             corrupt: bool = True) -> SaveReport:
         """Takes no version at ``step`` on this host alone: a peer's payload of
-        it failed its end-to-end check (a frame corrupted in transit). The
-        statuses still travel (the same collectives as a save); no holder can
-        commit the version, since this host holds none of it, so the safe
-        version stays the previous one. Not under PEC (whose tier has already
-        recorded the version it planned): there the caller raises."""
-        if self.pec is not None:
-            raise RuntimeError(f"host {self.host}: version {step} failed its end-to-end check "
-                               f"and a PEC version cannot be dropped on one host")
+        it failed its end-to-end check (a frame corrupted in transit,
+        ``corrupt``) or never came (a lost chunk channel). The statuses still
+        travel (the same collectives as a save); no holder can commit the
+        version, since this host holds none of it, so the safe version stays
+        the previous one. PEC: the version, which the tier recorded when it
+        was planned, is rolled back on every host once a round tells them
+        (``note_lost``)."""
+        self.note_lost([step])
         report = self._skip(step, status_round)
-        report.corrupt = True
+        report.corrupt = corrupt
         return report
 
     def begin_round(self) -> tuple[SaveReport, np.ndarray]:
@@ -379,6 +384,7 @@ class InMemoryCheckpointer(StatusRound):
         if self.pec is None:
             raise ValueError("resume_pec needs PEC (InMemoryOptions.pec)")
         self.pec.resume(tracker, self.pec.dyn.options.k if k is None else k, cumulative)
+        self._lost_here.clear()
 
     def _enqueue(self, report: SaveReport, step: int, own, received: list, statuses,
                  version: PecVersion | None = None, corrupt: list | None = None) -> SaveReport:
@@ -420,6 +426,7 @@ class InMemoryCheckpointer(StatusRound):
                 self.copier.wait()
                 own.writer.abort()
             skipped = True
+            self.note_lost([step])
             log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
                         wait, step)
         if received:
@@ -427,6 +434,7 @@ class InMemoryCheckpointer(StatusRound):
                 self.writers.rep_q.put_nowait((step, received, plan, meta, corrupt))
             except queue.Full:
                 report.dropped_replicas = len(received)
+                self.note_lost([step])
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)
                 if self.hooks.pauses_at(step) and self.hooks.on_pause is not None:

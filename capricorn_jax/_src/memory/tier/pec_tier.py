@@ -19,11 +19,25 @@ Alternative not taken: the caller selecting experts and carrying the tracker
 in its host state (the trailer). The trailer would then differ between a PEC
 version with K = N and a full one, and a receiver could not prune a replica
 without decoding its payload.
+
+A version recorded here may still be lost: a host drops it (a corrupt frame,
+a chunk channel lost while it was in flight, a writer too busy to take it),
+and the versions after it would keep naming its experts' copies, so none of
+them could be restored until every one of those experts was saved again.
+``roll_back`` takes such versions out of the tracker: it keeps a journal of
+the last ``JOURNAL_STEPS`` steps (each step's tokens and the mask saved, if
+any) over a copy of the tracker before them, and replays it without the lost
+versions' saves. Every host rolls back the same versions at the same save
+(the status round tells them, ``StatusRound``), so the trackers stay equal.
+Alternative not taken: a copy of the tracker per version to go back to; the
+versions recorded after a lost one must keep their own saves, which only a
+replay gives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
@@ -39,6 +53,12 @@ from capricorn_jax._src.partial.selection import (
     version_mask,
 )
 from capricorn_jax._src.partial.tracker import PltTracker
+
+log = logging.getLogger("capricorn_jax")
+
+JOURNAL_STEPS = 64
+"""Steps the PEC tier can roll back over (``PecTier.roll_back``): a version
+is lost, if at all, within a few saves of its own."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,6 +120,58 @@ class PecTier:
         # timeline (a restore rewinds it to the restore point's count); the
         # persistent tier's PLT is a difference of these counts.
         self.cumulative = np.zeros(self.shape, np.int64)
+        self._restart_journal()
+
+    def _restart_journal(self) -> None:
+        """The journal starts over at the tracker as it is now."""
+        self._base = self.tracker.copy()
+        self._journal: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+        self.rolled_back: set[int] = set()
+
+    def _journal_step(self, step: int, tokens: Any, mask: np.ndarray | None) -> None:
+        """Records step ``step`` (its tokens, the mask its version saved or None),
+        folding the oldest entry into the base past ``JOURNAL_STEPS``."""
+        self._journal.append((step, np.array(tokens, np.int64),
+                              None if mask is None else np.array(mask, bool)))
+        while len(self._journal) > JOURNAL_STEPS:
+            old, tokens, mask = self._journal.pop(0)
+            self._replay_one(self._base, old, tokens, mask)
+            self.rolled_back.discard(old)
+
+    def _replay_one(self, tracker: PltTracker, step: int, tokens: np.ndarray,
+                    mask: np.ndarray | None) -> None:
+        tracker.observe(tokens)
+        if mask is not None and step not in self.rolled_back:
+            tracker.on_saved(step, mask)
+
+    def roll_back(self, lost: set[int]) -> list[int]:
+        """Takes versions ``lost`` out of the tracker: afterwards it is the
+        tracker of the same steps with those versions never saved (the
+        versions after them keep their saves). Versions it never recorded
+        or already rolled back are ignored; one older than the journal is
+        left in (logged: the versions after it stay unrestorable until its
+        experts are saved again, which the retention rules already allow).
+
+        Returns:
+          The versions rolled back now, ascending.
+        """
+        recorded = {s for s, _, m in self._journal if m is not None}
+        now = sorted((set(lost) & recorded) - self.rolled_back)
+        too_old = sorted(v for v in lost if self._journal and v < self._journal[0][0]
+                         and v not in self.rolled_back)
+        if too_old:
+            log.warning("PEC: versions %s are older than the %d steps the tracker can roll "
+                        "back over; the versions naming their experts stay unrestorable until "
+                        "those experts are saved again", too_old, JOURNAL_STEPS)
+            self.rolled_back.update(too_old)
+        if not now:
+            return []
+        self.rolled_back.update(now)
+        tracker = self._base.copy()
+        for step, tokens, mask in self._journal:
+            self._replay_one(tracker, step, tokens, mask)
+        self.tracker = tracker
+        return now
 
     def transport(self, count: int | None) -> Transport:
         """The program of versions with ``count`` records per device (None: full)."""
@@ -121,6 +193,7 @@ class PecTier:
                                  f"{self.shape}")
             self.cumulative = cumulative.copy()
         self.tracker, self.k = tracker, k
+        self._restart_journal()
 
     def plt(self) -> float:
         """The PLT a restore now would leave (accumulated)."""
@@ -147,6 +220,7 @@ class PecTier:
         cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
         k, mask = self._choose(tracker, tokens_per_expert, expert_mask, full)
         tracker.on_saved(step, mask)
+        self._journal_step(step, tokens_per_expert, mask)
         gather, _ = padded_gather_indices(mask, self.ranks)
         count = None if mask.all() else gather.shape[1]
         transport = self.transport(count)
@@ -168,6 +242,7 @@ class PecTier:
         if step != self.tracker.step + 1:
             raise ValueError(f"PEC step {step} does not follow step {self.tracker.step}")
         self.tracker.observe(tokens_per_expert)
+        self._journal_step(step, tokens_per_expert, None)
         self.cumulative = self.cumulative + np.asarray(tokens_per_expert, np.int64)
 
     def _choose(self, tracker: PltTracker, rate: Any, expert_mask: Any,

@@ -3,11 +3,14 @@
 Each save all-gathers every host's status vector (``status_vector``: per
 owner the newest held version and the mask of the held ones before it, the
 store's KiB, whether the writers are busy, the caller's note, whether the
-caller's chunk channel is lost here) and reads the
+caller's chunk channel is lost here, the versions this host will never hold)
+and reads the
 previous round's (``_read_statuses``): the safe version
 (``retention.safe_version``), the versions newly held everywhere, the own
 versions that no holder confirmed in time (under-replicated), the cost
-budget's skip (``_over_budget``) and host 0's note. Removals are decided
+budget's skip (``_over_budget``), host 0's note and, under PEC, the versions
+some host will never hold, which every host then rolls back in its tracker
+at the same save (``_roll_back_lost``). Removals are decided
 between reading and reporting (``_decide_removals``, in ``_begin_save``'s
 order: ``retention``).
 
@@ -61,6 +64,8 @@ class StatusRound:
     clock: PhaseClock
     status_note: int
     channel_lost: bool
+    _lost_here: set[int]
+    _corrupt_seen: int
     agreed_note: int | None
     _needs: dict[int, tuple[tuple[int, ...], bool]]
     _safe: int
@@ -93,21 +98,39 @@ class StatusRound:
     def status_vector(self) -> np.ndarray:
         """This host's held versions per owner (newest, mask), its store's KiB,
         1 if a writer is still busy with an earlier version, the caller's
-        note, and 1 if the caller's chunk channel is lost here."""
+        note, 1 if the caller's chunk channel is lost here, and the versions
+        it will never hold (newest, mask)."""
         with self.writers.lock:
             pairs = [retention.encode_held(self.writers.held.get(o, ()))
                      for o in range(self.hosts)]
+            # Replicas the writers found corrupt (in-graph path): never held.
+            fresh = self.writers.corrupt_replicas[self._corrupt_seen:]
+            self._corrupt_seen += len(fresh)
+        self.note_lost(step for _, step in fresh)
+        lost = retention.encode_held(self._lost_here)
         self._store_bytes = self.store.bytes_held()  # one walk of the store per save
         writers = self.writers
         busy = int(writers.own_q.unfinished_tasks > 0 or writers.rep_q.unfinished_tasks > 0)
         return np.array([*(n for n, _ in pairs), *(m for _, m in pairs),
                          self._store_bytes // 1024, busy, int(self.status_note),
-                         int(self.channel_lost)], np.int64)
+                         int(self.channel_lost), *lost], np.int64)
 
     def note_status(self, value: int) -> None:
         """Sets the note this host's status vector carries from the next round
         on (``status_note``); ``agreed_note`` becomes host 0's one round later."""
         self.status_note = value
+
+    def note_lost(self, versions: Any) -> None:
+        """Versions this host will never hold (dropped, abandoned with a lost
+        channel, or not taken by a busy writer): its status vector names them
+        from the next round on, and under PEC every host then rolls them back
+        (``PecTier.roll_back``), so the versions after them do not name
+        their experts' copies."""
+        self._lost_here.update(int(v) for v in versions)
+        if self._lost_here:  # the status vector names the newest MASK_BITS + 1
+            newest = max(self._lost_here)
+            self._lost_here = {v for v in self._lost_here
+                               if v >= newest - retention.MASK_BITS}
 
     def note_channel(self, lost: bool) -> None:
         """Whether this host's chunk channel is lost (its status vector says
@@ -151,6 +174,7 @@ class StatusRound:
         h = self.hosts
         report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
         self.agreed_note = int(per_host[0, 2 * h + 2])
+        self._roll_back_lost(per_host[:, 2 * h + 4:2 * h + 6])
         held = [{o: retention.decode_held(int(per_host[x][o]), int(per_host[x][h + o]))
                  for o in range(h)} for x in range(h)]
         self._safe = retention.safe_version(held, self.holders, self._safe,
@@ -186,6 +210,22 @@ class StatusRound:
                 report.under_replicated.append({"owner": self.host, "step": step,
                                                 "missing": missing})
         return report
+
+    def _roll_back_lost(self, lost_rows: Any) -> None:
+        """PEC: the versions the hosts' statuses name as never held somewhere
+        leave the tracker (``PecTier.roll_back``). Every host reads the same
+        statuses at the same save, so every tracker rolls back alike; a
+        version rolled back once is not again. A host stops naming a version
+        once a round carrying it was read (every host has it then)."""
+        lost = set().union(*(retention.decode_held(int(n), int(m)) for n, m in lost_rows))
+        self._lost_here -= lost
+        if self.pec is None or not lost:
+            return
+        rolled = self.pec.roll_back(lost)
+        if rolled:
+            log.warning("host %d: PEC versions %s are not held on every host; their saves "
+                        "leave the tracker (the next versions save those experts again)",
+                        self.host, rolled)
 
     def _status_round(self) -> SaveReport:
         """Gathers every host's statuses now and adopts them (a collective)."""

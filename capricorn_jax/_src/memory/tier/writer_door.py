@@ -88,9 +88,14 @@ class TierWriter(TierReader, Protocol):
         """Takes no version at ``step``, on every host alike (the status round still runs)."""
         ...
 
-    def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None
-             ) -> SaveReport:
-        """Takes no version at ``step`` on this host alone (a peer's payload came corrupt)."""
+    def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None, *,
+             corrupt: bool = True) -> SaveReport:
+        """Takes no version at ``step`` on this host alone (a peer's payload came
+        corrupt, or never came)."""
+        ...
+
+    def note_lost(self, versions: Any) -> None:
+        """Versions this host will never hold (PEC rolls them back on every host)."""
         ...
 
     def begin_round(self) -> tuple[SaveReport, np.ndarray]:
