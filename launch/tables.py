@@ -290,6 +290,41 @@ def windows_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+CPU_PARTS = ("main", "xla_compute", "runtime", "ckpt_writers", "chunk_sender", "chunk_receiver")
+"""The bench's per-thread CPU classes (``steady_cpu_ms_per_step``), in table order."""
+
+
+def host_floor_table(doc: dict) -> str:
+    """Per strategy of one bench JSON, what its versions cost the hosts on
+    steady steps: the checkpoint bytes per step, the all-to-alls' median
+    time, and the process CPU per step over none's by thread class (both
+    hosts together), in total and per MB moved. Empty when the JSON has no
+    CPU accounts or no none."""
+    rows = doc["strategies"]
+    base = rows.get("none", {}).get("steady_cpu_ms_per_step")
+    if not base:
+        return ""
+    lines = [f"From `{doc['command']}` ({doc['date']}); steady steps, process CPU over both "
+             "hosts beyond none's (ms per step; runtime: XLA's and gloo's threads).", "",
+             "| strategy | MB per step | steady ratio | all-to-alls (ms) | "
+             + " | ".join(CPU_PARTS) + " | total | per MB |",
+             "|---|---|---|---|" + "---|" * (len(CPU_PARTS) + 2)]
+    for name, r in rows.items():
+        cpu = r.get("steady_cpu_ms_per_step")
+        if cpu is None:
+            continue
+        extra = [cpu.get(k, 0.0) - base.get(k, 0.0) for k in CPU_PARTS]
+        total = cpu.get("total", sum(cpu.values())) - base.get("total", sum(base.values()))
+        mb = r.get("ckpt_bytes_per_step", 0) / 1e6
+        a2a = r.get("a2a_median_s")
+        ratio = r.get("steady_ratio")
+        lines.append(f"| {name} | {mb:.2f} | {_or_dash(ratio, '.2f')} | "
+                     f"{_or_dash(None if a2a is None else a2a * 1e3, '.0f')} | "
+                     + " | ".join(f"{x:+.1f}" for x in extra)
+                     + f" | {total:+.1f} | {_or_dash(total / mb if mb else None, '.1f')} |")
+    return "\n".join(lines)
+
+
 def shifts_table(doc: dict) -> str:
     """Per strategy and MoE layer span, how far a domain shift moved it next
     to its step-to-step noise (``launch.bench.records.shift_effect``)."""
@@ -389,6 +424,10 @@ def _long_run_section(res: Path, folder: str, title: str) -> list[str]:
     for path, doc in zip(paths, docs, strict=True):
         parts += [f"### Where bytes met a collective: `results/emulated/{folder}/{path.name}`",
                   "", windows_table(doc), "", shifts_table(doc), ""]
+        floor = host_floor_table(doc)
+        if floor:
+            parts += [f"### What the versions cost the hosts: `results/emulated/{folder}/"
+                      f"{path.name}`", "", floor, ""]
     return parts
 
 
@@ -404,6 +443,9 @@ def results_page(root: Path) -> str:
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
     parts += _long_run_section(res, "deadline", "the long-run sweep with the deadline sender "
                                "(issue 38), FIFO links and a traffic class")
+    parts += _long_run_section(res, "every_strategy", "every strategy on the newest code "
+                               "(issue 38, one step program per tuple, PEC roll-back; see "
+                               "each JSON's command)")
     parts += _long_run_section(res, "one_program", "one step program per capacity tuple "
                                "(issue 38 part 4, code c83c26b), FIFO links")
     parts += _long_run_section(res, "one_program_21a2e7f", "one step program per capacity "
@@ -494,9 +536,10 @@ def main(argv: list[str]) -> None:
         print(long_run_table([json.loads(Path(p).read_text()) for p in argv[1:]]))
     elif argv[0] == "long_run_summary" and len(argv) > 1:
         print(long_run_summary([json.loads(Path(p).read_text()) for p in argv[1:]]))
-    elif argv[0] in ("windows", "shifts") and len(argv) == 2:
+    elif argv[0] in ("windows", "shifts", "host_floor") and len(argv) == 2:
         doc = json.loads(Path(argv[1]).read_text())
-        print(windows_table(doc) if argv[0] == "windows" else shifts_table(doc))
+        table = {"windows": windows_table, "shifts": shifts_table, "host_floor": host_floor_table}
+        print(table[argv[0]](doc))
     elif argv[0] == "emulated" and len(argv) > 1:
         print(emulated_table([json.loads(Path(p).read_text()) for p in argv[1:]]))
     elif argv[0] in ("validation", "projection") and len(argv) <= 2:
@@ -509,6 +552,7 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python -m launch.tables (the README's model table) | "
                  "python -m launch.tables headline|shaped|emulated|sweep BENCH.json "
                  "[BENCH.json ...] | "
+                 "python -m launch.tables windows|shifts|host_floor BENCH.json | "
                  "python -m launch.tables validation|projection [JSON] | "
                  "python -m launch.tables results (docs/results.md)")
 

@@ -20,20 +20,24 @@ from tests.test_threaded import _DictStore, _pair
 
 
 class _Flipper:
-    """A socket whose ``sendall`` flips one byte of the ``nth`` payload send
-    (headers are sends of exactly the header's size)."""
+    """A socket whose ``sendmsg`` flips one byte of the ``nth`` payload buffer
+    (headers are buffers of exactly the header's size) and sends every byte."""
 
     def __init__(self, sock, nth):
         self.sock, self.nth, self.count = sock, nth, 0
 
-    def sendall(self, data):
-        view = memoryview(data).cast("B")
-        if len(view) != chunk_channel._HEADER.size:
-            self.count += 1
-            if self.count == self.nth:
-                data = bytearray(view)
-                data[len(data) // 2] ^= 0xFF
-        return self.sock.sendall(data)
+    def sendmsg(self, buffers):
+        sent = 0
+        for data in buffers:
+            view = memoryview(data).cast("B")
+            if len(view) != chunk_channel._HEADER.size:
+                self.count += 1
+                if self.count == self.nth:
+                    view = memoryview(bytearray(view))
+                    view[len(view) // 2] ^= 0xFF
+            self.sock.sendall(view)
+            sent += len(view)
+        return sent
 
     def __getattr__(self, name):
         return getattr(self.sock, name)
@@ -150,3 +154,53 @@ def test_chunk_sums_change_with_any_one_changed_byte(chunk, data):
     before = np.asarray(chunk_sums(jnp.frombuffer(chunk, jnp.uint8)))
     after = np.asarray(chunk_sums(jnp.frombuffer(bytes(changed), jnp.uint8)))
     assert (before != after).any()
+
+
+def test_an_idle_wait_returns_nothing_and_the_next_frame_costs_no_timeout_change():
+    """The receive loop's wait between steps (``idle_ok``): no frame within
+    the socket's bound gives None, not an error; a frame after it is read,
+    and the socket's timeout is the channel's bound throughout."""
+    import time
+
+    a, b = _pair(10.0)
+    try:
+        b.inc.settimeout(0.3)
+        b.timeout_s = 0.3
+        _, get = _buffers(2, 1000)
+        t0 = time.monotonic()
+        assert b.receive_into(get, idle_ok=True) is None
+        assert 0.2 < time.monotonic() - t0 < 5.0
+        rows = np.arange(2000, dtype=np.uint32).astype(np.uint8).reshape(2, 1000)
+        a.send(4, 0, rows)
+        assert b.receive_into(get, idle_ok=True) == (4, 0, 1000)
+        assert b.inc.gettimeout() == 0.3
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_gathered_send_delivers_every_byte_in_order_past_the_socket_buffer():
+    """``_send_all``: a header and rows far larger than the socket's buffers go
+    out in order whatever each ``sendmsg`` took."""
+    import socket
+    import threading
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    parts = [b"head", np.arange(300_000, dtype=np.uint32).view(np.uint8), b"", b"tail"]
+    want = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    got = bytearray()
+
+    def read():
+        while len(got) < len(want):
+            got.extend(b.recv(65536))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        chunk_channel._send_all(a, parts)
+        reader.join(20)
+        assert bytes(got) == want
+    finally:
+        a.close()
+        b.close()

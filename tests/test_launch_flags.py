@@ -144,8 +144,9 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
                                                       "classes (after_step, mid_step"),
     (["--faults=partition"], cli_flags.FlagError, "--faults: ['partition'] act on shaped "
                                                    "links: they need --link_gbps > 0"),
-    (["--faults=stall_channel", "--strategies=inmem"], cli_flags.FlagError,
-     "--faults: ['stall_channel'] are drawn for capricorn only: add it to --strategies"),
+    (["--faults=stall_channel", "--strategies=gemini", "--topologies=2x2"], cli_flags.FlagError,
+     "--faults: ['stall_channel'] are drawn for capricorn, and inmem and pec over the chunk "
+     "channel: add one of them to --strategies"),
 ])
 def test_chaos_config_names_a_bad_flag(argv, error, message):
     with pytest.raises(error, match=re.escape(message)) as info:

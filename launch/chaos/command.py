@@ -54,7 +54,7 @@ from absl import app, flags
 
 from capricorn_jax.experimental import send_rounds
 from launch.chaos.config import (  # noqa: F401 (re-exported)
-    CAPRICORN_CLASSES,
+    CHANNEL_CLASSES,
     FAULT_CLASSES,
     NETWORK_CLASSES,
     ChaosConfig,

@@ -41,8 +41,9 @@ FAULT_CLASSES = ("after_step", "mid_step", "mid_replication", "mid_persist", "re
 the fault points, a kill in a recovery's serve round (``kill_mid_serve``, point
 ``mid_serve``) and a second recovery struck in a row (``double_kill``)."""
 NETWORK_CLASSES = frozenset({PARTITION, SLOW_LINK})
-CAPRICORN_CLASSES = frozenset({CORRUPT_FRAME, STALL_CHANNEL})
-"""Classes drawn only for capricorn (the channel from its first schedule on)."""
+CHANNEL_CLASSES = frozenset({CORRUPT_FRAME, STALL_CHANNEL})
+"""Classes drawn for strategies on the chunk channel from their first step: capricorn
+(from its first schedule on), inmem and pec over it (the threaded variant)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +134,11 @@ class ChaosConfig:
         if set(self.faults) & NETWORK_CLASSES and not shaped:
             raise FlagError(f"--faults: {sorted(set(self.faults) & NETWORK_CLASSES)} act on "
                             f"shaped links: they need --link_gbps > 0")
-        if set(self.faults) & CAPRICORN_CLASSES and "capricorn" not in self.strategies:
-            raise FlagError(f"--faults: {sorted(set(self.faults) & CAPRICORN_CLASSES)} are "
-                            f"drawn for capricorn only: add it to --strategies")
+        if set(self.faults) & CHANNEL_CLASSES and not set(self.strategies) & {
+                "capricorn", "inmem", "pec"}:
+            raise FlagError(f"--faults: {sorted(set(self.faults) & CHANNEL_CLASSES)} are "
+                            f"drawn for capricorn, and inmem and pec over the chunk channel: "
+                            f"add one of them to --strategies")
 
     def job_flags(self) -> list[str]:
         """Flags every job of every trial gets (the reference runs' too): the

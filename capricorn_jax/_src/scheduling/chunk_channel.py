@@ -29,6 +29,12 @@ from typing import Any
 
 import numpy as np
 
+try:  # the deadline sender's view of the link (``queued_bytes``): POSIX only
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = termios = None  # type: ignore[assignment]
+
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
@@ -91,7 +97,8 @@ RCVLOWAT_CAP = 1 << 16
 """The most a receive waits to have queued before it wakes (``SO_RCVLOWAT``)."""
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, mark: list[int] | None = None,
+                once: bool = False) -> int:
     """Fills ``view`` from ``sock``. Each wait asks the kernel to wake the
     reader only once the rest of the view (at most ``RCVLOWAT_CAP``) is
     queued (``SO_RCVLOWAT``, honoured by poll for TCP): on a link slower
@@ -99,18 +106,46 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     receiver thread's Python runs per wake-up). Only on a socket with a
     timeout (Python waits in poll): a blocking receive with a raised mark
     was seen to wait forever behind a shaped link (tbf), so a blocking one
-    keeps the mark at 1."""
-    mark = 1 if sock.gettimeout() is None else None
+    keeps the mark at 1. ``mark``: the caller's one-item record of the mark
+    last set on ``sock``; a mark it already has is not set again (one
+    system call less per wake-up). ``once``: returns after the first
+    wake-up, with what it read (possibly less than the view). Returns the
+    bytes read."""
+    blocking = sock.gettimeout() is None
+    total = 0
     while view:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT,
-                            mark or max(1, min(len(view), RCVLOWAT_CAP)))
-        except OSError:
-            pass  # a platform without it: one wake-up per arrival, as before
+        want = 1 if blocking else max(1, min(len(view), RCVLOWAT_CAP))
+        if mark is None or mark[0] != want:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            except OSError:
+                pass  # a platform without it: one wake-up per arrival, as before
+            if mark is not None:
+                mark[0] = want
         n = sock.recv_into(view)
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         view = view[n:]
+        total += n
+        if once:
+            break
+    return total
+
+
+def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Sends every byte of ``buffers``, in order, gathered into as few system
+    calls as the kernel takes (``sendmsg``; a partial send goes on from
+    where it stopped). Alternative not taken: ``sendall`` per buffer (a
+    frame of a header and two rows was three calls)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if len(v)]
+    while views:
+        n = sock.sendmsg(views)
+        while n:
+            if n >= len(views[0]):
+                n -= len(views.pop(0))
+            else:
+                views[0], n = views[0][n:], 0
 
 
 class ChunkChannel:
@@ -145,6 +180,7 @@ class ChunkChannel:
         self.stall_at: tuple[int, float] | None = None
         self.on_stall: Callable[[int], None] | None = None
         self._closed = threading.Event()
+        self._mark = [-1]  # SO_RCVLOWAT last set on the incoming socket (``_recv_exact``)
         self.job = job
         self.token = job.encode()
         if len(self.token) > _MAX_TOKEN:
@@ -270,9 +306,8 @@ class ChunkChannel:
             if self.on_stall is not None:
                 self.on_stall(version)
             self._closed.wait(seconds)  # a hung connection: nothing leaves (until closed)
-        self.out.sendall(_HEADER.pack(version, offset, lengths.pop(), len(rows), crc))
-        for view in views:
-            self.out.sendall(view)
+        _send_all(self.out, [_HEADER.pack(version, offset, lengths.pop(), len(rows), crc),
+                             *views])
 
     def out_fileno(self) -> int | None:
         """The sending socket's descriptor (the native marks sample its queue), or None."""
@@ -287,37 +322,50 @@ class ChunkChannel:
         not acknowledged yet (Linux ``SIOCOUTQ``: in the socket's queue, in a
         shaped link's queue or on the wire); None where the kernel does not
         say. One ioctl, cheap enough for a window's closing mark."""
+        if fcntl is None or termios is None:
+            return None
         try:
-            import fcntl
-            import termios
-
             out = fcntl.ioctl(self.out.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
             return int.from_bytes(out, "little", signed=True)
         except (OSError, AttributeError, ValueError):
             return None
 
-    def receive_into(self, buffers: Callable[[int], np.ndarray | None]
-                     ) -> tuple[int, int, int]:
+    def receive_into(self, buffers: Callable[[int], np.ndarray | None], idle_ok: bool = False
+                     ) -> tuple[int, int, int] | None:
         """Receives one frame into ``buffers(version)``; (version, offset, length).
         When ``buffers`` gives None the frame is read and discarded.
+        ``idle_ok``: when no byte of a frame came within the socket's timeout,
+        returns None (the receive loop's wait between steps, which is not a
+        failure); otherwise the timeout raises.
 
         Raises:
           CorruptFrame: the frame's bytes do not match the checksum its sender
             computed (read whole: the next frame can be received).
         """
         header = bytearray(_HEADER.size)
-        _recv_exact(self.inc, memoryview(header))  # waits as the socket's timeout says
+        view = memoryview(header)
+        if idle_ok:
+            try:  # one wake-up once a header is queued, or the socket's timeout
+                view = view[_recv_exact(self.inc, view, self._mark, once=True):]
+            except TimeoutError:
+                return None
         # Once a frame began, the rest of it is due within the bound: a peer
         # that stalls mid-frame ends the receive with an error naming it.
         idle = self.inc.gettimeout()
-        self.inc.settimeout(self.timeout_s)
+        if idle != self.timeout_s:  # (the receive loop's socket keeps the bound: no call)
+            if view.nbytes == len(header):
+                _recv_exact(self.inc, view[:1], self._mark)  # the first byte: as the socket says
+                view = view[1:]
+            self.inc.settimeout(self.timeout_s)
         try:
+            _recv_exact(self.inc, view, self._mark)
             return self._receive_body(header, buffers)
         except TimeoutError:
             raise TimeoutError(f"host {self.host}: host {self.source} stopped mid-frame for "
                                f"over {self.timeout_s:g}s") from None
         finally:
-            self.inc.settimeout(idle)
+            if idle != self.timeout_s:
+                self.inc.settimeout(idle)
 
     def _receive_body(self, header: bytearray, buffers: Callable[[int], np.ndarray | None]
                       ) -> tuple[int, int, int]:
@@ -328,7 +376,7 @@ class ChunkChannel:
             left = rows * length
             while left:
                 n = min(left, len(scratch))
-                _recv_exact(self.inc, scratch[:n])
+                _recv_exact(self.inc, scratch[:n], self._mark)
                 left -= n
             return version, offset, length
         if rows != target.shape[0] or offset + length > target.shape[1]:
@@ -337,7 +385,7 @@ class ChunkChannel:
                              f"{version}'s {target.shape}")
         got = 0
         for r in range(rows):
-            _recv_exact(self.inc, target[r, offset:offset + length].data)
+            _recv_exact(self.inc, target[r, offset:offset + length].data, self._mark)
             got = zlib.crc32(target[r, offset:offset + length].data, got)
         if got != crc:
             raise CorruptFrame(version, f"host {self.host}: version {version}: a frame of "

@@ -457,8 +457,13 @@ class ThreadedSender:
     def _receive_loop(self, channel: ChunkChannel) -> None:
         while not self._closed and channel is self.channel:
             try:
-                channel.inc.settimeout(None)  # idle between steps is not a failure
-                version, offset, length = channel.receive_into(self._buffer)
+                # Idle between steps is not a failure: no frame within the
+                # channel's bound is waited for again (the socket keeps its
+                # timeout, so a frame costs no timeout changes).
+                got = channel.receive_into(self._buffer, idle_ok=True)
+                if got is None:
+                    continue
+                version, offset, length = got
             except CorruptFrame as e:
                 # Checked end to end: the version is dropped (its wait raises,
                 # so no holder commits it; the caller's warning says so), the
