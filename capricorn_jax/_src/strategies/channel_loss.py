@@ -163,8 +163,9 @@ class ChannelKeeper:
         ``checkpoint`` events (``event``: the strategy's) of the versions
         abandoned and of ``step``, each marked ``channel_lost``. The
         abandoned versions are named to the status round (PEC rolls them
-        back on every host); ``tokens_per_expert``: PEC, the step's."""
+        back on every host); ``tokens_per_expert``: the step's (read under
+        PEC only: a whole-version tier takes none)."""
         lost = self.while_down(step)
         self.ckpt.note_lost(lost)
-        report = self.ckpt.skip(step, tokens_per_expert)
+        report = self.ckpt.skip(step, tokens_per_expert if self.ckpt.pec is not None else None)
         return [{**event(v, report), "channel_lost": True} for v in (*lost, step)]

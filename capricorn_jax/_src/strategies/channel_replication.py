@@ -239,8 +239,7 @@ class ChannelReplication(InMemoryStrategy):
         flight is abandoned, the channel reconnects when the backoff says so
         (``ChannelKeeper.while_down``), and version ``step`` is not taken."""
         self._inflight = None
-        return self.keeper.skip_save(
-            step, self._event, tokens_per_expert if self.ckpt.pec is not None else None)
+        return self.keeper.skip_save(step, self._event, tokens_per_expert)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Commits the version in flight (the loop's last ``save`` sent the

@@ -598,8 +598,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         self._moved = self._spread = None
         self._host_states = {}
         self._last_saved = step
-        return self.keeper.skip_save(
-            step, self._event, tokens_per_expert if self.ckpt.pec is not None else None)
+        return self.keeper.skip_save(step, self._event, tokens_per_expert)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Saves the final state (version ``step``), which no later step moves;
