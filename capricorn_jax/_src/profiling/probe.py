@@ -14,9 +14,9 @@ Two ways to see what an MoE layer's all-to-alls cost, for two questions:
   collectives, which run inside the layer's ``shard_map``.
 
 Design choice: each stamp takes one element of the buffer as operand and
-returns a dummy tied to the buffer (``lax.optimization_barrier``), so XLA
-cannot move it off its edge (as the profiler's marks; see
-``profiling.profiler``). Alternative not taken: timing the collectives from
+returns a dummy the buffer is tied to (``tie``: a select on a flag that is
+always False), so XLA cannot move it off its edge (as the profiler's marks;
+see ``profiling.profiler``). Alternative not taken: timing the collectives from
 the profiled step's segments, which hold the layer's compute too.
 """
 
@@ -75,13 +75,30 @@ def emit_mark(callback: Callable, tag: jax.Array, ordered: bool) -> jax.Array:
     return io_callback(callback, jax.ShapeDtypeStruct((), jnp.float32), tag, ordered=ordered)
 
 
+def tie(leaves: Sequence[jax.Array], result: jax.Array) -> list[jax.Array]:
+    """``leaves`` unchanged bit for bit (-0.0 and NaN payloads included), but
+    computed from ``result`` (a mark's float32 scalar): whatever consumes
+    them runs after the mark. A select on a flag that is always False
+    (``result > +inf``) whose other branch differs from the leaf, so XLA can
+    neither fold it nor schedule the consumer first.
+
+    Why not ``lax.optimization_barrier`` alone (this module's tie until
+    2026-12-05): XLA:CPU removes the barrier before it schedules, so a mark
+    on a collective's input ran *after* the collective (measured in the
+    compiled step: both edges of every all-to-all stamped within 1 ms of each
+    other, the collective inside the idle span before them), as it had
+    hoisted the in-graph chunks' permutes (``scheduling.executor``)."""
+    never = result > jnp.inf
+    return [jnp.where(never, ~leaf if leaf.dtype == jnp.bool_ else -leaf, leaf)
+            for leaf in leaves]
+
+
 def _stamp(tree: Any, callback: Callable, axes: tuple[str, ...], ordered: bool) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     device = jax.lax.axis_index(axes).astype(jnp.float32)
     tag = jnp.stack([device, probe_scalar(leaves)])
     result = emit_mark(callback, tag, ordered)
-    leaves, _ = jax.lax.optimization_barrier((leaves, result))
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(treedef, tie(leaves, result))
 
 
 def both_passes(x: Any, forward: Callable[[Any], Any], backward: Callable[[Any], Any]) -> Any:

@@ -10,9 +10,10 @@ How a mark stays where it belongs. A callback whose operand does not depend on
 the layer output is moved by XLA (measured: all of them ran at the end of the
 step). Each mark therefore (1) takes as operand one element of the boundary's
 activation, a true data dependency, so it cannot run before the layer is done,
-and (2) returns a dummy scalar that is tied to the activation with
-``lax.optimization_barrier``, so whatever consumes the activation waits for
-the mark, which pins it before the next layer. The backward marks come from a
+and (2) returns a dummy scalar the activation is tied to (``probe.tie``: a
+select on an always-False flag; ``lax.optimization_barrier`` alone did not
+hold on XLA:CPU), so whatever consumes the activation waits for the mark,
+which pins it before the next layer. The backward marks come from a
 ``custom_vjp`` identity at the boundary whose bwd marks the incoming cotangent
 the same way. The values are untouched: the profiled step computes bitwise
 what the plain step computes (tested on CPU).
@@ -127,6 +128,7 @@ from capricorn_jax._src.profiling.probe import (
     edge_marked,
     emit_mark,
     probe_scalar,
+    tie,
     time_all_reduce,
     time_all_to_all,
 )
@@ -170,8 +172,7 @@ def mark(tree: Any, specs: Any, mesh: Mesh, recorder: MarkSink, name: str, direc
         device = jax.lax.axis_index(axes).astype(jnp.float32)  # exact below 2**24
         tag = jnp.stack([device, probe_scalar(local)])  # one operand: one transfer
         result = emit_mark(callback, tag, ordered)
-        local, _ = jax.lax.optimization_barrier((local, result))
-        return local
+        return tuple(tie(local, result))
 
     # check_vma=False: a replicated leaf (spec P()) passes through unchanged,
     # so it is still replicated on the way out.
