@@ -28,11 +28,12 @@ PAYLOAD = 48_000
 B0, B1 = ("b0", "fwd"), ("b1", "fwd")
 
 
-def _senders(piece_bytes=4096, hold_tail=0):
+def _senders(piece_bytes=4096, hold_tail=0, queue_bytes=16384):
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     a, b = _pair(20.0)
     return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, 20.0, deadline=True,
-                                 piece_bytes=piece_bytes, hold_tail=hold_tail) for c in (a, b)]
+                                 piece_bytes=piece_bytes, hold_tail=hold_tail,
+                                 queue_bytes=queue_bytes) for c in (a, b)]
 
 
 def _schedule(first_s, second_s, rate=1e6):
@@ -353,5 +354,125 @@ def test_the_stop_rule_counts_every_rows_bytes_against_the_per_row_model():
             w0 = sender.last_bytes[0]
             assert w0.planned == PAYLOAD  # half the per-row payload on each of 2 rows
             assert w0.planned - w0.carried_out == 2 * 4096
+    finally:
+        _close(senders)
+
+
+def _slow_sends(senders, monkeypatch, rate, queued=lambda: 0):
+    """Each frame's send takes its link time at ``rate``; the times each
+    frame was handed over, per sender."""
+    handed = [[] for _ in senders]
+    for s, times in zip(senders, handed, strict=True):
+        send = s.channel.send
+
+        def slow(version, offset, rows, send=send, times=times):
+            time.sleep(sum(len(r) for r in rows) / rate)
+            send(version, offset, rows)
+            times.append(time.perf_counter())
+
+        monkeypatch.setattr(s.channel, "send", slow)
+        monkeypatch.setattr(s.channel, "queued_bytes", queued)
+    return handed
+
+
+def test_a_collective_that_begins_before_the_planned_close_ends_the_window(monkeypatch):
+    """Window 0 is planned for 100 s at 40 KB/s (all of its 24 KB), but the
+    step's first all-to-all begins ~0.1 s after it opened (its start edge's
+    mark, before the boundary that opens window 1): the sender stops within
+    a frame of that mark, carries the rest to window 1, and the record
+    counts what was still being handed over then as late."""
+    mesh, senders = _senders(piece_bytes=4096)
+    rate = 40e3
+    handed = _slow_sends(senders, monkeypatch, rate)
+    try:
+        schedule = dataclasses.replace(_schedule(100.0, 100.0), link=LinkModel(0.0, rate))
+        data = _start(mesh, senders, 1, schedule)
+        # Window 0 opens at the step's start, window 1 at B0.
+        marks = [("b0", "fwd:dispatch.begin"), B0, B1, ("b1", "bwd")]
+        t_begin = None
+        for site in marks:
+            time.sleep(0.1)
+            t_begin = time.perf_counter() if site[1].endswith(".begin") else t_begin
+            for sender in senders:
+                _fire(sender, site)
+        for h, sender in enumerate(senders):
+            assert (sender.wait(1, 20.0) == data[1 - h]).all()
+        for s, times in zip(senders, handed, strict=True):
+            w0, w1 = s.last_bytes[0], s.last_bytes[1]
+            sent0 = w0.planned - w0.carried_out
+            assert 0 < sent0 <= 2 * 4096 < w0.planned  # ~0.1 s of 40 KB/s, then it stopped
+            assert w1.carried_in == w0.carried_out
+            # No frame of window 0 began after the collective's mark.
+            in_window0 = [t for t in times if t < t_begin + 4096 / rate + 0.05]
+            assert sum(1 for _ in in_window0) * 4096 >= sent0
+    finally:
+        _close(senders)
+
+
+@pytest.mark.parametrize("kernel", [None, 0], ids=["model", "kernel-drained"])
+def test_the_sender_hands_over_a_frame_only_once_the_link_drained_to_its_bound(monkeypatch,
+                                                                                kernel):
+    """A 40 KB/s link (the schedule's model) and a socket that takes frames at
+    once: the sender hands over frames while the modelled queue is within its
+    16 KiB bound (5 of 4 KiB at once) and the sixth once the model drained to
+    it (~0.1 s later). Where the kernel says nothing is unacknowledged (the
+    bytes left: its count is the upper bound) it does not wait."""
+    mesh, senders = _senders(piece_bytes=4096)
+    handed = _slow_sends(senders, monkeypatch, 100e6, lambda: kernel)
+    try:
+        schedule = dataclasses.replace(_schedule(100.0, 100.0), link=LinkModel(0.0, 40e3))
+        data = _start(mesh, senders, 1, schedule)
+        for site in (B0, B1, ("b1", "bwd")):
+            time.sleep(0.3)
+            for sender in senders:
+                _fire(sender, site)
+        for h, sender in enumerate(senders):
+            assert (sender.wait(1, 20.0) == data[1 - h]).all()
+        for s, times in zip(senders, handed, strict=True):
+            window0 = times[:6]  # 24000 bytes in frames of 4 KiB
+            gap = window0[5] - window0[4]
+            if kernel is None:
+                assert window0[4] - window0[0] < 0.05 and 0.07 < gap < 0.3, window0
+            else:
+                assert window0[5] - window0[0] < 0.05, window0
+            w0 = s.last_bytes[0]
+            assert w0.carried_out == 0 and w0.sent + w0.late == w0.planned
+    finally:
+        _close(senders)
+
+
+def test_queue_bytes_must_not_be_negative():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    a, b = _pair(20.0)
+    try:
+        with pytest.raises(ValueError, match="queue_bytes=-1"):
+            ThreadedSender(a, ["b0"], 1, mesh, deadline=True, queue_bytes=-1)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_what_the_windows_could_not_carry_waits_for_the_steps_end_mark(monkeypatch):
+    """Both windows are over before a frame could cross: their bytes go after
+    the step, i.e. after its end mark where the step program carries one (not
+    into the gradient all-reduce's span that follows the last window)."""
+    mesh, senders = _senders(piece_bytes=4096)
+    handed = _slow_sends(senders, monkeypatch, 10e6)
+    try:
+        for sender in senders:  # the step program marks its end (the slot exists)
+            _fire(sender, ("step", "end"))
+        data = _start(mesh, senders, 1, _schedule(1e-6, 1e-6))
+        for site in (B0, B1, ("b1", "bwd")):
+            time.sleep(0.05)
+            for sender in senders:
+                _fire(sender, site)
+        time.sleep(0.3)
+        t_end = time.perf_counter()
+        for sender in senders:
+            _fire(sender, ("step", "end"))
+        for h, sender in enumerate(senders):
+            assert (sender.wait(1, 20.0) == data[1 - h]).all()
+        for times in handed:
+            assert times and min(times) >= t_end
     finally:
         _close(senders)

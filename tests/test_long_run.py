@@ -34,6 +34,18 @@ def test_window_bytes_splits_at_the_closing_mark():
     assert got[1] == WindowBytes(planned=500, sent=500, late=0)
 
 
+def test_window_bytes_closes_a_window_where_its_collective_began():
+    # The same frames; window 0's collective began at t=6 with 300 bytes
+    # queued (its closing site B, after the collective ended, saw an empty
+    # link): handed before 6: 400 + 0 of the second frame, 300 of it queued.
+    frames = [(A, 0.0, 4.0, 400, A), (A, 8.0, 12.0, 400, A), (A, 12.0, 14.0, 200, A)]
+    got = window_bytes(frames, {0: (A, B)}, {A: 0.0, B: 10.0}, {B: 0}, closes_at={0: (6.0, 300)})
+    assert got[0] == WindowBytes(planned=1000, sent=100, late=900)
+    # Windows without an entry keep their closing site's mark.
+    got = window_bytes(frames, {0: (A, B)}, {A: 0.0, B: 10.0}, {B: 0}, closes_at={})
+    assert got[0] == WindowBytes(planned=1000, sent=600, late=400)
+
+
 def test_window_bytes_queue_counts_at_most_the_windows_own_bytes():
     frames = [(A, 0.0, 1.0, 300, A)]
     got = window_bytes(frames, {0: (A, B)}, {A: 0.0, B: 5.0}, {B: 10_000})

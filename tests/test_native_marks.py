@@ -111,3 +111,46 @@ def test_tables_are_bounded_and_released():
     again.close()
     with pytest.raises(ValueError, match="sites >= 1 and devices >= 1"):
         native_marks.MarkTable(0, 2)
+
+
+def test_a_collective_start_edge_closes_what_opened_before_it():
+    """``collective_started``: a collective's start edge (forward ``.begin``,
+    backward ``.end``) stamped after ``since`` in this step; an edge that opens
+    a span, a boundary or an earlier step's stamp does not count.
+    ``collective_starts`` lists this step's start stamps with their queues."""
+    marks = WindowMarks(local_devices=1, devices=1, native=False)
+    tag = np.zeros(2, np.float32)
+    try:
+        marks.reset()
+        marks.record("b0", "fwd:dispatch.begin", tag)  # an earlier step's
+        marks.reset()
+        since = time.perf_counter()
+        for site in (("b0", "fwd"), ("b0", "fwd:dispatch.end"), ("b1", "bwd:combine.begin")):
+            marks.record(*site, tag)
+            assert not marks.collective_started(since), site
+        assert marks.collective_starts() == []
+        marks.record("b1", "bwd:combine.end", tag)  # the backward combine's start
+        assert marks.collective_started(since)
+        later = time.perf_counter()
+        assert not marks.collective_started(later)
+        marks._queued = lambda: 1234
+        marks.record("b0", "fwd:combine.begin", tag)
+        starts = marks.collective_starts()
+        assert [q for _, q in starts] == [None, 1234] and starts[0][0] < later < starts[1][0]
+    finally:
+        marks.close()
+
+
+def test_a_collective_starts_when_every_local_device_is_in_it():
+    """Two local devices: one device at a collective's start edge does not
+    close the window (its bytes wait for the other device); both do."""
+    marks = WindowMarks(local_devices=2, devices=2, native=False)
+    try:
+        marks.reset()
+        since = time.perf_counter()
+        marks.record("b0", "fwd:dispatch.begin", np.array([0, 0], np.float32))
+        assert not marks.collective_started(since) and marks.collective_starts() == []
+        marks.record("b0", "fwd:dispatch.begin", np.array([1, 0], np.float32))
+        assert marks.collective_started(since) and len(marks.collective_starts()) == 1
+    finally:
+        marks.close()

@@ -61,6 +61,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory.wire.transport import local_rows
+from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
@@ -71,11 +72,22 @@ from capricorn_jax._src.scheduling.window_marks import WindowMarks
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 64 << 10
-"""The deadline sender's frame size over all of a host's rows: small enough
-that a window stops within one frame's link time of its deadline (64 KiB at
-0.126 Gbit/s: 4 ms), large enough that a frame's header and system calls are
-noise."""
+STEP_END = (STEP, END)
+"""The step's end mark (``profiler.step_marks``), where the step program carries it."""
+
+PIECE_BYTES = 24 << 10
+"""The deadline sender's frame size over all of a host's rows: a window that
+closes early (its collective begins before the plan said) meets at most one
+frame and ``QUEUE_BYTES`` (24 KiB at 0.118 Gbit/s: 1.7 ms). Measured (2x2
+dynamic, R 0.55, 2026-12-05): 64 KiB frames with a 16 KiB bound, capricorn's
+all-to-alls 61 ms per step above none's, steady 1.135x; 24 KiB with 8 KiB,
+24 ms and 1.098x, for 24 ms more sender CPU per step (the frames' Python)."""
+QUEUE_BYTES = 8 << 10
+"""The most chunk bytes the deadline sender leaves on its link before it
+hands over the next frame (``_on_link``): on a first-in-first-out link what
+is queued when a collective begins goes before it. TCP alone keeps a
+congestion window of the link's queue there (156-191 KB measured at a
+collective's start on the 0.0787 Gbit/s links, 16-20 ms)."""
 
 
 class VersionDropped(RuntimeError):
@@ -140,6 +152,8 @@ class ThreadedSender:
       deadline: a window's bytes stop at its planned close (``_send_until``)
         and go on in the next window.
       piece_bytes: the deadline sender's frame size over all rows.
+      queue_bytes: the most unacknowledged bytes the deadline sender leaves
+        on the link before its next frame (``QUEUE_BYTES``).
       hold_tail: the most parts a version may take in all (its planned ones
         and the held ones); 0: none held. What a version's last part
         leaves (the bytes its windows could not carry before their
@@ -153,9 +167,14 @@ class ThreadedSender:
 
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
                  mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
-                 piece_bytes: int = PIECE_BYTES, hold_tail: int = 0) -> None:
+                 piece_bytes: int = PIECE_BYTES, hold_tail: int = 0,
+                 queue_bytes: int = QUEUE_BYTES) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes={piece_bytes} must be positive")
+        if queue_bytes < 0:
+            raise ValueError(f"queue_bytes={queue_bytes} must be >= 0")
+        self.queue_bytes = queue_bytes
+        self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``_on_link``
         if hold_tail < 0:
             raise ValueError(f"hold_tail={hold_tail} must be >= 0")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
@@ -361,14 +380,19 @@ class ThreadedSender:
                         # A window opens at its mark; a missed mark (a step that
                         # ended another way) sends at once rather than never.
                         self.marks.wait_open(site, epoch, self.timeout_s)
+                    elif site == AFTER and entry.site_idle and self.marks.has_site(STEP_END):
+                        # What the windows could not carry goes after the step
+                        # (its end mark), not into the gradient all-reduce's
+                        # span that follows the last window.
+                        self.marks.wait_open(STEP_END, epoch, self.timeout_s)
                     ranges, carry = carry + own, []
-                    closes = None
+                    closes = opened = None
                     if idle is not None and site != AFTER:
                         opened = (max(entry.part_t0, t_packed) if site == START
                                   else self.marks.opened_at.get(site, time.perf_counter()))
                         closes = opened + idle
                     carry = self._send_until(channel, entry, local, site, ranges, closes,
-                                             rate)
+                                             rate, opened)
                     entry.site_sent[site] = time.perf_counter()
                 if carry and hold:  # held for a later step: its windows carry them in
                     entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
@@ -396,8 +420,8 @@ class ThreadedSender:
             entry.done.notify_all()
 
     def _send_until(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
-                    ranges: list[tuple[Site, int, int]], closes: float | None, rate: float
-                    ) -> list[tuple[Site, int, int]]:
+                    ranges: list[tuple[Site, int, int]], closes: float | None, rate: float,
+                    opened: float | None = None) -> list[tuple[Site, int, int]]:
         """Sends ``ranges`` ((planning site, lo, hi), in order) in window
         ``site`` as frames of at most ``piece_bytes`` over all rows; with a
         deadline (``closes``), stops before a frame that the link could not
@@ -405,6 +429,11 @@ class ThreadedSender:
         / the link's rate (all rows' bytes: the per-row model's rate times
         the rows), the queue being the channel's unacknowledged
         bytes (the drain time of what is already in flight: the guard).
+        It also stops as soon as a collective began after the window
+        ``opened`` (its start edge's mark: the step's compute was shorter
+        than the plan), and hands a frame over only while at most
+        ``queue_bytes`` are unacknowledged (waiting on the marks meanwhile),
+        so an early close meets at most that and one frame.
         Returns the ranges left (to carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
         left = list(ranges)
@@ -413,10 +442,21 @@ class ThreadedSender:
             stop = min(hi, lo + per_row) if closes is not None else hi
             nbytes = (stop - lo) * len(local)
             if closes is not None and rate > 0:
-                queued = channel.queued_bytes() or 0
-                if time.perf_counter() + (queued + nbytes) / rate > closes:
-                    return left
+                while True:
+                    if opened is not None and self.marks.collective_started(opened):
+                        return left
+                    now = time.perf_counter()
+                    queued = self._on_link(channel, rate, now)
+                    if now + (queued + nbytes) / rate > closes:
+                        return left
+                    if queued <= self.queue_bytes:
+                        break
+                    # Until the link drained to the bound, or a mark (a
+                    # collective's start among them) wakes the thread.
+                    self.marks.table.wait(min((queued - self.queue_bytes) / rate, closes - now))
             t_frame = time.perf_counter()
+            if rate > 0:
+                self._link = (self._on_link(None, rate, t_frame) + nbytes, t_frame)
             channel.send(entry.version, lo, [row[lo:stop] for row in local])
             entry.frames.append((site, t_frame, time.perf_counter(), nbytes, origin))
             if stop < hi:
@@ -424,6 +464,20 @@ class ThreadedSender:
             else:
                 left.pop(0)
         return []
+
+    def _on_link(self, channel: ChunkChannel | None, rate: float, now: float) -> float:
+        """The chunk bytes still ahead on this host's link at ``now``: what
+        the frames handed over would leave queued at the link's rate (a
+        model), at most what the kernel holds unacknowledged (``SIOCOUTQ``,
+        with ``channel``). Why both: on a first-in-first-out link the peer's
+        acknowledgements queue behind the peer's own chunk bytes, so the
+        kernel's count stays high for that long after the bytes left (waiting
+        for it starved the windows: 38 of 205 KB sent in one); the model
+        alone would miss a link slower than measured."""
+        queued, since = self._link
+        model = max(0.0, queued - rate * (now - since))
+        kernel = None if channel is None else channel.queued_bytes()
+        return model if kernel is None else min(model, float(kernel))
 
     def _buffer(self, version: int) -> np.ndarray | None:
         """The buffer of a frame of ``version``; None (discard the frame) for a
@@ -552,9 +606,18 @@ class ThreadedSender:
                            if open_ in opened and open_ in entry.site_sent}
         # A spread version's earlier parts went in earlier steps: this step's
         # windows hold the frames handed over since its part began.
+        # A window closed when the first collective after its opening began
+        # (its start edge's mark, where the step marks them): what was still
+        # queued then met that collective on a first-in-first-out link.
+        starts = self.marks.collective_starts()
+        closes_at = {}
+        for i, (open_, _) in entry.window_sites.items():
+            after = [s for s in starts if open_ in opened and s[0] > opened[open_]]
+            if after:
+                closes_at[i] = after[0]
         self.last_bytes = window_bytes([f for f in entry.frames if f[1] >= entry.part_t0],
                                        entry.window_sites, opened, self.marks.queued_at,
-                                       entry.planned)
+                                       entry.planned, closes_at)
         return entry.received
 
     def abandon(self) -> list[int]:

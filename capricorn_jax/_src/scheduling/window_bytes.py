@@ -42,7 +42,9 @@ def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
                  window_sites: dict[int, tuple[Site, Site]],
                  opened: dict[Site, float],
                  queued_at: dict[Site, int | None],
-                 planned: dict[int, int] | None = None) -> dict[int, WindowBytes]:
+                 planned: dict[int, int] | None = None,
+                 closes_at: dict[int, tuple[float, int | None]] | None = None
+                 ) -> dict[int, WindowBytes]:
     """Per window (index -> WindowBytes) of one step, from its frames (pure).
 
     Args:
@@ -56,6 +58,11 @@ def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
         (None or absent: unknown, counted as 0).
       planned: window index -> its bytes in the schedule (default: the bytes
         it planned that frames carried).
+      closes_at: window index -> (when it closed, the bytes unacknowledged
+        then) where that is known better than its closing site's mark: the
+        start of the first collective after it opened (the closing site
+        is the next window's opening, after that collective ended, when a
+        first-in-first-out link has drained what met it).
 
     A frame whose send spans the closing mark is split in proportion to the
     time on either side (a send's bytes leave at the link's rate). The bytes
@@ -73,7 +80,9 @@ def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
         handed_total = sum(n for _, _, n in mine)
         wanted = (handed_total - carried_in + carried_out if planned is None
                   else planned.get(i, 0))
-        t_close = opened.get(close)
+        t_close, queued_close = opened.get(close), queued_at.get(close)
+        if closes_at is not None and i in closes_at:
+            t_close, queued_close = closes_at[i]
         if t_close is None:
             out[i] = WindowBytes(wanted, handed_total, 0, carried_out, carried_in)
             continue
@@ -84,7 +93,7 @@ def window_bytes(frames: list[tuple[Site, float, float, int, Site]],
             elif t0 < t_close:
                 before += n * (t_close - t0) / (t1 - t0)
         handed = int(round(before))
-        queued = min(handed, max(0, queued_at.get(close) or 0))
+        queued = min(handed, max(0, queued_close or 0))
         out[i] = WindowBytes(wanted, handed - queued, handed_total - handed + queued,
                              carried_out, carried_in)
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from capricorn_jax._src.native.marks import MarkTable
+from capricorn_jax._src.profiling.layer_profile import is_edge, opens_span
 from capricorn_jax._src.scheduling.executor import Site
 
 
@@ -53,6 +54,8 @@ class WindowMarks:
         self._epoch_ns = time.monotonic_ns()
         # perf_counter and monotonic_ns are one clock on Linux; kept apart anyway.
         self._to_perf = time.perf_counter() - time.monotonic_ns() / 1e9
+        self._starts = np.zeros(0, np.int64)  # slots of the collectives' start edges
+        self._starts_for = 0  # ... as of this many sites
 
     def _site(self, name: str, direction: str) -> int:
         with self._lock:
@@ -62,6 +65,11 @@ class WindowMarks:
                     raise ValueError(f"more than {self.table.stamps.shape[0]} marked sites")
                 index = self._index[(name, direction)] = len(self._index)
             return index
+
+    def has_site(self, site: Site) -> bool:
+        """Whether a step program marks ``site`` (its slot was given out)."""
+        with self._lock:
+            return site in self._index
 
     def native_slot(self, name: str, direction: str) -> tuple[int, int] | None:
         """(table, slot) of a native mark of this site, or None (a host callback)."""
@@ -115,6 +123,45 @@ class WindowMarks:
             for device in np.flatnonzero(row >= self._epoch_ns):
                 out[(name, direction, int(device))] = row[device] / 1e9 + self._to_perf
         return out
+
+    def _start_slots(self) -> np.ndarray:
+        """The slots of the sites where a collective begins (its edge that
+        does not open a span: forward ``.begin``, backward ``.end``)."""
+        with self._lock:
+            if self._starts_for != len(self._index):
+                self._starts = np.array([i for (_, d), i in self._index.items()
+                                         if is_edge(d) and not opens_span(d)], np.int64)
+                self._starts_for = len(self._index)
+            return self._starts
+
+    def collective_started(self, since: float) -> bool:
+        """Whether a collective began after ``since`` (perf_counter seconds)
+        in this step: every local device stamped its start edge since then
+        (as a site opens: the collective's bytes move once the host's
+        devices are all in it; one device early waits for the others). The
+        window open since then has closed. False where the step marks no
+        start edges (Python host callbacks mark only the opening ones)."""
+        slots = self._start_slots()
+        if slots.size == 0:
+            return False
+        floor = max(self._epoch_ns, int((since - self._to_perf) * 1e9))
+        stamped = np.count_nonzero(self.table.stamps[slots] > floor, axis=1)
+        return bool((stamped >= self.local_devices).any())
+
+    def collective_starts(self) -> list[tuple[float, int | None]]:
+        """This step's collective starts in time order, each (when its last
+        local device stamped the start edge: perf_counter seconds, the chunk
+        bytes unacknowledged then: sampled by that device's mark, None when
+        unknown)."""
+        out = []
+        for slot in self._start_slots():
+            row = self.table.stamps[slot]
+            if np.count_nonzero(row >= self._epoch_ns) < self.local_devices:
+                continue
+            device = int(np.argmax(row))
+            queued = int(self.table.queued[slot, device])
+            out.append((row[device] / 1e9 + self._to_perf, None if queued < 0 else queued))
+        return sorted(out, key=lambda x: x[0])
 
     @property
     def queued_at(self) -> dict[Site, int | None]:
