@@ -83,7 +83,11 @@ def _close(senders):
 
 
 def test_a_window_that_has_time_sends_its_own_bytes_in_small_frames():
+    from capricorn_jax._src.native import send as native_send
+
     mesh, senders = _senders()
+    # Here (and in the tests without a slowed send) the native loop sends.
+    assert all(s.native_send for s in senders) == native_send.available()
     try:
         _step(mesh, senders, 1, _schedule(10.0, 10.0))
         for s in senders:
@@ -240,6 +244,7 @@ def test_a_deadline_in_the_middle_of_a_window_stops_within_a_frame(monkeypatch):
 
         monkeypatch.setattr(s.channel, "send", slow)
         monkeypatch.setattr(s.channel, "queued_bytes", lambda: 0)
+        monkeypatch.setattr(s, "native_send", False)  # the Python loop calls channel.send
     try:
         schedule = dataclasses.replace(_schedule(0.25, 100.0), link=LinkModel(0.0, rate))
         _step(mesh, senders, 1, schedule, pause_s=0.1)
@@ -326,7 +331,8 @@ def test_the_stop_rule_counts_every_rows_bytes_against_the_per_row_model():
     divided all rows' bytes by one row's rate and sent half)."""
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     a, b = _pair(20.0)
-    senders = [ThreadedSender(c, ["b0", "b1"], 2, mesh, 20.0, deadline=True, piece_bytes=4096)
+    senders = [ThreadedSender(c, ["b0", "b1"], 2, mesh, 20.0, deadline=True, piece_bytes=4096,
+                              native_send=False)  # the Python loop calls channel.send
                for c in (a, b)]
     per_row = 20e3
     for s in senders:
@@ -363,6 +369,7 @@ def _slow_sends(senders, monkeypatch, rate, queued=lambda: 0):
     frame was handed over, per sender."""
     handed = [[] for _ in senders]
     for s, times in zip(senders, handed, strict=True):
+        monkeypatch.setattr(s, "native_send", False)  # the Python loop calls channel.send
         send = s.channel.send
 
         def slow(version, offset, rows, send=send, times=times):

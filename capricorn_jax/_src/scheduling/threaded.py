@@ -61,6 +61,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory.wire.transport import local_rows
+from capricorn_jax._src.native import send as native_sender
 from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
@@ -154,6 +155,9 @@ class ThreadedSender:
       piece_bytes: the deadline sender's frame size over all rows.
       queue_bytes: the most unacknowledged bytes the deadline sender leaves
         on the link before its next frame (``QUEUE_BYTES``).
+      native_send: a window's frames go from the native loop
+        (``native.send``, the GIL released) where it could be built; the
+        Python loop otherwise, and for frames with a fault armed.
       hold_tail: the most parts a version may take in all (its planned ones
         and the held ones); 0: none held. What a version's last part
         leaves (the bytes its windows could not carry before their
@@ -168,13 +172,14 @@ class ThreadedSender:
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
                  mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
                  piece_bytes: int = PIECE_BYTES, hold_tail: int = 0,
-                 queue_bytes: int = QUEUE_BYTES) -> None:
+                 queue_bytes: int = QUEUE_BYTES, native_send: bool = True) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes={piece_bytes} must be positive")
         if queue_bytes < 0:
             raise ValueError(f"queue_bytes={queue_bytes} must be >= 0")
         self.queue_bytes = queue_bytes
         self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``_on_link``
+        self.native_send = native_send and deadline and native_sender.available()
         if hold_tail < 0:
             raise ValueError(f"hold_tail={hold_tail} must be >= 0")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
@@ -436,6 +441,10 @@ class ThreadedSender:
         so an early close meets at most that and one frame.
         Returns the ranges left (to carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
+        if (closes is not None and rate > 0 and self.native_send
+                and channel.flip_version is None and channel.stall_at is None):
+            return self._send_native(channel, entry, local, site, ranges, closes, rate, opened,
+                                     per_row)
         left = list(ranges)
         while left:
             origin, lo, hi = left[0]
@@ -463,6 +472,28 @@ class ThreadedSender:
                 left[0] = (origin, stop, hi)
             else:
                 left.pop(0)
+        return []
+
+    def _send_native(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
+                     ranges: list[tuple[Site, int, int]], closes: float, rate: float,
+                     opened: float | None, per_row: int) -> list[tuple[Site, int, int]]:
+        """``_send_until``'s loop in native code (``native.send``): one call
+        per range, the GIL released; the same stop rule and records."""
+        rows = [np.asarray(r) for r in local]
+        left = list(ranges)
+        while left:
+            origin, lo, hi = left[0]
+            edges = None if opened is None else self.marks.start_edges(opened)
+            stop, frames, self._link, error = native_sender.send_window(
+                channel.out.fileno(), rows, entry.version, lo, hi, per_row, closes, rate,
+                self.queue_bytes, self._link, edges, channel.timeout_s)
+            entry.frames.extend((site, t0, t1, n, origin) for t0, t1, n in frames)
+            if error is not None:
+                raise error
+            if stop < hi:  # the rule stopped it: the rest is carried
+                left[0] = (origin, stop, hi)
+                return left
+            left.pop(0)
         return []
 
     def _on_link(self, channel: ChunkChannel | None, rate: float, now: float) -> float:

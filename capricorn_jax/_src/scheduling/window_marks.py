@@ -148,6 +148,16 @@ class WindowMarks:
         stamped = np.count_nonzero(self.table.stamps[slots] > floor, axis=1)
         return bool((stamped >= self.local_devices).any())
 
+    def start_edges(self, since: float) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+        """What the native sender reads for ``collective_started(since)``:
+        (the stamps table, the start slots, the local devices, the floor in
+        monotonic ns); None where the step marks no start edges."""
+        slots = self._start_slots()
+        if slots.size == 0:
+            return None
+        floor = max(self._epoch_ns, int((since - self._to_perf) * 1e9))
+        return self.table.stamps, slots, self.local_devices, floor
+
     def collective_starts(self) -> list[tuple[float, int | None]]:
         """This step's collective starts in time order, each (when its last
         local device stamped the start edge: perf_counter seconds, the chunk
