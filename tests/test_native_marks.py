@@ -99,7 +99,7 @@ def test_the_python_path_stamps_the_same_table():
 
 
 def test_tables_are_bounded_and_released():
-    free = len(native_marks._STATE["free"])  # other tests of this process may hold some
+    free = len(native_marks._FREE)  # other tests of this process may hold some
     tables = [native_marks.MarkTable(4, 2) for _ in range(free + 1)]
     try:
         assert [t.native for t in tables] == [True] * free + [False]

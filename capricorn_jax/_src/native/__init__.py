@@ -13,14 +13,20 @@ wheel to one platform and one jaxlib ABI.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+
+log = logging.getLogger(__name__)
 
 
 class NativeBuildError(RuntimeError):
@@ -72,3 +78,51 @@ def build(source: Path, stem: str, what: str) -> Path:
                                f"{done.stderr.strip()[-2000:]}")
     os.replace(tmp, path)
     return path
+
+
+class Library:
+    """A library built from ``source`` and loaded once per process, thread-safe.
+
+    Args:
+      source, stem, what: as ``build``.
+      fallback: what runs instead, logged once with the build error.
+      configure: called once with the loaded library (argument types, FFI
+        registrations) before any caller gets it.
+    """
+
+    def __init__(self, source: Path, stem: str, what: str, fallback: str,
+                 configure: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.stem, self.what, self.fallback = source, stem, what, fallback
+        self.configure = configure
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._error: NativeBuildError | None = None
+
+    def load(self) -> ctypes.CDLL:
+        """The library, built if needed.
+
+        Raises:
+          NativeBuildError: it could not be built (the first error, every call).
+        """
+        with self._lock:
+            if self._lib is not None:
+                return self._lib
+            if self._error is not None:
+                raise self._error
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(build(self.source, self.stem, self.what)))
+            except NativeBuildError as e:
+                self._error = e
+                log.warning("%s: %s", self.fallback, e)
+                raise
+            self.configure(lib)
+            self._lib = lib
+            return lib
+
+    def available(self) -> bool:
+        """Whether it is loaded (building it on first call)."""
+        try:
+            self.load()
+        except NativeBuildError:
+            return False
+        return True

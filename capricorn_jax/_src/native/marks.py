@@ -30,13 +30,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capricorn_jax._src.native import NativeBuildError, build
+from capricorn_jax._src.native import Library
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,20 @@ TABLES = 64
 """Tables bound at once in one process (``marks.cc``'s kTables)."""
 _SOURCE = Path(__file__).with_name("marks.cc")
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"lib": None, "error": None, "free": list(range(TABLES))}
+_FREE = list(range(TABLES))  # tables not bound (under _LOCK)
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.CapricornMarksBind.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.CapricornMarksSocket.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.CapricornMarksUnbind.argtypes = [ctypes.c_int]
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.CapricornWindowMark),
+                                platform="cpu")
+
+
+_LIBRARY = Library(_SOURCE, "window_marks", "the native window marks",
+                   "window marks run as Python host callbacks", _configure)
 
 
 def load() -> ctypes.CDLL:
@@ -54,35 +66,12 @@ def load() -> ctypes.CDLL:
     Raises:
       NativeBuildError: it could not be built (the first error, every call).
     """
-    with _LOCK:
-        if _STATE["lib"] is not None:
-            return _STATE["lib"]
-        if _STATE["error"] is not None:
-            raise _STATE["error"]
-        try:
-            lib = ctypes.cdll.LoadLibrary(str(build(_SOURCE, "window_marks",
-                                                    "the native window marks")))
-        except NativeBuildError as e:
-            _STATE["error"] = e
-            log.warning("window marks run as Python host callbacks: %s", e)
-            raise
-        lib.CapricornMarksBind.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        lib.CapricornMarksSocket.argtypes = [ctypes.c_int, ctypes.c_int]
-        lib.CapricornMarksUnbind.argtypes = [ctypes.c_int]
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.CapricornWindowMark),
-                                    platform="cpu")
-        _STATE["lib"] = lib
-        return lib
+    return _LIBRARY.load()
 
 
 def available() -> bool:
     """Whether the native handler is loaded (building it on first call)."""
-    try:
-        load()
-    except NativeBuildError:
-        return False
-    return True
+    return _LIBRARY.available()
 
 
 class MarkTable:
@@ -105,8 +94,8 @@ class MarkTable:
         self._lib: ctypes.CDLL | None = None
         if native and available():
             with _LOCK:
-                if _STATE["free"]:
-                    self.id = _STATE["free"].pop(0)
+                if _FREE:
+                    self.id = _FREE.pop(0)
             if self.id is None:
                 log.warning("more than %d native mark tables in one process; this one's marks "
                             "run as Python host callbacks", TABLES)
@@ -150,7 +139,7 @@ class MarkTable:
         if self._lib is not None and self.id is not None:
             self._lib.CapricornMarksUnbind(self.id)
             with _LOCK:
-                _STATE["free"].append(self.id)
+                _FREE.append(self.id)
             self.id, self._lib = None, None
         if self.eventfd >= 0:
             os.close(self.eventfd)

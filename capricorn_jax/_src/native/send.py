@@ -22,62 +22,33 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from capricorn_jax._src.native import NativeBuildError, build
-
-log = logging.getLogger(__name__)
+from capricorn_jax._src.native import Library
 
 _SOURCE = Path(__file__).with_name("send.cc")
-_LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"lib": None, "error": None}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-def load() -> ctypes.CDLL:
-    """Builds (if needed) and loads the library, once per process.
-
-    Raises:
-      NativeBuildError: it could not be built (the first error, every call).
-    """
-    with _LOCK:
-        if _STATE["lib"] is not None:
-            return _STATE["lib"]
-        if _STATE["error"] is not None:
-            raise _STATE["error"]
-        try:
-            lib = ctypes.cdll.LoadLibrary(str(build(_SOURCE, "window_send",
-                                                    "the native window sender")))
-        except NativeBuildError as e:
-            _STATE["error"] = e
-            log.warning("the deadline sender's frames go from Python: %s", e)
-            raise
-        lib.CapricornSendWindow.restype = _I64
-        lib.CapricornSendWindow.argtypes = [
-            ctypes.c_int, _P, ctypes.c_int, _I64, ctypes.POINTER(_I64), _I64, _I64, _I64,
-            ctypes.c_double, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64,
-            _P, _I64, ctypes.c_int]
-        lib.CapricornCrc32.restype = ctypes.c_uint32
-        lib.CapricornCrc32.argtypes = [ctypes.c_uint32, _P, _I64]
-        _STATE["lib"] = lib
-        return lib
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.CapricornSendWindow.restype = _I64
+    lib.CapricornSendWindow.argtypes = [
+        ctypes.c_int, _P, ctypes.c_int, _I64, ctypes.POINTER(_I64), _I64, _I64, _I64,
+        ctypes.c_double, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64,
+        _P, _I64, ctypes.c_int]
+    lib.CapricornCrc32.restype = ctypes.c_uint32
+    lib.CapricornCrc32.argtypes = [ctypes.c_uint32, _P, _I64]
 
 
-def available() -> bool:
-    """Whether the native sender is loaded (building it on first call)."""
-    try:
-        load()
-    except NativeBuildError:
-        return False
-    return True
+_LIBRARY = Library(_SOURCE, "window_send", "the native window sender",
+                   "the deadline sender's frames go from Python", _configure)
+load = _LIBRARY.load
+available = _LIBRARY.available
 
 
 def crc32(data: np.ndarray, crc: int = 0) -> int:
