@@ -483,3 +483,28 @@ def test_what_the_windows_could_not_carry_waits_for_the_steps_end_mark(monkeypat
             assert times and min(times) >= t_end
     finally:
         _close(senders)
+
+
+def test_in_a_low_priority_class_a_collective_does_not_stop_the_window(monkeypatch):
+    """The chunk channel marked low priority (``tos``, the traffic class):
+    the link lets the collectives pass its bytes, so a collective's start
+    0.1 s into a window that needs 0.6 s at 40 KB/s neither ends it nor
+    carries its bytes (all of window 0's go in it)."""
+    mesh, senders = _senders(piece_bytes=4096)
+    rate = 40e3
+    _slow_sends(senders, monkeypatch, rate)
+    for s in senders:
+        monkeypatch.setattr(s.channel, "tos", 0x08)
+    try:
+        schedule = dataclasses.replace(_schedule(100.0, 100.0), link=LinkModel(0.0, rate))
+        data = _start(mesh, senders, 1, schedule)
+        for site in (("b0", "fwd:dispatch.begin"), B0, B1, ("b1", "bwd")):
+            time.sleep(0.1)
+            for sender in senders:
+                _fire(sender, site)
+        for h, sender in enumerate(senders):
+            assert (sender.wait(1, 20.0) == data[1 - h]).all()
+        for s in senders:
+            assert s.last_bytes[0].carried_out == 0 and s.last_bytes[1].carried_in == 0
+    finally:
+        _close(senders)

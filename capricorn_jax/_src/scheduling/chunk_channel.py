@@ -175,6 +175,7 @@ class ChunkChannel:
                  timeout_s: float = 120.0, address: str | None = None, tos: int = 0) -> None:
         self.host, self.destination, self.source = host, destination, source
         self.timeout_s = timeout_s
+        self.tos = tos
         self.flip_version: int | None = None
         self.on_flip: Callable[[int], None] | None = None
         self.stall_at: tuple[int, float] | None = None
