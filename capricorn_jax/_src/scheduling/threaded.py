@@ -644,17 +644,18 @@ class ThreadedSender:
         self.last_sends = {i: entry.site_sent[open_] - opened[open_]
                            for i, (open_, _) in entry.window_sites.items()
                            if open_ in opened and open_ in entry.site_sent}
-        # A spread version's earlier parts went in earlier steps: this step's
-        # windows hold the frames handed over since its part began.
         # A window closed when the first collective after its opening began
         # (its start edge's mark, where the step marks them): what was still
         # queued then met that collective on a first-in-first-out link.
-        starts = self.marks.collective_starts()
+        starts = self.marks.collective_starts()  # in time order
         closes_at = {}
         for i, (open_, _) in entry.window_sites.items():
-            after = [s for s in starts if open_ in opened and s[0] > opened[open_]]
-            if after:
-                closes_at[i] = after[0]
+            if open_ in opened:
+                first = next((s for s in starts if s[0] > opened[open_]), None)
+                if first is not None:
+                    closes_at[i] = first
+        # A spread version's earlier parts went in earlier steps: this step's
+        # windows hold the frames handed over since its part began.
         self.last_bytes = window_bytes([f for f in entry.frames if f[1] >= entry.part_t0],
                                        entry.window_sites, opened, self.marks.queued_at,
                                        entry.planned, closes_at)

@@ -141,12 +141,12 @@ class WindowMarks:
         devices are all in it; one device early waits for the others). The
         window open since then has closed. False where the step marks no
         start edges (Python host callbacks mark only the opening ones)."""
-        slots = self._start_slots()
-        if slots.size == 0:
+        edges = self.start_edges(since)
+        if edges is None:
             return False
-        floor = max(self._epoch_ns, int((since - self._to_perf) * 1e9))
-        stamped = np.count_nonzero(self.table.stamps[slots] > floor, axis=1)
-        return bool((stamped >= self.local_devices).any())
+        stamps, slots, local, floor = edges
+        stamped = np.count_nonzero(stamps[slots] > floor, axis=1)
+        return bool((stamped >= local).any())
 
     def start_edges(self, since: float) -> tuple[np.ndarray, np.ndarray, int, int] | None:
         """What the native sender reads for ``collective_started(since)``:
