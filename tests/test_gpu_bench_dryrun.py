@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from launch.gpu_bench import PARTS, STRATEGIES, h100_target
+from launch.gpu_bench import DRY_RUN_BIG_STRATEGIES, PARTS, STRATEGIES, h100_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # about 50 s: six processes, two benches and three trainings
+@pytest.mark.slow  # about 100 s: six processes, two benches and three trainings
 def test_dry_run_writes_every_field(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu")
@@ -36,8 +36,8 @@ def test_dry_run_writes_every_field(tmp_path):
     assert arena["zero_copy"] == {"import_zero_copy": True, "output_aliases_slot": False,
                                   "bytes_landed": False}
     assert summary["pinned_d2h_gbps"] > 0
-    names = STRATEGIES.split(",")
-    for which in ("small", "big"):
+    for which, names in (("small", STRATEGIES.split(",")),
+                         ("big", DRY_RUN_BIG_STRATEGIES.split(","))):
         steps = summary[f"step_s_{which}"]
         assert sorted(steps) == sorted(names) and all(s > 0 for s in steps.values())
         assert parts[f"bench_{which}"]["strategies"]["none"]["ratio"] == 1.0
