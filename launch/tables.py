@@ -205,11 +205,11 @@ def long_run_table(docs: list[dict]) -> str:
         bias = d["config"].get("routing_bias")
         lines.append(f"- `{d['command']}` ({d['date']}, {d['machine']}"
                      + (f"; routing bias {bias}" if bias else "") + ")")
-    lines += ["", "| topology | workload | R | link | strategy | steady | long run | warm-up (s) | "
-              "steps timed / profiled / compiled | versions taken | bytes/step met a "
+    lines += ["", "| topology | workload | R (over spans) | link | strategy | steady | long run | "
+              "warm-up (s) | steps timed / profiled / compiled | versions taken | bytes/step met a "
               "collective (host 0) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in sorted(docs, key=_point_order):
-        c, share = d["config"], d.get("link_idle_share")
+        c = d["config"]
         link = _traffic_class(d)
         for name, r in d["strategies"].items():
             taken = r.get("versions_taken")
@@ -217,12 +217,20 @@ def long_run_table(docs: list[dict]) -> str:
             cells = [_or_dash(r.get(k), ".3f") for k in ("steady_ratio", "long_run_ratio")]
             lines.append(
                 f"| {c['hosts']}x{c['devices_per_host']} | {c['workload']} | "
-                f"{_or_dash(share, '.2f')} | {link} | {name} | {' | '.join(cells)} | "
+                f"{_r_cell(d)} | {link} | {name} | {' | '.join(cells)} | "
                 f"{_or_dash(r.get('warmup_s'), '.1f')} | "
                 f"{r['steps_timed']} / {r['steps_profiled']} / {r['steps_compiled']} | "
                 f"{_or_dash(taken, '.0%')} | "
                 f"{'-' if late is None else f'{late / 1e3:.0f} KB'} |")
     return "\n".join(lines)
+
+
+def _r_cell(doc: dict) -> str:
+    """R, and in parentheses R over the spans outside every collective where
+    the run recorded it (``span_idle_share``, since 0.17.0)."""
+    span = doc.get("span_idle_share")
+    return _or_dash(doc.get("link_idle_share"), ".2f") + (
+        "" if span is None else f" ({span:.2f})")
 
 
 def long_run_summary(docs: list[dict]) -> str:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from launch.bench.records import idle_outside_collectives
 from launch.cluster import cpu_account
 from tests.helpers import ROOT, assert_no_orphans, child_env
 
@@ -159,6 +160,13 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
                     "block1/bwd/combine", "grad_all_reduce"} <= names, name
             assert all(c["seconds"] >= 0 for c in collectives)
     assert rows["none"]["steady_ratio"] == rows["none"]["long_run_ratio"] == 1.0
+    # R over the spans outside every collective: the same link time over a
+    # smaller idle time than R's (which holds the gradient all-reduce).
+    idle = idle_outside_collectives(rows["none"])
+    assert idle is not None and doc["span_idle_share"] == pytest.approx(
+        doc["link_idle_share"] * (rows["none"]["steady_median_s"]
+                                  - rows["none"]["a2a_median_s"]) / idle)
+    assert "over the spans outside every collective (the all-reduce too): " in proc.stdout
     # Only the scheduled strategy has windows; each accounts for every byte.
     assert not any(rows["none"]["windows"]) and not any(rows["inmem"]["windows"])
     windows = [w for step in rows["capricorn"]["windows"] for w in step]

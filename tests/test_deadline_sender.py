@@ -83,11 +83,11 @@ def _close(senders):
 
 
 def test_a_window_that_has_time_sends_its_own_bytes_in_small_frames():
-    from capricorn_jax._src.native import send as native_send
+    from capricorn_jax._src.native import frames as native_frames
 
     mesh, senders = _senders()
     # Here (and in the tests without a slowed send) the native loop sends.
-    assert all(s.native_send for s in senders) == native_send.available()
+    assert all(s.native_send for s in senders) == native_frames.available()
     try:
         _step(mesh, senders, 1, _schedule(10.0, 10.0))
         for s in senders:

@@ -10,6 +10,7 @@ from capricorn_jax._src.profiling.probe import CollectiveProbe, StepCollectives
 from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
 from launch.bench.records import (
     collective_times,
+    idle_outside_collectives,
     late_bytes_per_step,
     schedule_at_shifts,
     shift_effect,
@@ -161,6 +162,20 @@ def test_window_collisions_and_collective_times():
     assert late_bytes_per_step(row) == pytest.approx(50 / 3)
     assert late_bytes_per_step({"windows": [[], []]}) is None
     assert collective_times(row) == {"a": 2.0}
+
+
+def test_idle_outside_collectives_takes_steady_steps_with_records():
+    c = lambda *s: [{"name": f"c{i}", "seconds": x} for i, x in enumerate(s)]  # noqa: E731
+    row = {"step_s": [1.0, 2.0, 1.5, 9.0, 8.0, 1.25],
+           "collectives": [c(0.25, 0.25), c(1.0, 0.5), [], c(0.5), c(1.0), c(0.5, 0.5)],
+           "step_profiled": [False, False, False, True, False, False],
+           "step_compiled": [False, False, False, False, True, False]}
+    # Steps 0, 1 and 5 count (2 has no record, 3 is profiled, 4 compiled): 0.5, 0.5, 0.25.
+    assert idle_outside_collectives(row) == 0.5
+    row["step_s"][5] = 0.5
+    assert idle_outside_collectives(row) == 0.5
+    assert idle_outside_collectives({"step_s": [1.0], "collectives": [[]]}) is None
+    assert idle_outside_collectives({"step_s": [1.0]}) is None
 
 
 def test_own_step_cache_compiles_again(tmp_path):

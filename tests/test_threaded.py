@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.wire.transport import local_rows
+from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.profiling.boundary import (
     boundary_hooks,
     collective_boundary,
@@ -395,10 +396,11 @@ def test_a_steps_own_marks_are_the_profile_the_instrumented_variant_measures():
 PAYLOAD = 20_000
 
 
-def _senders(timeout_s):
+def _senders(timeout_s, native_receive=True):
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     a, b = _pair(20.0)
-    return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, timeout_s) for c in (a, b)]
+    return mesh, [ThreadedSender(c, ["b0", "b1"], 1, mesh, timeout_s,
+                                 native_receive=native_receive) for c in (a, b)]
 
 
 def _own(mesh, version, host):
@@ -497,8 +499,12 @@ def test_a_wait_that_times_out_names_the_peer_drops_the_version_and_the_next_goe
         b.close()
 
 
-def test_a_frame_that_arrives_early_late_or_twice_counts_once():
-    mesh, (a, b) = _senders(timeout_s=5.0)
+# The receive loop's two paths: runs of frames in native code (where a
+# compiler is there; every other test of the sender takes it) and Python's.
+@pytest.mark.parametrize("native_receive", [True, False], ids=["native", "python"])
+def test_a_frame_that_arrives_early_late_or_twice_counts_once(native_receive):
+    mesh, (a, b) = _senders(timeout_s=5.0, native_receive=native_receive)
+    assert a.native_receive == (native_receive and native_frames.available())
     schedule = _schedule(split=False)
     try:
         _round(mesh, (a, b), 1, schedule)

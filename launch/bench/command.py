@@ -59,7 +59,7 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions
 from capricorn_jax.experimental import xla_flags
 from launch import runtime
-from launch.bench import step_stats
+from launch.bench import records, step_stats
 from launch.bench.config import BenchConfig, BenchSetup
 from launch.bench.recovery import baseline_recovery, recovery_times
 from launch.bench.report import VARIANTS, markdown, plot, summarize
@@ -343,6 +343,17 @@ def _link_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | No
                                       none.get("a2a_median_s"))
 
 
+def _span_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | None:
+    """R over the time a schedule can plan: the same version link time over
+    none's steady step less every collective its marks bracket (the gradient
+    all-reduce too, ``records.idle_outside_collectives``); None without none's
+    collective records (``--collectives`` off)."""
+    idle = records.idle_outside_collectives(results.get("none", {}))
+    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / setup.hosts
+    rate = link.get("one_way_gbps") or (setup.link.gbps or None)
+    return step_stats.link_idle_share(per_host, rate, idle, 0.0)
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:
@@ -390,6 +401,7 @@ def run(config: BenchConfig) -> None:
     print(markdown(results))
     link = {**setup.link.record(), **(raw.get("link") or {})}  # asked for, then measured
     share = _link_idle_share(results, link, setup)
+    span_share = _span_idle_share(results, link, setup)
     emulated = raw.get("emulation")
     if emulated:
         checks = {n: r["emulation_check"] for n, r in results.items() if r.get("emulation_check")}
@@ -399,7 +411,9 @@ def run(config: BenchConfig) -> None:
                  or "no profiled step"))
     print("R (version link time / idle link time per step): "
           + (f"{share:.2f}" if share is not None else "unknown (needs --link_gbps and none's "
-             "all-to-all time)"))
+             "all-to-all time)")
+          + (f"; over the spans outside every collective (the all-reduce too): "
+             f"{span_share:.2f}" if span_share is not None else ""))
     print(f"link: {link['describe']}" + (
         f"; measured one way {link['one_way_gbps']:.3f} Gbit/s, exchange "
         f"{link['exchange_gbps']:.3f} Gbit/s per host ({link['mib']:g} MiB per device)"
@@ -413,7 +427,7 @@ def run(config: BenchConfig) -> None:
     if config.json:
         Path(config.json).write_text(json.dumps({
             "strategies": results, "config": config.record(), "bandwidth": bandwidth,
-            "link": link, "link_idle_share": share,
+            "link": link, "link_idle_share": share, "span_idle_share": span_share,
             "accelerator": setup.accelerator.accelerator,
             "accelerator_profile": emulated,
             # step -> strategy -> capacity factors

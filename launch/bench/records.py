@@ -61,6 +61,25 @@ def collective_times(row: dict) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in by_name.items()}
 
 
+def idle_outside_collectives(row: dict) -> float | None:
+    """The median seconds per steady step (no compile, no profiling, with a
+    collective record) outside every collective the marks bracket (the
+    all-to-alls and the gradient all-reduce): the most a schedule can plan
+    for the link, where R's idle time (the step less its all-to-alls) also
+    holds the all-reduce. None for a row without collective records."""
+    collectives = row.get("collectives")
+    if not collectives:
+        return None
+    n = len(collectives)
+    profiled = row.get("step_profiled") or [False] * n
+    compiled = row.get("step_compiled") or [False] * n
+    idle = [seconds - sum(c["seconds"] for c in record)
+            for seconds, record, prof, comp in zip(row["step_s"], collectives, profiled,
+                                                   compiled, strict=True)
+            if record and not prof and not comp]
+    return statistics.median(idle) if idle else None
+
+
 def shift_effect(steps: Sequence[int], spans: Sequence[Sequence[dict]], shift_every: int,
                  ) -> dict[str, dict]:
     """How far a domain shift moves each expert span, next to its noise.

@@ -14,7 +14,10 @@ training thread's blocked time, the emulation's check and R.
 - ``link_idle_share`` (R): the version's link time over the link's idle time
   per step: (bytes a host sends per version / the link rate) / (none's step
   minus its all-to-all time). R < 1: a schedule can hide the version in the
-  idle link; R > 1: no schedule can.
+  idle link; R > 1: no schedule can. That idle time also holds the gradient
+  all-reduce; the bench JSON's ``span_idle_share`` divides by none's step less
+  every collective its marks bracket (``records.idle_outside_collectives``):
+  what a schedule can plan, so the larger of the two.
 """
 
 from __future__ import annotations

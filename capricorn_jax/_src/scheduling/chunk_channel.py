@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = termios = None  # type: ignore[assignment]
 
 from capricorn_jax._src.multihost.agree import agree_measured
+from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,11 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<qqqqI")
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
+"""Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
 LOW_PRIORITY_TOS = 0x08
 """TOS "maximize throughput": pfifo_fast's lowest band, behind the default class."""
-"""Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
+RUN_FRAMES = 4096
+"""The most frames one native receive call logs (``receive_frames``)."""
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _KEY = "capricorn/chunk_channel/{job}/{host}"
 # The connecting side's hello: magic, its host index, the token's length; then the token.
@@ -97,7 +100,7 @@ RCVLOWAT_CAP = 1 << 16
 """The most a receive waits to have queued before it wakes (``SO_RCVLOWAT``)."""
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, mark: list[int] | None = None,
+def _recv_exact(sock: socket.socket, view: memoryview, mark: np.ndarray | None = None,
                 once: bool = False) -> int:
     """Fills ``view`` from ``sock``. Each wait asks the kernel to wake the
     reader only once the rest of the view (at most ``RCVLOWAT_CAP``) is
@@ -107,8 +110,8 @@ def _recv_exact(sock: socket.socket, view: memoryview, mark: list[int] | None = 
     timeout (Python waits in poll): a blocking receive with a raised mark
     was seen to wait forever behind a shaped link (tbf), so a blocking one
     keeps the mark at 1. ``mark``: the caller's one-item record of the mark
-    last set on ``sock``; a mark it already has is not set again (one
-    system call less per wake-up). ``once``: returns after the first
+    last set on ``sock`` (an int64 array the native receive shares); a mark
+    it already has is not set again (one system call less per wake-up). ``once``: returns after the first
     wake-up, with what it read (possibly less than the view). Returns the
     bytes read."""
     blocking = sock.gettimeout() is None
@@ -181,7 +184,15 @@ class ChunkChannel:
         self.stall_at: tuple[int, float] | None = None
         self.on_stall: Callable[[int], None] | None = None
         self._closed = threading.Event()
-        self._mark = [-1]  # SO_RCVLOWAT last set on the incoming socket (``_recv_exact``)
+        # SO_RCVLOWAT last set on the incoming socket (``_recv_exact``, the native loop)
+        self._mark = np.full(1, -1, np.int64)
+        # The native receive's state: a header read whose body is next on the
+        # socket, the frame log, and a corrupt frame to raise after the frames
+        # received before it were returned.
+        self._head = np.zeros(native_frames.HEADER_BYTES, np.uint8)
+        self._have_head = False
+        self._log = np.zeros((RUN_FRAMES, 2), np.int64)
+        self._corrupt: CorruptFrame | None = None
         self.job = job
         self.token = job.encode()
         if len(self.token) > _MAX_TOKEN:
@@ -367,6 +378,71 @@ class ChunkChannel:
         finally:
             if idle != self.timeout_s:
                 self.inc.settimeout(idle)
+
+    def receive_frames(self, buffers: Callable[[int], np.ndarray | None],
+                       remaining: Callable[[int], int], idle_ok: bool = False
+                       ) -> list[tuple[int, int, int]] | None:
+        """``receive_into`` for a run of frames, in native code with the GIL
+        released (``native.frames``; call only where it is available): the
+        frames of one version go straight into ``buffers(version)`` until
+        they cover ``remaining(version)`` bytes of a row, another version's
+        frame comes, or none within the socket's timeout. Returns the frames
+        received, [(version, offset, length)] (a discarded frame's too), or
+        None (``idle_ok``) when no frame came.
+
+        Raises:
+          CorruptFrame: as ``receive_into`` (after the frames before it were
+            returned: on the next call).
+          TimeoutError: a frame began and stopped for over ``timeout_s``.
+        """
+        if self._corrupt is not None:
+            corrupt, self._corrupt = self._corrupt, None
+            raise corrupt
+        fd, idle = self.inc.fileno(), self.inc.gettimeout()
+        idle_s = self.timeout_s if idle is None else idle
+        if not self._have_head:  # wait for a frame's header
+            status, _, error = native_frames.receive_frames(
+                fd, -1, None, 0, self._head, False, False, idle_s, self.timeout_s, self._mark,
+                self._log)
+            self._raise(error)
+            if status == native_frames.IDLE:
+                if idle_ok:
+                    return None
+                raise TimeoutError(f"host {self.host}: no frame from host {self.source} "
+                                   f"within {idle_s:g}s")
+            self._have_head = True
+        version, offset, length, _, _ = _HEADER.unpack(self._head.tobytes())
+        target = buffers(version)
+        status, frames, error = native_frames.receive_frames(
+            fd, version, target, remaining(version) if target is not None else 0, self._head,
+            True, target is None, idle_s, self.timeout_s, self._mark, self._log)
+        self._have_head = status == native_frames.HEADER
+        if isinstance(error, ValueError) and target is not None:
+            version, offset, length, rows, _ = _HEADER.unpack(self._head.tobytes())
+            raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at {offset} "
+                             f"from host {self.source} does not fit version {version}'s "
+                             f"{target.shape}")
+        self._raise(error)
+        if status == native_frames.DISCARDED:
+            return [(version, offset, length)]
+        got = [(version, int(o), int(n)) for o, n in frames]
+        if status == native_frames.CORRUPT:
+            v, offset, length, rows, crc = _HEADER.unpack(self._head.tobytes())
+            corrupt = CorruptFrame(v, f"host {self.host}: version {v}: a frame of {rows} x "
+                                      f"{length} bytes at {offset} from host {self.source} fails "
+                                      f"its checksum (sent {crc:#010x})")
+            if not got:
+                raise corrupt
+            self._corrupt = corrupt
+        return got
+
+    def _raise(self, error: BaseException | None) -> None:
+        """A native receive's error, named after this channel's ends."""
+        if isinstance(error, TimeoutError):
+            raise TimeoutError(f"host {self.host}: host {self.source} stopped mid-frame for "
+                               f"over {self.timeout_s:g}s") from None
+        if error is not None:
+            raise type(error)(f"host {self.host}: from host {self.source}: {error}")
 
     def _receive_body(self, header: bytearray, buffers: Callable[[int], np.ndarray | None]
                       ) -> tuple[int, int, int]:

@@ -61,7 +61,7 @@ import jax
 import numpy as np
 
 from capricorn_jax._src.memory.wire.transport import local_rows
-from capricorn_jax._src.native import send as native_sender
+from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
@@ -156,8 +156,11 @@ class ThreadedSender:
       queue_bytes: the most unacknowledged bytes the deadline sender leaves
         on the link before its next frame (``QUEUE_BYTES``).
       native_send: a window's frames go from the native loop
-        (``native.send``, the GIL released) where it could be built; the
+        (``native.frames``, the GIL released) where it could be built; the
         Python loop otherwise, and for frames with a fault armed.
+      native_receive: the receive loop takes runs of frames in native code
+        (``ChunkChannel.receive_frames``) where it could be built; a frame
+        at a time in Python otherwise.
       hold_tail: the most parts a version may take in all (its planned ones
         and the held ones); 0: none held. What a version's last part
         leaves (the bytes its windows could not carry before their
@@ -172,14 +175,16 @@ class ThreadedSender:
     def __init__(self, channel: ChunkChannel, boundaries: list[str], local_devices: int,
                  mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
                  piece_bytes: int = PIECE_BYTES, hold_tail: int = 0,
-                 queue_bytes: int = QUEUE_BYTES, native_send: bool = True) -> None:
+                 queue_bytes: int = QUEUE_BYTES, native_send: bool = True,
+                 native_receive: bool = True) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes={piece_bytes} must be positive")
         if queue_bytes < 0:
             raise ValueError(f"queue_bytes={queue_bytes} must be >= 0")
         self.queue_bytes = queue_bytes
         self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``_on_link``
-        self.native_send = native_send and deadline and native_sender.available()
+        self.native_send = native_send and deadline and native_frames.available()
+        self.native_receive = native_receive and native_frames.available()
         if hold_tail < 0:
             raise ValueError(f"hold_tail={hold_tail} must be >= 0")
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
@@ -486,14 +491,14 @@ class ThreadedSender:
                      ranges: list[tuple[Site, int, int]], closes: float, rate: float,
                      opened: float | None, per_row: int, queue_bytes: float
                      ) -> list[tuple[Site, int, int]]:
-        """``_send_until``'s loop in native code (``native.send``): one call
+        """``_send_until``'s loop in native code (``native.frames``): one call
         per range, the GIL released; the same stop rule and records."""
         rows = [np.asarray(r) for r in local]
         left = list(ranges)
         while left:
             origin, lo, hi = left[0]
             edges = None if opened is None else self.marks.start_edges(opened)
-            stop, frames, self._link, error = native_sender.send_window(
+            stop, frames, self._link, error = native_frames.send_window(
                 channel.out.fileno(), rows, entry.version, lo, hi, per_row, closes, rate,
                 int(min(queue_bytes, 1 << 62)), self._link, edges, channel.timeout_s)
             entry.frames.extend((site, t0, t1, n, origin) for t0, t1, n in frames)
@@ -554,10 +559,13 @@ class ThreadedSender:
                 # Idle between steps is not a failure: no frame within the
                 # channel's bound is waited for again (the socket keeps its
                 # timeout, so a frame costs no timeout changes).
-                got = channel.receive_into(self._buffer, idle_ok=True)
-                if got is None:
+                if self.native_receive:  # a run of frames per call, off the GIL
+                    frames = channel.receive_frames(self._buffer, self._remaining, idle_ok=True)
+                else:
+                    one = channel.receive_into(self._buffer, idle_ok=True)
+                    frames = None if one is None else [one]
+                if frames is None:
                     continue
-                version, offset, length = got
             except CorruptFrame as e:
                 # Checked end to end: the version is dropped (its wait raises,
                 # so no holder commits it; the caller's warning says so), the
@@ -580,15 +588,23 @@ class ThreadedSender:
                     waiting.complete.set()
                 return
             with self._lock:
-                entry = self._versions.get(version)
-                if entry is None:  # discarded (a finished or dropped version)
-                    continue
-                if (offset, offset + length) not in entry.got:
-                    entry.got.add((offset, offset + length))
-                    entry.covered += length
-                if entry.covered == entry.expect:
-                    entry.times["received_s"] = time.perf_counter() - entry.t0
-                    entry.complete.set()
+                for version, offset, length in frames:
+                    entry = self._versions.get(version)
+                    if entry is None:  # discarded (a finished or dropped version)
+                        continue
+                    if (offset, offset + length) not in entry.got:
+                        entry.got.add((offset, offset + length))
+                        entry.covered += length
+                    if entry.covered == entry.expect and not entry.complete.is_set():
+                        entry.times["received_s"] = time.perf_counter() - entry.t0
+                        entry.complete.set()
+
+    def _remaining(self, version: int) -> int:
+        """The bytes of a row still due for ``version`` (the native receive
+        returns once a run covers them, so its last frame is seen at once)."""
+        with self._lock:
+            entry = self._versions.get(version)
+            return 1 << 62 if entry is None else max(1, entry.expect - entry.covered)
 
     def wait(self, version: int, timeout_s: float | None = None) -> np.ndarray:
         """The peer's payload of ``version`` [local devices, bytes] once every

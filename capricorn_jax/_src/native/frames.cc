@@ -1,6 +1,9 @@
-// The deadline sender's window loop without Python: frames of a window's
-// byte range handed to the chunk channel's socket, with the stop rule of
-// ``ThreadedSender._send_until`` (the same decisions, tested against it):
+// The chunk channel's frames without Python (chunk_channel._HEADER: version,
+// offset, length per row, rows, CRC32 of the rows' bytes in order; zlib's
+// CRC-32), both ends, each call with the GIL released (ctypes):
+//
+// CapricornSendWindow, the deadline sender's window loop, with the stop rule
+// of ``ThreadedSender._send_until`` (the same decisions, tested against it):
 //
 //   * stop as soon as every local device stamped a collective's start edge
 //     after the window opened (the mark table the native marks write);
@@ -9,11 +12,12 @@
 //   * hand a frame over only while at most ``queue_bound`` bytes are ahead on
 //     the link (a model at the link's rate, capped by SIOCOUTQ).
 //
-// Each frame is the chunk channel's format (chunk_channel._HEADER: version,
-// offset, length per row, rows, CRC32 of the rows' bytes in order; zlib's
-// CRC-32), sent with one gathered sendmsg (partial sends go on; the socket
-// is non-blocking under Python's timeout, so each wait is a bounded poll).
-// Runs with the GIL released (ctypes), one call per window.
+// Each frame is sent with one gathered sendmsg (partial sends go on; the
+// socket is non-blocking under Python's timeout, so each wait is a bounded
+// poll); one call per window.
+//
+// CapricornReceiveFrames, the receive loop's: the frames of one version read
+// straight into its buffer and checked, one call per run of them (see there).
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +27,7 @@
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 namespace {
 
@@ -182,4 +187,121 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
 extern "C" uint32_t CapricornCrc32(uint32_t crc, const uint8_t* data, int64_t n) {
   crc_ready();
   return crc32(crc, data, n);
+}
+
+namespace {
+
+// What CapricornReceiveFrames ended on (status[0]).
+enum Status : int64_t {
+  kCovered = 0,   // the frames read cover `remaining`: the caller's turn
+  kHeader = 1,    // a header of another version (or for no buffer): in `header`, body unread
+  kIdle = 2,      // no byte of a frame within idle_ms
+  kCorrupt = 3,   // the last frame (read whole, header in `header`) fails its checksum
+  kDiscarded = 4, // the frame of `header` was read and dropped (no buffer given)
+  kFull = 5,      // the log is full
+};
+
+// Sets SO_RCVLOWAT to `want` unless *mark already holds it (the channel's
+// record of the mark last set: ``ChunkChannel._mark``).
+void low_water(int fd, int64_t want, int64_t* mark) {
+  if (*mark == want) return;
+  int value = static_cast<int>(want);
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof(value)) == 0) *mark = want;
+}
+
+// Fills p[0..n) from fd. Each wait asks the kernel to wake the reader only
+// once the rest (at most 64 KiB) is queued, and is bounded by wait_ms (-1:
+// none). Returns 0, -ETIMEDOUT when a wait ran out before the first byte
+// (*got tells how far it came), -EPIPE when the peer closed, or -errno.
+int64_t recv_exact(int fd, uint8_t* p, int64_t n, int wait_ms, int64_t* mark, int64_t* got) {
+  *got = 0;
+  while (*got < n) {
+    const int64_t left = n - *got;
+    low_water(fd, left < (1 << 16) ? left : (1 << 16), mark);
+    ssize_t r = recv(fd, p + *got, static_cast<size_t>(left), MSG_DONTWAIT);
+    if (r > 0) {
+      *got += r;
+      continue;
+    }
+    if (r == 0) return -EPIPE;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+    pollfd q{fd, POLLIN, 0};
+    int ready = poll(&q, 1, wait_ms);
+    if (ready == 0) return -ETIMEDOUT;
+    if (ready < 0 && errno != EINTR) return -errno;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Receives frames from fd into `version`'s buffer (row r at base + r * stride,
+// `cols` bytes each) until their per-row bytes cover `remaining`, or a header
+// of another version arrives, or no byte of a next frame within idle_ms.
+// header[36]: in, with have_header = 1, a header already read (its body is
+// next on the socket); out, the header the call ended on. discard = 1: the
+// frame of the given header is read and dropped (kDiscarded); base == nullptr:
+// the call ends at the first header (kHeader). Each wait
+// once a frame began is bounded by timeout_ms. log: 2 int64 per frame read
+// into the buffer and checked (offset, length per row), at most max_frames.
+// status[0]: the Status it ended on.
+// Returns the frames logged (>= 0) or -errno (-ETIMEDOUT: a frame stalled
+// past timeout_ms; -EPIPE: the peer closed; -EBADMSG: a frame that does not fit
+// the buffer, its header in `header`), the log up to date either way.
+extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base, int nrows,
+                                          int64_t stride, int64_t cols, int64_t remaining,
+                                          uint8_t* header, int have_header, int discard,
+                                          int idle_ms,
+                                          int timeout_ms, int64_t* mark, int64_t* log,
+                                          int64_t max_frames, int64_t* status) {
+  crc_ready();
+  int64_t frames = 0, got = 0;
+  status[0] = kIdle;
+  bool pending = have_header != 0;
+  static thread_local uint8_t scratch[1 << 16];
+  for (;;) {
+    Header h;
+    if (!pending) {
+      if (frames >= max_frames) { status[0] = kFull; return frames; }
+      // The header: within idle_ms (an idle link is no failure), or once its
+      // first byte came, the rest within the bound.
+      int64_t r = recv_exact(fd, header, sizeof(Header), idle_ms, mark, &got);
+      if (r == -ETIMEDOUT && got == 0) { status[0] = kIdle; return frames; }
+      if (r == -ETIMEDOUT) {
+        int64_t more = 0;
+        r = recv_exact(fd, header + got, sizeof(Header) - got, timeout_ms, mark, &more);
+      }
+      if (r < 0) return r;
+    }
+    pending = false;
+    std::memcpy(&h, header, sizeof(h));
+    if (discard) {  // dropped: read whole, checked by nobody
+      int64_t left = h.length * h.rows;
+      while (left > 0) {
+        const int64_t n = left < static_cast<int64_t>(sizeof(scratch)) ? left : sizeof(scratch);
+        int64_t r = recv_exact(fd, scratch, n, timeout_ms, mark, &got);
+        if (r < 0) return r;
+        left -= n;
+      }
+      status[0] = kDiscarded;
+      return frames;
+    }
+    if (h.version != version || base == nullptr) { status[0] = kHeader; return frames; }
+    if (h.rows != nrows || h.offset < 0 || h.length < 0 || h.offset + h.length > cols)
+      return -EBADMSG;
+    uint32_t crc = 0;
+    for (int r = 0; r < nrows; ++r) {
+      uint8_t* row = base + r * stride + h.offset;
+      int64_t failed = recv_exact(fd, row, h.length, timeout_ms, mark, &got);
+      if (failed < 0) return failed;
+      crc = crc32(crc, row, h.length);
+    }
+    if (crc != h.crc) { status[0] = kCorrupt; return frames; }
+    log[2 * frames] = h.offset;
+    log[2 * frames + 1] = h.length;
+    ++frames;
+    remaining -= h.length;
+    if (remaining <= 0) { status[0] = kCovered; return frames; }
+  }
 }

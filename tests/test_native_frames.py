@@ -1,0 +1,239 @@
+"""The chunk channel's native frame loops (capricorn_jax._src.native.frames)
+over real loopback sockets. The deadline sender's: its frames are the chunk
+channel's (the Python receiver decodes and checks them), and it stops where
+the Python loop does: a collective's start edge stamped by every local
+device, the planned close, a socket that takes nothing within the bound. The
+receiver's (``ChunkChannel.receive_frames``): Python's frames land bit for
+bit, a run ends where its version is covered or another version begins, a
+dropped version's frames are read and discarded, a corrupt frame is named
+after the frames before it, a stalled frame ends within the bound."""
+
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from capricorn_jax._src.native import frames as native_frames
+from capricorn_jax._src.scheduling.chunk_channel import _HEADER, CorruptFrame
+from tests.test_threaded import _pair
+
+pytestmark = pytest.mark.skipif(not native_frames.available(),
+                                reason="no C++ compiler: the frames go from Python")
+
+FAR = 1e9  # a planned close that never comes
+
+
+def _rows(n, rows=2, seed=0):
+    return [np.random.default_rng(seed + r).integers(0, 256, n, np.uint8) for r in range(rows)]
+
+
+def test_the_checksum_is_zlibs():
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 8, 9, 63, 4096, 100_003):
+        data = rng.integers(0, 256, n, np.uint8)
+        assert native_frames.crc32(data) == zlib.crc32(data.tobytes())
+        assert native_frames.crc32(data, 12345) == zlib.crc32(data.tobytes(), 12345)
+
+
+def test_every_frame_arrives_whole_and_checked_by_the_python_receiver():
+    a, b = _pair(10.0)
+    try:
+        rows = _rows(50_000)
+        stop, frames, link, error = native_frames.send_window(
+            a.out.fileno(), rows, 7, 1000, 50_000, 4096, time.perf_counter() + FAR, 1e9, 1 << 20,
+            (0.0, 0.0), None, 10.0)
+        assert error is None and stop == 50_000
+        assert len(frames) == -(-49_000 // 4096) and sum(n for *_, n in frames) == 2 * 49_000
+        assert all(t0 <= t1 for t0, t1, _ in frames) and link[0] > 0
+        sink = np.zeros((2, 50_000), np.uint8)
+        got = 0
+        while got < 49_000:
+            version, offset, length = b.receive_into(lambda v: sink)  # CRC checked there
+            assert version == 7 and offset == 1000 + got
+            got += length
+        assert (sink[:, 1000:] == np.stack(rows)[:, 1000:]).all()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_it_stops_at_a_collective_every_local_device_began_and_at_the_close():
+    a, b = _pair(10.0)
+    try:
+        rows = _rows(10_000)
+        stamps = np.zeros((4, 3), np.int64)  # sites x devices (two local, one not)
+        slots = np.array([2], np.int64)
+        now_ns = time.monotonic_ns()
+        stamps[2, 0] = now_ns  # one local device at the start edge: the window stays open
+        args = (a.out.fileno(), rows, 1, 0, 10_000, 4096)
+        stop, frames, _, error = native_frames.send_window(
+            *args, time.perf_counter() + FAR, 1e9, 1 << 20, (0.0, 0.0),
+            (stamps, slots, 2, now_ns - 1), 10.0)
+        assert error is None and stop == 10_000 and len(frames) == 3
+        stamps[2, 1] = now_ns  # both: the collective began, nothing more goes
+        stop, frames, _, error = native_frames.send_window(
+            *args, time.perf_counter() + FAR, 1e9, 1 << 20, (0.0, 0.0),
+            (stamps, slots, 2, now_ns - 1), 10.0)
+        assert (stop, frames, error) == (0, [], None)
+        # Stamps before the window opened (the floor) do not count.
+        stop, _, _, _ = native_frames.send_window(
+            *args, time.perf_counter() + FAR, 1e9, 1 << 20, (0.0, 0.0),
+            (stamps, slots, 2, now_ns), 10.0)
+        assert stop == 10_000
+        # A frame the link cannot carry by the planned close is not sent.
+        stop, frames, _, error = native_frames.send_window(
+            *args, time.perf_counter() + 0.001, 1e5, 1 << 20, (0.0, 0.0), None, 10.0)
+        assert (stop, frames, error) == (0, [], None)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_socket_that_takes_nothing_ends_the_window_within_the_bound():
+    """The peer reads nothing: once the buffers are full a send waits at
+    most the bound, then the call returns a TimeoutError with the frames
+    handed over whole before it (the channel is then lost, as in Python)."""
+    a, b = _pair(10.0)
+    try:
+        rows = _rows(64 << 20, rows=1)
+        t0 = time.perf_counter()
+        stop, frames, _, error = native_frames.send_window(
+            a.out.fileno(), rows, 1, 0, rows[0].size, 1 << 16, time.perf_counter() + FAR, 1e12,
+            1 << 40, (0.0, 0.0), None, 0.3)
+        assert isinstance(error, TimeoutError)
+        assert 0.3 <= time.perf_counter() - t0 < 5.0
+        assert 0 < stop < rows[0].size and stop == sum(n for *_, n in frames)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_header_is_the_channels():
+    assert _HEADER.size == 36  # frames.cc's packed Header
+
+
+def _receive_all(channel, buffers, remaining, until):
+    """(version, offset, length) of every frame until ``until(frames)``."""
+    got = []
+    while not until(got):
+        run = channel.receive_frames(buffers, remaining, idle_ok=True)
+        assert run is not None, got  # no idle wait: the frames are on their way
+        got += run
+    return got
+
+
+def test_the_native_receiver_lands_pythons_frames_in_runs_per_version():
+    a, b = _pair(10.0)
+    try:
+        data = {v: np.random.default_rng(v).integers(0, 256, (2, 30_000), np.uint8)
+                for v in (3, 4)}
+        for v in (3, 4):  # Python frames, 5000 bytes per row each, version 3 then 4
+            for lo in range(0, 30_000, 5000):
+                a.send(v, lo, [row[lo:lo + 5000] for row in data[v]])
+        sinks = {v: np.zeros((2, 30_000), np.uint8) for v in (3, 4)}
+        calls = []
+
+        def remaining(v):
+            calls.append(v)
+            return 30_000 - sum(n for w, _, n in got if w == v)
+
+        got: list = []
+        got += _receive_all(b, sinks.get, remaining, lambda g: len(g) >= 12)
+        assert got == [(v, lo, 5000) for v in (3, 4) for lo in range(0, 30_000, 5000)]
+        for v in (3, 4):
+            assert (sinks[v] == data[v]).all()
+        # Runs: at most one call per version's first frame and one more per
+        # run that its remaining bytes or the next version ended.
+        assert calls.count(3) <= 2 and calls.count(4) <= 2, calls
+        # A run returns as soon as its version is covered: nothing else was sent.
+        a.send(5, 0, [np.ones(10, np.uint8)] * 2)
+        sink5 = np.zeros((2, 10), np.uint8)
+        t0 = time.perf_counter()
+        assert b.receive_frames(lambda v: sink5, lambda v: 10) == [(5, 0, 10)]
+        assert time.perf_counter() - t0 < 5.0 and (sink5 == 1).all()  # not the 10 s idle wait
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_native_receiver_discards_a_dropped_versions_frames_and_idles():
+    a, b = _pair(10.0)
+    try:
+        a.send(1, 0, [np.full(40_000, 9, np.uint8)] * 2)  # version 1: dropped here
+        a.send(2, 0, [np.full(100, 2, np.uint8)] * 2)
+        sink = np.zeros((2, 100), np.uint8)
+        buffers = {1: None, 2: sink}.get
+        got = _receive_all(b, buffers, lambda v: 100, lambda g: len(g) >= 2)
+        assert got == [(1, 0, 40_000), (2, 0, 100)] and (sink == 2).all()
+        b.inc.settimeout(0.2)  # the loop's idle wait: nothing more, no error
+        assert b.receive_frames(buffers, lambda v: 100, idle_ok=True) is None
+        with pytest.raises(TimeoutError, match="no frame from host 0"):
+            b.receive_frames(buffers, lambda v: 100)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_native_receiver_names_a_corrupt_frame_after_the_frames_before_it():
+    a, b = _pair(10.0)
+    try:
+        rows = [np.arange(3000, dtype=np.uint8)] * 2
+        a.send(7, 0, [r[:1000] for r in rows])
+        a.flip_version = 7  # the next frame's byte flips after its checksum
+        a.send(7, 1000, [r[1000:2000] for r in rows])
+        a.send(7, 2000, [r[2000:] for r in rows])
+        sink = np.zeros((2, 3000), np.uint8)
+        time.sleep(0.2)  # all three queued: one run meets the corrupt frame
+        first = b.receive_frames(lambda v: sink, lambda v: 3000)
+        assert first[0] == (7, 0, 1000)
+        got = list(first)
+        with pytest.raises(CorruptFrame, match="version 7: a frame of 2 x 1000 bytes at 1000 "
+                                                   "from host 0 fails its checksum"):
+            while True:
+                got += b.receive_frames(lambda v: sink, lambda v: 3000)
+        assert got == [(7, 0, 1000)]
+        # Read whole: the stream stays in step.
+        assert b.receive_frames(lambda v: sink, lambda v: 1000) == [(7, 2000, 1000)]
+        assert (sink[:, 2000:] == rows[0][2000:]).all()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_native_receiver_ends_a_stalled_frame_within_the_bound_and_a_closed_peer():
+    a, b = _pair(1.0)
+    try:
+        header = _HEADER.pack(4, 0, 1000, 2, 0)
+        a.out.sendall(header + bytes(500))  # a frame that stops mid-row
+        sink = np.zeros((2, 1000), np.uint8)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match="host 1: host 0 stopped mid-frame for over 1s"):
+            b.receive_frames(lambda v: sink, lambda v: 1000, idle_ok=True)
+        assert time.perf_counter() - t0 < 5.0
+    finally:
+        a.close()
+        b.close()
+    a, b = _pair(5.0)
+    try:
+        waiting = threading.Timer(0.3, a.close)
+        waiting.start()
+        with pytest.raises(ConnectionError, match="peer closed"):
+            b.receive_frames(lambda v: None, lambda v: 1, idle_ok=True)
+        waiting.join()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_native_receiver_refuses_a_frame_that_does_not_fit():
+    a, b = _pair(10.0)
+    try:
+        a.send(7, 900, [np.zeros(200, np.uint8)] * 2)
+        with pytest.raises(ValueError, match="a frame of 2 x 200 bytes at 900 from host 0 does "
+                                             "not fit version 7's"):
+            b.receive_frames(lambda v: np.zeros((2, 1000), np.uint8), lambda v: 200)
+    finally:
+        a.close()
+        b.close()
