@@ -111,9 +111,9 @@ def _recv_exact(sock: socket.socket, view: memoryview, mark: np.ndarray | None =
     was seen to wait forever behind a shaped link (tbf), so a blocking one
     keeps the mark at 1. ``mark``: the caller's one-item record of the mark
     last set on ``sock`` (an int64 array the native receive shares); a mark
-    it already has is not set again (one system call less per wake-up). ``once``: returns after the first
-    wake-up, with what it read (possibly less than the view). Returns the
-    bytes read."""
+    it already has is not set again (one system call less per wake-up).
+    ``once``: returns after the first wake-up, with what it read (possibly
+    less than the view). Returns the bytes read."""
     blocking = sock.gettimeout() is None
     total = 0
     while view:
