@@ -485,26 +485,41 @@ def test_what_the_windows_could_not_carry_waits_for_the_steps_end_mark(monkeypat
         _close(senders)
 
 
-def test_in_a_low_priority_class_a_collective_does_not_stop_the_window(monkeypatch):
+def test_in_a_low_priority_class_the_version_goes_at_once_without_its_windows(monkeypatch):
     """The chunk channel marked low priority (``tos``, the traffic class):
-    the link lets the collectives pass its bytes, so a collective's start
-    0.1 s into a window that needs 0.6 s at 40 KB/s neither ends it nor
-    carries its bytes (all of window 0's go in it)."""
-    mesh, senders = _senders(piece_bytes=4096)
-    rate = 40e3
-    _slow_sends(senders, monkeypatch, rate)
-    for s in senders:
+    the link lets the collectives pass its bytes, so no window holds them
+    back. Every part of a spread version goes at the start (no mark fired,
+    none left to resume), and each host gets the other's payload bit for
+    bit; no window record (the schedule did not time them)."""
+    from capricorn_jax._src.scheduling.partition_search import spread
+
+    mesh, senders = _senders(piece_bytes=1024)  # ranges of 4096 would be cut
+    sent = [[] for _ in senders]
+    for s, frames in zip(senders, sent, strict=True):
         monkeypatch.setattr(s.channel, "tos", 0x08)
+        send = s.channel.send
+
+        def record(version, offset, rows, send=send, frames=frames):
+            frames.append(sum(len(r) for r in rows))
+            send(version, offset, rows)
+
+        monkeypatch.setattr(s.channel, "send", record)
     try:
-        schedule = dataclasses.replace(_schedule(100.0, 100.0), link=LinkModel(0.0, rate))
-        data = _start(mesh, senders, 1, schedule)
-        for site in (("b0", "fwd:dispatch.begin"), B0, B1, ("b1", "bwd")):
-            time.sleep(0.1)
-            for sender in senders:
-                _fire(sender, site)
+        windows = [Window("b0", "fwd", 1e-5), Window("b1", "fwd", 1.0)]
+        schedule, parts = spread(PAYLOAD, windows, LinkModel(0.0, 8e3), 4096, max_steps=8)
+        assert parts > 1
+        data = {}
+        for h, sender in enumerate(senders):
+            data[h] = np.random.default_rng(h).integers(0, 256, (1, PAYLOAD), np.uint8)
+            sender.start(1, jax.device_put(data[h], NamedSharding(mesh, P("x"))), schedule,
+                         parts)
+            assert sender.parts_left(1) == 0
         for h, sender in enumerate(senders):
             assert (sender.wait(1, 20.0) == data[1 - h]).all()
-        for s in senders:
-            assert s.last_bytes[0].carried_out == 0 and s.last_bytes[1].carried_in == 0
+            assert sender.last_spans == {} and sender.last_bytes == {}
+        # A frame per planned range (no deadline cuts one into pieces).
+        ranges = [c.stop - c.start for c in schedule.all_chunks()]
+        assert all(sorted(frames) == sorted(ranges) and sum(frames) == PAYLOAD
+                   for frames in sent)
     finally:
         _close(senders)

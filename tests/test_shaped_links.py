@@ -183,9 +183,11 @@ def test_stale_namespaces_of_a_dead_job_are_removed():
 def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
     workdir = tmp_path / "run"
     # With the traffic class: the chunk channel's bytes in the low-priority
-    # band of each link's priority queue (FIFO links: the bench tests).
+    # band of each link's priority queue (FIFO links: the bench tests), and
+    # capricorn's versions moved in their steps without waiting for windows.
     proc = run_train("--hosts=2", "--devices_per_host=2", "--steps=8", "--log_every=4",
-                     "--ckpt=inmem", "--kill_host=1", "--kill_at_step=4", "--link_gbps=0.5",
+                     "--ckpt=capricorn", "--kill_host=1", "--kill_at_step=5",
+                     "--link_gbps=0.5",
                      "--traffic_class=priority",
                      "--eval_sequences=0", f"--workdir={workdir}",
                      f"--store_root={tmp_path}/store", timeout=600)
@@ -197,6 +199,8 @@ def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
     assert len(recoveries) == 1 and recoveries[0]["tier"] in ("local", "peer"), recoveries
     steps = sorted({r["step"] for r in records if "event" not in r})
     assert steps == list(range(8))
+    moved = [r for r in records if r.get("event") == "checkpoint" and "moved_in_step" in r]
+    assert moved and not any(r.get("windows") for r in moved), moved
     assert netns.stale_namespaces() == []
     assert_no_orphans(str(workdir))
 

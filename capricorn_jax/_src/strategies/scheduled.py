@@ -350,7 +350,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             sent: tuple[int, MovedPayloads, Any] = (
                 step, {"own": own, "received": None, "transport": transport,
                        "schedule": schedule}, version)
-            if parts > 1:
+            if self.sender.parts_left(step):
                 self._spread = sent  # committed after its last part's step
             else:
                 self._moved = sent
