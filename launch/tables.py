@@ -458,6 +458,10 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    parts += _long_run_section(res, "data_plane", "the receive loop off the GIL and the "
+                               "traffic class's send-at-once (issue 38, 2026-12-05 evening; "
+                               "code per file name: b86a019 before, fe6f8ca the native "
+                               "receive, 24cf40e a low-priority channel's version at once)")
     parts += _long_run_section(res, "collective_marks", "the marks around the collectives "
                                "(code b5f2fac: each collective's start marked before it, the "
                                "deadline sender stopping there, window records closed there)")

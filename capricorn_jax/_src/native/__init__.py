@@ -21,12 +21,19 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 
 log = logging.getLogger(__name__)
+
+PERF_MINUS_MONOTONIC = time.perf_counter() - time.monotonic_ns() / 1e9
+"""``time.perf_counter()`` less the native code's clock (``CLOCK_MONOTONIC``,
+``time.monotonic_ns``) in seconds, taken once: what turns a native stamp
+into the perf_counter seconds the Python side keeps (one clock on Linux,
+so ~0; kept apart anyway, and one value for every conversion)."""
 
 
 class NativeBuildError(RuntimeError):

@@ -29,12 +29,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 
-from capricorn_jax._src.native import Library
+from capricorn_jax._src.native import PERF_MINUS_MONOTONIC, Library
 
 _SOURCE = Path(__file__).with_name("frames.cc")
 _P = ctypes.c_void_p
@@ -68,10 +67,6 @@ def crc32(data: np.ndarray, crc: int = 0) -> int:
     return int(load().CapricornCrc32(crc, data.ctypes.data, data.size))
 
 
-def _perf_minus_monotonic() -> float:
-    return time.perf_counter() - time.monotonic_ns() / 1e9
-
-
 def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
                 closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                 start_edges: tuple[np.ndarray, np.ndarray, int, float] | None,
@@ -100,7 +95,7 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     if not rows or any(r.dtype != np.uint8 or r.ndim != 1 or not r.flags.c_contiguous
                        for r in rows):
         raise ValueError("rows must be 1-D contiguous uint8 arrays")
-    offset = _perf_minus_monotonic()
+    offset = PERF_MINUS_MONOTONIC
     pointers = (_P * len(rows))(*[r.ctypes.data for r in rows])
     cursor = _I64(lo)
     state = np.array([link[0], (link[1] - offset) * 1e9], np.float64)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from capricorn_jax._src.native import PERF_MINUS_MONOTONIC
 from capricorn_jax._src.native.marks import MarkTable
 from capricorn_jax._src.profiling.layer_profile import is_edge, opens_span
 from capricorn_jax._src.scheduling.executor import Site
@@ -52,8 +53,7 @@ class WindowMarks:
         self._queued = queued
         self._epoch = 0
         self._epoch_ns = time.monotonic_ns()
-        # perf_counter and monotonic_ns are one clock on Linux; kept apart anyway.
-        self._to_perf = time.perf_counter() - time.monotonic_ns() / 1e9
+        self._to_perf = PERF_MINUS_MONOTONIC  # the native stamps' clock to perf_counter
         self._starts = np.zeros(0, np.int64)  # slots of the collectives' start edges
         self._starts_for = 0  # ... as of this many sites
 
