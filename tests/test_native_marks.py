@@ -48,10 +48,13 @@ def test_marks_in_the_step_are_native_stamps_that_open_their_sites_in_order():
         assert marks.wait_open(("b1", "fwd"), epoch, 5.0)
         opened = marks.opened_at
         assert before <= opened[("b0", "fwd")] <= opened[("b1", "fwd")] <= after
+        assert all(marks.open_time(site) == t for site, t in opened.items())
+        assert marks.open_time(("b9", "fwd")) is None  # a site no program marks
         assert marks.queued_at == {("b0", "fwd"): None, ("b1", "fwd"): None}  # no socket bound
         # A new step: nothing open until its own marks.
         epoch = marks.reset()
         assert marks.opened_at == {} and not marks.wait_open(("b0", "fwd"), epoch, 0.01)
+        assert marks.open_time(("b0", "fwd")) is None
     finally:
         marks.close()
 

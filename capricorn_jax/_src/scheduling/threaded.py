@@ -406,7 +406,7 @@ class ThreadedSender:
                     closes = opened = None
                     if idle is not None and site != AFTER:
                         opened = (max(entry.part_t0, t_packed) if site == START
-                                  else self.marks.opened_at.get(site, time.perf_counter()))
+                                  else self.marks.open_time(site) or time.perf_counter())
                         closes = opened + idle
                     carry = self._send_until(channel, entry, local, site, ranges, closes,
                                              rate, opened)

@@ -107,6 +107,17 @@ class WindowMarks:
                 out[site] = int(np.argmax(row))
         return out
 
+    def open_time(self, site: Site) -> float | None:
+        """When ``site`` opened in this step (perf_counter seconds), or None:
+        ``opened_at`` for one site (one row read, not every site's)."""
+        index = self._index.get(site)
+        if index is None:
+            return None
+        row = self.table.stamps[index]
+        if np.count_nonzero(row >= self._epoch_ns) < self.local_devices:
+            return None
+        return float(row.max()) / 1e9 + self._to_perf
+
     @property
     def opened_at(self) -> dict[Site, float]:
         """site -> when it opened in this step (perf_counter seconds)."""
