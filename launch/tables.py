@@ -461,7 +461,8 @@ def results_page(root: Path) -> str:
     parts += _long_run_section(res, "data_plane", "the receive loop off the GIL and the "
                                "traffic class's send-at-once (issue 38, 2026-12-05 evening; "
                                "code per file name: b86a019 before, fe6f8ca the native "
-                               "receive, 24cf40e a low-priority channel's version at once)")
+                               "receive, 24cf40e a low-priority channel's version at once, "
+                               "3b544c1 one site's opening read alone)")
     parts += _long_run_section(res, "collective_marks", "the marks around the collectives "
                                "(code b5f2fac: each collective's start marked before it, the "
                                "deadline sender stopping there, window records closed there)")

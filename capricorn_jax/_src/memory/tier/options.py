@@ -75,7 +75,10 @@ class InMemoryOptions:
         (e.g. ``LOW_PRIORITY_TOS``, 0x08: Linux's pfifo_fast puts it in its
         last band) lets the training's collectives pass the checkpoint's
         bytes where the network has classes (DESIGN.md: on real clusters
-        DSCP with ETS on RoCE, an InfiniBand service level).
+        DSCP with ETS on RoCE, an InfiniBand service level). A nonzero class
+        also tells the scheduled strategies' sender that the link lets the
+        collectives pass: each version goes whole at its step's start, not
+        held to the windows.
     """
 
     store_root: str
