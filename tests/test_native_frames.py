@@ -8,6 +8,7 @@ bit, a run ends where its version is covered or another version begins, a
 dropped version's frames are read and discarded, a corrupt frame is named
 after the frames before it, a stalled frame ends within the bound."""
 
+import contextlib
 import threading
 import time
 import zlib
@@ -25,6 +26,17 @@ pytestmark = pytest.mark.skipif(not native_frames.available(),
 FAR = 1e9  # a planned close that never comes
 
 
+@contextlib.contextmanager
+def _channels(timeout_s):
+    """Hosts 0 and 1's chunk channels (``_pair``), closed after the block."""
+    a, b = _pair(timeout_s)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def _rows(n, rows=2, seed=0):
     return [np.random.default_rng(seed + r).integers(0, 256, n, np.uint8) for r in range(rows)]
 
@@ -38,8 +50,7 @@ def test_the_checksum_is_zlibs():
 
 
 def test_every_frame_arrives_whole_and_checked_by_the_python_receiver():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         rows = _rows(50_000)
         stop, frames, link, error = native_frames.send_window(
             a.out.fileno(), rows, 7, 1000, 50_000, 4096, time.perf_counter() + FAR, 1e9, 1 << 20,
@@ -54,14 +65,10 @@ def test_every_frame_arrives_whole_and_checked_by_the_python_receiver():
             assert version == 7 and offset == 1000 + got
             got += length
         assert (sink[:, 1000:] == np.stack(rows)[:, 1000:]).all()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_it_stops_at_a_collective_every_local_device_began_and_at_the_close():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         rows = _rows(10_000)
         stamps = np.zeros((4, 3), np.int64)  # sites x devices (two local, one not)
         slots = np.array([2], np.int64)
@@ -86,17 +93,13 @@ def test_it_stops_at_a_collective_every_local_device_began_and_at_the_close():
         stop, frames, _, error = native_frames.send_window(
             *args, time.perf_counter() + 0.001, 1e5, 1 << 20, (0.0, 0.0), None, 10.0)
         assert (stop, frames, error) == (0, [], None)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_socket_that_takes_nothing_ends_the_window_within_the_bound():
     """The peer reads nothing: once the buffers are full a send waits at
     most the bound, then the call returns a TimeoutError with the frames
     handed over whole before it (the channel is then lost, as in Python)."""
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         rows = _rows(64 << 20, rows=1)
         t0 = time.perf_counter()
         stop, frames, _, error = native_frames.send_window(
@@ -105,9 +108,6 @@ def test_a_socket_that_takes_nothing_ends_the_window_within_the_bound():
         assert isinstance(error, TimeoutError)
         assert 0.3 <= time.perf_counter() - t0 < 5.0
         assert 0 < stop < rows[0].size and stop == sum(n for *_, n in frames)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_header_is_the_channels():
@@ -125,8 +125,7 @@ def _receive_all(channel, buffers, remaining, until):
 
 
 def test_the_native_receiver_lands_pythons_frames_in_runs_per_version():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         data = {v: np.random.default_rng(v).integers(0, 256, (2, 30_000), np.uint8)
                 for v in (3, 4)}
         for v in (3, 4):  # Python frames, 5000 bytes per row each, version 3 then 4
@@ -153,14 +152,10 @@ def test_the_native_receiver_lands_pythons_frames_in_runs_per_version():
         t0 = time.perf_counter()
         assert b.receive_frames(lambda v: sink5, lambda v: 10) == [(5, 0, 10)]
         assert time.perf_counter() - t0 < 5.0 and (sink5 == 1).all()  # not the 10 s idle wait
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_native_receiver_discards_a_dropped_versions_frames_and_idles():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         a.send(1, 0, [np.full(40_000, 9, np.uint8)] * 2)  # version 1: dropped here
         a.send(2, 0, [np.full(100, 2, np.uint8)] * 2)
         sink = np.zeros((2, 100), np.uint8)
@@ -171,14 +166,10 @@ def test_the_native_receiver_discards_a_dropped_versions_frames_and_idles():
         assert b.receive_frames(buffers, lambda v: 100, idle_ok=True) is None
         with pytest.raises(TimeoutError, match="no frame from host 0"):
             b.receive_frames(buffers, lambda v: 100)
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_native_receiver_names_a_corrupt_frame_after_the_frames_before_it():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         rows = [np.arange(3000, dtype=np.uint8)] * 2
         a.send(7, 0, [r[:1000] for r in rows])
         a.flip_version = 7  # the next frame's byte flips after its checksum
@@ -197,14 +188,10 @@ def test_the_native_receiver_names_a_corrupt_frame_after_the_frames_before_it():
         # Read whole: the stream stays in step.
         assert b.receive_frames(lambda v: sink, lambda v: 1000) == [(7, 2000, 1000)]
         assert (sink[:, 2000:] == rows[0][2000:]).all()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_native_receiver_ends_a_stalled_frame_within_the_bound_and_a_closed_peer():
-    a, b = _pair(1.0)
-    try:
+    with _channels(1.0) as (a, b):
         header = _HEADER.pack(4, 0, 1000, 2, 0)
         a.out.sendall(header + bytes(500))  # a frame that stops mid-row
         sink = np.zeros((2, 1000), np.uint8)
@@ -212,28 +199,17 @@ def test_the_native_receiver_ends_a_stalled_frame_within_the_bound_and_a_closed_
         with pytest.raises(TimeoutError, match="host 1: host 0 stopped mid-frame for over 1s"):
             b.receive_frames(lambda v: sink, lambda v: 1000, idle_ok=True)
         assert time.perf_counter() - t0 < 5.0
-    finally:
-        a.close()
-        b.close()
-    a, b = _pair(5.0)
-    try:
+    with _channels(5.0) as (a, b):
         waiting = threading.Timer(0.3, a.close)
         waiting.start()
         with pytest.raises(ConnectionError, match="peer closed"):
             b.receive_frames(lambda v: None, lambda v: 1, idle_ok=True)
         waiting.join()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_native_receiver_refuses_a_frame_that_does_not_fit():
-    a, b = _pair(10.0)
-    try:
+    with _channels(10.0) as (a, b):
         a.send(7, 900, [np.zeros(200, np.uint8)] * 2)
         with pytest.raises(ValueError, match="a frame of 2 x 200 bytes at 900 from host 0 does "
                                              "not fit version 7's"):
             b.receive_frames(lambda v: np.zeros((2, 1000), np.uint8), lambda v: 200)
-    finally:
-        a.close()
-        b.close()

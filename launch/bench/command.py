@@ -332,12 +332,18 @@ def _run_cluster(setup: BenchSetup, workdir: Path) -> int:
                                        network=network)
 
 
-def _link_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | None:
-    """R of this run: the largest version any strategy sends per host, over the
-    measured one-way link rate (else the requested one) and none's idle link."""
-    none = results.get("none", {})
+def _version_link(results: dict, link: dict, setup: BenchSetup) -> tuple[float, float | None]:
+    """(the largest version any strategy sends per host, the measured one-way
+    link rate, else the requested one): R's numerator."""
     per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / setup.hosts
-    rate = link.get("one_way_gbps") or (setup.link.gbps or None)
+    return per_host, link.get("one_way_gbps") or (setup.link.gbps or None)
+
+
+def _link_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | None:
+    """R of this run: the version's link time (``_version_link``) over none's
+    idle link."""
+    none = results.get("none", {})
+    per_host, rate = _version_link(results, link, setup)
     return step_stats.link_idle_share(per_host, rate,
                                       none.get("steady_median_s") or none.get("median_step_s"),
                                       none.get("a2a_median_s"))
@@ -349,9 +355,7 @@ def _span_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | No
     all-reduce too, ``records.idle_outside_collectives``); None without none's
     collective records (``--collectives`` off)."""
     idle = records.idle_outside_collectives(results.get("none", {}))
-    per_host = max((r["ckpt_bytes_per_step"] for r in results.values()), default=0) / setup.hosts
-    rate = link.get("one_way_gbps") or (setup.link.gbps or None)
-    return step_stats.link_idle_share(per_host, rate, idle, 0.0)
+    return step_stats.link_idle_share(*_version_link(results, link, setup), idle, 0.0)
 
 
 def main(argv: list[str]) -> None:

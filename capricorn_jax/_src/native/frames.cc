@@ -79,6 +79,18 @@ struct Header {
 #pragma pack(pop)
 static_assert(sizeof(Header) == 36, "the chunk channel's header is <qqqqI");
 
+// After a call on fd said EAGAIN (or EINTR): waits for `events`, at most
+// timeout_ms (-1: none). 0: try again; -ETIMEDOUT or -errno otherwise.
+int wait_for(int fd, short events, int timeout_ms) {
+  if (errno == EINTR) return 0;
+  if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+  pollfd p{fd, events, 0};
+  int ready = poll(&p, 1, timeout_ms);
+  if (ready == 0) return -ETIMEDOUT;
+  if (ready < 0 && errno != EINTR) return -errno;
+  return 0;
+}
+
 // Sends every byte of iov[0..n) (modified), each wait bounded by timeout_ms.
 int send_all(int fd, iovec* iov, int n, int timeout_ms) {
   int first = 0;
@@ -88,12 +100,8 @@ int send_all(int fd, iovec* iov, int n, int timeout_ms) {
     msg.msg_iovlen = n - first;
     ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (sent < 0) {
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
-      pollfd p{fd, POLLOUT, 0};
-      int ready = poll(&p, 1, timeout_ms);
-      if (ready == 0) return -ETIMEDOUT;
-      if (ready < 0 && errno != EINTR) return -errno;
+      const int failed = wait_for(fd, POLLOUT, timeout_ms);
+      if (failed != 0) return failed;
       continue;
     }
     while (sent > 0 && first < n) {
@@ -224,12 +232,8 @@ int64_t recv_exact(int fd, uint8_t* p, int64_t n, int wait_ms, int64_t* mark, in
       continue;
     }
     if (r == 0) return -EPIPE;
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
-    pollfd q{fd, POLLIN, 0};
-    int ready = poll(&q, 1, wait_ms);
-    if (ready == 0) return -ETIMEDOUT;
-    if (ready < 0 && errno != EINTR) return -errno;
+    const int failed = wait_for(fd, POLLIN, wait_ms);
+    if (failed != 0) return failed;
   }
   return 0;
 }

@@ -454,11 +454,10 @@ class ThreadedSender:
         channel has no deadline: ``start``). Returns the ranges left (to
         carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
-        queue_bytes = self.queue_bytes
         if (closes is not None and rate > 0 and self.native_send
                 and channel.flip_version is None and channel.stall_at is None):
             return self._send_native(channel, entry, local, site, ranges, closes, rate, opened,
-                                     per_row, queue_bytes)
+                                     per_row)
         left = list(ranges)
         while left:
             origin, lo, hi = left[0]
@@ -472,11 +471,11 @@ class ThreadedSender:
                     queued = self._on_link(channel, rate, now)
                     if now + (queued + nbytes) / rate > closes:
                         return left
-                    if queued <= queue_bytes:
+                    if queued <= self.queue_bytes:
                         break
                     # Until the link drained to the bound, or a mark (a
                     # collective's start among them) wakes the thread.
-                    self.marks.table.wait(min((queued - queue_bytes) / rate, closes - now))
+                    self.marks.table.wait(min((queued - self.queue_bytes) / rate, closes - now))
             t_frame = time.perf_counter()
             if rate > 0:
                 self._link = (self._on_link(None, rate, t_frame) + nbytes, t_frame)
@@ -490,7 +489,7 @@ class ThreadedSender:
 
     def _send_native(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
                      ranges: list[tuple[Site, int, int]], closes: float, rate: float,
-                     opened: float | None, per_row: int, queue_bytes: float
+                     opened: float | None, per_row: int
                      ) -> list[tuple[Site, int, int]]:
         """``_send_until``'s loop in native code (``native.frames``): one call
         per range, the GIL released; the same stop rule and records."""
@@ -501,7 +500,7 @@ class ThreadedSender:
             edges = None if opened is None else self.marks.start_edges(opened)
             stop, frames, self._link, error = native_frames.send_window(
                 channel.out.fileno(), rows, entry.version, lo, hi, per_row, closes, rate,
-                int(min(queue_bytes, 1 << 62)), self._link, edges, channel.timeout_s)
+                self.queue_bytes, self._link, edges, channel.timeout_s)
             entry.frames.extend((site, t0, t1, n, origin) for t0, t1, n in frames)
             if error is not None:
                 raise error

@@ -110,13 +110,8 @@ class WindowMarks:
     def open_time(self, site: Site) -> float | None:
         """When ``site`` opened in this step (perf_counter seconds), or None:
         ``opened_at`` for one site (one row read, not every site's)."""
-        index = self._index.get(site)
-        if index is None:
-            return None
-        row = self.table.stamps[index]
-        if np.count_nonzero(row >= self._epoch_ns) < self.local_devices:
-            return None
-        return float(row.max()) / 1e9 + self._to_perf
+        mine = self._stamps(site)
+        return None if mine is None else float(mine.max()) / 1e9 + self._to_perf
 
     @property
     def opened_at(self) -> dict[Site, float]:
