@@ -98,6 +98,10 @@ _spec("float", "link_burst_kb", 0.0,
                    "The shaped links' token bucket (tc tbf burst), KB a host may send at "
                    "loopback speed after an idle spell; 0 = max(256 KB, 2 ms of the rate). "
                    "A real link's is a frame or two; needs --link_gbps.")
+_spec("integer", "link_mtu", 0,
+                     "The shaped links' frame size in bytes (the veths' MTU; 1280..65000); "
+                     "0 = the kernel's 1500. Jumbo frames (9000) cut the per-byte kernel work "
+                     "the emulated links cost the hosts' cores; needs --link_gbps.")
 _spec("enum", "traffic_class", "fifo", ["fifo", "priority"],
       "fifo: the shaped links are one first-in-first-out queue (the paper's premise); "
       "priority: the checkpoint's chunk channel sends as a low-priority class (IP TOS 0x08) "

@@ -149,3 +149,18 @@ def test_shaped_table_has_a_row_per_run_with_each_strategys_ratio_and_spread():
     assert table[-1] == "| 2x2 | dynamic | loopback | 200 (30) | - | 1.10 (11) |"
     with pytest.raises(ValueError):
         shaped_table([])
+
+
+def test_the_long_run_tables_name_the_link_and_where_queued_bytes_wait():
+    """On a FIFO link the bytes ahead at a collective's start delay it; in a
+    traffic class they wait behind it, and the tables say so; a frame size of
+    the link's own is named beside its class."""
+    from launch.tables import _late_cell, _link_cell
+
+    assert _late_cell(67_000, "fifo") == "67 KB"
+    assert _late_cell(67_000, "priority") == "none (67 KB queued behind)"
+    assert _late_cell(None, "priority") == "-"
+    assert _link_cell({"link": {"traffic_class": "fifo", "mtu": 1500}}) == "fifo"
+    assert _link_cell({"link": {"traffic_class": "fifo", "mtu": 9000}}) == "fifo, MTU 9000"
+    assert _link_cell({"link": {"traffic_class": "priority"}}) == "priority"
+    assert _link_cell({}) == "fifo"

@@ -77,11 +77,16 @@ def test_traffic_class_names_the_point_and_its_series(tmp_path):
     point = sweep.points([0.75], ["dynamic"], ["2x2"], {"2x2": 0.07}, 1.0)[0]
     assert sweep.point_name(point) == "bench_2x2_dynamic_r0.75.json"
     assert sweep.point_name(point, "priority") == "bench_2x2_dynamic_r0.75_priority.json"
+    assert sweep.point_name(point, "fifo", 9000) == "bench_2x2_dynamic_r0.75_mtu9000.json"
     fifo = _doc(0.7, 2, 2, "dynamic", {"none": 0.5, "inmem": 0.625})
+    fifo["link"] = {"traffic_class": "fifo", "mtu": 1500}
     prio = _doc(0.7, 2, 2, "dynamic", {"none": 0.5, "inmem": 0.5625})
     prio["link"] = {"traffic_class": "priority"}
-    assert sweep.series([fifo, prio]) == {"dynamic": {"inmem 2x2": [(0.7, 1.25)],
-                                                      "inmem 2x2 priority": [(0.7, 1.125)]}}
+    jumbo = _doc(0.6, 2, 2, "dynamic", {"none": 0.4, "inmem": 0.45})
+    jumbo["link"] = {"traffic_class": "fifo", "mtu": 9000}
+    assert sweep.series([fifo, prio, jumbo]) == {"dynamic": {
+        "inmem 2x2": [(0.7, 1.25)], "inmem 2x2 priority": [(0.7, 1.125)],
+        "inmem 2x2 mtu9000": [(0.6, 1.125)]}}
     png = tmp_path / "p.png"
-    sweep.plot([fifo, prio], png)
+    sweep.plot([fifo, prio, jumbo], png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

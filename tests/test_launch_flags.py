@@ -103,6 +103,7 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     (["--accelerator_profile=h100"], "--accelerator_profile='h100' needs --accelerator=emulated"),
     (["--link_latency_ms=2"], "--link_latency_ms needs --link_gbps > 0"),
     (["--link_burst_kb=20"], "--link_burst_kb needs --link_gbps > 0"),
+    (["--link_mtu=9000"], "--link_mtu needs --link_gbps > 0"),
     (["--link_gbps=1", "--platform=gpu"], "--link_gbps shapes the simulated CPU hosts' links"),
 ])
 def test_bench_config_names_a_bad_flag(tmp_path, argv, message):
@@ -131,6 +132,8 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
                                   "--traffic_class=fifo"]
     assert _chaos("--link_gbps=0.2", "--traffic_class=priority").job_flags()[-1] == \
         "--traffic_class=priority"
+    assert _chaos("--link_gbps=0.2", "--link_burst_kb=20", "--link_mtu=9000").job_flags()[-1] \
+        == "--link_mtu=9000"
 
 
 @pytest.mark.parametrize("argv, error, message", [

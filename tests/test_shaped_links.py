@@ -39,6 +39,11 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": 0.0, "traffic_class": "priority"}, "--traffic_class=priority needs --link_gbps"),
     ({"gbps": 1.0, "latency_ms": 2.0, "traffic_class": "priority"},
      "--traffic_class=priority and --link_latency_ms"),
+    ({"gbps": 0.0, "mtu": 9000}, "--link_mtu needs --link_gbps"),
+    ({"gbps": 1.0, "mtu": 1000}, "--link_mtu must be 0 .* or in 1280..65000, got 1000"),
+    ({"gbps": 1.0, "mtu": 70000}, "--link_mtu must be .*got 70000"),
+    ({"gbps": 1.0, "burst_kb": 5, "mtu": 9000},
+     "--link_mtu=9000: the tbf bucket \\(5000 bytes\\) must hold one frame of 9014 bytes"),
 ])
 def test_bad_link_options_name_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -62,6 +67,14 @@ def test_the_bucket_is_the_flag_or_the_default():
     assert netns.LinkOptions().record()["burst_bytes"] is None
 
 
+def test_the_frame_size_is_recorded_and_described():
+    jumbo = netns.LinkOptions(gbps=0.1, burst_kb=20, mtu=9000)
+    assert jumbo.record()["mtu"] == 9000
+    assert jumbo.describe() == "0.1 Gbit/s each way per host, a 20 KB bucket, 9000-byte frames"
+    assert netns.LinkOptions(gbps=0.1).record()["mtu"] == 1500
+    assert netns.LinkOptions().record()["mtu"] is None
+
+
 def test_the_traffic_class_is_recorded_and_described():
     fifo, priority = (netns.LinkOptions(gbps=0.5, traffic_class=c) for c in ("fifo", "priority"))
     assert fifo.record()["traffic_class"] == "fifo" and fifo.describe() == \
@@ -83,6 +96,39 @@ def test_priority_links_put_a_priority_queue_under_each_tbf():
                                        capture_output=True, text=True, check=True).stdout
                 assert "tbf" in shown and "pfifo_fast 10:" in shown and "parent 1:1" in shown, \
                     shown
+
+
+@needs_root
+def test_jumbo_frames_are_set_on_both_ends_and_pass_the_bucket():
+    """--link_mtu=9000: every veth end and the bridge take the frame size, and
+    a TCP stream between two hosts arrives whole through tbf's 20 KB bucket
+    (a frame larger than the bucket would never leave it)."""
+    with netns.ShapedNetwork(2, netns.LinkOptions(gbps=0.5, burst_kb=20, mtu=9000)) as net:
+        for ns, dev in ((net.host_namespace(0), "eth0"), (net.host_namespace(1), "eth0"),
+                        (net.switch, "h0"), (net.switch, "h1"), (net.switch, "br0")):
+            shown = subprocess.run(["ip", "-n", ns, "link", "show", dev],
+                                   capture_output=True, text=True, check=True).stdout
+            assert " mtu 9000 " in shown, (ns, dev, shown)
+        size = 4 << 20
+        server = subprocess.Popen(
+            [*net.command_prefix(1), sys.executable, "-c",
+             "import socket, sys; s = socket.create_server((sys.argv[1], 9301)); "
+             "print('ready', flush=True); c, _ = s.accept(); n = 0\n"
+             "while (b := c.recv(1 << 16)): n += len(b)\n"
+             "print(n, c.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG))",
+             net.address(1)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+            subprocess.run(
+                [*net.command_prefix(0), sys.executable, "-c",
+                 "import socket, sys; c = socket.create_connection((sys.argv[1], 9301), 30); "
+                 f"c.sendall(bytes({size})); c.close()", net.address(1)],
+                check=True, timeout=60)
+            received, mss = (int(x) for x in server.communicate(timeout=60)[0].split())
+        finally:
+            server.kill()
+        assert received == size
+        assert mss > 8000, mss  # the connection's segments are jumbo frames
 
 
 def test_not_root_gives_one_line_error(tmp_path):

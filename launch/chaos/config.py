@@ -146,6 +146,8 @@ class ChaosConfig:
         out = ([f"--link_gbps={self.link.gbps:g}", f"--link_latency_ms={self.link.latency_ms:g}",
                 f"--link_burst_kb={self.link.burst_kb:g}",
                 f"--traffic_class={self.link.traffic_class}"] if self.link.shaped else [])
+        if self.link.mtu:
+            out.append(f"--link_mtu={self.link.mtu}")
         if self.accelerator.accelerator != "none":
             out.append(f"--accelerator={self.accelerator.accelerator}")
         if self.accelerator.profile:

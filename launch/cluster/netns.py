@@ -51,6 +51,9 @@ _NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
 MIN_BURST_KB = 2.0
 """The smallest bucket: one full Ethernet frame with its headers (a larger GSO
 packet is split by tbf into frames)."""
+MTU_RANGE = (1280, 65000)
+"""``--link_mtu``: IPv6's minimum to what a veth takes with headroom to spare."""
+ETHERNET_HEADER = 14
 TRAFFIC_CLASSES = ("fifo", "priority")
 """``--traffic_class``: one queue per link, or checkpoint bytes behind the rest."""
 DEFAULT_BURST_FLOOR = 256 << 10
@@ -71,6 +74,12 @@ class LinkOptions:
     after an idle spell (0: the default, ``DEFAULT_BURST_FLOOR`` or
     ``DEFAULT_BURST_S`` of the rate, whichever is larger).
 
+    ``mtu``: the veths' frame size (0: the kernel's 1500). tbf splits every
+    GSO packet into frames of it, and each frame costs the hosts' shared cores
+    a pass through veth, tbf and both TCP ends: a datacenter link's jumbo
+    frames (9000) cut that per-byte kernel work about six-fold, and so the
+    emulation's share of the cores that a real NIC would take off them.
+
     The bucket matters to this project's question: a real link has no credit
     beyond a frame or two, while a large bucket lets the bytes that follow an
     idle spell (here: the next all-to-all) pass at loopback speed, so any
@@ -84,6 +93,7 @@ class LinkOptions:
     latency_ms: float = 0.0
     burst_kb: float = 0.0
     traffic_class: str = "fifo"
+    mtu: int = 0
 
     def __post_init__(self) -> None:
         if not self.gbps >= 0:
@@ -97,6 +107,16 @@ class LinkOptions:
                              f"{MIN_BURST_KB:g} (one full frame), got {self.burst_kb}")
         if self.burst_kb and not self.gbps:
             raise ValueError("--link_burst_kb needs --link_gbps > 0 (the hosts' own links)")
+        if self.mtu:
+            if not self.gbps:
+                raise ValueError("--link_mtu needs --link_gbps > 0 (the hosts' own links)")
+            if not MTU_RANGE[0] <= self.mtu <= MTU_RANGE[1]:
+                raise ValueError(f"--link_mtu must be 0 (the kernel's 1500) or in "
+                                 f"{MTU_RANGE[0]}..{MTU_RANGE[1]}, got {self.mtu}")
+            if self.burst_bytes() < self.mtu + ETHERNET_HEADER:
+                raise ValueError(f"--link_mtu={self.mtu}: the tbf bucket "
+                                 f"({self.burst_bytes()} bytes) must hold one frame of "
+                                 f"{self.mtu + ETHERNET_HEADER} bytes; raise --link_burst_kb")
         if self.traffic_class not in TRAFFIC_CLASSES:
             raise ValueError(f"--traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                              f"got {self.traffic_class!r}")
@@ -122,6 +142,7 @@ class LinkOptions:
         return {"requested_gbps": self.gbps or None, "latency_ms": self.latency_ms,
                 "burst_bytes": self.burst_bytes() if self.shaped else None,
                 "traffic_class": self.traffic_class,
+                "mtu": (self.mtu or 1500) if self.shaped else None,
                 "describe": self.describe()}
 
     def describe(self) -> str:
@@ -129,6 +150,7 @@ class LinkOptions:
             return "unshaped loopback"
         lat = f", {self.latency_ms:g} ms one way" if self.latency_ms else ""
         burst = f", a {self.burst_bytes() / 1000:g} KB bucket" if self.burst_kb else ""
+        burst += f", {self.mtu}-byte frames" if self.mtu else ""
         cls = (", checkpoint bytes in a low-priority class" if self.traffic_class == "priority"
                else "")
         return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{cls}"
@@ -136,10 +158,12 @@ class LinkOptions:
 
 def link_from_flags(fv: object) -> LinkOptions:
     """The link the parsed flags ask for (``--link_gbps``, ``--link_latency_ms``,
-    ``--link_burst_kb``); raises ValueError naming a bad one."""
+    ``--link_burst_kb``, ``--traffic_class``, ``--link_mtu``); raises ValueError
+    naming a bad one."""
     return LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms,  # type: ignore[attr-defined]
                        burst_kb=fv.link_burst_kb,  # type: ignore[attr-defined]
-                       traffic_class=fv.traffic_class)  # type: ignore[attr-defined]
+                       traffic_class=fv.traffic_class,  # type: ignore[attr-defined]
+                       mtu=fv.link_mtu)  # type: ignore[attr-defined]
 
 
 def _run(*cmd: str) -> str:
@@ -315,6 +339,10 @@ class ShapedNetwork:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth",
                  "peer", "name", f"h{host}", "netns", self.switch)
+            if self.options.mtu:
+                _run("ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.options.mtu))
+                _run("ip", "-n", self.switch, "link", "set", f"h{host}", "mtu",
+                     str(self.options.mtu))
             _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", self.switch, "link", "set", f"h{host}", "master", "br0")

@@ -60,6 +60,7 @@ def define_flags() -> None:
     flags.DEFINE_float("ckpt_budget", 0.0, "bench --ckpt_budget for those points (seconds).")
     flags.DEFINE_string("accelerator_profile", "", "bench --accelerator_profile ('' = default).")
     flags.DEFINE_float("link_burst_kb", 0.0, "bench --link_burst_kb (0 = bench's default).")
+    flags.DEFINE_integer("link_mtu", 0, "bench --link_mtu (0 = the kernel's 1500).")
     flags.DEFINE_enum("traffic_class", "fifo", ["fifo", "priority"],
                       "bench --traffic_class for every point (priority: the JSON's name ends "
                       "in _priority).")
@@ -106,10 +107,11 @@ def points(r_values: Sequence[float], workloads: Sequence[str], topologies: Sequ
     return out
 
 
-def point_name(point: dict, traffic_class: str = "fifo") -> str:
-    """The point's JSON name; a link with a traffic class is named by it (FIFO,
-    the paper's premise, is the plain name)."""
-    tail = "" if traffic_class == "fifo" else f"_{traffic_class}"
+def point_name(point: dict, traffic_class: str = "fifo", mtu: int = 0) -> str:
+    """The point's JSON name; a link with a traffic class or a frame size of
+    its own is named by them (FIFO with the kernel's frames, the paper's
+    premise, is the plain name)."""
+    tail = ("" if traffic_class == "fifo" else f"_{traffic_class}") + (f"_mtu{mtu}" if mtu else "")
     return f"bench_{point['topology']}_{point['workload']}_r{point['r_target']:g}{tail}.json"
 
 
@@ -120,11 +122,13 @@ def bench_argv(point: dict, out: Path) -> list[str]:
             f"--shift_every={FLAGS.shift_every}", f"--steps={FLAGS.steps}",
             f"--reps={FLAGS.reps}", "--bandwidth_mib=0", f"--link_gbps={point['link_gbps']}",
             f"--traffic_class={FLAGS.traffic_class}",
-            f"--json={out / point_name(point, FLAGS.traffic_class)}"]
+            f"--json={out / point_name(point, FLAGS.traffic_class, FLAGS.link_mtu)}"]
     if FLAGS.accelerator_profile:
         argv.append(f"--accelerator_profile={FLAGS.accelerator_profile}")
     if FLAGS.link_burst_kb:
         argv.append(f"--link_burst_kb={FLAGS.link_burst_kb:g}")
+    if FLAGS.link_mtu:
+        argv.append(f"--link_mtu={FLAGS.link_mtu}")
     if point["budget"]:
         argv.append(f"--ckpt_budget={FLAGS.ckpt_budget}")
     return argv
@@ -149,6 +153,8 @@ def series(docs: Sequence[dict], ratio: str = "median"
             key = f"{name} {c['hosts']}x{c['devices_per_host']}"
             if (d.get("link") or {}).get("traffic_class", "fifo") != "fifo":
                 key += f" {d['link']['traffic_class']}"
+            if (d.get("link") or {}).get("mtu") not in (None, 1500):
+                key += f" mtu{d['link']['mtu']}"
             value = row["median_step_s"] / base if ratio == "median" else row.get(ratio)
             if value is None:
                 continue
@@ -170,15 +176,15 @@ def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -
         raise ValueError("no sweep JSON with a measured R and a none row")
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     # One colour per strategy (the same in every panel and topology), the
-    # topology by line and marker, a traffic class dotted.
+    # topology by line and marker, a traffic class dotted, jumbo frames dash-dotted.
     strategies = sorted({key.split(" ")[0] for _, _, lines in panels for key in lines})
     colour = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(strategies)}
     titles = {"median": "median step / none's", "steady_ratio": "steady steps: median / none's",
               "long_run_ratio": "long run: mean step / none's"}
     for ax, (ratio, workload, lines) in zip(axes[0], panels, strict=True):
         for key, pts in sorted(lines.items()):
-            style = (":^" if key.endswith("priority") else "-o" if key.split(" ")[1] == "2x2"
-                     else "--s")
+            style = (":^" if " priority" in key else "-.v" if " mtu" in key
+                     else "-o" if key.split(" ")[1] == "2x2" else "--s")
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
                     color=colour[key.split(" ")[0]])
         ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -210,7 +216,7 @@ def run_sweep() -> int:
             print("  " + " ".join(argv[1:]))
             continue
         start = time.monotonic()
-        name = point_name(point, FLAGS.traffic_class)
+        name = point_name(point, FLAGS.traffic_class, FLAGS.link_mtu)
         log = out / name.replace(".json", ".log")
         with log.open("w") as f:
             try:

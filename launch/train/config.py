@@ -70,6 +70,7 @@ class ClusterConfig:
     link_latency_ms: float = 0.0
     link_burst_kb: float = 0.0
     traffic_class: str = "fifo"
+    link_mtu: int = 0
     peer_timeout_s: float = 100.0
 
     def __post_init__(self) -> None:
@@ -101,7 +102,8 @@ class ClusterConfig:
     @property
     def link(self) -> LinkOptions:
         return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms,
-                           burst_kb=self.link_burst_kb, traffic_class=self.traffic_class)
+                           burst_kb=self.link_burst_kb, traffic_class=self.traffic_class,
+                           mtu=self.link_mtu)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -438,7 +440,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         hosts=fv.hosts, devices_per_host=fv.devices_per_host, pin_hosts=fv.pin_hosts,
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
         coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms,
-        link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class,
+        link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class, link_mtu=fv.link_mtu,
         peer_timeout_s=fv.peer_timeout_s)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
