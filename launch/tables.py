@@ -474,6 +474,8 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    parts += _long_run_section(res, "headline", "the sweep of 0.18.0 (issue 38's rerun, "
+                               "2026-12-05 19:29-21:21 UTC; the README's table and plot)")
     parts += _long_run_section(res, "data_plane", "the receive loop off the GIL and the "
                                "traffic class's send-at-once (issue 38, 2026-12-05 evening; "
                                "code per file name: b86a019 before, fe6f8ca the native "
@@ -483,7 +485,8 @@ def results_page(root: Path) -> str:
                                "(code b5f2fac: each collective's start marked before it, the "
                                "deadline sender stopping there, window records closed there)")
     parts += _long_run_section(res, "deadline", "the long-run sweep with the deadline sender "
-                               "(issue 38), FIFO links and a traffic class", BLIND_RECORDS)
+                               "(issue 38, code 87f7550-991b3f4; the README's before 0.18.0), "
+                               "FIFO links and a traffic class", BLIND_RECORDS)
     parts += _long_run_section(res, "every_strategy", "every strategy on code 7556429 "
                                "(issue 38, one step program per tuple, PEC roll-back; see "
                                "each JSON's command)", BLIND_RECORDS)
