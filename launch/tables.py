@@ -23,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+from launch.cluster.netns import own_mtu
 from models.config import CONFIGS, param_count
 
 MODEL_TABLE_HEADER = (
@@ -185,14 +186,14 @@ def _traffic_class(doc: dict) -> str:
 
 def _link_cell(doc: dict) -> str:
     """The link discipline, and the frame size where it is not the kernel's 1500."""
-    mtu = (doc.get("link") or {}).get("mtu")
-    return _traffic_class(doc) + (f", MTU {mtu}" if mtu and mtu != 1500 else "")
+    mtu = own_mtu(doc.get("link"))
+    return _traffic_class(doc) + (f", MTU {mtu}" if mtu else "")
 
 
 def _point_order(doc: dict) -> tuple:
     c = doc["config"]
     return (c["hosts"], c["workload"], _traffic_class(doc) != "fifo",
-            (doc.get("link") or {}).get("mtu") or 0, doc["link_idle_share"] or 0)
+            own_mtu(doc.get("link")) or 0, doc["link_idle_share"] or 0)
 
 
 def long_run_table(docs: list[dict]) -> str:

@@ -51,6 +51,8 @@ _NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
 MIN_BURST_KB = 2.0
 """The smallest bucket: one full Ethernet frame with its headers (a larger GSO
 packet is split by tbf into frames)."""
+KERNEL_MTU = 1500
+"""A veth's frame size unless ``--link_mtu`` sets one."""
 MTU_RANGE = (1280, 65000)
 """``--link_mtu``: IPv6's minimum to what a veth takes with headroom to spare."""
 ETHERNET_HEADER = 14
@@ -142,7 +144,7 @@ class LinkOptions:
         return {"requested_gbps": self.gbps or None, "latency_ms": self.latency_ms,
                 "burst_bytes": self.burst_bytes() if self.shaped else None,
                 "traffic_class": self.traffic_class,
-                "mtu": (self.mtu or 1500) if self.shaped else None,
+                "mtu": (self.mtu or KERNEL_MTU) if self.shaped else None,
                 "describe": self.describe()}
 
     def describe(self) -> str:
@@ -150,10 +152,17 @@ class LinkOptions:
             return "unshaped loopback"
         lat = f", {self.latency_ms:g} ms one way" if self.latency_ms else ""
         burst = f", a {self.burst_bytes() / 1000:g} KB bucket" if self.burst_kb else ""
-        burst += f", {self.mtu}-byte frames" if self.mtu else ""
+        frames = f", {self.mtu}-byte frames" if self.mtu else ""
         cls = (", checkpoint bytes in a low-priority class" if self.traffic_class == "priority"
                else "")
-        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{cls}"
+        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{frames}{cls}"
+
+
+def own_mtu(record: dict | None) -> int | None:
+    """A run's link record (``LinkOptions.record``, the bench JSON's ``link``):
+    its frame size where it is not the kernel's, else None."""
+    mtu = (record or {}).get("mtu")
+    return mtu if mtu and mtu != KERNEL_MTU else None
 
 
 def link_from_flags(fv: object) -> LinkOptions:

@@ -40,6 +40,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from launch.cluster.netns import own_mtu
+
 FLAGS = flags.FLAGS
 
 STRATEGIES = "none,inmem,gemini,capricorn,pec,capricorn_pec,orbax_async"
@@ -153,8 +155,8 @@ def series(docs: Sequence[dict], ratio: str = "median"
             key = f"{name} {c['hosts']}x{c['devices_per_host']}"
             if (d.get("link") or {}).get("traffic_class", "fifo") != "fifo":
                 key += f" {d['link']['traffic_class']}"
-            if (d.get("link") or {}).get("mtu") not in (None, 1500):
-                key += f" mtu{d['link']['mtu']}"
+            if mtu := own_mtu(d.get("link")):
+                key += f" mtu{mtu}"
             value = row["median_step_s"] / base if ratio == "median" else row.get(ratio)
             if value is None:
                 continue
