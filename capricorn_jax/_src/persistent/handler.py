@@ -105,6 +105,10 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         then the directory and the files), the wait for the other hosts'
         outcomes after it by the same, and both by ``commit_timeout_s``, which
         ``manager.CheckpointManager`` gives Orbax as its barrier timeout.
+      fsync: make each persistent step durable before it is committed (every
+        file and directory of the step fsynced before its rename, the root
+        after: ``finalize``); False skips it (a filesystem whose fsync costs
+        more than a lost step, or one with no fsync). Object stores never do it.
 
     Attributes:
       on_persist: optional hook ``(step, phase)`` called in the background
@@ -115,7 +119,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
 
     def __init__(self, checkpointer: InMemoryCheckpointer | None = None, *,
                  use_ocdbt: bool = True, host_memory_kind: str = "auto",
-                 read_timeout_s: float = 300.0):
+                 read_timeout_s: float = 300.0, fsync: bool = True):
         check_host_memory_kind(host_memory_kind)
         tier = None if checkpointer is None else checkpointer.pec
         if tier is not None:
@@ -128,6 +132,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         self.checkpointer = checkpointer
         self.host_memory_kind = host_memory_kind
         self.read_timeout_s = read_timeout_s
+        self.fsync = fsync
         self.on_persist: Callable[[int, str], None] | None = None
         self._inner = ocp.StandardCheckpointHandler(use_ocdbt=use_ocdbt)
         self._use_ocdbt = use_ocdbt

@@ -88,6 +88,7 @@ from capricorn_jax._src.memory.tier.recovery import recover
 from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import finalize
+from capricorn_jax._src.persistent.commit_order import CommittedFirst
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.memory_read import check_tree
 from capricorn_jax._src.persistent.pec_steps import (
@@ -125,7 +126,8 @@ class CheckpointManager(ocp.CheckpointManager):
         self.item, self.handler = _find_handler(handler_registry)
         if len(args) < 2:  # options not given by position
             kwargs["options"] = _recorded_finalize(
-                _bounded_options(kwargs.get("options"), self.handler), directory)
+                _bounded_options(kwargs.get("options"), self.handler), directory,
+                self.handler.fsync)
         self.persistent_errors: list[dict[str, Any]] = []
         self.last_memory_report: SaveReport | None = None
         self.last_restore: RestoreInfo | None = None
@@ -134,6 +136,10 @@ class CheckpointManager(ocp.CheckpointManager):
         self._pec = PecSteps(lambda step: self.metadata(step).custom_metadata)
         self.last_persist: dict[str, Any] | None = None
         super().__init__(directory, *args, handler_registry=handler_registry, **kwargs)
+        # Old steps go only once the save that replaces them committed (commit_order).
+        self._deleter = CommittedFirst(
+            self._checkpoint_deleter, lambda s: self._get_save_directory(s, self.directory))
+        self._checkpoint_deleter = self._deleter
         tier = self._pec_tier()
         if tier is not None:
             # Retention under PEC: Orbax's own policy (max_to_keep, ...), and
@@ -279,9 +285,29 @@ class CheckpointManager(ocp.CheckpointManager):
         failed = finalize.take_failures(self.directory)
         for name, error in failed.items():
             self._record(int(name) if name.isdigit() else self._persist_step, error)
-        if failed:
+        if self._failed_cleanup:
+            # Orbax dropped the steps the failed save counted out from its list
+            # at save time; nothing was deleted (commit_order): list them again.
             self.reload()
         self._cleanup_failed()
+
+    def _finalize(self, step: int, steps_to_remove: list[int]) -> None:
+        """Orbax's finalize of ``step``, whose deletions wait for its commit
+        (``commit_order``)."""
+        self._deleter.finalizing(step)
+        try:
+            super()._finalize(step, steps_to_remove)
+        finally:
+            self._deleter.finalizing(None)
+
+    def is_committed(self, step: int) -> bool:
+        """Whether persistent step ``step`` is committed: renamed into its final
+        directory (made durable first unless the handler's ``fsync`` is off)
+        with no failure recorded for it. Waits for the save in flight."""
+        self._collect_errors()
+        if any(e.get("step") == step for e in self.persistent_errors):
+            return False
+        return step in self.all_steps() and self._deleter.committed(step)
 
     def _record(self, step: int | None, error: BaseException) -> None:
         log.error("persistent checkpoint of step %s failed: %s: %s; training goes on with the "
@@ -477,15 +503,16 @@ def _bounded_options(options, handler: CapricornHandler):
         timeout_secs=math.ceil(handler.commit_timeout_s)))
 
 
-def _recorded_finalize(options, directory: Any):
-    """``options`` whose step directories record a failed finalize on the
-    primary instead of leaving the other hosts at Orbax's barrier
-    (``finalize``); local paths only (Orbax's atomic rename; object stores
-    keep Orbax's own choice)."""
+def _recorded_finalize(options, directory: Any, fsync: bool):
+    """``options`` whose step directories are made durable before their rename
+    (``fsync``) and record a failed finalize on the primary instead of leaving
+    the other hosts at Orbax's barrier (``finalize``); local paths only
+    (Orbax's atomic rename; object stores keep Orbax's own choice)."""
     if "://" in str(directory):
         return options
     base = options.temporary_path_class or ocp.path.atomicity.AtomicRenameTemporaryPath
-    return dataclasses.replace(options, temporary_path_class=finalize.recording(base))
+    return dataclasses.replace(options, temporary_path_class=finalize.recording(
+        base, directory, fsync))
 
 
 def _find_handler(registry) -> tuple[str, CapricornHandler]:

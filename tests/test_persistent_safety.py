@@ -1,0 +1,75 @@
+"""The persistent tier survives its own failures (one process, 4 CPU devices).
+
+A step that fails to commit deletes nothing: Orbax picks the steps to delete
+when a save starts, counting the new step; they are deleted only once that
+step is committed. Each leaf's CRC32C is recorded at save and checked at
+restore; a mismatch names the step, the leaf and the tier, and restore falls
+back to the previous step.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint.path import atomicity
+
+import capricorn_jax
+from tests.orbax_worker import expected_state
+from tests.test_orbax_handler import _mesh_state, _save, _target
+from tests.tree_utils import assert_trees_equal
+
+
+def _full_disk_at(steps: set[int]) -> type:
+    class FullDisk(atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name in {str(s) for s in steps}:  # the step, not its items
+                raise OSError(errno.ENOSPC, f"injected: no space left finalizing "
+                                            f"{self.get_final().name}")
+            return await super().finalize(*args, **kwargs)
+
+    return FullDisk
+
+
+def _manager(tmp_path, **options):
+    mesh, shardings, abstract = _mesh_state()
+    inmem = capricorn_jax.InMemoryCheckpointer(
+        capricorn_jax.InMemoryOptions(store_root=str(tmp_path / "shm"), job="j", replicas=1,
+                                      chunk_bytes=1024),
+        mesh, abstract, shardings, 0, 1)
+    handler = capricorn_jax.CapricornHandler(inmem)
+    manager = capricorn_jax.CheckpointManager(
+        tmp_path / "ckpt", options=ocp.CheckpointManagerOptions(**options),
+        handler_registry=handler.registry("state"))
+    return manager, shardings, abstract
+
+
+def _restore(manager, step, shardings, abstract):
+    return manager.restore(step, args=ocp.args.Composite(
+        state=capricorn_jax.CapricornRestore(_target(shardings, abstract)))).state
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_failed_finalize_deletes_no_committed_step(tmp_path, keep):
+    manager, shardings, abstract = _manager(
+        tmp_path, save_interval_steps=2, max_to_keep=keep,
+        temporary_path_class=_full_disk_at({6, 8}))
+    try:
+        for step in range(10):
+            _save(manager, step, shardings)
+        manager.wait_until_finished()
+        assert sorted(e["step"] for e in manager.persistent_errors) == [6, 8]
+        kept = [2, 4][-keep:]
+        assert list(manager.all_steps()) == kept
+        assert sorted(p.name for p in manager.directory.iterdir()) == [str(s) for s in kept]
+        for step in kept:
+            assert_trees_equal(_restore(manager, step, shardings, abstract),
+                               expected_state(step))
+        # The next committed step deletes what its save counted out.
+        for step in range(10, 13):
+            _save(manager, step, shardings)
+        manager.wait_until_finished()
+        assert list(manager.all_steps()) == ([10, 12] if keep == 2 else [12])
+    finally:
+        manager.close()
