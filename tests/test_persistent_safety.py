@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import errno
 
+import jax
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint.path import atomicity
 
 import capricorn_jax
 from tests.orbax_worker import expected_state
-from tests.test_orbax_handler import _mesh_state, _save, _target
+from tests.test_orbax_handler import (
+    _mesh_state,
+    _save,
+    _target,
+    pec_trainer,  # noqa: F401 - a fixture
+)
 from tests.tree_utils import assert_trees_equal
 
 
@@ -73,3 +79,50 @@ def test_a_failed_finalize_deletes_no_committed_step(tmp_path, keep):
         assert list(manager.all_steps()) == ([10, 12] if keep == 2 else [12])
     finally:
         manager.close()
+
+
+def test_a_failed_pec_finalize_keeps_the_steps_the_newest_committed_step_reads(
+        pec_trainer, tmp_path):  # noqa: F811 - the fixture
+    """PEC (K=2 of 8, K_persist=2, max_to_keep=1): persistent steps 1, 3, 6, 9
+    hold the newest copies of every expert between them; step 12's save counts
+    its own copies and would drop step 1. Its finalize fails: step 9 restores
+    from the persistent tier alone, its experts from steps 1, 3, 6, 9."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tests.test_orbax_handler import PEC_TOKENS, PEC_TPE, _bump, _pec_target
+
+    trainer = pec_trainer
+    bump, base = _bump(trainer), trainer.init_state(0)
+
+    def build(store):
+        ckpt = capricorn_jax.InMemoryCheckpointer(
+            capricorn_jax.InMemoryOptions(
+                store_root=str(tmp_path / store), job="j", replicas=1,
+                pec=capricorn_jax.PecOptions(k=2, k_persist=2, dynamic=False)),
+            trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1,
+            model=trainer.cfg, tokens_per_step=PEC_TOKENS)
+        manager = capricorn_jax.CheckpointManager(
+            tmp_path / "ckpt", options=ocp.CheckpointManagerOptions(
+                save_interval_steps=3, max_to_keep=1, temporary_path_class=_full_disk_at({12})),
+            handler_registry=capricorn_jax.CapricornHandler(ckpt).registry("state"))
+        return manager
+
+    manager = build("shm")
+    for step in range(1, 13):
+        manager.save(step, args=ocp.args.Composite(state=capricorn_jax.CapricornSave(
+            bump(base, jnp.int32(step)), {"pos": step}, tokens_per_expert=PEC_TPE)))
+    manager.wait_until_finished()
+    assert [e["step"] for e in manager.persistent_errors] == [12]
+    assert list(manager.all_steps()) == [1, 3, 6, 9]
+    manager.close()
+
+    manager = build("shm2")  # the RAM store is lost: the persistent tier alone
+    restored = manager.restore(args=ocp.args.Composite(
+        state=capricorn_jax.CapricornRestore(_pec_target(trainer)))).state
+    info = manager.last_restore
+    assert (info.step, info.tier, info.host_state) == (9, "persistent", {"pos": 9})
+    assert info.pec.versions == [1, 3, 6, 9]
+    leaves = jax.tree.leaves(restored)
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+    manager.close()
