@@ -10,6 +10,7 @@ back to the previous step.
 from __future__ import annotations
 
 import errno
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -17,6 +18,7 @@ import pytest
 from orbax.checkpoint.path import atomicity
 
 import capricorn_jax
+from capricorn_jax._src.persistent.integrity import PersistentChecksumError
 from tests.orbax_worker import expected_state
 from tests.test_orbax_handler import (
     _mesh_state,
@@ -125,4 +127,58 @@ def test_a_failed_pec_finalize_keeps_the_steps_the_newest_committed_step_reads(
     assert info.pec.versions == [1, 3, 6, 9]
     leaves = jax.tree.leaves(restored)
     assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+    manager.close()
+
+
+def _copy_data(src, dst) -> None:
+    """Puts the array files of step directory ``src`` in ``dst`` (a mix-up that
+    every format check passes: valid files, the wrong step's bytes)."""
+    for name in ("d", "ocdbt.process_0", "manifest.ocdbt"):
+        for which in (src, dst):
+            assert (which / "state" / name).exists(), which / "state" / name
+        target = dst / "state" / name
+        if target.is_dir():
+            shutil.rmtree(target)
+            shutil.copytree(src / "state" / name, target)
+        else:
+            shutil.copy(src / "state" / name, target)
+
+
+def _flip_a_byte(step_dir) -> None:
+    """Flips one bit in the middle of the step's B-tree/data file."""
+    (victim,) = (step_dir / "state" / "d").iterdir()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fault", ["mixed_up_files", "flipped_bit"])
+def test_a_corrupt_persistent_step_is_named_and_the_previous_step_restored(tmp_path, caplog,
+                                                                          fault):
+    manager, shardings, abstract = _manager(tmp_path, save_interval_steps=2, max_to_keep=3)
+    for step in range(6):
+        _save(manager, step, shardings)
+    manager.close()
+    ckpt = tmp_path / "ckpt"
+    if fault == "mixed_up_files":
+        _copy_data(ckpt / "2", ckpt / "4")
+        named = r"persistent step 4: leaf \['\w+'\] shard .* recorded at save \(persistent tier"
+    else:
+        _flip_a_byte(ckpt / "4")
+        named = r"persistent step 4: its files are corrupt .*DATA_LOSS.*\(persistent tier\)"
+
+    manager, shardings, abstract = _manager(tmp_path / "fresh", save_interval_steps=2)
+    manager = capricorn_jax.CheckpointManager(  # the same disk, an empty RAM store
+        ckpt, options=ocp.CheckpointManagerOptions(),
+        handler_registry=manager.handler.registry("state"))
+    target = _target(shardings, abstract)
+    with pytest.raises(PersistentChecksumError, match=named):
+        manager.restore(4, args=ocp.args.Composite(state=capricorn_jax.CapricornRestore(target)))
+    restored = manager.restore(args=ocp.args.Composite(
+        state=capricorn_jax.CapricornRestore(target))).state
+    assert (manager.last_restore.step, manager.last_restore.tier) == (2, "persistent")
+    assert_trees_equal(restored, expected_state(2))
+    assert "persistent step 4 failed its CRC32C check" in caplog.text
+    assert "restoring persistent step 2" in caplog.text
+    assert manager.handler.last_verdict.checked > 0
     manager.close()

@@ -68,6 +68,7 @@ from capricorn_jax._src.memory.wire.host_arrays import (
     global_arrays,
     host_memory_kind,
 )
+from capricorn_jax._src.persistent import integrity
 from capricorn_jax._src.persistent.memory_read import (
     carried_blocks,
     check_tree,
@@ -150,6 +151,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         self._closed = False
         self._saves = 0  # persistent saves started (the same count on every host)
         self.last_host_state: dict[str, Any] = {}
+        self.last_verdict: integrity.Verdict | None = None  # the newest restore's CRC check
 
     def registry(self, item: str = "state") -> ocp.handlers.DefaultCheckpointHandlerRegistry:
         """A handler registry mapping ``item`` (save and restore args) to this handler."""
@@ -297,6 +299,9 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
             else:
                 blocks, host_state, plan = read_pec_blocks(ckpt, step, self.read_timeout_s)
                 blocks, shapes = carried_blocks(ckpt, blocks, plan, future.pec)
+            # Each block's CRC32C, from the host copy the files are written from.
+            crcs = integrity.record(blocks, ckpt.abstract_state, ckpt.state_shardings,
+                                    list(ckpt.mesh.devices.flat), shapes)
         finally:
             future.read.set()
         self._hook(step, "read")
@@ -316,6 +321,7 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
         wait_watching(futures or [], self.read_timeout_s, peers)
         del tree, futures
         (directory / HOST_STATE_FILE.format(host=ckpt.host)).write_text(json.dumps(host_state))
+        integrity.write(directory, ckpt.host, crcs)
         self._hook(step, "written")
 
     def _agree_written(self, future: _PersistFuture, mine: str) -> None:
@@ -353,16 +359,22 @@ class CapricornHandler(ocp.AsyncCheckpointHandler):
                             f"{type(args).__name__}")
         directory = epath.Path(directory)
         abstract = self.target(args.abstract_state)
-        if abstract is not None:
-            check_tree(abstract, self._inner.metadata(directory).tree, "the persistent checkpoint")
-        if abstract is not None and any(leaf is ocp.PLACEHOLDER
-                                        for leaf in jax.tree.leaves(abstract)):
-            state = self._restore_some(directory, abstract)
-        else:
-            state = self._inner.restore(directory, args=ocp.args.StandardRestore(abstract))
+        name = directory.parent.name
+        step = int(name) if name.isdigit() else None
+        with integrity.corruption_named(step, abstract):
+            if abstract is not None:
+                check_tree(abstract, self._inner.metadata(directory).tree,
+                           "the persistent checkpoint")
+            if abstract is not None and any(leaf is ocp.PLACEHOLDER
+                                            for leaf in jax.tree.leaves(abstract)):
+                state = self._restore_some(directory, abstract)
+            else:
+                state = self._inner.restore(directory, args=ocp.args.StandardRestore(abstract))
         host = jax.process_index()
         path = directory / HOST_STATE_FILE.format(host=host)
         self.last_host_state = json.loads(path.read_text()) if path.exists() else {}
+        # Raises integrity.PersistentChecksumError (carrying the state) on a mismatch.
+        self.last_verdict = integrity.verify(directory, state, step)
         return state
 
     def _restore_some(self, directory: epath.Path, abstract: Any) -> Any:

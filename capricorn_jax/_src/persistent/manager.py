@@ -90,6 +90,7 @@ from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import finalize
 from capricorn_jax._src.persistent.commit_order import CommittedFirst
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
+from capricorn_jax._src.persistent.integrity import PersistentChecksumError
 from capricorn_jax._src.persistent.memory_read import check_tree
 from capricorn_jax._src.persistent.pec_steps import (
     PEC_METADATA,
@@ -137,9 +138,10 @@ class CheckpointManager(ocp.CheckpointManager):
         self.last_persist: dict[str, Any] | None = None
         super().__init__(directory, *args, handler_registry=handler_registry, **kwargs)
         # Old steps go only once the save that replaces them committed (commit_order).
+        orbax_deleter: Any = self.__dict__["_checkpoint_deleter"]
         self._deleter = CommittedFirst(
-            self._checkpoint_deleter, lambda s: self._get_save_directory(s, self.directory))
-        self._checkpoint_deleter = self._deleter
+            orbax_deleter, lambda s: self._get_save_directory(s, self.directory))
+        self._checkpoint_deleter: Any = self._deleter
         tier = self._pec_tier()
         if tier is not None:
             # Retention under PEC: Orbax's own policy (max_to_keep, ...), and
@@ -385,6 +387,7 @@ class CheckpointManager(ocp.CheckpointManager):
         else:
             persistent, memory = list(ocp.utils.checkpoint_steps(directory)), None
         newest_disk = max(persistent) if persistent else None
+        newest = step is None  # an older step is taken when the newest fails its CRC32C
         if step is None:
             if memory is not None and (newest_disk is None or memory >= newest_disk):
                 state = self._restore_memory(abstract, newest_disk, start)
@@ -402,10 +405,33 @@ class CheckpointManager(ocp.CheckpointManager):
                                         f"({persistent}) nor the memory tier's newest version "
                                         f"({memory})")
             return ocp.args.Composite(**{self.item: state})
-        state, host_state, pec = self._restore_persistent(step, abstract, directory)
+        fallback = sorted((s for s in persistent if s < step), reverse=True) if newest else []
+        step, (state, host_state, pec) = self._restore_checked(step, fallback, abstract, directory)
         self.last_restore = RestoreInfo(step, "persistent", time.perf_counter() - start,
                                         host_state, pec=pec)
         return ocp.args.Composite(**{self.item: state})
+
+    def _restore_checked(self, step: int, fallback: list[int], abstract: Any, directory):
+        """``_restore_persistent`` of ``step`` whose CRC32C check passed on every
+        host, else of the first of ``fallback`` (older steps, newest first) that
+        passes, saying so; raises ``PersistentChecksumError`` when none does."""
+        for candidate in [step, *fallback]:
+            self._checksum_failure: PersistentChecksumError | None = None
+            restored = self._restore_persistent(candidate, abstract, directory)
+            mine = "" if self._checksum_failure is None else str(self._checksum_failure)
+            failures = [x for x in allgather_json(  # every host takes the same verdict
+                mine, what=f"the CRC32C check of persistent step {candidate}") if x]
+            if not failures:
+                return candidate, restored
+            rest = [s for s in fallback if s < candidate]
+            log.error("persistent step %d failed its CRC32C check: %s; %s", candidate,
+                      "; ".join(failures),
+                      f"restoring persistent step {rest[0]}" if rest else "no older step to take")
+            if not rest:
+                raise PersistentChecksumError(
+                    f"no persistent step restores with its recorded CRC32Cs (tried "
+                    f"{[step, *fallback]}): " + "; ".join(failures), candidate, "")
+        raise AssertionError("unreachable: the loop returns or raises")
 
     def _restore_persistent(self, step: int, abstract: Any, directory
                             ) -> tuple[Any, dict[str, Any], PecRestore | None]:
@@ -437,8 +463,16 @@ class CheckpointManager(ocp.CheckpointManager):
         return state, host_state, info
 
     def _restore_step(self, step: int, abstract: Any, directory) -> Any:
-        restored = super().restore(step, directory=directory, args=ocp.args.Composite(
-            **{self.item: CapricornRestore(abstract)}))
+        """Persistent step ``step``; a CRC32C mismatch is kept for
+        ``_restore_checked`` (which every host reaches with the same
+        collectives behind it) and the state read is returned."""
+        try:
+            restored = super().restore(step, directory=directory, args=ocp.args.Composite(
+                **{self.item: CapricornRestore(abstract)}))
+        except PersistentChecksumError as e:
+            if getattr(self, "_checksum_failure", None) is None:
+                self._checksum_failure = e
+            return e.state
         return restored[self.item]
 
     def _read_step(self, step: int, target: Any) -> tuple[Any, dict[str, Any]]:
