@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.threaded import VersionDropped
@@ -116,7 +117,7 @@ def test_a_peer_running_another_format_is_refused_at_the_hello_naming_both():
     old.close()
     peer_listener.close()
     assert isinstance(errors.get(0), ConnectionError), errors
-    assert "another format (b'CJX1'; this host speaks b'CJX2')" in str(errors[0])
+    assert "another format (b'CJX1'; this host speaks b'CJX3')" in str(errors[0])
 
 
 def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_it():
@@ -127,7 +128,8 @@ def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_i
         b.timeout_s = 0.5
         b.inc.settimeout(None)  # idle between frames: no bound
         rows = np.zeros((1, 1000), np.uint8)
-        a.out.sendall(chunk_channel._HEADER.pack(3, 0, 1000, 1, 0) + rows.tobytes()[:400])
+        header = integrity.pack_header(3, 0, 1000, [rows.tobytes()])
+        a.out.sendall(header + rows.tobytes()[:400])
         _, get = _buffers(1, 1000)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="host 1: host 0 stopped mid-frame for over 0.5s"):
@@ -141,20 +143,18 @@ def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_i
 
 @given(st.binary(min_size=1, max_size=257), st.data())
 @settings(max_examples=60, deadline=None)
-def test_chunk_sums_change_with_any_one_changed_byte(chunk, data):
-    """The in-graph exchange's check (``transport.chunk_sums``): any one byte
-    changed, at any position of a chunk of any length, changes the sums."""
+def test_the_in_graph_check_changes_with_any_one_changed_byte(chunk, data):
+    """The in-graph exchange's check (``integrity.crc32c_chunks``): any one
+    byte changed, at any position of a chunk of any length, changes it."""
     import jax.numpy as jnp
-
-    from capricorn_jax._src.memory.wire.transport import chunk_sums
 
     at = data.draw(st.integers(0, len(chunk) - 1))
     delta = data.draw(st.integers(1, 255))
     changed = bytearray(chunk)
     changed[at] ^= delta
-    before = np.asarray(chunk_sums(jnp.frombuffer(chunk, jnp.uint8)))
-    after = np.asarray(chunk_sums(jnp.frombuffer(bytes(changed), jnp.uint8)))
-    assert (before != after).any()
+    both = jnp.frombuffer(chunk + bytes(changed), jnp.uint8)
+    before, after = np.asarray(integrity.crc32c_chunks(both, len(chunk)))
+    assert before != after
 
 
 def test_an_idle_wait_returns_nothing_and_the_next_frame_costs_no_timeout_change():

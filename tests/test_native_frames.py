@@ -11,12 +11,12 @@ after the frames before it, a stalled frame ends within the bound."""
 import contextlib
 import threading
 import time
-import zlib
 
 import numpy as np
 import pytest
 
 from capricorn_jax._src.native import frames as native_frames
+from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling.chunk_channel import _HEADER, CorruptFrame
 from tests.test_threaded import _pair
 
@@ -41,12 +41,14 @@ def _rows(n, rows=2, seed=0):
     return [np.random.default_rng(seed + r).integers(0, 256, n, np.uint8) for r in range(rows)]
 
 
-def test_the_checksum_is_zlibs():
+def test_the_checksum_is_integritys_crc32c_by_the_instruction_and_by_the_tables():
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 8, 9, 63, 4096, 100_003):
         data = rng.integers(0, 256, n, np.uint8)
-        assert native_frames.crc32(data) == zlib.crc32(data.tobytes())
-        assert native_frames.crc32(data, 12345) == zlib.crc32(data.tobytes(), 12345)
+        for tables in (False, True):
+            assert native_frames.crc32c(data, tables=tables) == integrity.crc32c(data.tobytes())
+            assert (native_frames.crc32c(data, 12345, tables=tables)
+                    == integrity.crc32c(data.tobytes(), 12345))
 
 
 def test_every_frame_arrives_whole_and_checked_by_the_python_receiver():
@@ -111,7 +113,8 @@ def test_a_socket_that_takes_nothing_ends_the_window_within_the_bound():
 
 
 def test_the_header_is_the_channels():
-    assert _HEADER.size == 36  # frames.cc's packed Header
+    assert _HEADER is integrity.HEADER and native_frames.HEADER_BYTES == _HEADER.size == 40
+    assert "struct Header" in integrity.native_prelude()  # frames.cc's, generated
 
 
 def _receive_all(channel, buffers, remaining, until):
@@ -192,7 +195,7 @@ def test_the_native_receiver_names_a_corrupt_frame_after_the_frames_before_it():
 
 def test_the_native_receiver_ends_a_stalled_frame_within_the_bound_and_a_closed_peer():
     with _channels(1.0) as (a, b):
-        header = _HEADER.pack(4, 0, 1000, 2, 0)
+        header = integrity.pack_header(4, 0, 1000, [bytes(1000)] * 2)
         a.out.sendall(header + bytes(500))  # a frame that stops mid-row
         sink = np.zeros((2, 1000), np.uint8)
         t0 = time.perf_counter()

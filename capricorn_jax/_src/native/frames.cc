@@ -1,6 +1,9 @@
-// The chunk channel's frames without Python (chunk_channel._HEADER: version,
-// offset, length per row, rows, CRC32 of the rows' bytes in order; zlib's
-// CRC-32), both ends, each call with the GIL released (ctypes):
+// The chunk channel's frames without Python, both ends, each call with the
+// GIL released (ctypes). Compiled after the prelude of ``native.integrity``
+// (``native_prelude``), which defines ``Header`` (version, offset, length per
+// row, rows, the frame's CRC32C over the header's first kFieldBytes and then
+// the rows, the header's own CRC32C) and ``capricorn_integrity::crc32c``:
+// the one definition of the header and the checksum.
 //
 // CapricornSendWindow, the deadline sender's window loop, with the stop rule
 // of ``ThreadedSender._send_until`` (the same decisions, tested against it):
@@ -31,53 +34,13 @@
 
 namespace {
 
-uint32_t g_crc[8][256];
-
-bool crc_init() {
-  for (uint32_t i = 0; i < 256; ++i) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-    g_crc[0][i] = c;
-  }
-  for (uint32_t i = 0; i < 256; ++i)
-    for (int t = 1; t < 8; ++t)
-      g_crc[t][i] = (g_crc[t - 1][i] >> 8) ^ g_crc[0][g_crc[t - 1][i] & 0xFF];
-  return true;
-}
-
-void crc_ready() { static const bool ready = crc_init(); (void)ready; }
-
-// zlib's crc32(crc, data, n): slicing by 8.
-uint32_t crc32(uint32_t crc, const uint8_t* p, int64_t n) {
-  uint32_t c = ~crc;
-  while (n >= 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;
-    c = g_crc[7][lo & 0xFF] ^ g_crc[6][(lo >> 8) & 0xFF] ^ g_crc[5][(lo >> 16) & 0xFF] ^
-        g_crc[4][lo >> 24] ^ g_crc[3][hi & 0xFF] ^ g_crc[2][(hi >> 8) & 0xFF] ^
-        g_crc[1][(hi >> 16) & 0xFF] ^ g_crc[0][hi >> 24];
-    p += 8;
-    n -= 8;
-  }
-  while (n-- > 0) c = g_crc[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
-  return ~c;
-}
+using capricorn_integrity::crc32c;
 
 int64_t now_ns() {
   timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
-
-#pragma pack(push, 1)
-struct Header {
-  int64_t version, offset, length, rows;
-  uint32_t crc;
-};
-#pragma pack(pop)
-static_assert(sizeof(Header) == 36, "the chunk channel's header is <qqqqI");
 
 // After a call on fd said EAGAIN (or EINTR): waits for `events`, at most
 // timeout_ms (-1: none). 0: try again; -ETIMEDOUT or -errno otherwise.
@@ -145,7 +108,6 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
                                        int nslots, int columns, int local_devices,
                                        int64_t floor_ns, int64_t* log, int64_t max_frames,
                                        int timeout_ms) {
-  crc_ready();
   if (nrows < 1 || nrows > 64 || per_row < 1) return -EINVAL;
   int64_t frames = 0;
   iovec iov[65];
@@ -173,10 +135,12 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
       timespec t{0, static_cast<long>(wait_ns)};
       nanosleep(&t, nullptr);
     }
-    Header header{version, *lo, stop - *lo, nrows, 0};
-    uint32_t crc = 0;
-    for (int r = 0; r < nrows; ++r) crc = crc32(crc, rows[r] + *lo, stop - *lo);
+    Header header{version, *lo, stop - *lo, nrows, 0, 0};
+    const uint8_t* head = reinterpret_cast<const uint8_t*>(&header);
+    uint32_t crc = crc32c(0, head, kFieldBytes);
+    for (int r = 0; r < nrows; ++r) crc = crc32c(crc, rows[r] + *lo, stop - *lo);
     header.crc = crc;
+    header.head_crc = crc32c(0, head, sizeof(Header) - 4);
     iov[0] = {&header, sizeof(header)};
     for (int r = 0; r < nrows; ++r)
       iov[r + 1] = {const_cast<uint8_t*>(rows[r] + *lo), static_cast<size_t>(stop - *lo)};
@@ -191,10 +155,14 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
   return frames;
 }
 
-// zlib's CRC-32 of n bytes, continuing crc (tests compare it with zlib.crc32).
-extern "C" uint32_t CapricornCrc32(uint32_t crc, const uint8_t* data, int64_t n) {
-  crc_ready();
-  return crc32(crc, data, n);
+// CRC32C of n bytes, continuing crc (tests compare it with the crc32c package's).
+extern "C" uint32_t CapricornCrc32c(uint32_t crc, const uint8_t* data, int64_t n) {
+  return crc32c(crc, data, n);
+}
+
+// The same by the tables alone (the path of a CPU without SSE4.2; tested).
+extern "C" uint32_t CapricornCrc32cTables(uint32_t crc, const uint8_t* data, int64_t n) {
+  return ~capricorn_integrity::update_tables(~crc, data, n);
 }
 
 namespace {
@@ -243,7 +211,7 @@ int64_t recv_exact(int fd, uint8_t* p, int64_t n, int wait_ms, int64_t* mark, in
 // Receives frames from fd into `version`'s buffer (row r at base + r * stride,
 // `cols` bytes each) until their per-row bytes cover `remaining`, or a header
 // of another version arrives, or no byte of a next frame within idle_ms.
-// header[36]: in, with have_header = 1, a header already read (its body is
+// header[sizeof(Header)]: in, with have_header = 1, a header already read (its body is
 // next on the socket); out, the header the call ended on. discard = 1: the
 // frame of the given header is read and dropped (kDiscarded); base == nullptr:
 // the call ends at the first header (kHeader). Each wait
@@ -251,7 +219,8 @@ int64_t recv_exact(int fd, uint8_t* p, int64_t n, int wait_ms, int64_t* mark, in
 // into the buffer and checked (offset, length per row), at most max_frames.
 // status[0]: the Status it ended on.
 // Returns the frames logged (>= 0) or -errno (-ETIMEDOUT: a frame stalled
-// past timeout_ms; -EPIPE: the peer closed; -EBADMSG: a frame that does not fit
+// past timeout_ms; -EPIPE: the peer closed; -EPROTO: a header that fails its
+// own checksum (the stream's framing is lost); -EBADMSG: a frame that does not fit
 // the buffer, its header in `header`), the log up to date either way.
 extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base, int nrows,
                                           int64_t stride, int64_t cols, int64_t remaining,
@@ -259,7 +228,6 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
                                           int idle_ms,
                                           int timeout_ms, int64_t* mark, int64_t* log,
                                           int64_t max_frames, int64_t* status) {
-  crc_ready();
   int64_t frames = 0, got = 0;
   status[0] = kIdle;
   bool pending = have_header != 0;
@@ -280,6 +248,8 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
     }
     pending = false;
     std::memcpy(&h, header, sizeof(h));
+    // The header first: its length and offset are trusted only once it passes.
+    if (crc32c(0, header, sizeof(Header) - 4) != h.head_crc) return -EPROTO;
     if (discard) {  // dropped: read whole, checked by nobody
       int64_t left = h.length * h.rows;
       while (left > 0) {
@@ -294,12 +264,12 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
     if (h.version != version || base == nullptr) { status[0] = kHeader; return frames; }
     if (h.rows != nrows || h.offset < 0 || h.length < 0 || h.offset + h.length > cols)
       return -EBADMSG;
-    uint32_t crc = 0;
+    uint32_t crc = crc32c(0, header, kFieldBytes);
     for (int r = 0; r < nrows; ++r) {
       uint8_t* row = base + r * stride + h.offset;
       int64_t failed = recv_exact(fd, row, h.length, timeout_ms, mark, &got);
       if (failed < 0) return failed;
-      crc = crc32(crc, row, h.length);
+      crc = crc32c(crc, row, h.length);
     }
     if (crc != h.crc) { status[0] = kCorrupt; return frames; }
     log[2 * frames] = h.offset;

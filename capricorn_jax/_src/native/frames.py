@@ -10,7 +10,7 @@ frames: +24 ms of CPU per step over two hosts against 64 KiB ones, on the
 cores the step's collectives use).
 
 ``receive_frames`` is the receiving end's: a run of one version's frames
-read straight into its buffer and checked (CRC-32), one call per run rather
+read straight into its buffer and checked, one call per run rather
 than Python per frame (the receiver of 24 KiB frames cost 24-32 ms of CPU per
 step over two hosts against inmem's 9 with large frames).
 
@@ -20,6 +20,14 @@ frame logs come back). The same decisions as the Python loops, which stay
 for platforms without a compiler and for the channel's fault injection (a
 flipped byte, a stall).
 
+The frame header and its checksum (CRC32C) are ``native.integrity``'s: the
+source compiled is its ``native_prelude`` (the header's C layout generated
+from ``HEADER_FIELDS``, and the CRC32C) followed by ``frames.cc``, written to
+the build cache under a name of its digest (``native.build`` names the
+library by the source's bytes, so a change to either half rebuilds it).
+Alternative not taken: a C++ header shared by file, which the build's hash
+(of ``frames.cc`` alone) would not see change.
+
 ``available()`` builds it once per process (``native.build``); a
 ``NativeBuildError`` makes it False (said once in the log).
 """
@@ -28,14 +36,18 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from capricorn_jax._src.native import PERF_MINUS_MONOTONIC, Library
+from capricorn_jax._src.native import PERF_MINUS_MONOTONIC, Library, cache_dir
+from capricorn_jax._src.native.integrity import HEADER_BYTES, CorruptHeader, native_prelude
 
-_SOURCE = Path(__file__).with_name("frames.cc")
+_LOOPS = Path(__file__).with_name("frames.cc")
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -50,21 +62,50 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.CapricornReceiveFrames.argtypes = [
         ctypes.c_int, _I64, _P, ctypes.c_int, _I64, _I64, _I64, _P, ctypes.c_int, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, _P, _P, _I64, _P]
-    lib.CapricornCrc32.restype = ctypes.c_uint32
-    lib.CapricornCrc32.argtypes = [ctypes.c_uint32, _P, _I64]
+    lib.CapricornCrc32c.restype = ctypes.c_uint32
+    lib.CapricornCrc32c.argtypes = [ctypes.c_uint32, _P, _I64]
+    lib.CapricornCrc32cTables.restype = ctypes.c_uint32
+    lib.CapricornCrc32cTables.argtypes = [ctypes.c_uint32, _P, _I64]
 
 
-_LIBRARY = Library(_SOURCE, "chunk_frames", "the chunk channel's native frame loops",
+def _source() -> Path:
+    """The source compiled: the integrity prelude, then the frame loops
+    (written once per content, atomically, into the build cache)."""
+    text = native_prelude() + _LOOPS.read_text()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = cache_dir() / f"chunk_frames_source_{digest}.cc"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".cc", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    return path
+
+
+@functools.cache
+def _library() -> Library:
+    return Library(_source(), "chunk_frames", "the chunk channel's native frame loops",
                    "the chunk channel's frames go through Python", _configure)
-load = _LIBRARY.load
-available = _LIBRARY.available
 
 
-def crc32(data: np.ndarray, crc: int = 0) -> int:
-    """zlib's CRC-32 of a contiguous uint8 array, continuing ``crc`` (the
-    frames' checksum; tests hold it to ``zlib.crc32``)."""
+def load() -> ctypes.CDLL:
+    """The built library (``Library.load``)."""
+    return _library().load()
+
+
+def available() -> bool:
+    """Whether the native frame loops could be built (``Library.available``)."""
+    return _library().available()
+
+
+def crc32c(data: np.ndarray, crc: int = 0, tables: bool = False) -> int:
+    """The native CRC32C of a contiguous uint8 array, continuing ``crc``
+    (tests hold it to ``native.integrity.crc32c``); ``tables``: by the
+    slicing-by-8 tables even where the CPU has the instruction."""
     data = np.ascontiguousarray(data, np.uint8)
-    return int(load().CapricornCrc32(crc, data.ctypes.data, data.size))
+    fn = load().CapricornCrc32cTables if tables else load().CapricornCrc32c
+    return int(fn(crc, data.ctypes.data, data.size))
 
 
 def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
@@ -129,7 +170,7 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
 
 # How a ``receive_frames`` call ended (frames.cc's Status).
 COVERED, HEADER, IDLE, CORRUPT, DISCARDED, FULL = range(6)
-HEADER_BYTES = 36
+__all__ = ["HEADER_BYTES", "available", "crc32c", "load", "receive_frames", "send_window"]
 
 
 def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: int,
@@ -143,7 +184,7 @@ def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: 
     Args:
       fd: the chunk channel's receiving socket.
       target: the version's buffer; None: end at the first header.
-      header: 36 uint8: a header already read (``have_header``), and on
+      header: ``HEADER_BYTES`` uint8: a header already read (``have_header``), and on
         return the header the call ended on.
       discard: read and drop the frame of ``header``.
       timeout_s: bound on each wait once a frame began.
@@ -154,8 +195,9 @@ def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: 
       (how it ended: COVERED, HEADER, IDLE, CORRUPT, DISCARDED or FULL; the
       frames read and checked: [k, 2] (offset, length per row), a copy; the
       error that ended it or None: TimeoutError for a frame stalled past the
-      bound, ConnectionError for a closed peer, ValueError for a frame that
-      does not fit ``target``).
+      bound, ConnectionError for a closed peer, ``CorruptHeader`` for a header
+      that fails its own checksum, ValueError for a frame that does not fit
+      ``target``).
     """
     lib = load()
     if target is not None and (target.dtype != np.uint8 or target.ndim != 2
@@ -176,6 +218,8 @@ def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: 
         error: BaseException = TimeoutError(f"a frame stalled for over {timeout_s:g}s")
     elif code == errno.EPIPE:
         error = ConnectionError("the peer closed the connection")
+    elif code == errno.EPROTO:
+        error = CorruptHeader("a frame header fails its checksum")
     elif code == errno.EBADMSG:
         error = ValueError("a frame does not fit its version's buffer")
     else:

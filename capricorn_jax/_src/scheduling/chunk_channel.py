@@ -12,6 +12,14 @@ connections, not an authentication). Every wait is bounded by ``timeout_s``:
 connecting, each send and each receive. ``measure_channel`` fits the
 channel's link model (alpha + bytes/B), host 0's fit on every host.
 
+Every frame follows ``native.integrity``'s rule: its header (version,
+offset, length, rows, the frame's CRC32C over the header's fields and the
+rows, the header's own CRC32C) is checked before its offset or length is
+trusted (a corrupt header ends the receive with ``CorruptHeader``, a
+``ConnectionError``: the stream lost its framing), and its rows as placed
+in the version's buffer are checked against the CRC32C the sender took
+before they left (a mismatch: ``CorruptFrame``, that version dropped).
+
 The sender and receiver threads that use it, and why the bytes leave the XLA
 program at all: ``scheduling.threaded``.
 """
@@ -23,7 +31,6 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,12 +44,12 @@ except ImportError:  # pragma: no cover - not POSIX
 
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.native import frames as native_frames
+from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
 
-# version, offset, length (bytes per row), rows, CRC32 of the rows' bytes in order
-_HEADER = struct.Struct("<qqqqI")
+_HEADER = integrity.HEADER  # the frame header: ``native.integrity``'s
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 """Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
@@ -54,9 +61,8 @@ _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _KEY = "capricorn/chunk_channel/{job}/{host}"
 # The connecting side's hello: magic, its host index, the token's length; then the token.
 _HELLO = struct.Struct("<4sqi")
-_MAGIC = b"CJX2"
-"""The format's identity, first in every hello: CJX1 frames had no checksum;
-CJX2 frames carry the CRC32 the sender computed before they left."""
+_MAGIC = integrity.MAGIC
+"""The format's identity, first in every hello (``native.integrity.MAGIC``)."""
 _MAX_TOKEN = 4096
 
 
@@ -303,9 +309,8 @@ class ChunkChannel:
         if len(lengths) != 1:
             raise ValueError(f"rows of different lengths {sorted(lengths)}")
         views = [np.ascontiguousarray(row).data.cast("B") for row in rows]
-        crc = 0
-        for view in views:  # before the bytes leave: end to end (zlib releases the GIL)
-            crc = zlib.crc32(view, crc)
+        # Before the bytes leave: end to end (CRC32C releases the GIL).
+        header = integrity.pack_header(version, offset, lengths.pop(), views)
         if self.flip_version is not None and version >= self.flip_version:  # fault injection
             self.flip_version = None
             flipped = bytearray(views[0])
@@ -318,8 +323,7 @@ class ChunkChannel:
             if self.on_stall is not None:
                 self.on_stall(version)
             self._closed.wait(seconds)  # a hung connection: nothing leaves (until closed)
-        _send_all(self.out, [_HEADER.pack(version, offset, lengths.pop(), len(rows), crc),
-                             *views])
+        _send_all(self.out, [header, *views])
 
     def out_fileno(self) -> int | None:
         """The sending socket's descriptor (the native marks sample its queue), or None."""
@@ -353,6 +357,8 @@ class ChunkChannel:
         Raises:
           CorruptFrame: the frame's bytes do not match the checksum its sender
             computed (read whole: the next frame can be received).
+          CorruptHeader: the frame's header fails its own checksum (the
+            stream cannot be read on).
         """
         header = bytearray(_HEADER.size)
         view = memoryview(header)
@@ -411,14 +417,14 @@ class ChunkChannel:
                 raise TimeoutError(f"host {self.host}: no frame from host {self.source} "
                                    f"within {idle_s:g}s")
             self._have_head = True
-        version, offset, length, _, _ = _HEADER.unpack(self._head.tobytes())
+        version, offset, length, _, _, _ = _HEADER.unpack(self._head.tobytes())
         target = buffers(version)
         status, frames, error = native_frames.receive_frames(
             fd, version, target, remaining(version) if target is not None else 0, self._head,
             True, target is None, idle_s, self.timeout_s, self._mark, self._log)
         self._have_head = status == native_frames.HEADER
         if isinstance(error, ValueError) and target is not None:
-            version, offset, length, rows, _ = _HEADER.unpack(self._head.tobytes())
+            version, offset, length, rows, _, _ = _HEADER.unpack(self._head.tobytes())
             raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at {offset} "
                              f"from host {self.source} does not fit version {version}'s "
                              f"{target.shape}")
@@ -427,7 +433,7 @@ class ChunkChannel:
             return [(version, offset, length)]
         got = [(version, int(o), int(n)) for o, n in frames]
         if status == native_frames.CORRUPT:
-            v, offset, length, rows, crc = _HEADER.unpack(self._head.tobytes())
+            v, offset, length, rows, crc, _ = _HEADER.unpack(self._head.tobytes())
             corrupt = CorruptFrame(v, f"host {self.host}: version {v}: a frame of {rows} x "
                                       f"{length} bytes at {offset} from host {self.source} fails "
                                       f"its checksum (sent {crc:#010x})")
@@ -441,12 +447,19 @@ class ChunkChannel:
         if isinstance(error, TimeoutError):
             raise TimeoutError(f"host {self.host}: host {self.source} stopped mid-frame for "
                                f"over {self.timeout_s:g}s") from None
+        if isinstance(error, integrity.CorruptHeader):
+            raise integrity.CorruptHeader(f"host {self.host}: from host {self.source}: {error}; "
+                                          f"the channel cannot be read on") from None
         if error is not None:
             raise type(error)(f"host {self.host}: from host {self.source}: {error}")
 
     def _receive_body(self, header: bytearray, buffers: Callable[[int], np.ndarray | None]
                       ) -> tuple[int, int, int]:
-        version, offset, length, rows, crc = _HEADER.unpack(header)
+        try:
+            version, offset, length, rows, crc = integrity.read_header(header)
+        except integrity.CorruptHeader as e:
+            raise integrity.CorruptHeader(f"host {self.host}: from host {self.source}: {e}; "
+                                          f"the channel cannot be read on") from None
         target = buffers(version)
         if target is None:
             scratch = memoryview(bytearray(min(max(length, 1), 1 << 20)))
@@ -460,15 +473,15 @@ class ChunkChannel:
             raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
                              f"{offset} from host {self.source} does not fit version "
                              f"{version}'s {target.shape}")
-        got = 0
-        for r in range(rows):
+        got = integrity.crc32c(header[:integrity.FIELD_BYTES])
+        for r in range(rows):  # checked as placed
             _recv_exact(self.inc, target[r, offset:offset + length].data, self._mark)
-            got = zlib.crc32(target[r, offset:offset + length].data, got)
+            got = integrity.crc32c(target[r, offset:offset + length].data, got)
         if got != crc:
             raise CorruptFrame(version, f"host {self.host}: version {version}: a frame of "
                                         f"{rows} x {length} bytes at {offset} from host "
-                                        f"{self.source} fails its checksum (CRC32 {got:#010x}, "
-                                        f"sent {crc:#010x})")
+                                        f"{self.source} fails its checksum (CRC32C "
+                                        f"{got:#010x}, sent {crc:#010x})")
         return version, offset, length
 
     def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,

@@ -36,6 +36,18 @@ cotangent of each site that opens or closes a filled window, taken before
 the reception tie and the window's permutes, and one on each filled
 window's receptions; without one the program has no callback.
 
+Every byte it moves follows ``native.integrity``'s rule: ``begin`` takes
+the CRC32C of each device's packed payload before any chunk leaves,
+``finish`` sends it to the peer with the tail (through the transport's
+``permute``, as every chunk) and computes the CRC32C of the received
+payload as assembled from its pieces, whose ranges must be the schedule's;
+the step's ``corrupt`` output (bool [devices, 1]) says whether the two
+differ, and the writer stores no replica whose check failed, so no holder
+commits that version (``strategies.scheduled``). One CRC per payload, not
+per chunk: a version is committed whole or not at all, and one tree per
+payload keeps the program small. A test runs this path on CPU with a
+transport whose ``permute`` corrupts what it carries.
+
 Alternative not taken here: a host thread that sends chunks through
 ``jax.experimental.transfer`` when the profile says a window opens. It needs no
 recompilation per schedule, but its timing is a guess from the host clock and
@@ -54,6 +66,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.wire.transport import Transport
+from capricorn_jax._src.native.integrity import crc32c_rows
 from capricorn_jax._src.profiling.boundary import boundary_hooks
 from capricorn_jax._src.scheduling.partitioner import Schedule, Window
 
@@ -108,6 +121,7 @@ def site_of(window: Window, boundaries: list[str]) -> Site:
 @dataclasses.dataclass
 class _Ctx:
     payload: jax.Array  # [devices, payload_bytes] uint8, this step's version
+    crc: jax.Array  # [devices, 1] uint32: each payload's CRC32C, before any chunk left
     chunks: dict[Site, list[tuple[int, int]]]
     carriers: list[jax.Array]  # one zero float32 row block per backward chunk
     start_received: list[tuple[tuple[int, int], jax.Array]]
@@ -166,7 +180,7 @@ class InStepSender:
                 probe = t.reshape(-1)[:64].astype(jnp.float32)
                 flag = (jnp.max(probe) > jnp.inf).astype(c.dtype)
                 c = c + flag
-            return jax.lax.ppermute(c, self.axes, self.perm)
+            return self.transport.permute(c, self.perm)
 
         if tie is None:
             return jax.shard_map(body, mesh=self.transport.mesh, in_specs=spec,
@@ -188,6 +202,7 @@ class InStepSender:
             raise ValueError(f"{len(gather)} gather arrays for a "
                              f"{'PEC' if self.pec else 'full'} payload")
         payload = pack_payload(transport, self.state_specs, state, trailer, *gather)
+        crc = self._crc(payload)  # before any chunk leaves
         if START in self.marked:
             payload = self._mark(payload, START)
         ranges = self.sites.get(START, [])
@@ -195,7 +210,13 @@ class InStepSender:
                                              for lo, hi in ranges], START), strict=True))
         carriers = [jnp.zeros((payload.shape[0], -(-(hi - lo) // 4)), jnp.float32)
                     for lo, hi in self.bwd_chunks]
-        return _Ctx(payload, self.sites, carriers, start)
+        return _Ctx(payload, crc, self.sites, carriers, start)
+
+    def _crc(self, payload: jax.Array) -> jax.Array:
+        """Each device's payload's CRC32C, [devices, 1] uint32."""
+        spec = P(self.axes)
+        return jax.shard_map(lambda x: crc32c_rows(x)[:, None], mesh=self.transport.mesh,
+                             in_specs=spec, out_specs=spec)(payload)
 
     def _tie_receptions(self, x: jax.Array, chunks: list[jax.Array]) -> jax.Array:
         """``x`` unchanged, but computed only once ``chunks`` have arrived: the
@@ -314,7 +335,10 @@ class InStepSender:
         expect = sorted(r for rs in self.sites.values() for r in rs)
         if got != expect:
             raise RuntimeError(f"chunks received {got} differ from those scheduled {expect}")
-        return {"own": ctx.payload, "received": jnp.concatenate([p for _, p in pieces], axis=1)}
+        peer = jnp.concatenate([p for _, p in pieces], axis=1)
+        # The sender's CRC, after every chunk (tied to the tail's receptions).
+        sent = self._permute(ctx.crc, peer[:, :1])
+        return {"own": ctx.payload, "received": peer, "corrupt": self._crc(peer) != sent}
 
 
 def scheduled_step(trainer: TrainStep, sender: InStepSender, factors: tuple[float, ...],
@@ -327,10 +351,12 @@ def scheduled_step(trainer: TrainStep, sender: InStepSender, factors: tuple[floa
 
     Returns:
       (state, batch, trailer[, gather]) -> (new state, metrics, {"own",
-      "received"}), the state donated; "own" is this step's input version
-      packed, "received" the peer's payload of the same version, both
-      [devices, payload_bytes]; ``gather`` (PEC payloads only): the version's
-      int32 [R, C] gather indices, a traced input (one compile per plan).
+      "received", "corrupt"}), the state donated; "own" is this step's input
+      version packed, "received" the peer's payload of the same version, both
+      [devices, payload_bytes]; "corrupt" bool [devices, 1]: the received
+      payload's CRC32C differs from the one its sender took; ``gather`` (PEC
+      payloads only): the version's int32 [R, C] gather indices, a traced
+      input (one compile per plan).
     """
     rows = NamedSharding(trainer.mesh, P(sender.axes))
     gather = (trainer.replicated,) if sender.pec else ()
@@ -343,6 +369,6 @@ def scheduled_step(trainer: TrainStep, sender: InStepSender, factors: tuple[floa
         body,
         in_shardings=(trainer.state_shardings, trainer.batch_sharding, rows, *gather),
         out_shardings=(trainer.state_shardings, trainer.replicated,
-                       {"own": rows, "received": rows}),
+                       {"own": rows, "received": rows, "corrupt": rows}),
         donate_argnums=(0,),
     )

@@ -62,6 +62,7 @@ import numpy as np
 
 from capricorn_jax._src.memory.wire.transport import local_rows
 from capricorn_jax._src.native import frames as native_frames
+from capricorn_jax._src.native.integrity import Coverage
 from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
@@ -106,11 +107,7 @@ class _Version:
     def __init__(self, version: int, own: jax.Array, received: np.ndarray,
                  expect: list[tuple[int, int]]) -> None:
         self.version, self.own, self.received = version, own, received
-        self.expect = sum(hi - lo for lo, hi in expect)  # bytes of a row, every chunk
-        # Frames received: (offset, end); a frame that arrives twice counts
-        # once (the sender cuts each range into the same pieces every time).
-        self.got: set[tuple[int, int]] = set()
-        self.covered = 0
+        self.coverage = Coverage(expect)  # the ranges received against the schedule's
         self.sent = threading.Event()
         self.complete = threading.Event()
         self.error: BaseException | None = None
@@ -590,12 +587,14 @@ class ThreadedSender:
             with self._lock:
                 for version, offset, length in frames:
                     entry = self._versions.get(version)
-                    if entry is None:  # discarded (a finished or dropped version)
+                    if entry is None or entry.complete.is_set():  # discarded, or done
                         continue
-                    if (offset, offset + length) not in entry.got:
-                        entry.got.add((offset, offset + length))
-                        entry.covered += length
-                    if entry.covered == entry.expect and not entry.complete.is_set():
+                    try:  # complete when the ranges are the schedule's, not a byte count
+                        entry.coverage.add(offset, offset + length)
+                    except ValueError as e:  # refused: dropped as a corrupt one
+                        entry.error = CorruptFrame(version, f"host {channel.host}: version "
+                                                            f"{version}: {e}")
+                    if entry.error is not None or entry.coverage.complete:
                         entry.times["received_s"] = time.perf_counter() - entry.t0
                         entry.complete.set()
 
@@ -604,7 +603,7 @@ class ThreadedSender:
         returns once a run covers them, so its last frame is seen at once)."""
         with self._lock:
             entry = self._versions.get(version)
-            return 1 << 62 if entry is None else max(1, entry.expect - entry.covered)
+            return 1 << 62 if entry is None else max(1, entry.coverage.missing)
 
     def wait(self, version: int, timeout_s: float | None = None) -> np.ndarray:
         """The peer's payload of ``version`` [local devices, bytes] once every

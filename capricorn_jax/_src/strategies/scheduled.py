@@ -107,22 +107,22 @@ caught a slow step (1.3-1.7x the others) planned the whole version into one
 window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
 MAX_SPREAD = 8
 """Under a cost budget, the most steps one version's chunks may spread over
-(``partition_search.spread``): a version the windows of one step cannot hold goes
-over the windows of the fewest steps that hold it, and the versions of the
-steps in between are not taken."""
+(``partition_search.spread``): a version the windows of one step cannot hold goes over
+the windows of the fewest steps that hold it; the versions of the steps between are not taken."""
 
 log = logging.getLogger(__name__)
 
 
 class MovedPayloads(TypedDict):
     """What a step moved: this host's packed payload, the peer's (None until
-    the threaded sender's chunks are all in) and, on the threaded path, the
-    transport they went by."""
+    the threaded sender's chunks are all in), the transport they went by, and
+    in-step the CRC32C verdict on the peer's (``executor``: ``corrupt``)."""
 
     own: jax.Array
     received: jax.Array | np.ndarray | None
     transport: NotRequired[Transport]
     schedule: NotRequired[Schedule]
+    corrupt: NotRequired[jax.Array]
 
 
 def resolve_chunk_path(path: str) -> str:
@@ -360,6 +360,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
             state, batch, trailer, *gather)
         self._moved = (step, {"own": moved["own"], "received": moved["received"],
+                              "corrupt": moved["corrupt"],
                               "transport": transport or self.ckpt.transport}, version)
         return state, metrics
 
@@ -539,8 +540,7 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                  "step's windows, not after the step; that step's version is not taken",
                  self.ckpt.host, version, held, max(row[0] for row in rows))
 
-    def _commit_moved(self, state: State, load: np.ndarray | None = None
-                      ) -> list[CheckpointEvent]:
+    def _commit_moved(self, state: State, load: np.ndarray | None = None) -> list[CheckpointEvent]:
         """Commits the version the last step(s) moved, if any: its event
         (``state``: the last step's, whose marks the in-graph path reads;
         ``load``: its tokens per expert, which the window model reads)."""
@@ -576,13 +576,13 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
         elif self.clock is not None:  # in-graph: the step's marks, once it is done
             windows = self.in_graph_windows(payloads, state)
             self._note_spills(windows)
-        report = self.ckpt.save_transferred(version, payloads["own"],
-                                            [payloads["received"]], version=pec_version)
+        report = self.ckpt.save_transferred(  # in-step: its CRC32C verdict, for the writer
+            version, payloads["own"], [payloads["received"]], version=pec_version,
+            corrupt=[payloads["corrupt"]] if "corrupt" in payloads else None)
         self._last_saved = version
         event = {**self._event(version, report), "moved_in_step": version}
         if self.sender is not None:  # threaded: when its chunks went (seconds from start)
-            event["chunk_times_s"] = {k: round(v, 4) for k, v in
-                                      self.sender.last_times.items()}
+            event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
         if windows is not None:
             event["windows"] = windows
             self._check_spills(version)

@@ -291,7 +291,8 @@ class InMemoryCheckpointer(StatusRound):
     def save_transferred(self, step: int, own, received: list, *,
                          tokens_per_expert: Any = None,
                          version: PecVersion | None = None,
-                         status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
+                         status_round: tuple[SaveReport, Any] | None = None,
+                         corrupt: list | None = None) -> SaveReport:
         """Commits version ``step`` whose payloads a scheduled step already moved.
 
         Args:
@@ -309,6 +310,9 @@ class InMemoryCheckpointer(StatusRound):
           status_round: (the report of ``begin_round``, the statuses its
             status vector was all-gathered into by the caller's program);
             None: this call runs the round.
+          corrupt: per round, the moving step's end-to-end verdict (bool
+            [devices, k], True: a received payload failed its CRC32C; the
+            in-step sender's), read by the replica writer as the exchange's.
         """
         if len(received) != len(self.sources):
             raise ValueError(f"{len(received)} received payloads for {len(self.sources)} rounds")
@@ -343,7 +347,7 @@ class InMemoryCheckpointer(StatusRound):
             report, status = self._begin_save()
             with self.clock.phase("status_round"):
                 statuses = self.transport.gather_status(status)
-        return self._enqueue(report, step, own, received, statuses, version)
+        return self._enqueue(report, step, own, received, statuses, version, corrupt)
 
     def plan_pec_version(self, step: int, tokens_per_expert: Any,
                          expert_mask: Any = None) -> PecVersion:

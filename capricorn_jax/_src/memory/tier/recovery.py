@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.store.arena import checksum
 from capricorn_jax._src.memory.store.store import ChecksumError
 from capricorn_jax._src.memory.tier.reader import TierReader
 from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
@@ -58,6 +57,7 @@ from capricorn_jax._src.memory.wire.packing import (
 )
 from capricorn_jax._src.memory.wire.transport import Transport, local_rows
 from capricorn_jax._src.multihost.agree import allgather_json
+from capricorn_jax._src.native.integrity import crc32c
 from capricorn_jax._src.partial.plans import mask_from_hex, mask_to_hex
 from capricorn_jax._src.partial.selection import padded_gather_indices
 from capricorn_jax._src.partial.tracker import (
@@ -201,15 +201,17 @@ def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
     """This host's own payloads of version ``step``: read locally or served by a
     peer (every host runs the same serve rounds). Returns (rows, bytes received).
 
-    A served row is checked end to end: its server takes each row's CRC32C
-    (``arena.checksum``) from the rows it read (each chunk checked against
-    the store's CRC), every host learns them (an all-gather of the small
-    lists), the receiver checks what arrived, and every host learns the
-    verdict (another); a round that failed anywhere is served again, up to
-    ``SERVE_ATTEMPTS`` tries, then every host raises ``ChecksumError``
-    naming the rows. Alternative not taken: a checksum inside the serve
-    program (``chunk_sums``, as the replication exchange): recovery runs
-    once, where two small all-gathers cost nothing."""
+    A served row follows ``native.integrity``'s rule: its server takes each
+    row's CRC32C (``integrity.crc32c``) from the rows it read (each chunk
+    checked against the store's CRC), before they leave; every host learns
+    them (an all-gather of the small lists); the receiver checks every row
+    it expects, as placed in its host copy (a row without its server's CRC
+    fails too), and every host learns the verdict (another); a round that
+    failed anywhere is served again, up to ``SERVE_ATTEMPTS`` tries, then
+    every host raises ``ChecksumError`` naming the rows. Alternative not
+    taken: the check inside the serve program (``integrity.crc32c_chunks``,
+    as the replication exchange): recovery runs once, where two small
+    all-gathers cost nothing."""
     plan = transport.plan
     rows = read_rows(ckpt, ckpt.host, step, plan) if sources[ckpt.host] == ckpt.host else None
     moved = 0
@@ -220,7 +222,7 @@ def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
             if hooks.on_serve is not None:
                 hooks.on_serve(step)  # fault injection: a server lost mid-recovery
             send = dict(enumerate(read_rows(ckpt, perm[ckpt.host], step, plan)))
-        sums = {str(j): checksum(row) for j, row in send.items()}
+        sums = {str(j): crc32c(row) for j, row in send.items()}
         for attempt in range(SERVE_ATTEMPTS):
             payloads = send
             if send and attempt < hooks.flip_serve:  # fault injection: bytes hit in transit
@@ -235,7 +237,8 @@ def _fetch_rows(ckpt: TierReader, step: int, sources: dict[int, int],
             if ckpt.host in perm.values():
                 server = next(h for h, owner in perm.items() if owner == ckpt.host)
                 got = local_rows(received)
-                bad = [j for j, row in enumerate(got) if checksum(row) != everyone[server][str(j)]]
+                bad = [j for j, row in enumerate(got)
+                       if crc32c(row) != everyone[server].get(str(j))]
             verdicts = allgather_json(bad, ckpt.hosts, what="serve_verdict")
             failed = {owner: rows_bad for owner, rows_bad in enumerate(verdicts) if rows_bad}
             if not failed:

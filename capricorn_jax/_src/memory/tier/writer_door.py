@@ -80,8 +80,10 @@ class TierWriter(TierReader, Protocol):
     def save_transferred(self, step: int, own: Any, received: list, *,
                          tokens_per_expert: Any = None,
                          version: PecVersion | None = None,
-                         status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
-        """Commits version ``step`` whose payloads the strategy's own step moved."""
+                         status_round: tuple[SaveReport, Any] | None = None,
+                         corrupt: list | None = None) -> SaveReport:
+        """Commits version ``step`` whose payloads the strategy's own step moved
+        (``corrupt``: per round, its end-to-end verdict on the received ones)."""
         ...
 
     def skip(self, step: int, tokens_per_expert: Any = None) -> SaveReport:
