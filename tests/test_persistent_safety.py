@@ -182,3 +182,53 @@ def test_a_corrupt_persistent_step_is_named_and_the_previous_step_restored(tmp_p
     assert "restoring persistent step 2" in caplog.text
     assert manager.handler.last_verdict.checked > 0
     manager.close()
+
+
+def test_a_step_is_durable_before_its_rename_names_it(tmp_path, monkeypatch):
+    """Every file and directory of the step is fsynced before the rename that
+    commits it, the root after; fsync=False skips both."""
+    import os
+
+    from capricorn_jax._src.persistent import finalize
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        events.append(("rename", str(dst)))
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    for durable in (True, False):
+        events.clear()
+        mesh, shardings, abstract = _mesh_state()
+        root = tmp_path / str(durable)
+        inmem = capricorn_jax.InMemoryCheckpointer(
+            capricorn_jax.InMemoryOptions(store_root=str(root / "shm"), job="j", replicas=1),
+            mesh, abstract, shardings, 0, 1)
+        handler = capricorn_jax.CapricornHandler(inmem, fsync=durable)
+        manager = capricorn_jax.CheckpointManager(
+            root / "ckpt", options=ocp.CheckpointManagerOptions(),
+            handler_registry=handler.registry("state"))
+        _save(manager, 0, shardings)
+        manager.wait_until_finished()
+        assert manager.is_committed(0) and not manager.is_committed(1)
+        manager.close()
+        step = str((root / "ckpt" / "0").absolute())
+        renames = [i for i, (kind, dst) in enumerate(events) if kind == "rename" and dst == step]
+        synced = [(i, path) for i, (kind, path) in enumerate(events) if kind == "fsync"]
+        if not durable:
+            assert renames and not [p for _, p in synced if "ckpt" in p]
+            continue
+        (at,) = renames
+        files = {str(p).replace(step, step + ".orbax-checkpoint-tmp")
+                 for p in (root / "ckpt" / "0").rglob("*")}
+        before = {p for i, p in synced if i < at}
+        assert files <= before, sorted(files - before)
+        assert str((root / "ckpt").absolute()) in {p for i, p in synced if i > at}
+        assert finalize.fsync_tree(root / "ckpt") > len(files)

@@ -190,7 +190,7 @@ def train_worker(config: Config, process_id: int) -> None:
         persistent.close()
     strategy.close()
     if ckpt is not None:
-        _release_store(ckpt, persistent, t.steps, t.workdir, host)
+        _release_store(ckpt, persistent, t.steps, host)
     if config.profile.timeline and host == 0:
         _write_timeline(config, timeline)
     _evaluate(config, job, state, metrics)
@@ -198,24 +198,24 @@ def train_worker(config: Config, process_id: int) -> None:
     metrics.close()
 
 
-def _persisted(persistent, step: int, workdir: str) -> bool:
-    """Whether the (closed) persistent tier holds ``step``: the manager's newest
-    step, no failure recorded for it, and its finalized directory on disk."""
+def _persisted(persistent, step: int) -> bool:
+    """Whether the (closed) persistent tier holds ``step`` committed: the
+    manager's newest step, renamed into place after its files were made
+    durable, no failure recorded for it (``CheckpointManager.is_committed``);
+    a directory that merely exists is not enough."""
     if persistent is None:
         return False
     manager = persistent.manager
-    failed = any(e.get("step") == step for e in manager.persistent_errors)
-    return (manager.latest_step() == step and not failed
-            and (Path(workdir).absolute() / "checkpoints" / str(step)).is_dir())
+    return manager.latest_step() == step and manager.is_committed(step)
 
 
-def _release_store(ckpt, persistent, final_step: int, workdir: str, host: int) -> None:
+def _release_store(ckpt, persistent, final_step: int, host: int) -> None:
     """After a clean finish: this host's RAM store is reclaimed when the
     persistent tier holds the final step, else shrunk to the safe version
     (one version per owner) for a later resume. Never after a failure: a
     worker that fails or is killed does not get here, and its store is what
     the restart recovers from."""
-    if _persisted(persistent, final_step, workdir):
+    if _persisted(persistent, final_step):
         ckpt.release("none")
         if host == 0:
             logging.info("RAM store: reclaimed (the persistent tier holds step %d)", final_step)

@@ -14,9 +14,10 @@ What. ``recording(cls, root, fsync)`` is ``cls`` (Orbax's atomic-rename step
 directory, or the class a caller configured) whose ``finalize``
 
 * makes the step durable before its rename names it (``fsync``: every file
-  and directory of the temporary step directory, then after the rename the
-  root, so a power cut after the commit cannot leave a committed name over
-  missing bytes); object stores skip it (no rename, no fsync);
+  and directory of the temporary step directory, right before Orbax's rename,
+  after its last files; then the root after the rename), so a power cut after
+  the commit cannot leave a committed name over missing bytes; object stores
+  skip it (no rename, no fsync);
 * records an ``OSError`` instead of raising it: the primary's thread reaches
   the barrier, every host goes on, and the step is *not* committed (the
   rename did not happen, so Orbax never lists it after a reload).
@@ -82,7 +83,13 @@ def recording(cls: type, root: Any, fsync: bool = True) -> type:
             step_directory = str(final.parent) == root  # not one of its items
             try:
                 if step_directory and fsync:
-                    fsync_tree(str(self.get()))
+                    tmp = getattr(self, "_tmp_path", None)
+                    if tmp is not None and hasattr(tmp, "rename"):
+                        # Orbax's finalize writes its last files, then renames
+                        # this path: sync everything right before that rename.
+                        self._tmp_path = _durable_rename(tmp)
+                    else:  # another TemporaryPath: its files as they are now
+                        fsync_tree(str(self.get()))
                 done = await super().finalize(*args, **kwargs)
                 if step_directory and fsync:
                     fsync_path(root)
@@ -96,6 +103,17 @@ def recording(cls: type, root: Any, fsync: bool = True) -> type:
 
     Recording.__name__ = Recording.__qualname__ = f"Recording{cls.__name__}"
     return Recording
+
+
+def _durable_rename(path: Any) -> Any:
+    """``path`` (an ``epath`` path) whose ``rename`` first fsyncs the tree under it."""
+
+    class DurableRename(type(path)):  # type: ignore[misc]
+        def rename(self, target: Any) -> Any:
+            fsync_tree(str(self))
+            return super().rename(target)
+
+    return DurableRename(str(path))
 
 
 def failed(step_directory: Any) -> bool:
