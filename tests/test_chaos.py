@@ -1,8 +1,9 @@
 """The CI subset of the fault soak: ``python -m launch.chaos`` end to end.
 
 One trial of 2 hosts x 1 device (a reference run and the faulted job), seed
-chosen for a capricorn job with a persistent tier whose host 1 is lost as a
-machine while the persistent tier writes, and a replica writer that stalls;
+chosen for a capricorn job with a persistent tier keeping one step (the
+write of version 8 deletes version 4) whose host 1 is lost as a machine
+while the persistent tier writes, and a replica writer that stalls;
 the failure during recovery has its own test (test_strategies.py, soak); the full
 soak is documented in BUILD_NOTES (``--trials=N`` on every topology).
 """
@@ -13,7 +14,8 @@ import sys
 
 import pytest
 
-from launch.chaos.command import draw_trial, parse_topology
+from launch.chaos.config import parse_topology
+from launch.chaos.draw import draw_trial
 from launch.cluster.netns import stale_namespaces
 from tests.helpers import ROOT, assert_no_orphans, child_env, netns_usable
 
@@ -34,6 +36,7 @@ def test_chaos_runs_trials_checks_them_and_writes_the_json(tmp_path):
     # The seed's draw (see the module doc).
     assert [(f.point, f.mode) for f in trials[0].faults] == [("mid_persist", "host")]
     assert trials[0].strategy == "capricorn" and trials[0].stall is not None
+    assert trials[0].max_to_keep == 1
     out = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, "-m", "launch.chaos", *FLAGS,
                            f"--workdir={tmp_path / 'w'}", f"--json={out}"],
@@ -49,6 +52,11 @@ def test_chaos_runs_trials_checks_them_and_writes_the_json(tmp_path):
                                     for f in trial.faults]
         assert result["variant"] == []
         assert len(result["resumed_from"]) == len(result["tier"]) >= 1
+        # The oracle's expectation (host 1's store wiped: a peer's copy, or
+        # nothing safe yet), met by the recovery.
+        assert result["expected_from"]["tier"] in ("peer", "none", "persistent")
+        assert result["resumed_from"][-1] >= result["expected_from"]["step"]
+        assert result["max_to_keep"] == 1 and 8 in result["persistent_seen"]
     assert "chaos: 1/1 trials passed" in proc.stdout
     assert "trial 1/1 (seed 1018000) 2x1 capricorn persist=4" in proc.stdout
     assert_no_orphans(str(tmp_path / "w"))

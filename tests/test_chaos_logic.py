@@ -3,7 +3,9 @@
 import pytest
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos.command import Trial, check_trial, draw_trial, fault_classes, parse_topology
+from launch.chaos.checks import check_trial
+from launch.chaos.config import parse_topology
+from launch.chaos.draw import Trial, draw_trial, fault_classes
 from launch.train.fault_plan import PERSIST_FAULTS, Fault, FaultConfig
 
 TOPOLOGIES = [parse_topology(t) for t in ("2x2", "4x1", "4x1r3")]
@@ -48,6 +50,11 @@ def test_draws_are_replayable_and_valid():
             assert "--replication_timeout_s=2" in trial.flags(12, "tiny")
         if rest and rest[0].point == "disk_full_finalize":
             assert rest[0].hosts == (0,) and (rest[0].step + 1) % trial.persist_every == 0
+            # keeping one step: a later write (up to the final version) deletes
+            assert trial.max_to_keep == 1 and rest[0].step + 1 + trial.persist_every <= 12
+        if trial.persist_every:  # Orbax keeps 3 steps, or 1 (deletes within the trial)
+            assert trial.max_to_keep in (1, 3)
+            assert f"--max_to_keep={trial.max_to_keep}" in trial.flags(12, "tiny")
         if rest and rest[0].point == "corrupt_frame":
             # on the channel; its victim sends to host 0 (whose metrics the oracle reads)
             assert on_channel and len(rest[0].hosts) == 1
@@ -85,6 +92,10 @@ def test_draws_are_replayable_and_valid():
                                                             12).faults}
     assert any(len(draw_trial(i, 7, TOPOLOGIES, STRATEGIES, 12).faults) == 3
                for i in range(300))  # a double kill in recovery is drawn
+    drawn = [draw_trial(i, 7, TOPOLOGIES, STRATEGIES, 12) for i in range(300)]
+    assert {t.max_to_keep for t in drawn if t.persist_every} == {1, 3}
+    # a full disk at the finalize of version 8, whose write deletes version 4
+    assert any(f.point == "disk_full_finalize" and f.step == 7 for t in drawn for f in t.faults)
     assert seen == {"after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
                     "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
                     "corrupt_frame", "stall_channel"}
@@ -114,7 +125,9 @@ def test_a_clean_recovery_passes_and_reports_what_happened():
     problems, happened = check_trial(trial, records, REF, 8, strikes=1)
     assert problems == []
     assert happened == {"resumed_from": [5], "unlogged_steps": [], "tier": ["local"],
-                        "recovery_s": [0.25], "plt": []}
+                        "recovery_s": [0.25], "plt": [],
+                        "expected_from": {"step": 4, "tier": "local"},
+                        "expected": [{"step": 4, "tier": "local"}]}
 
 
 def test_a_step_checkpointed_but_not_logged_before_the_kill_is_named_not_failed():
@@ -143,8 +156,10 @@ def test_each_violation_is_named():
         "1 of 2 faults struck",
         "steps logged [0, 1, 2, 3, 4, 5], expected 0..7",
         "step 3: loss 9.0 != reference 4.7",
-        "recovery to 3, older than the safe version 4",
-        "recovery to 7 via local after every RAM store was lost",
+        "recovery to 3 via peer: older than version 4, which had to survive (tier local: "
+        "version 4 was on every holder and a holder of each owner survived)",
+        "recovery to 7 via local: no RAM copy of the versions of hosts [0, 1] survived (a "
+        "memory recovery cannot have them)",
         "recovery to 7, after the fault at step 5 (after_step)",
     ]
 
@@ -221,7 +236,7 @@ def test_a_persist_fault_strikes_no_host_and_needs_its_step_dropped_and_a_later_
 
 
 def test_committed_steps_are_orbax_s_finalized_step_directories(tmp_path):
-    from launch.chaos.command import committed_steps
+    from launch.chaos.checks import committed_steps
 
     assert committed_steps(tmp_path / "none") == set()
     for name in ("4", "8", "12.orbax-checkpoint-tmp-3", "notes"):
