@@ -88,7 +88,7 @@ def test_each_chunk_is_sent_at_its_boundary(setup):
     assert "is_scheduled=true" in hlo[:2000]
     seq = _collective_sequence(hlo)
     n = {site: len(chunks) for site, chunks in sender.sites.items()}
-    assert seq.count("S") == n[START] + n[AFTER]
+    assert seq.count("S") == n[START] + n[AFTER] + 1  # and the payload's CRC32C, last
     assert seq.count("F") == n[("block0", "fwd")] + n[("block1", "fwd")]
     assert seq.count("B") == n[("block1", "bwd")] + n[("block0", "bwd")]
     # Window (block0, fwd) opens at the start of the step.

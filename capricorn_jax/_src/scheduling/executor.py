@@ -336,8 +336,8 @@ class InStepSender:
         if got != expect:
             raise RuntimeError(f"chunks received {got} differ from those scheduled {expect}")
         peer = jnp.concatenate([p for _, p in pieces], axis=1)
-        # The sender's CRC, after every chunk (tied to the tail's receptions).
-        sent = self._permute(ctx.crc, peer[:, :1])
+        # The sender's CRC, after every chunk (tied to each reception, the tail's too).
+        sent = self._permute(ctx.crc, jnp.concatenate([p[:, :1] for _, p in pieces], axis=1))
         return {"own": ctx.payload, "received": peer, "corrupt": self._crc(peer) != sent}
 
 
