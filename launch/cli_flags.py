@@ -212,6 +212,16 @@ _spec("integer", "pec_k_persist", 0,
                      "(<= --pec_k, a multiple of the expert-parallel size; each step carries the "
                      "least recently persisted experts); 0: all experts (full steps).")
 
+_spec("integer", "max_version_lag", 50,
+      "In-memory strategies: the lag alarm's bound, in steps. The newest safe version's age "
+      "(steps and seconds since the state it holds) is in every step's metrics record and on "
+      "the console when it reaches 8, 16, 32, ... steps; past this many steps the job says "
+      "why versions stopped committing (slow link, corrupt frames, lost channel, busy "
+      "writers: the `lag` event and a warning) and acts as --on_lag says. 0: no bound.")
+_spec("enum", "on_lag", "warn", ["warn", "fail"],
+      "What a lag past --max_version_lag does: warn (the job goes on) or fail (the job ends "
+      "with that error, exit code 4).")
+
 _in("profiling")
 _spec("string", "profile", "",
                     "Layer profiling: off | every | first_n (the first --profile_first_n steps "

@@ -27,7 +27,7 @@ import capricorn_jax
 from capricorn_jax.experimental import xla_flags
 from launch import cli_flags, runtime
 from launch.metrics import MetricsWriter
-from launch.train import faults, persistence
+from launch.train import faults, lag_alarm, persistence
 from launch.train.config import Config, FlagError, from_flags
 from launch.train.supervisor import WorkdirInUse, prepare_workdir, supervise
 
@@ -152,6 +152,8 @@ def train_worker(config: Config, process_id: int) -> None:
     meter = _Throughput(cfg.global_batch * cfg.seq_len, t.log_every, t.steps)
     timeline = None  # (last warm profile, schedule in force during it)
     logged_plan: tuple | None = None  # the schedule's bytes the console last reported
+    alarm = (lag_alarm.LagAlarm(ckpt, strategy, metrics, host, c.max_version_lag, c.on_lag,
+                                start) if ckpt is not None else None)
     for step in range(start, t.steps):
         factors = choose_capacity_factors(cfg, max_routed, trainer.tokens_per_group)
         domain, in_force = data.domain, strategy.schedule()
@@ -172,13 +174,16 @@ def train_worker(config: Config, process_id: int) -> None:
             persistent.handler.await_reader()  # no prune under the disk writer's read
         saved = strategy.save(step + 1, state, {"data": data.state(), "max_routed": max_routed},
                               tokens_per_expert=tpe, next_step_profiled=driver.profile_next)
+        lag = alarm.observe(step + 1, saved) if alarm is not None else {}
         metrics.write({
             "step": step, "loss": loss, "step_time_s": time.perf_counter() - t0,
             "tokens_per_expert": tpe.tolist(), "domain": domain,
             "capacity_factors": list(factors), "dropped": np.asarray(out["dropped"]).tolist(),
-            "profiled": run.profile is not None, "compiled": run.compiled,
+            "profiled": run.profile is not None, "compiled": run.compiled, **lag,
         })
         _log_checkpoints(metrics, host, saved, persistent, state)
+        if alarm is not None:
+            alarm.check()  # --on_lag=fail past --max_version_lag: every host ends here
         faults.reached(config.faults, t.workdir, host, "after_step", step)
         for timed in ("pause", "partition", "slow_link"):  # the launcher acts after the step
             faults.reached(config.faults, t.workdir, host, timed, step)
@@ -280,6 +285,15 @@ def _evaluate(config: Config, job, state, metrics: MetricsWriter) -> None:
         logging.info("validation loss %s", json.dumps(per_domain))
 
 
+def _train_or_lag_exit(config: Config, process_id: int) -> None:
+    """A worker's training; ``--on_lag=fail`` ends it with one error line
+    and ``lag_alarm.LAG_EXIT_CODE`` (every other failure: a traceback)."""
+    try:
+        train_worker(config, process_id)
+    except lag_alarm.VersionLagError as e:
+        lag_alarm.exit_on_lag(e, process_id)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         print(f"train: error: unexpected arguments {argv[1:]}", file=sys.stderr)
@@ -291,11 +305,15 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     runtime.bound_orbax_barriers(FLAGS)
     if config.cluster.process_id >= 0:
-        runtime.exit_now_on_failure(train_worker, config, config.cluster.process_id)
+        runtime.exit_now_on_failure(_train_or_lag_exit, config, config.cluster.process_id)
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
         xla_flags.set_overlap_flags()  # before the GPU backend starts
         prepare_workdir(config)
-        train_worker(config, 0)
+        try:
+            train_worker(config, 0)
+        except lag_alarm.VersionLagError as e:
+            print(f"train: error: {e}", file=sys.stderr)
+            sys.exit(lag_alarm.LAG_EXIT_CODE)
     else:
         try:
             sys.exit(supervise(config, sys.argv[1:]))

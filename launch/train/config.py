@@ -43,6 +43,9 @@ from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from launch.train.fault_plan import FaultConfig
 from models.config import CONFIGS, ModelConfig, get_config
 
+ON_LAG = ("warn", "fail")
+"""What a lag past --max_version_lag does (``launch.train.lag``)."""
+
 AGREEMENT_TIMEOUT_S = 1800.0
 """capricorn_jax's cross-host agreement bound (its multihost default; a test
 checks they agree)."""
@@ -290,7 +293,9 @@ class CheckpointConfig:
     ``chunk_bytes`` is the in-memory tier's transfer chunk (the store's and
     the collective-permutes'); ``chunk_cap`` the scheduled strategies'
     partitioner cap on a chunk placed in a window (``--chunk_cap_bytes``,
-    default: ``chunk_bytes``).
+    default: ``chunk_bytes``). ``max_version_lag`` and ``on_lag`` are the
+    in-memory tier's lag alarm (``launch.train.lag``): the bound in steps on
+    the newest safe version's age (0: none) and what passing it does.
     """
 
     strategy: str
@@ -310,6 +315,8 @@ class CheckpointConfig:
     pec_plt_threshold: float
     pec_dynamic: bool
     pec_k_persist: int
+    max_version_lag: int = 50
+    on_lag: str = "warn"
     given: frozenset[str] = frozenset()
     hosts: InitVar[int]
     model: InitVar[ModelConfig]
@@ -350,6 +357,7 @@ class CheckpointConfig:
                             f"--ckpt in {', '.join(IN_MEMORY)} (or orbax_emergency, its "
                             f"persistent interval), got --ckpt={self.strategy}")
         self._check_pec_persist(model, expert_axis)
+        self._check_lag()
         # The persistent tier's barriers wait up to 4x --persist_timeout_s (a
         # write, then the others' outcomes, each bounded twice); a host that
         # failed its write alone waits at the next cross-host agreement, which
@@ -359,6 +367,20 @@ class CheckpointConfig:
                             f"tier's barriers wait up to 4x it ({4 * self.persist_timeout_s:g} "
                             f"s), which must be positive and below the cross-host agreement "
                             f"bound ({AGREEMENT_TIMEOUT_S:g} s)")
+
+    def _check_lag(self) -> None:
+        if self.max_version_lag < 0:
+            raise FlagError(f"--max_version_lag must be >= 0 steps (0: no bound), got "
+                            f"{self.max_version_lag}")
+        if self.on_lag not in ON_LAG:
+            raise FlagError(f"--on_lag must be one of {', '.join(ON_LAG)}, got {self.on_lag!r}")
+        if self.on_lag == "fail" and not self.max_version_lag:
+            raise FlagError("--on_lag=fail ends the job past --max_version_lag steps: it needs "
+                            "--max_version_lag > 0, got 0")
+        for flag in ("max_version_lag", "on_lag"):
+            if flag in self.given and not self.in_memory:
+                raise FlagError(f"--{flag} watches the in-memory tier's safe version: it needs "
+                                f"--ckpt in {', '.join(IN_MEMORY)}, got --ckpt={self.strategy}")
 
     def _check_pec(self, model: ModelConfig) -> None:
         if self.strategy in PEC and self.pec_k == 0:
@@ -462,7 +484,8 @@ def from_flags(fv: flags.FlagValues) -> Config:
         persist_timeout_s=fv.persist_timeout_s, budget_s=fv.ckpt_budget,
         persist_every=fv.persist_every, max_to_keep=fv.max_to_keep, pec_k=fv.pec_k,
         pec_policy=fv.pec_policy, pec_plt_threshold=fv.pec_plt_threshold,
-        pec_dynamic=fv.pec_dynamic, pec_k_persist=fv.pec_k_persist, given=given,
+        pec_dynamic=fv.pec_dynamic, pec_k_persist=fv.pec_k_persist,
+        max_version_lag=fv.max_version_lag, on_lag=fv.on_lag, given=given,
         hosts=cluster.hosts, model=train.model_config, expert_axis=train.expert_axis(cluster))
     faults = FaultConfig(
         kill_host=fv.kill_host, kill_at_step=fv.kill_at_step, kill_every=fv.kill_every,

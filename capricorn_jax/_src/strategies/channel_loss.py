@@ -20,6 +20,15 @@ Slow is not dead: the job keeps training.
   the save after the last one (the 33rd save after the hosts agreed, each
   failed attempt costing at most the channel's connect timeout) the save
   raises ``ConnectionError`` naming the peers.
+* Named, not cycled silently: the attempt count starts over once versions
+  move again, so a link always slower than the channel's bound (each new
+  channel lost to a wait past the bound) or one that corrupts a frame of
+  every version never reaches the bound. The keeper counts both
+  (``ChannelCounts``: losses, those to the bound, reconnects, corrupt
+  versions, and the runs of them with no version arriving in between) and
+  warns when a run repeats (the 2nd, 4th, 8th, ... in a row); the training
+  loop's lag alarm (``launch.train.lag``) reads the counts to say why the
+  safe version stopped advancing.
 
 Design choice: the agreement rides on the status round every save already
 runs, so a lost channel costs no collective of its own and every host
@@ -33,6 +42,7 @@ its timeout).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -41,7 +51,7 @@ import numpy as np
 from capricorn_jax._src.memory.tier.reports import SaveReport
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
-from capricorn_jax._src.scheduling.threaded import ThreadedSender
+from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped
 from capricorn_jax._src.strategies.base import CheckpointEvent
 
 log = logging.getLogger("capricorn_jax")
@@ -52,6 +62,35 @@ RECONNECT_ATTEMPTS = 6
 
 _LOST = (OSError, TimeoutError, ConnectionError, RuntimeError)
 """What a wait on a lost channel raises (a corrupt frame is ``VersionDropped``, not a loss)."""
+
+
+@dataclasses.dataclass
+class ChannelCounts:
+    """What one host's chunk channel went through since it was built
+    (cumulative, except the two runs).
+
+    ``losses``: times this host found its channel lost; ``timeouts``: of
+    those, a version's wait ran past the channel's bound; ``reconnects``:
+    attempts that connected; ``arrived``: versions whose peer payload arrived
+    intact; ``corrupt``: versions whose peer payload failed its end-to-end
+    check; ``lost_in_a_row``: losses since a version last arrived (a
+    reconnect between them: the link is slower than the bound);
+    ``corrupt_in_a_row``: corrupt versions since one last arrived intact.
+    """
+
+    losses: int = 0
+    timeouts: int = 0
+    skips: int = 0
+    reconnects: int = 0
+    arrived: int = 0
+    corrupt: int = 0
+    lost_in_a_row: int = 0
+    corrupt_in_a_row: int = 0
+
+
+def _repeats(n: int) -> bool:
+    """Whether the ``n``-th in a row is worth a warning: 2, 4, 8, ..."""
+    return n >= 2 and n & (n - 1) == 0
 
 
 def attempt_due(saves_down: int) -> bool:
@@ -80,6 +119,7 @@ class ChannelKeeper:
         self._attempt_failed = False
         self.lost_versions: list[int] = []  # versions abandoned with a lost channel
         self.reconnected_at: list[int] = []  # saves at which versions moved again
+        self.counts = ChannelCounts()
 
     def lost_here(self) -> bool:
         """Whether this host's channel is lost (its sender failed, or its last
@@ -96,7 +136,21 @@ class ChannelKeeper:
         the wait raises at once instead of at its bound."""
         if self.lost_here():
             self.sender.abandon()
-        return self.sender.wait(version)
+        counts = self.counts
+        try:
+            received = self.sender.wait(version)
+        except VersionDropped:
+            counts.corrupt += 1
+            counts.corrupt_in_a_row += 1
+            if _repeats(counts.corrupt_in_a_row):
+                log.warning("host %d: %d versions in a row from host %d failed their end-to-end "
+                            "check (the last: %d): the link corrupts every version; none of them "
+                            "is committed", self.ckpt.host, counts.corrupt_in_a_row,
+                            self.sender.channel.source, version)
+            raise
+        counts.arrived += 1
+        counts.lost_in_a_row = counts.corrupt_in_a_row = 0
+        return received
 
     def is_loss(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a version's ``wait``, means the channel
@@ -104,8 +158,19 @@ class ChannelKeeper:
         lost = isinstance(error, _LOST) and (self.lost_here()
                                              or isinstance(error, TimeoutError))
         if lost:
+            counts = self.counts
+            counts.losses += 1
+            counts.lost_in_a_row += 1
+            if isinstance(error, TimeoutError):
+                counts.timeouts += 1
             if self.sender.failure is None:  # a wait past the timeout: the channel hangs
                 self.sender.failure = error
+            if _repeats(counts.lost_in_a_row) and counts.reconnects:
+                log.warning("host %d: the chunk channel is lost again, %d times in a row with "
+                            "no version arriving in between (%d to its %.0f s bound) although "
+                            "each reconnect connected: the link is slower than the channel's "
+                            "bound", self.ckpt.host, counts.lost_in_a_row, counts.timeouts,
+                            self.sender.channel.timeout_s)
             log.warning("host %d: the chunk channel is lost (%s: %s); every host skips "
                         "versions until it reconnects", self.ckpt.host, type(error).__name__,
                         error)
@@ -150,6 +215,7 @@ class ChannelKeeper:
             else:
                 self.sender.reconnect(channel)
                 self._attempt_failed = False
+                self.counts.reconnects += 1
                 log.info("host %d: chunk channel reconnect attempt %d at step %d: connected",
                          self.ckpt.host, self.attempts, step)
         self.saves_down += 1
@@ -166,6 +232,7 @@ class ChannelKeeper:
         back on every host); ``tokens_per_expert``: the step's (read under
         PEC only: a whole-version tier takes none)."""
         lost = self.while_down(step)
+        self.counts.skips += 1
         self.ckpt.note_lost(lost)
         report = self.ckpt.skip(step, tokens_per_expert if self.ckpt.pec is not None else None)
         return [{**event(v, report), "channel_lost": True} for v in (*lost, step)]

@@ -56,6 +56,7 @@ the safe version is also complete and reads only versions every holder holds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import time
@@ -72,7 +73,12 @@ from capricorn_jax._src.memory.tier.hooks import NO_FAULTS, FaultHooks
 from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.pec_tier import PecTier, PecVersion, version_needs_of
 from capricorn_jax._src.memory.tier.phase_clock import PhaseClock
-from capricorn_jax._src.memory.tier.reports import SaveReport, StoreRelease, release_store
+from capricorn_jax._src.memory.tier.reports import (
+    DropCounts,
+    SaveReport,
+    StoreRelease,
+    release_store,
+)
 from capricorn_jax._src.memory.tier.status_round import StatusRound
 from capricorn_jax._src.memory.tier.writers import VersionWriters, _InSlot
 from capricorn_jax._src.memory.wire import placement
@@ -144,6 +150,7 @@ class InMemoryCheckpointer(StatusRound):
         self.channel_lost = False
         self._lost_here: set[int] = set()  # versions dropped here, until a round told every host
         self._corrupt_seen = 0  # writers.corrupt_replicas already in _lost_here
+        self.drops = DropCounts()  # versions not taken or held, by cause (the lag alarm's)
         flip_at = None if hooks is None else hooks.flip_exchange_at
         self.transport = Transport(self.plan, mesh, state_shardings, self.rounds,
                                    self.status_len, flip_input=flip_at is not None)
@@ -194,8 +201,11 @@ class InMemoryCheckpointer(StatusRound):
         self._lost_here = {v for v in self._lost_here if v <= step}
 
     # ----- the training thread's API -----
-    def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None) -> SaveReport:
-        """Takes no version at ``step``; the statuses still travel."""
+    def _skip(self, step: int, status_round: tuple[SaveReport, Any] | None = None,
+              cause: str = "budget") -> SaveReport:
+        """Takes no version at ``step``; the statuses still travel. ``cause``:
+        the ``drops`` counter it adds to."""
+        setattr(self.drops, cause, getattr(self.drops, cause) + 1)
         if status_round is not None:
             report, self._last_statuses = status_round
         else:
@@ -215,7 +225,7 @@ class InMemoryCheckpointer(StatusRound):
             self.pec.skip(step, tokens_per_expert)
         else:
             _refuse_pec_args(tokens_per_expert, None)
-        return self._skip(step)
+        return self._skip(step, cause="skipped")
 
     def drop(self, step: int, status_round: tuple[SaveReport, Any] | None = None, *,
              corrupt: bool = True) -> SaveReport:
@@ -228,7 +238,7 @@ class InMemoryCheckpointer(StatusRound):
         was planned, is rolled back on every host once a round tells them
         (``note_lost``)."""
         self.note_lost([step])
-        report = self._skip(step, status_round)
+        report = self._skip(step, status_round, cause="corrupt" if corrupt else "lost")
         report.corrupt = corrupt
         return report
 
@@ -359,6 +369,23 @@ class InMemoryCheckpointer(StatusRound):
         with self.clock.phase("pec_decision"):
             return self.pec.version(step, tokens_per_expert, expert_mask)
 
+    def drop_counts(self) -> DropCounts:
+        """The versions this host did not take or hold so far, by cause
+        (``reports.DropCounts``); ``corrupt`` also counts the replicas the
+        writers found corrupt (the in-graph exchange's end-to-end check)."""
+        with self.writers.lock:
+            found = len(self.writers.corrupt_replicas)
+        return dataclasses.replace(self.drops, corrupt=self.drops.corrupt + found)
+
+    def busy_hosts(self) -> tuple[int, ...]:
+        """The hosts whose writers were still busy with an earlier version at
+        the last status round gathered (the same on every host)."""
+        if self._last_statuses is None:
+            return ()
+        rows = np.asarray(self._last_statuses)
+        busy = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)], 2 * self.hosts + 1]
+        return tuple(int(h) for h in np.flatnonzero(busy))
+
     def took(self, step: int) -> bool:
         """Whether this host took its own version ``step``: its copy is held or
         queued for its writer. Not after ``drop`` (a peer's frame failed its
@@ -430,6 +457,7 @@ class InMemoryCheckpointer(StatusRound):
                 self.copier.wait()
                 own.writer.abort()
             skipped = True
+            self.drops.own_busy += 1
             self.note_lost([step])
             log.warning("host %d: own writer busy for %.1fs; version %d skipped", self.host,
                         wait, step)
@@ -438,6 +466,7 @@ class InMemoryCheckpointer(StatusRound):
                 self.writers.rep_q.put_nowait((step, received, plan, meta, corrupt))
             except queue.Full:
                 report.dropped_replicas = len(received)
+                self.drops.replicas_busy += 1
                 self.note_lost([step])
                 log.warning("host %d: replica writer busy; replicas of version %d from hosts %s "
                             "dropped", self.host, step, self.sources)

@@ -36,6 +36,29 @@ class StoreRelease:
 
 
 @dataclasses.dataclass
+class DropCounts:
+    """Versions a host's checkpointer did not take or hold, by cause, since it
+    opened (cumulative; the lag alarm reads their growth).
+
+    ``corrupt``: dropped, a peer's payload failed its end-to-end check
+    (``drop``); ``lost``: dropped, a peer's payload never came (a lost chunk
+    channel); ``skipped``: not taken on purpose at the caller's word
+    (``skip``: a lost channel, a version still on the link); ``budget``:
+    skipped by the cost budget (some host's writers busy at the previous
+    save); ``own_busy``: this host's own writer busy past the wait;
+    ``replicas_busy``: versions whose replicas this host dropped, its replica
+    writer busy.
+    """
+
+    corrupt: int = 0
+    lost: int = 0
+    skipped: int = 0
+    budget: int = 0
+    own_busy: int = 0
+    replicas_busy: int = 0
+
+
+@dataclasses.dataclass
 class SaveReport:
     """What one save() knows when it returns (for the ``checkpoint`` event).
 
