@@ -21,8 +21,10 @@ from launch.train import command as train
 from launch.train import config, lag_alarm
 from launch.train.lag import REASONS, Counters, LagWatch, Sample, assess
 
+NONE = Counters()
 
-def _history(frozen_at, steps, per_step=Counters(), start=0, before=Counters(), **now):
+
+def _history(frozen_at, steps, per_step=NONE, start=0, before=NONE, **now):
     """The job's start, saves that commit up to ``frozen_at`` (the safe
     version trailing by 2), then saves to ``steps`` with the safe version
     frozen at ``frozen_at``, the counters growing by ``per_step`` each save
@@ -277,7 +279,7 @@ def test_the_alarm_reads_the_checkpointer_and_the_keeper_counters():
         pass
 
     with_keeper = Strategy()
-    with_keeper.keeper = keeper  # type: ignore[attr-defined]
+    with_keeper.keeper = keeper
     got = lag_alarm.counters(_Ckpt(drops, (1,), True), with_keeper)
     assert got == Counters(corrupt=2, lost=1 + 4 + 2, timeouts=3, reconnects=2, on_link=1,
                            busy=6, channel_down=True, busy_hosts=(1,))
