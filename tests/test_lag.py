@@ -343,3 +343,45 @@ def test_lag_flags_reach_the_config_and_a_bad_on_lag_is_refused_by_name(tmp_path
     assert _config(tmp_path).checkpoint.on_lag == "warn"  # defaults are fine without a tier
     with pytest.raises(flags.IllegalFlagValueError, match="on_lag=sometimes"):
         _config(tmp_path, "--ckpt=inmem", "--on_lag=sometimes")
+
+
+def test_the_checkpointer_counts_its_drops_by_cause_and_reports_busy_writers(tmp_path):
+    """drop_counts: a peer's corrupt payload, a lost one, a skip at the
+    caller's word, the cost budget's skips; busy_hosts: the hosts whose
+    writers were busy at the last gathered status round (the writer is held
+    on an event, so the schedule is exact)."""
+    import threading
+
+    import capricorn_jax
+    from launch.trainer import OptimizerOptions, Trainer, make_mesh
+    from models import get_config
+
+    trainer = Trainer(get_config("tiny"), make_mesh(4), OptimizerOptions())
+    opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
+                                         max_wait_s=0.0)
+    ckpt = capricorn_jax.InMemoryCheckpointer(
+        opts, trainer.mesh, trainer.abstract_state, trainer.state_shardings, 0, 1)
+    release, entered, begin = threading.Event(), threading.Event(), ckpt.store.begin
+
+    def held_begin(*args, **kwargs):
+        entered.set()
+        assert release.wait(60)
+        return begin(*args, **kwargs)
+
+    ckpt.store.begin = held_begin
+    state = trainer.init_state(0)
+    assert ckpt.drop_counts() == DropCounts() and ckpt.busy_hosts() == ()
+    ckpt.save(1, state, {"data": {}})
+    assert entered.wait(60)
+    ckpt.save(2, state, {"data": {}})  # its round: the writer holds 1
+    assert ckpt.busy_hosts() == (0,)
+    assert ckpt.save(3, state, {"data": {}}).skipped  # the budget: a writer was busy
+    ckpt.drop(4)
+    ckpt.drop(5, corrupt=False)
+    ckpt.skip(6)
+    release.set()
+    ckpt.wait_until_finished(60)
+    ckpt.confirm(60)
+    assert ckpt.busy_hosts() == ()
+    assert ckpt.drop_counts() == DropCounts(corrupt=1, lost=1, skipped=1, budget=1)
+    ckpt.close()
