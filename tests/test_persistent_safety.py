@@ -232,3 +232,37 @@ def test_a_step_is_durable_before_its_rename_names_it(tmp_path, monkeypatch):
         assert files <= before, sorted(files - before)
         assert str((root / "ckpt").absolute()) in {p for i, p in synced if i > at}
         assert finalize.fsync_tree(root / "ckpt") > len(files)
+
+
+@pytest.mark.slow
+def test_a_library_program_whose_peer_never_arrives_ends_at_the_bound(tmp_path):
+    """Two processes of a program that never parses absl flags: process 1 is
+    alive but never builds its manager; process 0's manager fails at Orbax's
+    first barrier after ``barrier_timeout_s`` (4 s), not after Orbax's
+    unbounded collective."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, child_env
+    from tests.test_orbax_handler import _free_port
+
+    port, bound = _free_port(), 4
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "barrier_worker.py"),
+         json.dumps({"port": port, "process": pid, "bound": bound, "sleep": 15,
+                     "root": str(tmp_path)})],
+        env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in range(2)]
+    try:
+        out0 = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    (result,) = [json.loads(x[len("RESULT "):]) for x in out0.splitlines()
+                 if x.startswith("RESULT ")]
+    assert result["outcome"] != "built", out0[-3000:]
+    assert "DEADLINE_EXCEEDED" in result["outcome"] or "imed out" in result["outcome"], result
+    assert bound <= result["seconds"] < bound + 20, result

@@ -87,7 +87,7 @@ from capricorn_jax._src.memory.tier.pec_tier import PecTier
 from capricorn_jax._src.memory.tier.recovery import recover
 from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
-from capricorn_jax._src.persistent import finalize
+from capricorn_jax._src.persistent import barriers, finalize
 from capricorn_jax._src.persistent.commit_order import CommittedFirst
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.integrity import PersistentChecksumError
@@ -113,6 +113,9 @@ class CheckpointManager(ocp.CheckpointManager):
 
     Takes ``ocp.CheckpointManager``'s arguments; ``handler_registry`` must map one
     item to a ``CapricornHandler`` (``handler.registry("state")`` builds one).
+    ``barrier_timeout_s`` bounds Orbax's synchronous barriers when several
+    processes run (``barriers``: a host that never arrives fails the save, or
+    this constructor, after that long instead of holding the others for ever).
 
     Attributes:
       handler: the CapricornHandler; item: its item name.
@@ -123,8 +126,10 @@ class CheckpointManager(ocp.CheckpointManager):
     """
 
     def __init__(self, directory: Any, *args: Any, handler_registry: Any = None,
-                 **kwargs: Any) -> None:
+                 barrier_timeout_s: float = barriers.DEFAULT_S, **kwargs: Any) -> None:
         self.item, self.handler = _find_handler(handler_registry)
+        if jax.process_count() > 1:
+            barriers.bound(barrier_timeout_s)  # before Orbax's first barrier (its root)
         if len(args) < 2:  # options not given by position
             kwargs["options"] = _recorded_finalize(
                 _bounded_options(kwargs.get("options"), self.handler), directory,

@@ -30,6 +30,7 @@ from jax.sharding import Sharding
 from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.tier.options import InMemoryOptions, PecOptions
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
+from capricorn_jax._src.persistent.barriers import DEFAULT_S as DEFAULT_BARRIER_S
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
 
@@ -50,6 +51,9 @@ class TwoTierOptions:
         directory's real path, so a restart finds its versions).
       chunk_bytes: the memory tier's chunk (``InMemoryOptions.chunk_bytes``).
       pec: partial expert checkpointing (``PecOptions``), or None.
+      barrier_timeout_s: the bound of Orbax's synchronous barriers when
+        several processes run (``CheckpointManager``'s): a host that never
+        arrives fails the save after that long instead of holding the others.
     """
 
     replicas: int = 2
@@ -58,6 +62,7 @@ class TwoTierOptions:
     job: str | None = None
     chunk_bytes: int = 4 << 20
     pec: PecOptions | None = None
+    barrier_timeout_s: float = DEFAULT_BARRIER_S
 
     def __post_init__(self) -> None:
         if self.save_interval_steps < 1 or self.max_to_keep < 1:
@@ -109,7 +114,8 @@ class TwoTierCheckpointManager:
             persistent, options=ocp.CheckpointManagerOptions(
                 save_interval_steps=options.save_interval_steps,
                 max_to_keep=options.max_to_keep),
-            handler_registry=self.handler.registry(ITEM))
+            handler_registry=self.handler.registry(ITEM),
+            barrier_timeout_s=options.barrier_timeout_s)
         self._target = abstract_state
 
     def save(self, step: int, state: Any, host_state: dict[str, Any] | None = None) -> bool:
