@@ -99,7 +99,9 @@ class VersionGone(FileNotFoundError):
     """The version was removed (pruned and its slot reused) while being read."""
 
 
-def _check_format(path: Path, head: dict[str, Any]) -> None:
+def _check_format(path: Path, head: Any) -> None:
+    if not isinstance(head, dict):
+        raise ValueError(f"{path}: a commit record that is not an object")
     found = head.get("format", "none (written before formats were recorded)")
     if found != HEAD_FORMAT:
         raise StoreFormatError(
@@ -107,6 +109,40 @@ def _check_format(path: Path, head: dict[str, Any]) -> None:
             f"another version of capricorn_jax wrote this store; start the job with --fresh "
             f"(or remove the store with python -m capricorn_jax.stores --action=prune), or run the "
             f"version that wrote it")
+
+
+_MAX_BYTES = 1 << 48  # no slot is bigger: larger offsets or sizes are damage
+
+
+def _check_head(path: Path, head: Any) -> dict[str, Any]:
+    """``head`` (a parsed commit record of slot file ``path``) when every field
+    a reader acts on has its type and range; else ``ValueError`` naming the
+    field (the version is then ignored, never read from a wrong place)."""
+
+    def whole(value: Any, what: str, high: int = _MAX_BYTES) -> int:
+        if type(value) is not int or not 0 <= value < high:
+            raise ValueError(f"{path}: {what} is {value!r}, not an integer in [0, {high})")
+        return value
+
+    if not isinstance(head, dict):
+        raise ValueError(f"{path}: a commit record that is not an object")
+    whole(head.get("step"), "step")
+    whole(head.get("owner"), "owner")
+    whole(head.get("generation"), "generation", 1 << 63)
+    index = whole(head.get("slot"), "slot")
+    if (path.name.split(".")[0], path.parent.name) != (f"slot{index}", f"owner{head['owner']}"):
+        raise ValueError(f"{path}: names owner {head['owner']}, slot {index}")
+    chunks = head.get("chunks")
+    if not isinstance(chunks, dict):
+        raise ValueError(f"{path}: chunks is not a table")
+    for name, entry in chunks.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: chunk {name!r} is not a record")
+        end = whole(entry.get("offset"), f"chunk {name!r} offset") + whole(
+            entry.get("nbytes"), f"chunk {name!r} nbytes")
+        whole(end, f"chunk {name!r} end")
+        whole(entry.get("crc32c"), f"chunk {name!r} crc32c", 1 << 32)
+    return head
 
 
 def _check_size(owner: int, step: int, names: list[str], data: np.ndarray,
@@ -296,8 +332,8 @@ class HostStore:
                         step = cached[1]
                     else:
                         head = json.loads(path.read_text())
-                        step = int(head["step"])
                         _check_format(path, head)
+                        step = _check_head(path, head)["step"]
                         self._head_steps[path] = (identity, step)
                 except FileNotFoundError:
                     continue  # pruned while we listed
@@ -324,8 +360,9 @@ class HostStore:
     def _head(self, owner: int, step: int) -> dict[str, Any]:
         best = None
         for index in self._heads(owner).get(step, []):
+            path = self._slot_path(owner, index, "head")
             try:
-                head = json.loads(self._slot_path(owner, index, "head").read_text())
+                head = _check_head(path, json.loads(path.read_text()))
             except (FileNotFoundError, ValueError):
                 continue
             if head["step"] == step and (best is None or head["generation"] > best["generation"]):
