@@ -18,6 +18,7 @@ import pytest
 from orbax.checkpoint.path import atomicity
 
 import capricorn_jax
+import capricorn_jax.stores
 from capricorn_jax._src.persistent.integrity import PersistentChecksumError
 from tests.orbax_worker import expected_state
 from tests.test_orbax_handler import (
@@ -218,6 +219,9 @@ def test_a_step_is_durable_before_its_rename_names_it(tmp_path, monkeypatch):
         _save(manager, 0, shardings)
         manager.wait_until_finished()
         assert manager.is_committed(0) and not manager.is_committed(1)
+        # The manager recorded its directory beside the RAM stores (stores prune reads it).
+        assert capricorn_jax.stores.newest_persistent_step(root / "shm" / "j") == (
+            0, str((root / "ckpt").absolute()))
         manager.close()
         step = str((root / "ckpt" / "0").absolute())
         renames = [i for i, (kind, dst) in enumerate(events) if kind == "rename" and dst == step]

@@ -330,9 +330,15 @@ def test_list_and_prune_jobs(tmp_path):
     assert lines[3].startswith(f"total: 3 jobs, 0.0 MiB ({sum(sizes.values())} bytes) under "
                                f"{root}; RAM disk {disk}: ")
 
+    # No persistent step is known for these jobs: they may restart from their
+    # stores, so only --force deletes them.
     result = store_admin.prune(root, older_than_h=24)
+    assert (result.deleted, result.in_use, result.missing) == ([], [], [])
+    assert result.kept == [("old", "it may restart from them (newest in-memory version 2, no "
+                                   "persistent directory recorded)")]
+    result = store_admin.prune(root, older_than_h=24, force=True)
     assert (result.deleted, result.in_use, result.missing) == ([("old", sizes["old"])], [], [])
-    result = store_admin.prune(root, everything=True)
+    result = store_admin.prune(root, everything=True, force=True)
     assert (result.deleted, result.in_use, result.missing) == ([("new", sizes["new"])],
                                                                 ["live"], [])
     assert sorted(p.name for p in root.iterdir()) == ["live"]
@@ -358,6 +364,10 @@ def test_the_command_prints_one_line_per_job_and_fails_on_a_missing_job(tmp_path
     assert out.getvalue() == "prune: skipped b: in use (a process holds its store open)\n"
     out = io.StringIO()
     assert stores.run(str(root), "prune", "a", None, False, out) == 0
+    assert out.getvalue() == ("prune: kept a: it may restart from them (newest in-memory version "
+                              "1, no persistent directory recorded); --force deletes it\n")
+    out = io.StringIO()
+    assert stores.run(str(root), "prune", "a", None, False, out, force=True) == 0
     assert out.getvalue() == f"prune: deleted a (0.0 MiB, {size} bytes freed)\n"
     out = io.StringIO()
     assert stores.run(str(root), "prune", "a", None, False, out) == 1
@@ -366,3 +376,22 @@ def test_the_command_prints_one_line_per_job_and_fails_on_a_missing_job(tmp_path
     assert stores.run(str(root), "list", "a", None, False, io.StringIO()) == 2
     live[0].close()
     assert store_admin.default_store_root().endswith("capricorn_jax")
+
+
+def test_prune_keeps_a_job_newer_than_its_persistent_step_unless_forced(tmp_path):
+    """A job whose stores hold version 7: with persistent step 5 recorded it may
+    restart from them (kept); once step 7 is committed they hold nothing newer
+    (deleted); an uncommitted (temporary) step 9 does not count."""
+    root, persistent = tmp_path / "stores", tmp_path / "ckpt"
+    _job(root, "j", 1, [7])
+    store_admin.record_persistent(root / "j", persistent)
+    for name in ("5", "9.orbax-checkpoint-tmp"):
+        (persistent / name).mkdir(parents=True)
+    assert store_admin.newest_persistent_step(root / "j") == (5, str(persistent))
+    result = store_admin.prune(root, jobs=["j"])
+    assert result.deleted == [] and result.kept == [
+        ("j", f"it may restart from them (newest in-memory version 7, newest persistent step 5 "
+              f"in {persistent})")]
+    (persistent / "7").mkdir()
+    size = tree_bytes(root / "j")
+    assert store_admin.prune(root, jobs=["j"]).deleted == [("j", size)]

@@ -82,6 +82,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from capricorn_jax._src.memory.store.store import ChecksumError
+from capricorn_jax._src.memory.store.store_admin import record_persistent
 from capricorn_jax._src.memory.tier.checkpointer import SaveReport
 from capricorn_jax._src.memory.tier.pec_tier import PecTier
 from capricorn_jax._src.memory.tier.recovery import recover
@@ -147,6 +148,12 @@ class CheckpointManager(ocp.CheckpointManager):
         self._deleter = CommittedFirst(
             orbax_deleter, lambda s: self._get_save_directory(s, self.directory))
         self._checkpoint_deleter: Any = self._deleter
+        if self.handler.checkpointer is not None:  # `stores prune` reads it (restart_risk)
+            try:
+                record_persistent(self.handler.checkpointer.store.root.parent, self.directory)
+            except OSError as e:
+                log.warning("could not record the persistent directory beside the RAM "
+                            "stores: %s", e)
         tier = self._pec_tier()
         if tier is not None:
             # Retention under PEC: Orbax's own policy (max_to_keep, ...), and

@@ -7,7 +7,13 @@ removed), so listing never disturbs a running job. A job's stores are
 ``STORE_ROOT/JOB/host{h}``; a job is *in use* while any process holds one of
 its stores open (``store.store_in_use``, the flock every open ``HostStore``
 holds), and ``prune`` never deletes such a job (``store.remove_unused`` holds
-every lock of the job exclusively while it deletes).
+every lock of the job exclusively while it deletes). Nor, unless forced, a job
+that *may restart* from its stores: one whose newest in-memory version is
+newer than its newest persistent step (``restart_risk``; the persistent
+directory is the one the job's ``CheckpointManager`` recorded in
+``JOB/persistent.json``, ``record_persistent``). Between a crash and the
+restart no process holds the stores, so the lock alone would let a prune
+delete exactly what the restart needs.
 
 Design choice: the liveness signal is the flock, which the kernel drops when
 the process dies however it dies. Alternative not taken: a pid file, which
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import re
 import tempfile
@@ -34,6 +41,7 @@ from capricorn_jax._src.memory.store.store_lifecycle import (
 )
 
 _HOST = re.compile(r"^host(\d+)$")
+PERSISTENT_RECORD = "persistent.json"
 
 
 def default_store_root() -> str:
@@ -66,11 +74,59 @@ class JobStores:
 @dataclasses.dataclass(frozen=True)
 class PruneResult:
     """What ``prune`` did: (job, bytes freed) deleted; jobs skipped because in
-    use; jobs asked for by name that do not exist."""
+    use; jobs asked for by name that do not exist; (job, why) kept because
+    the job may restart from them (``restart_risk``; ``force`` deletes them)."""
 
     deleted: list[tuple[str, int]]
     in_use: list[str]
     missing: list[str]
+    kept: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+
+def record_persistent(job_dir: str | os.PathLike, directory: str | os.PathLike) -> None:
+    """Records ``directory`` as the persistent tier of the job whose stores are
+    under ``job_dir`` (written whole: a temporary file renamed into place)."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path = job_dir / PERSISTENT_RECORD
+    tmp = path.with_name(f".{PERSISTENT_RECORD}.{os.getpid()}")
+    where = str(directory) if "://" in str(directory) else str(Path(directory).absolute())
+    tmp.write_text(json.dumps({"directory": where}))
+    os.replace(tmp, path)
+
+
+def newest_persistent_step(job_dir: str | os.PathLike) -> tuple[int | None, str | None]:
+    """(newest committed persistent step, its directory) of the job whose stores
+    are under ``job_dir``: (None, None) when no directory is recorded, (None,
+    directory) when it holds no committed step. Committed steps are the
+    directories named by a step number alone (Orbax's temporary ones carry a
+    suffix)."""
+    try:
+        directory = json.loads((Path(job_dir) / PERSISTENT_RECORD).read_text())["directory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    try:
+        steps = [int(p.name) for p in Path(directory).iterdir()
+                 if p.name.isdigit() and p.is_dir()]
+    except OSError:
+        steps = []
+    return (max(steps) if steps else None), str(directory)
+
+
+def restart_risk(job: JobStores) -> str | None:
+    """Why deleting ``job``'s stores may lose what its restart resumes from,
+    or None: its newest in-memory version is newer than its newest persistent
+    step (or no persistent step is known)."""
+    newest = max((s for owners in job.hosts.values() for steps in owners.values()
+                  for s in steps), default=None)
+    if newest is None:
+        return None
+    step, directory = newest_persistent_step(job.path)
+    if step is not None and newest <= step:
+        return None
+    where = ("no persistent directory recorded" if directory is None
+             else f"newest persistent step {step if step is not None else 'none'} in {directory}")
+    return f"it may restart from them (newest in-memory version {newest}, {where})"
 
 
 def _newest_mtime(path: Path) -> float:
@@ -118,10 +174,11 @@ def ram_disk(store_root: str | os.PathLike) -> tuple[Path, int, int]:
 
 def prune(store_root: str | os.PathLike, *, jobs: Iterable[str] = (),
           older_than_h: float | None = None, everything: bool = False,
-          now: float | None = None) -> PruneResult:
+          now: float | None = None, force: bool = False) -> PruneResult:
     """Deletes the jobs matched (named in ``jobs``, last used more than
     ``older_than_h`` hours before ``now``, or every one with ``everything``)
-    that no process uses.
+    that no process uses and, unless ``force``, that may not restart from
+    them (``restart_risk``).
 
     Raises:
       ValueError: nothing to match on, or a bad name or age.
@@ -140,14 +197,18 @@ def prune(store_root: str | os.PathLike, *, jobs: Iterable[str] = (),
     chosen = [j for j in found.values()
               if everything or j.job in jobs
               or (older_than_h is not None and now - j.last_use > older_than_h * 3600)]
-    deleted, in_use = [], []
+    deleted, in_use, kept = [], [], []
     for job in chosen:
+        risk = None if force or job.in_use else restart_risk(job)
+        if risk is not None:
+            kept.append((job.job, risk))
+            continue
         size = tree_bytes(job.path)
         if remove_unused(job.path):
             deleted.append((job.job, size))
         else:
             in_use.append(job.job)
-    return PruneResult(deleted, in_use, missing)
+    return PruneResult(deleted, in_use, missing, kept)
 
 
 def _steps_text(owners: dict[int, list[int]]) -> str:
