@@ -213,7 +213,8 @@ _spec("integer", "pec_k_persist", 0,
                      "least recently persisted experts); 0: all experts (full steps).")
 
 _spec("integer", "max_version_lag", 50,
-      "In-memory strategies: the lag alarm's bound, in steps. The newest safe version's age "
+      "In-memory strategies: the lag alarm's bound, in steps (the safe version normally "
+      "trails training by 2 or 3 saves). The newest safe version's age "
       "(steps and seconds since the state it holds) is in every step's metrics record and on "
       "the console when it reaches 8, 16, 32, ... steps; past this many steps the job says "
       "why versions stopped committing (slow link, corrupt frames, lost channel, busy "

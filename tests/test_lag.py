@@ -186,6 +186,16 @@ def test_the_watch_prints_lines_as_the_lag_doubles_alarms_once_and_says_when_it_
     assert [n.lag.step for n in again if n.alarm] == [51]
 
 
+def test_a_bound_below_the_tiers_latency_alarms_once_not_at_every_save():
+    """The threaded path trails by 3 saves: with --max_version_lag=2 the safe
+    version advances every save and is always past the bound: one alarm."""
+    watch = LagWatch(2, Sample(0, 0.0, -1))
+    notices = [watch.observe(Sample(s, float(s), s - 3 if s > 3 else -1)) for s in range(1, 30)]
+    assert [n.lag.step for n in notices if n.alarm] == [3]
+    assert not any(n.line or n.recovered for n in notices)
+    assert watch.observe(Sample(30, 30.0, 28)).recovered  # back within the bound
+
+
 # ----- the counters it reads -----
 
 class _Tier:

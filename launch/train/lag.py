@@ -226,10 +226,11 @@ def assess(history: Sequence[Sample], max_lag: int = 0) -> Lag:
 class Notice:
     """What the training loop does after a save: ``lag`` always (the
     per-step record's fields); ``line``: print ``lag.message()`` (the lag
-    reached 8, 16, 32, ... steps); ``alarm``: the lag passed the bound for
-    the first time since the safe version last advanced (the ``lag`` event,
-    a warning, and with ``--on_lag=fail`` the end of the job);
-    ``recovered``: the safe version advanced after a line or an alarm."""
+    reached 8, 16, 32, ... steps); ``alarm``: the lag passed the bound, the
+    first time in this stretch (the ``lag`` event, a warning, and with
+    ``--on_lag=fail`` the end of the job); ``recovered``: the stretch ended,
+    the lag back under 8 steps and within the bound after a line or an
+    alarm."""
 
     lag: Lag
     line: bool = False
@@ -239,6 +240,12 @@ class Notice:
 
 class LagWatch:
     """One host's samples since its safe version, and what to say when.
+
+    A stretch starts at the first line or alarm and ends when the lag is
+    back under ``FIRST_LINE_AT`` steps and within the bound; within it, a line
+    each time the lag doubles and one alarm. (Not each time the safe version
+    advances: one that advances every save but trails past a bound set below
+    the tier's latency would alarm at every save.)
 
     Args:
       max_lag: ``--max_version_lag`` (0: no bound, lines only).
@@ -256,12 +263,14 @@ class LagWatch:
         """Adds the sample of a save; what to say about it."""
         self.history.append(sample)
         lag = assess(self.history, self.max_lag)
-        recovered = False
-        if lag.safe_step > self._safe:  # it advanced: a new episode
-            recovered = self._alarmed or self._next_line > FIRST_LINE_AT
-            self._safe, self._next_line, self._alarmed = lag.safe_step, FIRST_LINE_AT, False
+        if lag.safe_step > self._safe:  # only the samples since the safe version count
+            self._safe = lag.safe_step
             base = _baseline(self.history, lag.safe_step)
             self.history = [s for s in self.history if s.step >= base.step]
+        recovered = False
+        if lag.steps < FIRST_LINE_AT and not lag.over:  # within bounds: a stretch ends
+            recovered = self._alarmed or self._next_line > FIRST_LINE_AT
+            self._next_line, self._alarmed = FIRST_LINE_AT, False
         line = lag.steps >= self._next_line
         while self._next_line <= lag.steps:
             self._next_line *= 2

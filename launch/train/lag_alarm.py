@@ -9,7 +9,7 @@ version is and why, and:
 * returns the per-step record's fields (``safe_step``, ``version_lag_steps``,
   ``version_lag_s``);
 * on host 0, logs a line when the lag reaches 8, 16, 32, ... steps, and one
-  when the safe version advances again after that;
+  when it is back (under 8 steps, within the bound) after a line or alarm;
 * past ``--max_version_lag``: writes the ``lag`` event (host 0) and, with
   ``--on_lag=warn``, a warning on every host (each names its own counters);
   with ``--on_lag=fail``, ``check`` then raises ``VersionLagError`` on every
@@ -101,8 +101,8 @@ class LagAlarm:
                                                    counters(self.ckpt, self.strategy)))
         lag = notice.lag
         if notice.recovered and self.host == 0:
-            logging.info("lag: the newest safe version advances again: version %d, %d steps "
-                         "(%.1f s) old", lag.safe_step, lag.steps, lag.seconds)
+            logging.info("lag: back: the newest safe version is version %d, %d steps (%.1f s) "
+                         "old", lag.safe_step, lag.steps, lag.seconds)
         if notice.line and self.host == 0:
             logging.info("lag: %s", lag.message())
         if notice.alarm:
