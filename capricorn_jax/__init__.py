@@ -29,7 +29,12 @@ from capricorn_jax._src.partial.selection import PecOptions
 # The persistent tier through Orbax: a handler, its args, a manager over both tiers.
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager, NoCheckpoint
-from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager, TwoTierOptions
+from capricorn_jax._src.persistent.emergency_options import (
+    LocalCheckpointOptions,
+    PersistentCheckpointOptions,
+    TwoTierOptions,
+)
+from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager
 
 # Strategies: what a training loop drives (save / finish / close / restore),
 # and what the library asks of the caller's trainer.
@@ -66,6 +71,8 @@ __all__ = [
     "CapricornSave",
     "CheckpointManager",
     "NoCheckpoint",
+    "LocalCheckpointOptions",
+    "PersistentCheckpointOptions",
     "TwoTierCheckpointManager",
     "TwoTierOptions",
     "RestoreInfo",

@@ -43,26 +43,30 @@ shardings = {"w": NamedSharding(mesh, P("data")), "step": NamedSharding(mesh, P(
 abstract = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=shardings["w"]),
             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings["step"])}
 
-# Both tiers in one object: every step in host RAM (a tmpfs, e.g. under /dev/shm) here and on
-# `replicas` peers; a standard Orbax step on disk every save_interval_steps steps.
-manager = capricorn_jax.TwoTierCheckpointManager(
-    "demo/shm", "demo/ckpt", mesh, abstract,
-    capricorn_jax.TwoTierOptions(replicas=1, save_interval_steps=2, max_to_keep=2))
-try:  # resume from the newest step of either tier
-    state, info = manager.restore()
-    start = info.step + 1
-except capricorn_jax.NoCheckpoint:  # nothing saved yet
-    state = jax.device_put({"w": jnp.zeros((16, 4)), "step": jnp.int32(0)}, shardings)
-    start = 1
+# Both tiers in one object, with the methods of Orbax's emergency manager: every step in host
+# RAM (a tmpfs, e.g. under /dev/shm) here and on `replicas` peers (capped at the host count);
+# a standard Orbax step on disk every persistent.save_interval_steps steps.
+options = capricorn_jax.TwoTierOptions(
+    persistent=capricorn_jax.PersistentCheckpointOptions(save_interval_steps=2, max_to_keep=2))
+with capricorn_jax.TwoTierCheckpointManager("demo/shm", "demo/ckpt", mesh, abstract,
+                                            options) as manager:
+    try:  # resume from the newest step of either tier
+        state = manager.restore().state
+        start = manager.last_restore.step + 1
+    except capricorn_jax.NoCheckpoint:  # nothing saved yet
+        state = jax.device_put({"w": jnp.zeros((16, 4)), "step": jnp.int32(0)}, shardings)
+        start = 1
 
-for step in range(start, start + 5):
-    state = {"w": state["w"] + 1, "step": state["step"] + 1}  # the training step
-    manager.save(step, state, host_state={"data_position": step})
-manager.wait_until_finished()
-print("persistent steps:", manager.persistent_steps, "errors:", manager.persistent_errors)
-state, info = manager.restore()
-print(f"restored step {info.step} from the {info.tier} tier, host state {info.host_state}")
-manager.close()
+    for step in range(start, start + 5):
+        state = {"w": state["w"] + 1, "step": state["step"] + 1}  # the training step
+        manager.save(step, args=ocp.args.Composite(  # this host's JSON state rides along
+            state=ocp.args.PyTreeSave(state),
+            host_state=ocp.args.JsonSave({"data_position": step})))
+    manager.wait_until_finished()
+    print("persistent steps:", manager.persistent_steps, "errors:", manager.persistent_errors)
+    manager.restore()
+    info = manager.last_restore
+    print(f"restored step {info.step} from the {info.tier} tier, host state {info.host_state}")
 
 # Any Orbax program restores a persistent step without capricorn_jax:
 plain = ocp.CheckpointManager(os.path.abspath("demo/ckpt"))

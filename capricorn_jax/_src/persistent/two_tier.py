@@ -1,25 +1,35 @@
-"""Both tiers in one object: the constructor of Orbax's emergency manager.
+"""Both tiers in one object, with the surface of Orbax's emergency manager.
 
 ``TwoTierCheckpointManager(local_directory, persistent_directory, global_mesh,
 abstract_state, options)`` builds what the three-object form builds by hand
 (``InMemoryCheckpointer`` over the RAM-disk root, its ``CapricornHandler``,
 and ``CheckpointManager`` over the persistent directory), takes this host's
 index and the host count from JAX, and the shardings from the abstract
-state's leaves (as Orbax's emergency ``CheckpointManager`` does). ``save``,
-``restore`` and ``close`` are the whole surface a training loop needs;
-``memory`` and ``manager`` are the two tiers for anything else (the
-three-object form stays for those who need it: another item name, handler
-options, several items).
+state's leaves, as Orbax's emergency ``CheckpointManager`` does. Its methods
+are that manager's (``docs/guide.md`` has the table, method by method):
+``save(step, args=Composite(state=PyTreeSave(state)), force=)``,
+``restore(step, args=)`` returning ``Composite(state=...)``, ``latest_step``,
+``all_steps``, ``should_save``, ``reached_preemption``,
+``wait_until_finished``, ``close`` and ``with``; plus the plain form
+``save(step, state, host_state)`` and ``last_restore`` (the step, the tier
+and the host state of the newest restore). A training loop written for
+Orbax's manager switches with one import (``capricorn_jax.emergency``) and
+one options line (``TwoTierOptions``, which takes Orbax's option names).
+
+A host's JSON state (the data iterator's position...) travels beside the
+arrays in both tiers: ``Composite(state=..., host_state=JsonSave(d))`` or
+``save(step, state, host_state=d)``; ``restore`` returns it under
+``host_state`` when asked (``JsonRestore()``) and always in ``last_restore``.
 
 Alternative not taken: a subclass of ``CheckpointManager`` with this
-constructor, which would keep Orbax's ``save(step, args=Composite(...))`` as
-the way to save: the point of one object is one call per step.
+constructor: its ``save`` takes ``CapricornSave`` items, which a loop written
+for Orbax's emergency manager does not build.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -28,51 +38,26 @@ import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
-from capricorn_jax._src.memory.tier.options import InMemoryOptions, PecOptions
+from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
-from capricorn_jax._src.persistent.barriers import DEFAULT_S as DEFAULT_BARRIER_S
+from capricorn_jax._src.persistent.emergency_options import TwoTierOptions
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
 
+log = logging.getLogger("capricorn_jax")
+
 ITEM = "state"
 """The Orbax item the state is saved under (what a plain Orbax program restores)."""
+HOST_STATE = "host_state"
+"""The item name of a host's JSON state in ``save``'s and ``restore``'s args."""
 
-
-@dataclasses.dataclass(frozen=True)
-class TwoTierOptions:
-    """The two tiers' options.
-
-    Attributes:
-      replicas: copies of each host's shards in host RAM (its own and
-        ``replicas - 1`` peers'); 2 survives a machine's loss.
-      save_interval_steps: a standard Orbax step every this many steps.
-      max_to_keep: persistent steps kept.
-      job: the memory tier's job name (default: from the persistent
-        directory's real path, so a restart finds its versions).
-      chunk_bytes: the memory tier's chunk (``InMemoryOptions.chunk_bytes``).
-      pec: partial expert checkpointing (``PecOptions``), or None.
-      barrier_timeout_s: the bound of Orbax's synchronous barriers when
-        several processes run (``CheckpointManager``'s): a host that never
-        arrives fails the save after that long instead of holding the others.
-    """
-
-    replicas: int = 2
-    save_interval_steps: int = 10
-    max_to_keep: int = 2
-    job: str | None = None
-    chunk_bytes: int = 4 << 20
-    pec: PecOptions | None = None
-    barrier_timeout_s: float = DEFAULT_BARRIER_S
-
-    def __post_init__(self) -> None:
-        if self.save_interval_steps < 1 or self.max_to_keep < 1:
-            raise ValueError(f"save_interval_steps ({self.save_interval_steps}) and "
-                             f"max_to_keep ({self.max_to_keep}) must be >= 1")
+_STATE_SAVES = (ocp.args.PyTreeSave, ocp.args.StandardSave)
+_STATE_RESTORES = (ocp.args.PyTreeRestore, ocp.args.StandardRestore)
 
 
 class TwoTierCheckpointManager:
     """Every step in host RAM (here and on peers), a standard Orbax step on
-    disk every ``save_interval_steps`` (module docstring).
+    disk when the persistent options say so (module docstring).
 
     Args:
       local_directory: the RAM disk root of the memory tier (a tmpfs, e.g.
@@ -81,15 +66,22 @@ class TwoTierCheckpointManager:
       global_mesh: the training mesh.
       abstract_state: the state's pytree of ``jax.ShapeDtypeStruct`` leaves,
         each with its ``sharding``.
-      options: ``TwoTierOptions``.
+      options: ``TwoTierOptions`` (Orbax's emergency option names and ours).
 
     Raises:
-      ValueError: a leaf without a sharding, named by its path.
+      ValueError: a leaf without a sharding, named by its path;
+        ``OptionRefused`` (a ValueError) for an option with no meaning here.
     """
 
     def __init__(self, local_directory: str | os.PathLike, persistent_directory: str | os.PathLike,
                  global_mesh: Any, abstract_state: Any,
-                 options: TwoTierOptions = TwoTierOptions()) -> None:
+                 options: TwoTierOptions | None = None) -> None:
+        options = TwoTierOptions() if options is None else options
+        if not isinstance(options, TwoTierOptions):
+            raise TypeError(f"options must be capricorn_jax.TwoTierOptions (it takes the field "
+                            f"names of Orbax's emergency CheckpointManagerOptions), got "
+                            f"{type(options).__module__}.{type(options).__name__}")
+
         def sharding_of(path: Any, leaf: Any) -> Sharding:
             sharding = getattr(leaf, "sharding", None)
             if not isinstance(sharding, Sharding):
@@ -103,39 +95,138 @@ class TwoTierCheckpointManager:
         persistent = os.path.abspath(persistent_directory)
         job = options.job or "job-" + hashlib.sha1(
             os.path.realpath(persistent).encode()).hexdigest()[:12]
+        hosts = jax.process_count()
+        replicas = min(options.replicas, hosts)
+        if replicas < options.replicas:
+            log.warning("TwoTierOptions.replicas=%d capped at the %d host(s) of this job: %s",
+                        options.replicas, hosts,
+                        "no peer copy (one host)" if replicas == 1 else f"{replicas} copies")
+        self.options = options
         self.memory = InMemoryCheckpointer(
             InMemoryOptions(store_root=os.path.abspath(local_directory), job=job,
-                            replicas=options.replicas, chunk_bytes=options.chunk_bytes,
+                            replicas=replicas, chunk_bytes=options.chunk_bytes,
                             pec=options.pec),
-            global_mesh, abstract, shardings, host=jax.process_index(),
-            hosts=jax.process_count())
-        self.handler = CapricornHandler(self.memory)
+            global_mesh, abstract, shardings, host=jax.process_index(), hosts=hosts)
+        self.handler = CapricornHandler(self.memory, fsync=options.fsync)
+        extra = {"cleanup_tmp_directories": options.cleanup_tmp_directories}
+        if options.async_options is not None:
+            extra["async_options"] = options.async_options
         self.manager = CheckpointManager(
-            persistent, options=ocp.CheckpointManagerOptions(
-                save_interval_steps=options.save_interval_steps,
-                max_to_keep=options.max_to_keep),
+            persistent, options=options.persistent.orbax(**extra),
             handler_registry=self.handler.registry(ITEM),
-            barrier_timeout_s=options.barrier_timeout_s)
+            barrier_timeout_s=options.barrier_bound_s)
         self._target = abstract_state
+        self._mesh = global_mesh
 
-    def save(self, step: int, state: Any, host_state: dict[str, Any] | None = None) -> bool:
-        """Saves ``step`` in memory, and on disk when it is due; whether it
-        started a persistent step. Every host calls it for every step."""
-        return self.manager.save(step, args=ocp.args.Composite(
-            **{ITEM: CapricornSave(state, host_state=host_state)}))
+    # ----- Orbax's emergency surface -----
+    @property
+    def directory(self) -> Any:
+        """The persistent directory (Orbax's ``directory``)."""
+        return self.manager.directory
 
-    def restore(self, step: int | None = None) -> tuple[Any, RestoreInfo]:
-        """(state, its RestoreInfo: step, tier, host state) of the newest step
-        of either tier, or of ``step``.
+    @property
+    def global_mesh(self) -> Any:
+        return self._mesh
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` saves: the memory tier's interval or a due
+        persistent step."""
+        return step % self.options.local.save_interval_steps == 0 or self.manager.should_save(step)
+
+    def save(self, step: int, state: Any = None, host_state: dict[str, Any] | None = None, *,
+             args: Any = None, force: bool = False,
+             custom_metadata: dict[str, Any] | None = None) -> bool:
+        """Saves ``step`` in memory (here and on peers) when due, and on disk
+        when the persistent options (or ``force``) say so. Every host calls
+        it for every step, in the same order.
+
+        Args:
+          step: the step.
+          state, host_state: the plain form (the train state; this host's JSON
+            state, at most 8 KiB).
+          args: Orbax's form instead: ``ocp.args.Composite(state=PyTreeSave(s) |
+            StandardSave(s)[, host_state=JsonSave(d)])``.
+          force: save both tiers now, whatever the intervals.
+          custom_metadata: the persistent step's, as Orbax's.
+
+        Returns:
+          Whether this step was saved (in memory at least), as Orbax's emergency
+          ``save``; ``persistent_steps`` and ``persistent_errors`` tell the disk.
+        """
+        state, host_state = _save_args(state, host_state, args)
+        if not force and not self.should_save(step):
+            return False
+        self.manager.save(step, args=ocp.args.Composite(
+            **{ITEM: CapricornSave(state, host_state=host_state)}), force=force,
+            custom_metadata=custom_metadata)
+        if not self.options.enable_async_checkpointing:
+            self.manager.wait_until_finished()
+        return True
+
+    def restore(self, step: int | None = None, args: Any = None) -> Any:
+        """The newest step of either tier, or ``step`` (collective).
+
+        Args:
+          step: a persistent step or the memory tier's newest; None: the newest.
+          args: None, or ``ocp.args.Composite(state=PyTreeRestore(item=target) |
+            StandardRestore(target)[, host_state=JsonRestore()])``; the target
+            defaults to the constructor's ``abstract_state``.
+
+        Returns:
+          ``ocp.args.Composite(state=...)`` (and ``host_state=`` when asked);
+          ``last_restore`` has the step, the tier and the host state.
 
         Raises:
-          NoCheckpoint: no tier holds a version (a fresh start).
+          NoCheckpoint: no tier holds a version (a ``FileNotFoundError``, as Orbax's).
         """
+        target, want_host_state = _restore_args(args, self._target)
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            **{ITEM: CapricornRestore(self._target)}))
-        info = self.manager.last_restore
-        assert info is not None, "CheckpointManager.restore records last_restore"
-        return restored[ITEM], info
+            **{ITEM: CapricornRestore(target)}))
+        items = {ITEM: restored[ITEM]}
+        if want_host_state:
+            items[HOST_STATE] = self.last_restore.host_state if self.last_restore else {}
+        return ocp.args.Composite(**items)
+
+    def restore_state(self, step: int | None = None) -> tuple[Any, RestoreInfo]:
+        """0.18's ``restore``: (state, its RestoreInfo). Kept for one release."""
+        state = self.restore(step).state
+        assert self.last_restore is not None, "restore records last_restore"
+        return state, self.last_restore
+
+    def latest_step(self) -> int | None:
+        """The newest step of either tier (collective: the memory tier's
+        newest restorable version is agreed by every host)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self, read: bool | None = None) -> list[int]:
+        """The persistent steps and the memory tier's restorable version (collective)."""
+        del read  # Orbax's: both tiers are read every time here
+        memory = self.handler.memory_step()
+        return sorted(set(self.manager.all_steps()) | ({memory} if memory is not None else set()))
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption sync point was reached at ``step`` (Orbax's:
+        JAX's preemption notice, agreed by every process)."""
+        return bool(self.manager.reached_preemption(step))
+
+    def wait_until_finished(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def __enter__(self) -> TwoTierCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----- ours -----
+    @property
+    def last_restore(self) -> RestoreInfo | None:
+        """The step, tier and host state of the newest ``restore``."""
+        return self.manager.last_restore
 
     @property
     def persistent_steps(self) -> list[int]:
@@ -145,8 +236,71 @@ class TwoTierCheckpointManager:
     def persistent_errors(self) -> list[dict[str, Any]]:
         return self.manager.persistent_errors
 
-    def wait_until_finished(self) -> None:
-        self.manager.wait_until_finished()
 
-    def close(self) -> None:
-        self.manager.close()
+def _save_args(state: Any, host_state: dict[str, Any] | None, args: Any
+               ) -> tuple[Any, dict[str, Any] | None]:
+    """(state, host state) of ``save``'s plain or Orbax form."""
+    if args is None:
+        if state is None:
+            raise TypeError("save(step, state, host_state) or save(step, args=ocp.args.Composite("
+                            "state=ocp.args.PyTreeSave(state)))")
+        return state, host_state
+    if state is not None or host_state is not None:
+        raise TypeError("save takes the state either plainly or in args, not both")
+    if isinstance(args, (*_STATE_SAVES, CapricornSave)):
+        args = ocp.args.Composite(**{ITEM: args})
+    if not isinstance(args, ocp.args.Composite):
+        raise TypeError(f"save args: ocp.args.Composite(state=ocp.args.PyTreeSave(state)), got "
+                        f"{type(args).__name__}")
+    unknown = sorted(set(args.keys()) - {ITEM, HOST_STATE})
+    if unknown or ITEM not in args.keys():
+        raise ValueError(f"save args hold items {sorted(args.keys())}: this manager saves "
+                         f"{ITEM!r} (the train state) and optionally {HOST_STATE!r} "
+                         f"(ocp.args.JsonSave of this host's JSON state)")
+    item = args[ITEM]
+    if isinstance(item, CapricornSave):
+        state, host_state = item.state, item.host_state
+    elif isinstance(item, _STATE_SAVES):
+        state = item.item
+    else:
+        raise TypeError(f"save args: {ITEM!r} takes ocp.args.PyTreeSave or StandardSave, got "
+                        f"{type(item).__name__}")
+    if HOST_STATE in args.keys():
+        json_item = args[HOST_STATE]
+        if not isinstance(json_item, ocp.args.JsonSave):
+            raise TypeError(f"save args: {HOST_STATE!r} takes ocp.args.JsonSave, got "
+                            f"{type(json_item).__name__}")
+        host_state = json_item.item
+    return state, host_state
+
+
+def _restore_args(args: Any, default: Any) -> tuple[Any, bool]:
+    """(restore target, whether the host state was asked for) of ``restore``'s args."""
+    if args is None:
+        return default, False
+    if isinstance(args, (*_STATE_RESTORES, CapricornRestore)):
+        args = ocp.args.Composite(**{ITEM: args})
+    if not isinstance(args, ocp.args.Composite):
+        raise TypeError(f"restore args: ocp.args.Composite(state=ocp.args.PyTreeRestore(...)), "
+                        f"got {type(args).__name__}")
+    unknown = sorted(set(args.keys()) - {ITEM, HOST_STATE})
+    if unknown:
+        raise ValueError(f"restore args hold items {unknown} that this manager does not save "
+                         f"(it saves {ITEM!r} and {HOST_STATE!r})")
+    target = default
+    if ITEM in args.keys():
+        item = args[ITEM]
+        if isinstance(item, CapricornRestore):
+            given = item.abstract_state
+        elif isinstance(item, ocp.args.PyTreeRestore):
+            given = item.item
+        elif isinstance(item, ocp.args.StandardRestore):
+            given = item.item
+        else:
+            raise TypeError(f"restore args: {ITEM!r} takes ocp.args.PyTreeRestore or "
+                            f"StandardRestore, got {type(item).__name__}")
+        target = default if given is None else given
+    if HOST_STATE in args.keys() and not isinstance(args[HOST_STATE], ocp.args.JsonRestore):
+        raise TypeError(f"restore args: {HOST_STATE!r} takes ocp.args.JsonRestore, got "
+                        f"{type(args[HOST_STATE]).__name__}")
+    return target, HOST_STATE in args.keys()

@@ -1,0 +1,171 @@
+"""The emergency manager's surface: ``TwoTierCheckpointManager`` against Orbax's
+own emergency ``CheckpointManager`` on the same calls (one process, 4 CPU devices).
+
+Where the behaviour is meant to match (argument forms, return types, the
+persistent tier's steps and bytes, the errors) the two managers are compared
+call by call; where it differs on purpose (the memory tier saves every step,
+so ``should_save``, ``save``'s result and ``latest_step`` see it) the
+difference is asserted as documented in ``docs/guide.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_emergency
+
+import capricorn_jax
+from capricorn_jax import emergency
+from tests.orbax_worker import SHAPES, expected_state
+from tests.test_orbax_handler import _mesh_state, _state
+from tests.tree_utils import assert_trees_equal
+
+
+def _abstract():
+    """The test state on a (replica=1, data=2, expert=2) mesh: Orbax's emergency
+    manager reads its replica axis (one replica: its single-slice mode, the one
+    a single process runs)."""
+    _, _, abstract = _mesh_state()
+    mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 2), ("replica", "data", "expert"))
+    shardings = {k: NamedSharding(mesh, P(*spec)) for k, (_, _, spec) in SHAPES.items()}
+    target = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[k])
+              for k, a in abstract.items()}
+    return mesh, shardings, target
+
+
+def _pair(tmp_path):
+    mesh, shardings, abstract = _abstract()
+    theirs = orbax_emergency.CheckpointManager(
+        tmp_path / "theirs_local", tmp_path / "theirs", global_mesh=mesh,
+        abstract_state=abstract, options=orbax_emergency.CheckpointManagerOptions(
+            local=orbax_emergency.LocalCheckpointOptions(save_interval_steps=1, max_to_keep=1),
+            persistent=orbax_emergency.PersistentCheckpointOptions(save_interval_steps=2,
+                                                                   max_to_keep=2)))
+    # The same loop, switched: one import and the options line.
+    ours = emergency.CheckpointManager(
+        tmp_path / "ours_local", tmp_path / "ours", global_mesh=mesh, abstract_state=abstract,
+        options=emergency.CheckpointManagerOptions(
+            local=emergency.LocalCheckpointOptions(save_interval_steps=1),
+            persistent=emergency.PersistentCheckpointOptions(save_interval_steps=2,
+                                                             max_to_keep=2)))
+    return theirs, ours, shardings, abstract
+
+
+def test_each_method_against_orbax_emergency_manager(tmp_path):
+    theirs, ours, shardings, abstract = _pair(tmp_path)
+    with theirs, ours:  # both are context managers
+        for manager in (theirs, ours):  # nothing saved: a FileNotFoundError from restore
+            with pytest.raises(FileNotFoundError):
+                manager.restore(None)
+            assert manager.latest_step() is None and list(manager.all_steps()) == []
+        for step in range(6):
+            state = _state(step, shardings)
+            # should_save: Orbax's at the persistent interval here (one slice: its local tier
+            # is off); ours at every step (the memory tier's interval is 1).
+            assert theirs.should_save(step) == (step % 2 == 0)
+            assert ours.should_save(step)
+            saved = [m.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+                     for m in (theirs, ours)]
+            assert saved == [step % 2 == 0, True]
+            assert [m.reached_preemption(step) for m in (theirs, ours)] == [False, False]
+        for manager in (theirs, ours):
+            assert manager.wait_until_finished() is None
+        # The persistent tier: the same steps kept, the same bytes restored.
+        assert list(theirs.all_steps()) == ours.persistent_steps == [2, 4]
+        for step in (2, 4):
+            got = [m.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=abstract))) for m in (theirs, ours)]
+            assert all(isinstance(g, ocp.args.Composite) and list(g.keys()) == ["state"]
+                       for g in got)
+            for g in got:
+                assert_trees_equal(g.state, expected_state(step))
+            assert ours.last_restore.tier == "persistent"
+        # The newest step: Orbax's persistent step 4; ours the memory tier's step 5.
+        assert theirs.latest_step() == 4 and ours.latest_step() == 5
+        assert ours.all_steps() == [2, 4, 5]
+        newest = ours.restore(None)  # args optional, as Orbax's
+        assert (ours.last_restore.step, ours.last_restore.tier) == (5, "memory")
+        assert_trees_equal(newest.state, expected_state(5))
+        assert all(newest.state[k].sharding == abstract[k].sharding for k in abstract)
+
+
+def test_host_state_rides_along_in_both_forms(tmp_path):
+    mesh, shardings, abstract = _abstract()
+    with capricorn_jax.TwoTierCheckpointManager(
+            tmp_path / "shm", tmp_path / "ckpt", mesh, abstract) as manager:
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(1, shardings)),
+                                                host_state=ocp.args.JsonSave({"pos": 1})))
+        manager.save(2, _state(2, shardings), {"pos": 2})  # the plain form
+        got = manager.restore(args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), host_state=ocp.args.JsonRestore()))
+        assert got.host_state == {"pos": 2} and manager.last_restore.host_state == {"pos": 2}
+        assert_trees_equal(got.state, expected_state(2))
+        with pytest.raises(ValueError, match=r"items \['dataset', 'state'\]: this manager saves"):
+            manager.save(3, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(_state(3, shardings)),
+                dataset=ocp.args.JsonSave({})))
+        with pytest.raises(TypeError, match="either plainly or in args, not both"):
+            manager.save(3, _state(3, shardings), args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(_state(3, shardings))))
+        state, info = manager.restore_state()  # 0.18's form, kept for one release
+        assert info.step == 2
+
+
+def test_the_default_options_work_on_one_host_and_say_so_once(tmp_path, caplog):
+    """4723d9a: ValueError: replicas=2 exceeds the 1 hosts."""
+    mesh, shardings, abstract = _abstract()
+    with caplog.at_level(logging.WARNING, logger="capricorn_jax"):
+        manager = capricorn_jax.TwoTierCheckpointManager(tmp_path / "shm", tmp_path / "ckpt",
+                                                         mesh, abstract)
+    assert caplog.text.count("replicas=2 capped at the 1 host(s)") == 1
+    assert manager.save(0, _state(0, shardings))
+    manager.close()
+
+
+@pytest.mark.parametrize("options, named", [
+    (lambda: emergency.LocalCheckpointOptions(max_to_keep=1), "local.max_to_keep=1"),
+    (lambda: emergency.LocalCheckpointOptions(read_only=True), "local.read_only=True"),
+    (lambda: emergency.CheckpointManagerOptions(replica_axis_index=1), "replica_axis_index=1"),
+    (lambda: emergency.CheckpointManagerOptions(step_name_format=object()), "step_name_format"),
+    (lambda: emergency.CheckpointManagerOptions(single_host_load_and_broadcast=False),
+     "single_host_load_and_broadcast=False"),
+])
+def test_orbax_options_without_a_meaning_here_are_refused_by_name(options, named):
+    with pytest.raises(emergency.OptionRefused, match=named):
+        options()
+
+
+def test_orbax_options_with_a_meaning_reach_the_persistent_manager(tmp_path):
+    mesh, shardings, abstract = _abstract()
+    options = emergency.CheckpointManagerOptions(
+        replicas=1, enable_async_checkpointing=False, cleanup_tmp_directories=True,
+        persistent=emergency.PersistentCheckpointOptions(save_interval_steps=3, max_to_keep=1,
+                                                         keep_period=6))
+    with emergency.CheckpointManager(tmp_path / "shm", tmp_path / "ckpt", mesh, abstract,
+                                     options=options) as manager:
+        orbax_options = manager.manager._options
+        assert (orbax_options.save_interval_steps, orbax_options.max_to_keep,
+                orbax_options.keep_period, orbax_options.cleanup_tmp_directories) == (3, 1, 6, True)
+        for step in range(10):
+            manager.save(step, _state(step, shardings))
+            # enable_async_checkpointing=False: each persistent step is on disk when save returns
+            assert not manager.manager.is_saving_in_progress()
+        assert manager.persistent_steps == [0, 6, 9]  # max_to_keep 1, plus every 6th kept
+
+
+def test_the_deprecated_shortcuts_set_the_persistent_options():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = capricorn_jax.TwoTierOptions(save_interval_steps=4, max_to_keep=3)
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    assert (options.persistent.save_interval_steps, options.persistent.max_to_keep) == (4, 3)
+    with pytest.raises(ValueError, match="not both"):
+        capricorn_jax.TwoTierOptions(save_interval_steps=4, persistent=emergency
+                                     .PersistentCheckpointOptions(save_interval_steps=2))
