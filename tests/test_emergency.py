@@ -169,3 +169,16 @@ def test_the_deprecated_shortcuts_set_the_persistent_options():
     with pytest.raises(ValueError, match="not both"):
         capricorn_jax.TwoTierOptions(save_interval_steps=4, persistent=emergency
                                      .PersistentCheckpointOptions(save_interval_steps=2))
+
+
+def test_sigterm_to_one_process_makes_the_next_step_the_preemption_step(tmp_path):
+    import os
+    import signal
+
+    mesh, shardings, abstract = _abstract()
+    with capricorn_jax.TwoTierCheckpointManager(tmp_path / "shm", tmp_path / "ckpt", mesh,
+                                                abstract) as manager:
+        assert not manager.reached_preemption(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
+        assert manager.reached_preemption(1)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # close() put it back

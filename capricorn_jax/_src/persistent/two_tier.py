@@ -43,6 +43,7 @@ from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.persistent.emergency_options import TwoTierOptions
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
+from capricorn_jax._src.persistent.preemption import Preemption
 
 log = logging.getLogger("capricorn_jax")
 
@@ -117,6 +118,7 @@ class TwoTierCheckpointManager:
             barrier_timeout_s=options.barrier_bound_s)
         self._target = abstract_state
         self._mesh = global_mesh
+        self._preemption = Preemption()
 
     # ----- Orbax's emergency surface -----
     @property
@@ -206,14 +208,16 @@ class TwoTierCheckpointManager:
         return sorted(set(self.manager.all_steps()) | ({memory} if memory is not None else set()))
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a preemption sync point was reached at ``step`` (Orbax's:
-        JAX's preemption notice, agreed by every process)."""
-        return bool(self.manager.reached_preemption(step))
+        """Whether to save ``step`` to both tiers and stop: JAX's preemption
+        sync point, agreed by every process (Orbax's), or SIGTERM to a single
+        process (``preemption``). Every process calls it at every step."""
+        return self._preemption.reached(step, self.manager.reached_preemption)
 
     def wait_until_finished(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        self._preemption.close()
         self.manager.close()
 
     def __enter__(self) -> TwoTierCheckpointManager:

@@ -1,0 +1,126 @@
+"""The MaxText-shaped example (examples/maxtext_style): the one-import switch
+from Orbax's emergency manager, a host lost and resumed from the peer tier,
+and a real SIGTERM ending the job at one agreed step on the simulated
+cluster (2 processes x 2 CPU devices)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, child_env
+from tests.test_orbax_handler import _free_port
+
+EXAMPLE = ROOT / "examples" / "maxtext_style"
+
+
+def test_the_switch_is_one_import_and_one_options_line():
+    ours = (EXAMPLE / "train_capricorn.py").read_text().splitlines()
+    theirs = (EXAMPLE / "train_orbax.py").read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(theirs, ours, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert changed == [
+        "-from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency",
+        "+from capricorn_jax import emergency",
+        "-    options = emergency.CheckpointManagerOptions(local=emergency.LocalCheckpointOptions("
+        "save_interval_steps=1, max_to_keep=1), persistent=persistent)  # noqa: E501",
+        "+    options = emergency.CheckpointManagerOptions(local=emergency.LocalCheckpointOptions("
+        "save_interval_steps=1), persistent=persistent, replicas=2)  # noqa: E501",
+    ]
+
+
+class _Job:
+    """The example's two processes, their output pumped line by line."""
+
+    def __init__(self, root: Path, steps: int, step_s: float = 0.3):
+        port = _free_port()
+        self.lines: list[list[str]] = [[], []]
+        self.procs = []
+        self._cond = threading.Condition()
+        for pid in range(2):
+            cmd = [sys.executable, str(EXAMPLE / "train_capricorn.py"),
+                   f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                   f"--process_id={pid}", f"--local_dir={root / f'local{pid}'}",
+                   f"--persistent_dir={root / 'ckpt'}", f"--steps={steps}",
+                   "--persist_every=5", f"--step_s={step_s}"]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(2), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            self.procs.append(proc)
+            threading.Thread(target=self._pump, args=(pid,), daemon=True).start()
+
+    def _pump(self, pid: int) -> None:
+        stdout = self.procs[pid].stdout
+        assert stdout is not None
+        for line in stdout:
+            with self._cond:
+                self.lines[pid].append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, pid: int, pattern: str, timeout: float = 180) -> re.Match:
+        rx = re.compile(pattern)
+        with self._cond:
+            found = self._cond.wait_for(
+                lambda: next((m for m in map(rx.search, self.lines[pid]) if m), None), timeout)
+        assert found, f"{pattern!r} never printed by host {pid}:\n" + "".join(self.lines[pid][-40:])
+        return found
+
+    def finish(self, timeout: float = 240) -> list[int]:
+        try:
+            return [p.wait(timeout) for p in self.procs]
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+    def text(self, pid: int) -> str:
+        with self._cond:
+            return "".join(self.lines[pid])
+
+
+@pytest.mark.slow
+def test_the_switched_loop_loses_a_host_and_resumes_from_the_peer_tier(tmp_path):
+    job = _Job(tmp_path, steps=12)
+    job.wait_for(1, r"host 1: step 9 loss")
+    job.kill()  # host 1's machine is lost; the launcher restarts every process
+    shutil.rmtree(tmp_path / "local1")
+    again = _Job(tmp_path, steps=12, step_s=0.0)
+    resumed = [again.wait_for(pid, r"resumed at step (\d+), data position (\d+), tier (.*)")
+               for pid in range(2)]
+    assert again.finish() == [0, 0], again.text(0)[-3000:] + again.text(1)[-3000:]
+    step = int(resumed[0].group(1))
+    # The newest version committed on both hosts: past persistent step 5 (a version
+    # becomes safe within a few saves: 9 was saved when the machine was lost).
+    assert 6 <= step <= 9 and all(int(m.group(1)) == step for m in resumed)
+    assert all(int(m.group(2)) == step + 1 for m in resumed)  # the data position, restored
+    assert resumed[0].group(3) == "['local', 'peer']"  # host 1's shards from its peer
+    for pid in range(2):
+        assert f"host {pid}: done at step 12" in again.text(pid)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_host_at_one_step_saved_to_both_tiers(tmp_path):
+    job = _Job(tmp_path, steps=40)
+    job.wait_for(0, r"host 0: step 3 loss")
+    os.kill(job.procs[1].pid, signal.SIGTERM)  # one host preempted
+    stops = [job.wait_for(pid, r"preempted: step (\d+) saved, exiting") for pid in range(2)]
+    assert job.finish() == [0, 0]
+    step = int(stops[0].group(1))
+    assert int(stops[1].group(1)) == step and step < 40
+    assert (tmp_path / "ckpt" / str(step)).is_dir()  # the persistent tier holds it too
+    again = _Job(tmp_path, steps=step + 1, step_s=0.0)
+    for pid in range(2):
+        assert again.wait_for(pid, r"resumed at step (\d+)").group(1) == str(step)
+    assert again.finish() == [0, 0]
