@@ -27,11 +27,15 @@ from pathlib import Path
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("mib", 256, "state size in MiB")
-flags.DEFINE_integer("pairs", 6, "paired saves (fsync on, off)")
-flags.DEFINE_integer("devices", 4, "CPU devices of this process")
-flags.DEFINE_string("dir", "/var/tmp/capricorn-fsync", "persistent directory (a real disk)")
-flags.DEFINE_string("json", "", "write the result here")
+
+
+def define_flags() -> None:
+    """Its flags, defined when run as a command (nothing at import)."""
+    flags.DEFINE_integer("mib", 256, "state size in MiB")
+    flags.DEFINE_integer("pairs", 6, "paired saves (fsync on, off)")
+    flags.DEFINE_integer("devices", 4, "CPU devices of this process")
+    flags.DEFINE_string("dir", "/var/tmp/capricorn-fsync", "persistent directory (a real disk)")
+    flags.DEFINE_string("json", "", "write the result here")
 
 
 def _interval(diffs: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -100,4 +104,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
