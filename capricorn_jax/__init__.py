@@ -23,6 +23,7 @@ from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.recovery import recover
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.memory.tier.reports import SaveReport
+from capricorn_jax._src.memory.tier.sizing import HostMemoryTooSmall, MemoryNeeds, memory_needs
 from capricorn_jax._src.memory.store.store import ChecksumError
 from capricorn_jax._src.partial.selection import PecOptions
 
@@ -60,10 +61,13 @@ __all__ = [
     "layer_boundary",
     # memory tier
     "ChecksumError",
+    "HostMemoryTooSmall",
     "InMemoryCheckpointer",
     "InMemoryOptions",
     "PecOptions",
+    "MemoryNeeds",
     "SaveReport",
+    "memory_needs",
     "recover",
     # persistent tier (Orbax)
     "CapricornHandler",

@@ -182,3 +182,43 @@ def test_sigterm_to_one_process_makes_the_next_step_the_preemption_step(tmp_path
         os.kill(os.getpid(), signal.SIGTERM)  # handled: the process goes on
         assert manager.reached_preemption(1)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # close() put it back
+
+
+def test_memory_needs_counts_each_hosts_distinct_shards():
+    mesh, shardings, abstract = _abstract()
+    # Devices 0, 1 on host 0 and 2, 3 on host 1 (the 2x2 simulated cluster's layout).
+    host_of = {d: i // 2 for i, d in enumerate(mesh.devices.flat)}
+    needs = capricorn_jax.memory_needs(abstract, shardings, replicas=2,
+                                       devices_of_host=host_of.__getitem__)
+    # w (8x6 f32) split over expert: host 0 holds rows 0-3 and 4-7 (its two devices
+    # are the expert axis), e (16 i32) over data x expert: 8 per host, b and step
+    # replicated: once per host.
+    assert needs.host_state_bytes == 8 * 6 * 4 + 8 * 4 + 5 * 2 + 4
+    assert (needs.slots_per_owner, needs.owners) == (3, 2)
+    assert needs.ram_disk_bytes == 2 * 3 * needs.host_state_bytes
+
+
+def test_a_ram_disk_too_small_is_refused_before_the_first_step_with_its_numbers(tmp_path):
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mesh, _, _ = _abstract()
+    big = NamedSharding(mesh, P(("data", "expert")))
+    abstract = {"w": jax.ShapeDtypeStruct((1 << 20,), np.float32, sharding=big)}
+    disk = tmp_path / "ramdisk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        with pytest.raises(capricorn_jax.HostMemoryTooSmall) as raised:
+            capricorn_jax.TwoTierCheckpointManager(disk / "shm", tmp_path / "ckpt", mesh,
+                                                   abstract)
+        text = str(raised.value)
+        assert ("the memory tier needs 12.0 MiB on the RAM disk (1 owner(s) x 3 versions x "
+                "4.0 MiB of a host's shards)") in text
+        assert f"the RAM disk {disk} holding {disk / 'shm'} has 1.0 MiB" in text
+        assert "the store may use 0.8 of it (0.8 MiB)" in text
+        assert not (disk / "shm").exists() or not any((disk / "shm").iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

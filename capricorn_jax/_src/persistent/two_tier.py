@@ -40,6 +40,7 @@ from jax.sharding import Sharding
 from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
+from capricorn_jax._src.memory.tier.sizing import memory_needs, preflight
 from capricorn_jax._src.persistent.emergency_options import TwoTierOptions
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
@@ -72,6 +73,9 @@ class TwoTierCheckpointManager:
     Raises:
       ValueError: a leaf without a sharding, named by its path;
         ``OptionRefused`` (a ValueError) for an option with no meaning here.
+      HostMemoryTooSmall: the RAM disk holding ``local_directory`` or the
+        host's memory is smaller than the memory tier needs
+        (``memory_needs``, ``sizing``), every number named.
     """
 
     def __init__(self, local_directory: str | os.PathLike, persistent_directory: str | os.PathLike,
@@ -103,11 +107,15 @@ class TwoTierCheckpointManager:
                         options.replicas, hosts,
                         "no peer copy (one host)" if replicas == 1 else f"{replicas} copies")
         self.options = options
-        self.memory = InMemoryCheckpointer(
-            InMemoryOptions(store_root=os.path.abspath(local_directory), job=job,
-                            replicas=replicas, chunk_bytes=options.chunk_bytes,
-                            pec=options.pec),
-            global_mesh, abstract, shardings, host=jax.process_index(), hosts=hosts)
+        memory = InMemoryOptions(store_root=os.path.abspath(local_directory), job=job,
+                                 replicas=replicas, chunk_bytes=options.chunk_bytes,
+                                 pec=options.pec)
+        # Before the first step: a RAM disk or a host too small is refused with the numbers.
+        self.memory_needs = memory_needs(abstract, shardings, replicas, memory.window)
+        preflight(self.memory_needs, memory.store_root, os.path.join(memory.store_root, job),
+                  memory.max_store_fraction)
+        self.memory = InMemoryCheckpointer(memory, global_mesh, abstract, shardings,
+                                           host=jax.process_index(), hosts=hosts)
         self.handler = CapricornHandler(self.memory, fsync=options.fsync)
         extra = {"cleanup_tmp_directories": options.cleanup_tmp_directories}
         if options.async_options is not None:
