@@ -107,9 +107,10 @@ def test_hosts_agreeing_on_different_things_stop_naming_both():
             0: lambda c, h: agree.exchange("a", 2, "persistent step 7", 30, c, h),
             1: lambda c, h: agree.exchange("b", 2, "the restore's version", 30, c, h)})
     assert isinstance(got[0], agree.AgreementMismatch)
+    build = rf"cjx-agree/2, capricorn_jax {re.escape(agree.PACKAGE_VERSION)}, shared none yet"
     assert re.fullmatch(
-        r"host 0: agreement #\d+: this host agrees on 'persistent step 7' \(cjx-agree/1\) but "
-        r"host 1 on 'the restore's version' \(cjx-agree/1\); the hosts run different code or "
+        rf"host 0: agreement #\d+: this host agrees on 'persistent step 7' \({build}\) but "
+        rf"host 1 on 'the restore's version' \({build}\); the hosts run different code or "
         r"are out of step, so the job stops", str(got[0])), str(got[0])
     assert isinstance(got[1], agree.AgreementMismatch)
     assert re.match(r"host 1: agreement #\d+: this host agrees on 'the restore's version'",

@@ -17,7 +17,7 @@ from capricorn_jax._src.scheduling import chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.threaded import VersionDropped
 from tests.test_deadline_sender import _close, _schedule, _senders, _step
-from tests.test_threaded import _DictStore, _pair
+from tests.test_threaded import SECRET, _DictStore, _pair
 
 
 class _Flipper:
@@ -90,34 +90,38 @@ def test_a_corrupt_frame_drops_that_version_on_the_receiver_and_the_next_goes():
         _close(senders)
 
 
-def test_a_peer_running_another_format_is_refused_at_the_hello_naming_both():
+def test_a_peer_running_another_format_is_refused_at_the_hello_naming_both(caplog):
+    """An older build's hello (CJX1) is refused and logged naming both
+    formats; unproven, it cannot stop the job: the setup ends at its bound,
+    its error naming the refusal."""
     store = _DictStore()
-    listener_ready = threading.Event()
     errors = {}
 
     def host0():
         try:
-            ChunkChannel(0, 1, 1, "fmt", store, 10.0, address="127.0.0.1")
+            ChunkChannel(0, 1, 1, "fmt", store, 2.0, address="127.0.0.1", secret=SECRET)
         except Exception as e:  # noqa: BLE001
             errors[0] = e
-        finally:
-            listener_ready.set()
 
     t = threading.Thread(target=host0)
-    t.start()
-    # Host 1 of an older build: its hello says CJX1.
-    address = store.blocking_key_value_get("capricorn/chunk_channel/fmt/0", 10_000)
-    peer_listener = socket.create_server(("127.0.0.1", 0))
-    store.key_value_set("capricorn/chunk_channel/fmt/1",
-                        f"127.0.0.1:{peer_listener.getsockname()[1]}")
-    old = socket.create_connection(tuple([address.rsplit(":", 1)[0],
-                                          int(address.rsplit(":", 1)[1])]))
-    old.sendall(chunk_channel._HELLO.pack(b"CJX1", 1, 3) + b"fmt")
-    t.join(20)
+    with caplog.at_level("WARNING", logger=chunk_channel.log.name):
+        t.start()
+        # Host 1 of an older build: its hello says CJX1.
+        address = store.blocking_key_value_get("capricorn/chunk_channel/fmt/0", 10_000)
+        peer_listener = socket.create_server(("127.0.0.1", 0))
+        store.key_value_set("capricorn/chunk_channel/fmt/1",
+                            f"127.0.0.1:{peer_listener.getsockname()[1]}")
+        old = socket.create_connection(tuple([address.rsplit(":", 1)[0],
+                                              int(address.rsplit(":", 1)[1])]))
+        old.sendall(b"CJX1" + bytes(12) + b"fmt")
+        t.join(20)
     old.close()
     peer_listener.close()
-    assert isinstance(errors.get(0), ConnectionError), errors
-    assert "another format (b'CJX1'; this host speaks b'CJX3')" in str(errors[0])
+    assert isinstance(errors.get(0), TimeoutError), errors
+    named = "another format (b'CJX1'; this host speaks b'CJH1')"
+    assert named in str(errors[0])
+    assert any(named in r.getMessage() and "refused a connection from 127.0.0.1:" in
+               r.getMessage() for r in caplog.records)
 
 
 def test_a_peer_that_stalls_mid_frame_ends_the_receive_within_the_bound_naming_it():

@@ -20,19 +20,37 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.wire.transport import local_rows
+from capricorn_jax._src.multihost.secret import SECRET_ENV
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.profiling.boundary import (
     boundary_hooks,
     collective_boundary,
     layer_boundary,
 )
-from capricorn_jax._src.scheduling import chunk_channel
+from capricorn_jax._src.scheduling import channel_hello, chunk_channel
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import START
 from capricorn_jax._src.scheduling.partition_search import spread
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.threaded import ThreadedSender
 from capricorn_jax._src.scheduling.window_marks import WindowMarks
+
+SECRET = b"a secret for the threaded tests"
+"""The job's secret the channels here prove (tests/test_channel_auth.py: the hello)."""
+
+
+@pytest.fixture(autouse=True)
+def _channel_secret(monkeypatch):
+    """The channels built here without ``secret=`` take the environment's."""
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+
+
+def raw_hello(host, token, identity=b"", nonce=None):
+    """A connecting side's first message, as a stranger would send it."""
+    import secrets
+
+    return channel_hello._HELLO.pack(channel_hello.MAGIC, host, nonce or secrets.token_bytes(32),
+                                     len(identity), len(token)) + identity + token
 
 
 class _DictStore:
@@ -57,7 +75,7 @@ def _pair(timeout_s=10.0, job="t"):
     store, out = _DictStore(), {}
 
     def make(h):
-        out[h] = ChunkChannel(h, 1 - h, 1 - h, job, store, timeout_s)
+        out[h] = ChunkChannel(h, 1 - h, 1 - h, job, store, timeout_s, secret=SECRET)
 
     threads = [threading.Thread(target=make, args=(h,)) for h in (0, 1)]
     for t in threads:
@@ -124,29 +142,41 @@ def test_channel_to_a_host_that_does_not_listen_raises():
 
 
 def test_channel_accepts_only_its_jobs_source_host_and_logs_why(caplog):
-    """Two strangers connect to host 0's listener first: one without a hello,
-    one of this job but claiming host 5; both are refused with a logged
-    reason, and host 1 (the source) then gets through."""
+    """Three strangers connect to host 0's listener first: one without a
+    hello, one naming another channel, one claiming host 5; each is refused
+    with a logged reason and its address, and host 1 (the source) then gets
+    through."""
     store = _DictStore()
     out = {}
     zero = threading.Thread(target=lambda: out.setdefault(
         0, ChunkChannel(0, 1, 1, "job-a", store, 10.0, address="127.0.0.1")))
-    zero.start()
-    host, port = store.blocking_key_value_get("capricorn/chunk_channel/job-a/0", 10_000
-                                              ).rsplit(":", 1)
-    strangers = [socket.create_connection((host, int(port))) for _ in range(3)]
-    strangers[0].sendall(b"GET / HTTP/1.0\r\n\r\n")
-    strangers[1].sendall(chunk_channel._HELLO.pack(chunk_channel._MAGIC, 1, 5) + b"job-b")
-    strangers[2].sendall(chunk_channel._HELLO.pack(chunk_channel._MAGIC, 5, 5) + b"job-a")
     with caplog.at_level("WARNING", logger=chunk_channel.log.name):
+        zero.start()
+        host, port = store.blocking_key_value_get("capricorn/chunk_channel/job-a/0", 10_000
+                                                  ).rsplit(":", 1)
+        strangers = [socket.create_connection((host, int(port))) for _ in range(3)]
+        strangers[0].sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
+        strangers[1].sendall(raw_hello(1, b"job-b"))
+        strangers[2].sendall(raw_hello(5, b"job-a"))
+
+        def refusals():
+            return sorted(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+
+        deadline = time.monotonic() + 10
+        while len(refusals()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         one = ChunkChannel(1, 0, 0, "job-a", store, 10.0, address="127.0.0.1")
         zero.join(20)
     try:
-        refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-        assert len(refusals) == 3
-        assert "not a chunk channel hello (b'GET ')" in refusals[0]
-        assert "another job's token (b'job-b')" in refusals[1]
-        assert "host 5, not this host's source host 1" in refusals[2]
+        got_refusals = refusals()
+        assert len(got_refusals) == 3, got_refusals
+        assert all(f"from 127.0.0.1:{s.getsockname()[1]}" in " ".join(got_refusals)
+                   for s in strangers)
+        text = " | ".join(got_refusals)
+        assert "not a chunk channel hello (b'GET ')" in text
+        assert "another channel's token (b'job-b')" in text
+        assert "host 5, not this host's source host 1" in text
+        assert len(out[0].refusals) == 3
         one.send(1, 0, np.full((1, 8), 7, np.uint8))
         got = np.zeros((1, 8), np.uint8)
         assert out[0].receive_into(lambda v: got) == (1, 0, 8) and (got == 7).all()

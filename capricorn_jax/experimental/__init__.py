@@ -10,7 +10,7 @@ audience, so that nothing outside the library imports ``capricorn_jax._src``:
 * ``testing``: fault injection (``FaultHooks``);
 * ``measuring``: transports and schedules measured directly, and
   ``ChannelReplication`` (a benchmark control, not in the stable face);
-* ``multihost``: small cross-host agreements, the distributed client.
+* ``multihost``: small cross-host agreements, the distributed client, the job's secret.
 
 Every name is also importable from ``capricorn_jax.experimental`` itself.
 Design choice: one explicit package of unstable names rather than widening the
@@ -33,9 +33,11 @@ from capricorn_jax.experimental.measuring import (
     xla_flags,
 )
 from capricorn_jax.experimental.multihost import (
+    SECRET_NAME,
     allgather_floats,
     allgather_json,
     distributed_client,
+    start_job_secret,
 )
 from capricorn_jax.experimental.planning import (
     CACHE_GRANULARITIES,
@@ -112,10 +114,12 @@ __all__ = [
     "Schedule",
     "schedule_at_risk",
     "scheduled_step",
+    "SECRET_NAME",
     "Segment",
     "send_rounds",
     "shortest_windows",
     "should_profile",
+    "start_job_secret",
     "store_in_use",
     "timeline",
     "TRAILER_BYTES",

@@ -1,4 +1,4 @@
-"""Small cross-host agreements and the distributed client the launchers use.
+"""Small cross-host agreements, the distributed client and the job's secret the launchers use.
 
 Unstable: see ``capricorn_jax.experimental``."""
 
@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
 from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.multihost.secret import SECRET_NAME, start_job_secret
 
 __all__ = [
+    "SECRET_NAME",
     "allgather_floats",
     "allgather_json",
     "distributed_client",
+    "start_job_secret",
 ]

@@ -290,6 +290,10 @@ def run_workers(module: str, argv: Sequence[str], hosts: int, devices_per_host: 
     open ``launch.cluster.netns.ShapedNetwork`` the hosts run behind; ``on_line``: as
     ``LocalCluster``'s."""
     coordinator = coordinator_address(network)
+    # The chunk channel's secret: a new one in the tool's folder, named to its workers.
+    from capricorn_jax.experimental.multihost import start_job_secret
+
+    os.environ.update(start_job_secret(workdir))
     cluster = LocalCluster(
         lambda h: worker_argv(module, argv, h, coordinator, ("--workdir", *internal),
                               (f"--workdir={workdir}",)),

@@ -40,7 +40,7 @@ TIER_ORDER = ("local", "peer", "persistent")
 def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
     """This host's ``capricorn_jax.InMemoryCheckpointer`` for the --ckpt strategy."""
     import capricorn_jax
-    from capricorn_jax.experimental import FaultHooks
+    from capricorn_jax.experimental import SECRET_NAME, FaultHooks
 
     ckpt_cfg, faults = config.checkpoint, config.faults
     pause = faults.pause_mid_replication_at if faults.pause_mid_replication_at >= 0 else None
@@ -81,6 +81,9 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
                                      plt_threshold=ckpt_cfg.pec_plt_threshold,
                                      dynamic=ckpt_cfg.pec_dynamic) if ckpt_cfg.pec_k else None,
         chunk_tos=chunk_tos(config.cluster.link.traffic_class),
+        # The chunk channel's secret (the environment's wins): the supervisor made
+        # it; hosts started by hand read it, the first one creating it.
+        channel_secret_file=str(Path(workdir).absolute() / SECRET_NAME),
     )
     return memory_tier(options, trainer, mesh, host, hosts, hooks)
 

@@ -168,6 +168,11 @@ def workdir_lock(workdir: str) -> Iterator[None]:
         f.write(str(os.getpid()))
         f.flush()
         try:
+    # The chunk channel's secret: a new one per job start, in the workdir (0600),
+    # named to the workers by the environment (unless the user's environment gives one).
+    from capricorn_jax.experimental.multihost import start_job_secret
+
+    os.environ.update(start_job_secret(train.workdir))
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

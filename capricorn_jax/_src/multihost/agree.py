@@ -25,11 +25,19 @@ host has then finished reading the previous one). On one process nothing is
 exchanged.
 
 Every key carries the agreement's identity with the document: the protocol
-(``PROTOCOL``) and ``what`` the caller agrees on. A host whose key names
-another protocol or another ``what`` at the same number (hosts running
-different code, or out of step) ends the agreement with an
+(``PROTOCOL``), the package's version (``PACKAGE_VERSION``), ``what`` the
+caller agrees on, and the digest of what the hosts must share (``shared``:
+the pack plan's fingerprint, the replication rounds, the strategy and its
+PEC options, agreed once at a strategy's start by ``agree_shared``; empty
+before). A host whose key differs in any of them at the same number (hosts
+running different builds, or out of step) ends the agreement with an
 ``AgreementMismatch`` naming both hosts and both identities, instead of
-reading the other's document as its own.
+reading the other's document as its own. ``agree_shared`` itself compares
+the parts of the digest and names each part that differs with both hosts'
+values. Alternative not taken: the digest only in the agreements that
+concern the plan (recovery's, the persistent tier's): every agreement
+carrying it costs ~20 bytes a key, and a caller that forgets to pass it
+(recovery's agreements once used the default subject) is still covered.
 
 A timed-out agreement is neither retried nor skipped: the hosts' agreements
 are matched by their order, which a host that gave up can no longer keep, so
@@ -55,20 +63,33 @@ how a single-process caller that simulates several hosts stays local.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 DEFAULT_TIMEOUT_S = 1800.0
-PROTOCOL = "cjx-agree/1"
+PROTOCOL = "cjx-agree/2"
 """The agreement's wire format (bumped when a key's layout changes)."""
 _KEY = "capricorn/agree/{seq}/{host}"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("capricorn_jax")
+    except importlib.metadata.PackageNotFoundError:  # a checkout used without installing it
+        return "unknown"
+
+
+PACKAGE_VERSION = _package_version()
+"""This build's version, carried by every agreement and every chunk channel hello."""
 
 
 class AgreementTimeout(TimeoutError):
@@ -80,28 +101,34 @@ class AgreementMismatch(RuntimeError):
     different protocols): their code or their call order differs."""
 
 
-def _envelope(what: str, doc: str) -> str:
-    return json.dumps([PROTOCOL, what, doc])
+def _envelope(what: str, doc: str, shared: str) -> str:
+    return json.dumps([PROTOCOL, what, doc, PACKAGE_VERSION, shared])
 
 
-def _open(raw: str, host: int, other: int, seq: int, what: str) -> str:
+def _identity(protocol: str, package: str, shared: str) -> str:
+    return f"{protocol}, capricorn_jax {package}, shared {shared or 'none yet'}"
+
+
+def _open(raw: str, host: int, other: int, seq: int, what: str, shared: str) -> str:
     """The document of ``other``'s key; raises AgreementMismatch naming both
-    hosts when its protocol or its subject is not this host's."""
+    hosts and both identities when its protocol, package version, shared
+    digest or subject is not this host's."""
     try:
         got = json.loads(raw)
     except ValueError:
         got = None
-    if isinstance(got, list) and len(got) == 3 and all(isinstance(x, str) for x in got):
-        protocol, theirs, doc = got
+    if isinstance(got, list) and len(got) == 5 and all(isinstance(x, str) for x in got):
+        protocol, theirs, doc, package, their_shared = got
     else:
-        protocol, theirs, doc = "an unknown protocol", None, ""
-    if protocol != PROTOCOL or theirs != what:
-        their = (f"'{theirs}' ({protocol})" if protocol == PROTOCOL or theirs is not None
-                 else f"a key in {protocol}")
+        protocol, theirs, doc, package, their_shared = "an unknown protocol", None, "", "?", "?"
+    mine = (PROTOCOL, PACKAGE_VERSION, shared)
+    if (protocol, package, their_shared) != mine or theirs != what:
+        their = (f"'{theirs}' ({_identity(protocol, package, their_shared)})"
+                 if protocol == PROTOCOL or theirs is not None else f"a key in {protocol}")
         raise AgreementMismatch(
-            f"host {host}: agreement #{seq}: this host agrees on '{what}' ({PROTOCOL}) but "
-            f"host {other} on {their}; the hosts run different code or are out of step, so "
-            f"the job stops")
+            f"host {host}: agreement #{seq}: this host agrees on '{what}' "
+            f"({_identity(*mine)}) but host {other} on {their}; the hosts run different "
+            f"code or are out of step, so the job stops")
     return doc
 
 
@@ -109,6 +136,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.seq: dict[tuple[int, int], int] = {}  # (client, host) -> agreements so far
+        self.shared: dict[tuple[int, int], str] = {}  # (client, host) -> agreed shared digest
         self.timeout_s = DEFAULT_TIMEOUT_S
 
 
@@ -154,15 +182,16 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
     Raises:
       AgreementTimeout: a host did not set its key within the bound; the
         message names it, the agreement's number and ``what``.
-      AgreementMismatch: a host's key names another protocol or another
-        ``what`` (module docstring).
+      AgreementMismatch: a host's key names another protocol, package
+        version, shared digest or ``what`` (module docstring).
     """
     client = _client() if client is None else client
     host = jax.process_index() if host is None else host
     timeout_s = _state.timeout_s if timeout_s is None else timeout_s
     with _state.lock:
         seq = _state.seq[(id(client), host)] = _state.seq.get((id(client), host), 0) + 1
-    client.key_value_set(_KEY.format(seq=seq, host=host), _envelope(what, doc))
+        shared = _state.shared.get((id(client), host), "")
+    client.key_value_set(_KEY.format(seq=seq, host=host), _envelope(what, doc, shared))
     deadline = time.monotonic() + timeout_s
     out = []
     for other in range(hosts):
@@ -174,7 +203,7 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
                 f"host {host}: agreement #{seq} ({what}): host {other} did not answer within "
                 f"{timeout_s:g}s ({type(e).__name__}: {str(e)[:200]}); the job stops, as its "
                 f"hosts can no longer match their agreements") from e
-        out.append(_open(raw, host, other, seq, what))
+        out.append(_open(raw, host, other, seq, what, shared))
     if seq > 1:
         try:
             client.key_value_delete(_KEY.format(seq=seq - 1, host=host))
@@ -248,3 +277,55 @@ def allgather_floats(values: Sequence[float], hosts: int | None = None,
     if _hosts(hosts) == 1:
         return [mine]
     return [[float(v) for v in row] for row in allgather_json(mine, hosts, what)]
+
+
+def shared_digest(parts: Mapping[str, Any]) -> str:
+    """The digest of what the hosts must share (16 hex digits of the SHA-256
+    of ``parts`` as canonical JSON): the same parts give the same digest on
+    every host and in every process."""
+    text = json.dumps(dict(parts), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def agree_shared(parts: Mapping[str, Any], hosts: int | None = None,
+                 what: str = "the shared identity", client: Any = None,
+                 host: int | None = None) -> str:
+    """Every host checks that the others share ``parts`` (the pack plan's
+    fingerprint, the rounds, the strategy, ...); their digest
+    (``shared_digest``) is then carried by every later agreement of this
+    host. Every host calls it at the same point (a strategy's start).
+
+    Returns:
+      The digest.
+
+    Raises:
+      AgreementMismatch: a host's parts differ; the message names each part
+        that differs with this host's and that host's value, and both digests.
+    """
+    digest = shared_digest(parts)
+    n = _hosts(hosts)
+    if n > 1:
+        mine = {k: json.loads(json.dumps(v, default=str)) for k, v in parts.items()}
+        client = _client() if client is None else client
+        host = jax.process_index() if host is None else host
+        docs = exchange(json.dumps(mine, sort_keys=True), n, what, client=client, host=host)
+        for other, raw in enumerate(docs):
+            theirs = json.loads(raw)
+            if theirs == mine:
+                continue
+            theirs = theirs if isinstance(theirs, dict) else {"(document)": theirs}
+            differ = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
+            named = "; ".join(f"{k}: this host {_short(mine.get(k))}, host {other} "
+                              f"{_short(theirs.get(k))}" for k in differ)
+            raise AgreementMismatch(
+                f"host {host}: {what}: host {other} runs another build or configuration "
+                f"(digest {shared_digest(theirs)}, this host's {digest}): {named}; the "
+                f"hosts' collectives would not match, so the job stops")
+        with _state.lock:
+            _state.shared[(id(client), host)] = digest
+    return digest

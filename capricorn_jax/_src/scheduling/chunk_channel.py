@@ -4,11 +4,14 @@ One connection per replication round (this host to its peer, and from its
 source), on the address this host reaches the job's coordinator from
 (``job_address``: behind shaped links, the link the all-to-alls use; never a
 loopback alias such as 127.0.1.1 unless the coordinator itself is on
-loopback). The listener accepts only its job's peer: the connecting side
-first sends a hello (a magic, its host index, the job's token); a connection
-with another token or host index is closed with a logged reason and the
-listener goes on waiting (an identity check against stray or stale
-connections, not an authentication). Every wait is bounded by ``timeout_s``:
+loopback). The listener accepts only its job's peer: both ends prove they
+know the job's secret and state their build in a challenge-response hello
+(``scheduling.channel_hello``: each pending connection on its own thread
+with its own short deadline, so a silent or hostile one delays nobody); a
+connection that fails it is closed, counted (``refusals``) and logged with
+its address, and the listener goes on waiting; the job's own peer on
+another build stops the setup on both ends, naming both builds. Every wait
+is bounded by ``timeout_s``:
 connecting, each send and each receive. ``measure_channel`` fits the
 channel's link model (alpha + bytes/B), host 0's fit on every host.
 
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,8 +50,10 @@ from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
+from capricorn_jax._src.multihost.secret import SecretError, from_environment
 
 _HEADER = integrity.HEADER  # the frame header: ``native.integrity``'s
+from capricorn_jax._src.scheduling import channel_hello
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 """Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
@@ -59,11 +63,6 @@ RUN_FRAMES = 4096
 """The most frames one native receive call logs (``receive_frames``)."""
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _KEY = "capricorn/chunk_channel/{job}/{host}"
-# The connecting side's hello: magic, its host index, the token's length; then the token.
-_HELLO = struct.Struct("<4sqi")
-_MAGIC = integrity.MAGIC
-"""The format's identity, first in every hello (``native.integrity.MAGIC``)."""
-_MAX_TOKEN = 4096
 
 
 def job_address(coordinator: str | None) -> str:
@@ -88,9 +87,6 @@ def job_address(coordinator: str | None) -> str:
         raise OSError(f"this host would advertise the loopback address {address} to reach the "
                       f"coordinator {coordinator}; its peers cannot connect there")
     return address
-
-
-_OTHER_FORMAT = "a chunk channel of another format"
 
 
 class CorruptFrame(ValueError):
@@ -163,8 +159,8 @@ class ChunkChannel:
     Args:
       host: this process's index.
       destination, source: the hosts this one sends to and receives from.
-      job: a name unique to the job (the key-value store's keys, and the
-        token of the hello a peer's connection must start with).
+      job: a name unique to the channel in the job (the key-value store's
+        keys, and the token its hello names).
       client: the jax.distributed key-value client (exchanges the addresses).
       timeout_s: bound on connecting and on every send and receive.
       address: the address to listen on and advertise (default:
@@ -175,13 +171,24 @@ class ChunkChannel:
     first frame sent of a version at or after it has a byte flipped after its
     checksum (a byte corrupted in transit; ``memory.hooks.FaultHooks.flip_frame_at``),
     then ``on_flip(version)``. ``stall_at`` (version, seconds) set, the
+      secret: the job's secret, the same on both ends (default: the
+        environment's, ``multihost.secret``; none there: ``SecretError``).
+      shared: the digest of what both ends must share (the pack plan's
+        fingerprint, ...), stated in the hello with the build
+        (``channel_hello.identity``); ends that differ stop at the hello.
+      hello_timeout_s: the most each incoming connection may take to
+        complete its hello (at most ``timeout_s``).
+
+    ``refusals``: (address, reason) of each connection the listener refused.
     channel sends nothing for that long before the first frame of a version
     at or after it (a connection that hangs; ``FaultHooks.stall_channel_at``),
     after ``on_stall(version)``.
     """
 
     def __init__(self, host: int, destination: int, source: int, job: str, client: Any,
-                 timeout_s: float = 120.0, address: str | None = None, tos: int = 0) -> None:
+                 timeout_s: float = 120.0, address: str | None = None, tos: int = 0, *,
+                 secret: bytes | None = None, shared: str = "",
+                 hello_timeout_s: float = channel_hello.HELLO_TIMEOUT_S) -> None:
         self.host, self.destination, self.source = host, destination, source
         self.timeout_s = timeout_s
         self.tos = tos
@@ -201,42 +208,64 @@ class ChunkChannel:
         self._corrupt: CorruptFrame | None = None
         self.job = job
         self.token = job.encode()
-        if len(self.token) > _MAX_TOKEN:
-            raise ValueError(f"job name of {len(self.token)} bytes; at most {_MAX_TOKEN}")
+        self.refusals: list[tuple[str, str]] = []
+        if secret is None:
+            secret = from_environment()
+        if secret is None:
+            raise SecretError("the chunk channel needs the job's secret (secret=..., or "
+                              "CAPRICORN_CHANNEL_SECRET / CAPRICORN_CHANNEL_SECRET_FILE)")
+        identity = channel_hello.identity(shared)
         if address is None:
             from jax._src import distributed
 
             address = job_address(distributed.global_state.coordinator_address)
         listener = socket.create_server((address, 0))
-        client.key_value_set(_KEY.format(job=job, host=host),
-                             f"{address}:{listener.getsockname()[1]}")
-        peer = client.blocking_key_value_get(_KEY.format(job=job, host=destination),
-                                             int(timeout_s * 1000))
-        peer_address, port = peer.rsplit(":", 1)
-        result: dict[str, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        acceptor = threading.Thread(target=self._accept, args=(listener, deadline, result),
-                                    daemon=True)
+        acceptor = channel_hello.Acceptor(
+            listener, channel_hello.Party(host, source, self.token, secret, identity),
+            time.monotonic() + timeout_s, min(hello_timeout_s, timeout_s), self._refused)
         acceptor.start()
         try:
             self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
-            self.out.sendall(_HELLO.pack(_MAGIC, host, len(self.token)) + self.token)
-        except OSError:
+            try:
+                channel_hello.say_hello(self.out, channel_hello.Party(
+                    host, destination, self.token, secret, identity), timeout_s)
+            except BaseException:
+                self.out.close()
+                raise
+        except TimeoutError as e:
+            acceptor.stop()
+            listener.close()
+            refused = "" if not self.refusals else f"; last refusal: {self.refusals[-1][1]}"
+            raise TimeoutError(f"host {host}: host {destination} did not connect its chunk "
+                               f"channel within {timeout_s:g}s ({e}{refused})") from None
+        except channel_hello.BuildMismatch as e:
+            acceptor.stop()
+            listener.close()
+            raise channel_hello.BuildMismatch(f"host {host}: chunk channel to host "
+                                              f"{destination}: {e}") from None
+        except BaseException:
+            acceptor.stop()
             listener.close()
             raise
-        acceptor.join(timeout_s + 1.0)
+            client.key_value_set(_KEY.format(job=job, host=host),
+                                 f"{address}:{listener.getsockname()[1]}")
+            peer_address, port = client.blocking_key_value_get(
+                _KEY.format(job=job, host=destination), int(timeout_s * 1000)).rsplit(":", 1)
+        acceptor.wait(max(0.0, timeout_s + 1.0))
+        acceptor.stop()
         listener.close()
-        if result.get("mismatch"):
+        if acceptor.mismatch is not None:
             self.out.close()
-            raise ConnectionError(f"host {host}: host {source}'s chunk channel: "
-                                  f"{result['error']}")
-        if "in" not in result:
+            raise channel_hello.BuildMismatch(f"host {host}: host {source}'s chunk channel: "
+                                              f"{acceptor.mismatch}")
+        if acceptor.conn is None:
             self.out.close()
             raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
-                               f"within {timeout_s:g}s ({result.get('error', 'no connection')})")
-        self.inc: socket.socket = result["in"]
+                               f"within {timeout_s:g}s ({why})")
+        self.inc: socket.socket = acceptor.conn
         for s in (self.out, self.inc):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            why = f"last refusal: {self.refusals[-1][1]}" if self.refusals else acceptor.error
             s.settimeout(timeout_s)
         # A small send buffer: ``send`` returns when a window's bytes are
         # nearly on the link, not parked in the kernel to leave during the
@@ -252,53 +281,11 @@ class ChunkChannel:
         if tos:  # the checkpoint's traffic class (InMemoryOptions.chunk_tos)
             self.out.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
 
-    def _accept(self, listener: socket.socket, deadline: float, result: dict[str, Any]) -> None:
-        """Accepts connections until one from this job's source host, with this
-        job's token, says hello; any other is closed with a logged reason."""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                result.setdefault("error", "no connection")
-                return
-            try:
-                listener.settimeout(left)
-                conn, peer = listener.accept()
-            except OSError as e:  # timed out, or the listener closed (the connect failed)
-                result["error"] = e
-                return
-            why = self._refusal(conn, min(left, self.timeout_s))
-            if why is None:
-                result["in"] = conn
-                return
-            log.warning("host %d: chunk channel refused a connection from %s: %s", self.host,
-                        peer, why)
-            result["error"] = why
-            conn.close()
-            if why.startswith(_OTHER_FORMAT):  # the job's own peer runs other code: stop now
-                result["mismatch"] = True
-                return
-
-    def _refusal(self, conn: socket.socket, timeout_s: float) -> str | None:
-        """Why ``conn`` is not this job's source host (None: it is)."""
-        conn.settimeout(timeout_s)
-        try:
-            hello = bytearray(_HELLO.size)
-            _recv_exact(conn, memoryview(hello))
-            magic, host, size = _HELLO.unpack(hello)
-            if magic != _MAGIC and magic.startswith(_MAGIC[:3]):
-                return (f"{_OTHER_FORMAT} ({bytes(magic)!r}; this host speaks {_MAGIC!r}): "
-                        f"the hosts run different versions of the code")
-            if magic != _MAGIC or not 0 <= size <= _MAX_TOKEN:
-                return f"not a chunk channel hello ({bytes(hello[:4])!r})"
-            token = bytearray(size)
-            _recv_exact(conn, memoryview(token))
-        except (OSError, ConnectionError) as e:
-            return f"no hello ({type(e).__name__}: {e})"
-        if bytes(token) != self.token:
-            return f"another job's token ({bytes(token)[:64]!r})"
-        if host != self.source:
-            return f"host {host}, not this host's source host {self.source}"
-        return None
+    def _refused(self, address: str, reason: str) -> None:
+        """A connection the listener refused: counted and logged with its address."""
+        self.refusals.append((address, reason))
+        log.warning("host %d: chunk channel refused a connection from %s: %s (%d refused)",
+                    self.host, address, reason, len(self.refusals))
 
     def send(self, version: int, offset: int, rows: np.ndarray | Sequence[np.ndarray]) -> None:
         """Sends ``rows`` (one uint8 row of n bytes per local device: a

@@ -54,7 +54,9 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax._src.memory.tier.pec_tier import PecVersion
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.memory.wire.transport import Transport
+from capricorn_jax._src.multihost.agree import shared_digest
 from capricorn_jax._src.multihost.client import distributed_client
+from capricorn_jax._src.multihost.secret import resolve_secret
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.executor import pack_payload
 from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
@@ -62,6 +64,7 @@ from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDroppe
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
 from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
+from capricorn_jax._src.strategies.shared_identity import tier_parts
 
 _channels = itertools.count()  # channel keys: strategies are built in the same order on every host
 _InFlight = tuple[int, jax.Array, PecVersion | None]
@@ -79,16 +82,22 @@ def peer_channel(ckpt: TierWriter, job: str | None = None, faults: bool = True
     ``job``: its key (default: the next of the job's channels; a reconnect
     passes the lost one's with its attempt); ``faults``: with the
     checkpointer's channel fault hooks (a reconnect's channel has none: the
-    one-shot faults struck the first)."""
+    one-shot faults struck the first). Its ends prove the job's secret
+    (``multihost.secret``: the environment's, else the options' file) and
+    state the tier's shared digest (``strategies.shared_identity``) with
+    the channel's key in their hello."""
     client = distributed_client()
     if client is None:
         raise RuntimeError("chunk_path='threaded' connects the hosts' processes: it needs "
                            "jax.distributed.initialize (or chunk_path='in_graph')")
     destination = ckpt.rounds[0][ckpt.host]
     source = next(h for h, d in ckpt.rounds[0].items() if d == ckpt.host)
-    channel = ChunkChannel(ckpt.host, destination, source,
-                           job or f"{ckpt.options.job}/{next(_channels)}", client,
-                           ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos)
+    key = job or f"{ckpt.options.job}/{next(_channels)}"
+    shared = shared_digest({**tier_parts(ckpt), "channel": key})
+    channel = ChunkChannel(ckpt.host, destination, source, key, client,
+                           ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos,
+                           secret=resolve_secret(ckpt.options.channel_secret_file),
+                           shared=shared)
     if faults:
         channel.flip_version, channel.on_flip = ckpt.hooks.flip_frame_at, ckpt.hooks.on_flip
         channel.stall_at, channel.on_stall = ckpt.hooks.stall_channel_at, ckpt.hooks.on_stall

@@ -23,6 +23,7 @@ from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, Strategy
+from capricorn_jax._src.strategies.shared_identity import agree_on_start
 
 
 class InMemoryStrategy(Strategy):
@@ -37,6 +38,9 @@ class InMemoryStrategy(Strategy):
     def __init__(self, checkpointer: TierWriter, name: str = "inmem") -> None:
         self.ckpt, self.name = checkpointer, name
         self.bytes_per_step = 0
+        # Before any collective: every host shares the plan, rounds and options
+        # (``strategies.shared_identity``); later agreements carry the digest.
+        self.shared = agree_on_start(checkpointer, name)
 
     def _event(self, version: int, report: SaveReport) -> CheckpointEvent:
         if not report.skipped:  # a skipped version moved nothing: keep the last version's

@@ -79,6 +79,15 @@ class InMemoryOptions:
         also tells the scheduled strategies' sender that the link lets the
         collectives pass: each version goes whole at its step's start, not
         held to the windows.
+      channel_secret_file: the file holding the job's secret, which the
+        chunk channel's ends prove they know in their hello (the threaded
+        path): read, or created when absent (random, mode 0600); one the
+        group or others may read is refused. Every host must read the same
+        secret (a shared workdir, or a file the cluster distributes). The
+        environment wins over it: ``CAPRICORN_CHANNEL_SECRET`` (the secret)
+        or ``CAPRICORN_CHANNEL_SECRET_FILE`` (a file, never created). None
+        and no environment: the threaded path refuses to start, naming
+        these (``multihost.secret``).
     """
 
     store_root: str
@@ -95,6 +104,7 @@ class InMemoryOptions:
     max_store_fraction: float = 0.8
     arena_copy: str = "auto"
     chunk_tos: int = 0
+    channel_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.chunk_tos <= 255:
