@@ -47,6 +47,7 @@ host or strategy fails.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -59,7 +60,7 @@ from absl import app, flags, logging
 from capricorn_jax import DetectorOptions
 from capricorn_jax.experimental import xla_flags
 from launch import runtime
-from launch.bench import records, step_stats
+from launch.bench import records, step_stats, stores
 from launch.bench.config import BenchConfig, BenchSetup
 from launch.bench.recovery import baseline_recovery, recovery_times
 from launch.bench.report import VARIANTS, markdown, plot, summarize
@@ -75,8 +76,9 @@ FLAGS = flags.FLAGS
 
 
 # launch.cli_flags groups (and their flags) that the bench takes, and its own
-# defaults of some (same meaning as in launch.train): it wipes its store root
-# before and after a run, and its published results use bucketed dispatch
+# defaults of some (same meaning as in launch.train): its stores live in a
+# folder of the run's own under the store root, removed after the run
+# (launch.bench.stores), and its published results use bucketed dispatch
 # and K=2 for the pec rows.
 SHARED_FLAGS = {
     "cluster": ("hosts", "devices_per_host", "platform", "timeout_s", "process_id",
@@ -324,10 +326,11 @@ def _machine(raw: dict) -> str:
             f"{platform.python_version()}, jax {jax.__version__}")
 
 
-def _run_cluster(setup: BenchSetup, workdir: Path) -> int:
-    """The workers' job, behind shaped links with --link_gbps (``launch.cluster.netns``)."""
+def _run_cluster(setup: BenchSetup, workdir: Path, argv: list[str]) -> int:
+    """The workers' job (flags ``argv``: the run's store folder as their
+    ``--store_root``), behind shaped links with --link_gbps (``launch.cluster.netns``)."""
     with links_for("bench", setup.hosts, setup.link) as network:
-        return cluster_lib.run_workers("launch.bench", sys.argv[1:], setup.hosts,
+        return cluster_lib.run_workers("launch.bench", argv, setup.hosts,
                                        setup.devices_per_host, workdir, setup.timeout_s,
                                        network=network)
 
@@ -377,20 +380,23 @@ def run(config: BenchConfig) -> None:
     if setup.process_id >= 0:
         runtime.exit_now_on_failure(bench_worker, config, setup.process_id, workdir)
         return
-    import shutil
-
-    shutil.rmtree(config.store_root, ignore_errors=True)
-    if setup.platform == "gpu":
-        xla_flags.set_overlap_flags()  # before the GPU backend starts
-        if setup.hosts != 1 or config.replicas != 1:
-            print("bench: error: --platform=gpu runs in this process: --hosts=1 --replicas=1",
-                  file=sys.stderr)
-            sys.exit(2)
-        code = 0
-        bench_worker(config, 0, workdir)
-    else:
-        code = _run_cluster(setup, workdir)
-    shutil.rmtree(config.store_root, ignore_errors=True)
+    # The run's stores in a folder of its own; what another live run stores
+    # under the same root stays (launch.bench.stores: issue 50).
+    stores.clear_stale(config.store_root)
+    run_root = stores.run_root(config.store_root)
+    try:
+        if setup.platform == "gpu":
+            xla_flags.set_overlap_flags()  # before the GPU backend starts
+            if setup.hosts != 1 or config.replicas != 1:
+                print("bench: error: --platform=gpu runs in this process: --hosts=1 "
+                      "--replicas=1", file=sys.stderr)
+                sys.exit(2)
+            code = 0
+            bench_worker(dataclasses.replace(config, store_root=str(run_root)), 0, workdir)
+        else:
+            code = _run_cluster(setup, workdir, stores.worker_argv(sys.argv[1:], run_root))
+    finally:
+        stores.release(config.store_root, run_root)
     result_file = workdir / "worker_result.json"
     if code != 0 or not result_file.exists():
         print(f"bench: error: a host failed (exit code {code}); no results reported",
