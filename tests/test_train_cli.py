@@ -223,7 +223,8 @@ def test_the_console_reports_a_repartition_only_when_the_schedule_moved(monkeypa
 
 def test_one_job_per_workdir_and_a_symlinked_workdir_is_the_same_job(tmp_path):
     from launch.train.config import job_name
-    from launch.train.supervisor import WorkdirInUse, workdir_lock
+    from launch.train.supervisor import workdir_lock
+    from launch.train.workdir_lock import WorkdirInUse
 
     real = tmp_path / "real"
     real.mkdir()
@@ -238,7 +239,8 @@ def test_one_job_per_workdir_and_a_symlinked_workdir_is_the_same_job(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(WorkdirInUse, match=rf"--workdir {tmp_path / 'link'} is in use by "
-                                               rf"another job \(pid {holder.pid}\)"):
+                                               rf"another job \(job '.*', supervisor, pid "
+                                               rf"{holder.pid} on "):
             with workdir_lock(str(tmp_path / "link")):
                 pass
     finally:

@@ -11,6 +11,13 @@ from; ``--fresh`` starts over. Each worker
 runs the same script with ``--process_id``. ``--platform=gpu --hosts=1`` runs
 the training in this process on the local GPUs; on a real cluster, start one
 worker per host with ``--process_id`` and ``--coordinator`` yourself.
+
+Every process holds WORKDIR's lock as a process of its job, however it was
+started (``launch.train.workdir_lock``): a second job on the same workdir is
+refused with one line naming the holder, and ``--fresh`` deletes nothing
+while another job runs there. A worker started by hand belongs to the job
+``CAPRICORN_JOB_ID`` names, else to that of its ``--coordinator`` and
+``--hosts`` (give every host the same ones).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from launch import cli_flags, runtime
 from launch.metrics import MetricsWriter
 from launch.train import faults, lag_alarm, persistence
 from launch.train.config import Config, FlagError, from_flags
-from launch.train.supervisor import WorkdirInUse, prepare_workdir, supervise
+from launch.train.supervisor import prepare_workdir, supervise
+from launch.train.workdir_lock import WorkdirLock, WorkdirRefused, hold, job_identity
 
 FLAGS = flags.FLAGS
 
@@ -294,6 +302,20 @@ def _train_or_lag_exit(config: Config, process_id: int) -> None:
         lag_alarm.exit_on_lag(e, process_id)
 
 
+def _hold_workdir(config: Config, role: str, host: int) -> WorkdirLock:
+    """This process's locks on the workdir, as host ``host`` of its job
+    (``launch.train.workdir_lock``), kept until the process ends; a refusal
+    (another job there, or no working flock) ends it with one error line and
+    exit code 2, before anything in the workdir is read or deleted."""
+    c = config.cluster
+    try:
+        return hold(config.train.workdir, job_identity(role, c.process_id, c.coordinator, c.hosts),
+                    role, host)
+    except WorkdirRefused as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         print(f"train: error: unexpected arguments {argv[1:]}", file=sys.stderr)
@@ -305,19 +327,24 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     runtime.bound_orbax_barriers(FLAGS)
     if config.cluster.process_id >= 0:
+        lock = _hold_workdir(config, "worker", config.cluster.process_id)
         runtime.exit_now_on_failure(_train_or_lag_exit, config, config.cluster.process_id)
+        lock.release()  # one process: exit_now_on_failure returns
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
         xla_flags.set_overlap_flags()  # before the GPU backend starts
-        prepare_workdir(config)
+        lock = _hold_workdir(config, "single process", 0)
         try:
+            prepare_workdir(config)
             train_worker(config, 0)
         except lag_alarm.VersionLagError as e:
             print(f"train: error: {e}", file=sys.stderr)
             sys.exit(lag_alarm.LAG_EXIT_CODE)
+        finally:
+            lock.release()
     else:
         try:
             sys.exit(supervise(config, sys.argv[1:]))
-        except WorkdirInUse as e:
+        except WorkdirRefused as e:
             print(f"train: error: {e}", file=sys.stderr)
             sys.exit(2)
 

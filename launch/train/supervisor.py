@@ -13,6 +13,11 @@ metrics.jsonl is appended to; one line says what was found. ``--fresh``
 deletes them first, one line per thing deleted. ``--resume`` (the default
 behaviour) with nothing to resume says so on one line.
 
+The supervisor holds WORKDIR's job lock (``launch.train.workdir_lock``) from
+before ``prepare_workdir`` (``--fresh``'s deletions included) until the job
+ends, through every restart; its workers join it as the same job
+(``CAPRICORN_JOB_ID``), each also holding its host's lock.
+
 Design choice: restart every host after a failure, as a jax.distributed job
 must (its processes cannot rejoin one by one). Alternative not taken:
 restarting only the failed host, which the collectives do not support.
@@ -21,7 +26,6 @@ restarting only the failed host, which the collectives do not support.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -37,9 +41,7 @@ from launch.cluster.netns import ShapedNetwork, links_for
 from launch.metrics import read_metrics, summarize
 from launch.train.config import CheckpointConfig, Config
 from launch.train.faults import FaultInjector
-
-LOCK_NAME = ".capricorn.lock"
-"""The workdir's lock file (``workdir_lock``)."""
+from launch.train.workdir_lock import JOB_ENV, job_identity, workdir_lock
 
 # Flags the fault injector sets per worker; never passed through from the command line.
 _INTERNAL_FLAGS = ("--fault_at",)
@@ -109,7 +111,9 @@ def found_in_workdir(workdir: str, checkpoint: CheckpointConfig
 
 def prepare_workdir(config: Config) -> None:
     """--fresh: deletes what an earlier job left, one line per thing; else
-    says what the job resumes from (nothing is deleted)."""
+    says what the job resumes from (nothing is deleted). Its callers hold the
+    workdir's lock (``launch.train.workdir_lock``): nothing is deleted under
+    a job that runs there."""
     t, checkpoint = config.train, config.checkpoint
     found = found_in_workdir(t.workdir, checkpoint)
     if t.fresh:
@@ -139,49 +143,36 @@ def supervise(config: Config, argv: Sequence[str]) -> int:
     With ``--link_gbps`` the hosts run behind shaped links (``launch.cluster.netns``),
     set up before the first attempt and removed however the job ends.
     """
-    with workdir_lock(config.train.workdir), \
+    job = job_identity("supervisor")
+    with workdir_lock(config.train.workdir, job, "supervisor"), _job_env(job), \
             links_for("train", config.cluster.hosts, config.cluster.link) as network:
         return _supervise(config, argv, network)
 
 
-class WorkdirInUse(RuntimeError):
-    """Another job holds the workdir (one job per workdir: two would write the
-    same stores and metrics)."""
-
-
 @contextlib.contextmanager
-def workdir_lock(workdir: str) -> Iterator[None]:
-    """Holds ``WORKDIR/.capricorn.lock`` (an exclusive ``flock``, released by
-    the kernel however this process ends) for the job's lifetime; raises
-    WorkdirInUse naming the holder's pid when another job holds it."""
-    path = Path(workdir) / LOCK_NAME
-    with open(path, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise WorkdirInUse(f"--workdir {workdir} is in use by another job (pid {holder}); "
-                               f"one job per workdir") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-    # The chunk channel's secret: a new one per job start, in the workdir (0600),
-    # named to the workers by the environment (unless the user's environment gives one).
-    from capricorn_jax.experimental.multihost import start_job_secret
-
-    os.environ.update(start_job_secret(train.workdir))
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _job_env(job: str) -> Iterator[None]:
+    """``CAPRICORN_JOB_ID`` set to ``job`` for the workers this process starts
+    (they join its workdir lock, ``launch.train.workdir_lock``)."""
+    before = os.environ.get(JOB_ENV)
+    os.environ[JOB_ENV] = job
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(JOB_ENV, None)
+        else:
+            os.environ[JOB_ENV] = before
 
 
 def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | None) -> int:
     cluster, train, checkpoint = config.cluster, config.train, config.checkpoint
     metrics_path = train.metrics_path
     prepare_workdir(config)
+    # The chunk channel's secret: a new one per job start, in the workdir (0600),
+    # named to the workers by the environment (unless the user's environment gives one).
+    from capricorn_jax.experimental.multihost import start_job_secret
+
+    os.environ.update(start_job_secret(train.workdir))
     console = Console(verbose=train.verbose)
     plan = config.faults.plan(train.steps)
     injector = FaultInjector(plan, train.workdir, network) if plan else None
