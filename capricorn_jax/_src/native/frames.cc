@@ -21,6 +21,13 @@
 //
 // CapricornReceiveFrames, the receive loop's: the frames of one version read
 // straight into its buffer and checked, one call per run of them (see there).
+// A header's offset, length and rows are checked against the buffer without
+// overflow (frame_rejection, ``integrity.frame_rejection``'s rule: the
+// bounds come from the prelude) before a byte of its body is placed; a frame
+// that fails is refused with its reason in status[1], nothing written.
+//
+// Built with -Wall -Wextra -Werror (``native.build``), and in CI once more
+// under AddressSanitizer and UndefinedBehaviorSanitizer (tests/test_sanitizers.py).
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -31,6 +38,8 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include <vector>
 
 namespace {
 
@@ -93,40 +102,79 @@ bool collective_started(const int64_t* stamps, const int64_t* slots, int nslots,
   return false;
 }
 
+// The stop rule's one decision before a frame (``scheduling.stop_rule.decide``,
+// the same in seconds; tested side by side): with `ahead` the bytes modelled
+// on the link (link_bytes handed over at link_ns, drained at `rate` since),
+// at most what the kernel holds (`kernel`; < 0: unknown).
+enum Decision : int { kSend = 0, kStarted = 1, kClose = 2, kWait = 3 };
+
+Decision stop_rule(bool started, int64_t now, double link_bytes, double link_ns, double kernel,
+                   double nbytes, double rate, int64_t close_ns, double queue_bound,
+                   double* ahead_out) {
+  *ahead_out = 0;
+  if (started) return kStarted;
+  double ahead = link_bytes - rate * (static_cast<double>(now) - link_ns) * 1e-9;
+  if (ahead < 0) ahead = 0;
+  if (kernel >= 0 && kernel < ahead) ahead = kernel;
+  *ahead_out = ahead;
+  if (static_cast<double>(now) + (ahead + nbytes) / rate * 1e9 > static_cast<double>(close_ns))
+    return kClose;
+  if (ahead <= queue_bound) return kSend;
+  return kWait;
+}
+
 }  // namespace
+
+// The stop rule alone (tests hold it to the Python one): the Decision, the
+// bytes ahead in *ahead.
+extern "C" int CapricornStopRule(int started, int64_t now, double link_bytes, double link_ns,
+                                 double kernel, double nbytes, double rate, int64_t close_ns,
+                                 double queue_bound, double* ahead) {
+  return stop_rule(started != 0, now, link_bytes, link_ns, kernel, nbytes, rate, close_ns,
+                   queue_bound, ahead);
+}
 
 // Sends [*lo, hi) of every row as frames of at most per_row bytes per row
 // while the stop rule allows; *lo advances past what was handed over.
 // link[0..1]: bytes modelled ahead on the link and when (ns), updated.
 // log: 3 int64 per frame (handed from, to: ns; bytes), at most max_frames.
+// flip = 1 (fault injection, ``ChunkChannel.flip_version``): the first
+// frame's row 0 leaves with its middle byte flipped after its checksum, from
+// a copy (the rows are the caller's and stay as they are).
 // Returns the frames sent (>= 0), or -errno (-ETIMEDOUT: a wait past
-// timeout_ms), with *lo and the log up to date either way.
+// timeout_ms; -EINVAL: arguments out of range), with *lo and the log up to
+// date either way.
 extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int nrows,
                                        int64_t version, int64_t* lo, int64_t hi, int64_t per_row,
                                        int64_t close_ns, double rate, int64_t queue_bound,
                                        double* link, const int64_t* stamps, const int64_t* slots,
                                        int nslots, int columns, int local_devices,
                                        int64_t floor_ns, int64_t* log, int64_t max_frames,
-                                       int timeout_ms) {
-  if (nrows < 1 || nrows > 64 || per_row < 1) return -EINVAL;
+                                       int timeout_ms, int flip) {
+  if (nrows < 1 || nrows > 64 || per_row < 1 || *lo < 0 || hi < *lo || !(rate > 0) ||
+      (stamps != nullptr && (nslots < 0 || columns < 1 || slots == nullptr)))
+    return -EINVAL;
   int64_t frames = 0;
   iovec iov[65];
+  std::vector<uint8_t> flipped;
   while (*lo < hi && frames < max_frames) {
     const int64_t stop = hi - *lo < per_row ? hi : *lo + per_row;
     const int64_t nbytes = (stop - *lo) * nrows;
     int64_t now;
     for (;;) {
-      if (stamps != nullptr && collective_started(stamps, slots, nslots, columns, local_devices,
-                                                  floor_ns))
-        return frames;
+      const bool started = stamps != nullptr && collective_started(stamps, slots, nslots,
+                                                                   columns, local_devices,
+                                                                   floor_ns);
       now = now_ns();
-      double ahead = link[0] - rate * (now - link[1]) * 1e-9;
-      if (ahead < 0) ahead = 0;
-      int kernel = 0;
-      if (ioctl(fd, SIOCOUTQ, &kernel) == 0 && kernel < ahead) ahead = kernel;
-      if (now + (ahead + nbytes) / rate * 1e9 > close_ns) return frames;
-      if (ahead <= queue_bound) {
-        link[0] = ahead + nbytes;
+      int queued = 0;
+      const double kernel = ioctl(fd, SIOCOUTQ, &queued) == 0 ? queued : -1.0;
+      double ahead = 0;
+      const Decision decision = stop_rule(started, now, link[0], link[1], kernel,
+                                          static_cast<double>(nbytes), rate, close_ns,
+                                          static_cast<double>(queue_bound), &ahead);
+      if (decision == kStarted || decision == kClose) return frames;
+      if (decision == kSend) {
+        link[0] = ahead + static_cast<double>(nbytes);
         link[1] = static_cast<double>(now);
         break;
       }
@@ -144,6 +192,11 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
     iov[0] = {&header, sizeof(header)};
     for (int r = 0; r < nrows; ++r)
       iov[r + 1] = {const_cast<uint8_t*>(rows[r] + *lo), static_cast<size_t>(stop - *lo)};
+    if (flip != 0 && frames == 0) {  // fault injection: corrupted after the checksum
+      flipped.assign(rows[0] + *lo, rows[0] + stop);
+      flipped[flipped.size() / 2] ^= 0xFF;
+      iov[1] = {flipped.data(), flipped.size()};
+    }
     const int failed = send_all(fd, iov, nrows + 1, timeout_ms);
     if (failed != 0) return failed;
     log[3 * frames] = now;
@@ -176,6 +229,21 @@ enum Status : int64_t {
   kDiscarded = 4, // the frame of `header` was read and dropped (no buffer given)
   kFull = 5,      // the log is full
 };
+
+// Why a frame of h cannot go into a buffer of nrows x cols (kFits: it can),
+// ``integrity.frame_rejection``'s checks in its order, none of which can
+// overflow: every bound is checked before a sum or product uses it.
+// nrows < 0: a frame to discard (only the bounds every frame keeps).
+int64_t frame_rejection(const Header& h, int64_t nrows, int64_t cols) {
+  if (h.rows < 1 || h.rows > kMaxRows) return kReject_rows;
+  if (h.offset < 0) return kReject_negative_offset;
+  if (h.length < 0) return kReject_negative_length;
+  if (h.offset > kMaxRowBytes || h.length > kMaxRowBytes) return kReject_too_long;
+  if (nrows < 0) return kFits;
+  if (h.rows != nrows) return kReject_rows;
+  if (h.length > cols - h.offset) return kReject_past_end;
+  return kFits;
+}
 
 // Sets SO_RCVLOWAT to `want` unless *mark already holds it (the channel's
 // record of the mark last set: ``ChunkChannel._mark``).
@@ -217,11 +285,12 @@ int64_t recv_exact(int fd, uint8_t* p, int64_t n, int wait_ms, int64_t* mark, in
 // the call ends at the first header (kHeader). Each wait
 // once a frame began is bounded by timeout_ms. log: 2 int64 per frame read
 // into the buffer and checked (offset, length per row), at most max_frames.
-// status[0]: the Status it ended on.
+// status[2]: [0] the Status it ended on; [1] with -EBADMSG, the Reject code.
 // Returns the frames logged (>= 0) or -errno (-ETIMEDOUT: a frame stalled
 // past timeout_ms; -EPIPE: the peer closed; -EPROTO: a header that fails its
-// own checksum (the stream's framing is lost); -EBADMSG: a frame that does not fit
-// the buffer, its header in `header`), the log up to date either way.
+// own checksum (the stream's framing is lost); -EBADMSG: a frame refused by
+// frame_rejection, its header in `header`, none of its body read; -EINVAL:
+// arguments out of range), the log up to date either way.
 extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base, int nrows,
                                           int64_t stride, int64_t cols, int64_t remaining,
                                           uint8_t* header, int have_header, int discard,
@@ -230,6 +299,10 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
                                           int64_t max_frames, int64_t* status) {
   int64_t frames = 0, got = 0;
   status[0] = kIdle;
+  status[1] = kFits;
+  if (max_frames < 1 || (base != nullptr && (nrows < 1 || cols < 0 ||
+                                              (nrows > 1 && stride < cols))))
+    return -EINVAL;
   bool pending = have_header != 0;
   static thread_local uint8_t scratch[1 << 16];
   for (;;) {
@@ -250,8 +323,12 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
     std::memcpy(&h, header, sizeof(h));
     // The header first: its length and offset are trusted only once it passes.
     if (crc32c(0, header, sizeof(Header) - 4) != h.head_crc) return -EPROTO;
+    // Checked against the buffer only where it would be placed there.
+    const bool place = discard == 0 && base != nullptr && h.version == version;
+    const int64_t refused = frame_rejection(h, place ? nrows : -1, cols);
+    if (refused != kFits) { status[1] = refused; return -EBADMSG; }
     if (discard) {  // dropped: read whole, checked by nobody
-      int64_t left = h.length * h.rows;
+      int64_t left = h.length * h.rows;  // both bounded: no overflow
       while (left > 0) {
         const int64_t n = left < static_cast<int64_t>(sizeof(scratch)) ? left : sizeof(scratch);
         int64_t r = recv_exact(fd, scratch, n, timeout_ms, mark, &got);
@@ -262,11 +339,9 @@ extern "C" int64_t CapricornReceiveFrames(int fd, int64_t version, uint8_t* base
       return frames;
     }
     if (h.version != version || base == nullptr) { status[0] = kHeader; return frames; }
-    if (h.rows != nrows || h.offset < 0 || h.length < 0 || h.offset + h.length > cols)
-      return -EBADMSG;
     uint32_t crc = crc32c(0, header, kFieldBytes);
     for (int r = 0; r < nrows; ++r) {
-      uint8_t* row = base + r * stride + h.offset;
+      uint8_t* row = base + static_cast<int64_t>(r) * stride + h.offset;
       int64_t failed = recv_exact(fd, row, h.length, timeout_ms, mark, &got);
       if (failed < 0) return failed;
       crc = crc32c(crc, row, h.length);

@@ -28,8 +28,16 @@ library by the source's bytes, so a change to either half rebuilds it).
 Alternative not taken: a C++ header shared by file, which the build's hash
 (of ``frames.cc`` alone) would not see change.
 
-``available()`` builds it once per process (``native.build``); a
-``NativeBuildError`` makes it False (said once in the log).
+``available()`` builds it once per process (``native.build``); any
+failure to build or load it makes it False (said once in the log), or an
+error with ``CAPRICORN_REQUIRE_NATIVE=1``. ``CAPRICORN_FRAMES_LIBRARY``
+names a library to load instead (the sanitizer build of the tests).
+
+What goes over to C is checked here first: arrays by dtype, contiguity,
+writability and size, ranges against the rows they index, so the C side
+trusts only what this module vouched for (and re-checks what a peer sends:
+``frame_rejection``). Alternative not taken: the checks in C alone, which
+cannot see a numpy array's dtype or extent behind its pointer.
 """
 
 from __future__ import annotations
@@ -45,7 +53,14 @@ from pathlib import Path
 import numpy as np
 
 from capricorn_jax._src.native import PERF_MINUS_MONOTONIC, Library, cache_dir
-from capricorn_jax._src.native.integrity import HEADER_BYTES, CorruptHeader, native_prelude
+from capricorn_jax._src.native.integrity import (
+    HEADER_BYTES,
+    REJECTIONS,
+    CorruptHeader,
+    FrameRejected,
+    count_rejection,
+    native_prelude,
+)
 
 _LOOPS = Path(__file__).with_name("frames.cc")
 _P = ctypes.c_void_p
@@ -57,7 +72,11 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.CapricornSendWindow.argtypes = [
         ctypes.c_int, _P, ctypes.c_int, _I64, ctypes.POINTER(_I64), _I64, _I64, _I64,
         ctypes.c_double, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64,
-        _P, _I64, ctypes.c_int]
+        _P, _I64, ctypes.c_int, ctypes.c_int]
+    lib.CapricornStopRule.restype = ctypes.c_int
+    lib.CapricornStopRule.argtypes = [
+        ctypes.c_int, _I64, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+        ctypes.c_double, _I64, ctypes.c_double, ctypes.POINTER(ctypes.c_double)]
     lib.CapricornReceiveFrames.restype = _I64
     lib.CapricornReceiveFrames.argtypes = [
         ctypes.c_int, _I64, _P, ctypes.c_int, _I64, _I64, _I64, _P, ctypes.c_int, ctypes.c_int,
@@ -85,8 +104,9 @@ def _source() -> Path:
 
 @functools.cache
 def _library() -> Library:
-    return Library(_source(), "chunk_frames", "the chunk channel's native frame loops",
-                   "the chunk channel's frames go through Python", _configure)
+    return Library(_source, "chunk_frames", "the chunk channel's native frame loops",
+                   "the chunk channel's frames go through Python", _configure,
+                   override_env="CAPRICORN_FRAMES_LIBRARY")
 
 
 def load() -> ctypes.CDLL:
@@ -103,16 +123,28 @@ def crc32c(data: np.ndarray, crc: int = 0, tables: bool = False) -> int:
     """The native CRC32C of a contiguous uint8 array, continuing ``crc``
     (tests hold it to ``native.integrity.crc32c``); ``tables``: by the
     slicing-by-8 tables even where the CPU has the instruction."""
-    data = np.ascontiguousarray(data, np.uint8)
+    data = np.ascontiguousarray(data, np.uint8).reshape(-1)
     fn = load().CapricornCrc32cTables if tables else load().CapricornCrc32c
     return int(fn(crc, data.ctypes.data, data.size))
+
+
+def _check_array(name: str, a: np.ndarray, dtype: type, ndim: int,
+                 writeable: bool = False) -> None:
+    """Raises ValueError unless ``a`` is a C-contiguous ``ndim``-D ``dtype``
+    array (writeable if asked): what a raw pointer to it may assume."""
+    if (not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim
+            or not a.flags.c_contiguous or (writeable and not a.flags.writeable)):
+        raise ValueError(f"{name} must be a C-contiguous {ndim}-D {np.dtype(dtype).name} array"
+                         f"{' (writeable)' if writeable else ''}, got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
 
 
 def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
                 closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                 start_edges: tuple[np.ndarray, np.ndarray, int, float] | None,
-                timeout_s: float) -> tuple[int, list[tuple[float, float, int]],
-                                           tuple[float, float], BaseException | None]:
+                timeout_s: float, flip: bool = False
+                ) -> tuple[int, list[tuple[float, float, int]], tuple[float, float],
+                           BaseException | None]:
     """Sends bytes [lo, hi) of every row (1-D contiguous uint8, one per local
     device) as frames of at most ``per_row`` bytes per row, while the stop
     rule allows (``frames.cc``).
@@ -120,27 +152,40 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     Args:
       fd: the chunk channel's sending socket.
       closes: the window's planned close (perf_counter seconds).
-      rate: the link's rate for all rows (bytes per second).
+      rate: the link's rate for all rows (bytes per second, > 0).
       queue_bound: the most bytes ahead on the link before a frame.
       link: (bytes modelled ahead on the link, when: perf_counter seconds).
       start_edges: (the mark table's stamps [sites, devices] int64, the
-        collectives' start slots int64, local devices, the floor: monotonic
-        ns); None: no collective stops the window.
+        collectives' start slots int64 (sites), local devices, the floor:
+        monotonic ns); None: no collective stops the window.
       timeout_s: bound on each wait for the socket.
+      flip: fault injection: the first frame leaves with a byte of its row 0
+        flipped after its checksum (``ChunkChannel.flip_version``).
 
     Returns:
       (where it stopped, the frames (handed from, to: perf_counter seconds;
       bytes), the link model after them, the error that ended it or None).
+
+    Raises:
+      ValueError: an argument the native loop would read out of place: rows
+        that are not 1-D contiguous uint8 (1 to 64 of them), ``lo < 0``, ``hi``
+        past a row, a bad mark table or a slot outside it.
     """
     lib = load()
-    if not rows or any(r.dtype != np.uint8 or r.ndim != 1 or not r.flags.c_contiguous
-                       for r in rows):
-        raise ValueError("rows must be 1-D contiguous uint8 arrays")
+    if not 1 <= len(rows) <= 64:
+        raise ValueError(f"send_window takes 1 to 64 rows, got {len(rows)}")
+    for r in rows:
+        _check_array("a row", r, np.uint8, 1)
+    if not 0 <= lo <= hi <= min(r.size for r in rows):
+        raise ValueError(f"bytes [{lo}, {hi}) are not inside rows of "
+                         f"{min(r.size for r in rows)} bytes")
+    if per_row < 1 or not rate > 0:
+        raise ValueError(f"per_row={per_row} and rate={rate} must be positive")
     offset = PERF_MINUS_MONOTONIC
     pointers = (_P * len(rows))(*[r.ctypes.data for r in rows])
     cursor = _I64(lo)
     state = np.array([link[0], (link[1] - offset) * 1e9], np.float64)
-    most = (hi - lo) // max(1, per_row) + 2
+    most = (hi - lo) // per_row + 2
     frames_log = np.zeros((most, 3), np.int64)
     if start_edges is None:
         stamps_p = slots_p = None
@@ -148,13 +193,18 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
         floor = 0
     else:
         stamps, slots, local, floor_ns = start_edges
+        _check_array("the mark table's stamps", stamps, np.int64, 2)
+        _check_array("the start slots", slots, np.int64, 1)
+        if stamps.shape[1] < 1 or not np.all((slots >= 0) & (slots < stamps.shape[0])):
+            raise ValueError(f"start slots {slots.tolist()} are not rows of a mark table of "
+                             f"{stamps.shape}")
         stamps_p, slots_p = stamps.ctypes.data, slots.ctypes.data
         nslots, columns, floor = len(slots), stamps.shape[1], int(floor_ns)
     done = lib.CapricornSendWindow(
         fd, pointers, len(rows), version, ctypes.byref(cursor), hi, per_row,
         int((closes - offset) * 1e9), float(rate), queue_bound, state.ctypes.data, stamps_p,
         slots_p, nslots, columns, local, floor, frames_log.ctypes.data, most,
-        max(1, int(timeout_s * 1000)))
+        max(1, int(timeout_s * 1000)), int(flip))
     error: BaseException | None = None
     count = int(done)
     if done < 0:
@@ -168,9 +218,27 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     return int(cursor.value), frames, (float(state[0]), state[1] / 1e9 + offset), error
 
 
+# The stop rule's decisions (frames.cc's Decision; ``scheduling.stop_rule``'s).
+SEND, STARTED, CLOSE, WAIT = range(4)
+
+
+def stop_rule(started: bool, now_ns: int, link: tuple[float, float], kernel: int | None,
+              nbytes: int, rate: float, close_ns: int, queue_bound: int) -> tuple[int, float]:
+    """The native loop's decision before a frame, alone (for tests held to
+    ``scheduling.stop_rule.decide``): (SEND, STARTED, CLOSE or WAIT, the
+    bytes modelled ahead on the link). ``link``: (bytes, when: ns)."""
+    ahead = ctypes.c_double(0.0)
+    decision = load().CapricornStopRule(int(started), now_ns, link[0], link[1],
+                                        -1.0 if kernel is None else float(kernel),
+                                        float(nbytes), float(rate), close_ns, float(queue_bound),
+                                        ctypes.byref(ahead))
+    return int(decision), float(ahead.value)
+
+
 # How a ``receive_frames`` call ended (frames.cc's Status).
 COVERED, HEADER, IDLE, CORRUPT, DISCARDED, FULL = range(6)
-__all__ = ["HEADER_BYTES", "available", "crc32c", "load", "receive_frames", "send_window"]
+__all__ = ["HEADER_BYTES", "available", "crc32c", "load", "receive_frames", "send_window",
+           "stop_rule"]
 
 
 def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: int,
@@ -196,14 +264,29 @@ def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: 
       frames read and checked: [k, 2] (offset, length per row), a copy; the
       error that ended it or None: TimeoutError for a frame stalled past the
       bound, ConnectionError for a closed peer, ``CorruptHeader`` for a header
-      that fails its own checksum, ValueError for a frame that does not fit
-      ``target``).
+      that fails its own checksum, ``FrameRejected`` for a frame refused by
+      ``integrity.frame_rejection`` (nothing of it written; counted)).
+
+    Raises:
+      ValueError: an array the native loop would read or write out of place
+        (``header``, ``mark``, ``log`` or ``target`` of the wrong dtype,
+        shape, layout or size, or not writeable).
     """
     lib = load()
-    if target is not None and (target.dtype != np.uint8 or target.ndim != 2
-                               or target.strides[1] != 1):
-        raise ValueError("target must be a [rows, bytes] uint8 array with contiguous rows")
-    status = np.zeros(1, np.int64)
+    _check_array("header", header, np.uint8, 1, writeable=True)
+    _check_array("mark", mark, np.int64, 1, writeable=True)
+    _check_array("log", log, np.int64, 2, writeable=True)
+    if header.size != HEADER_BYTES or mark.size < 1 or log.shape[0] < 1 or log.shape[1] != 2:
+        raise ValueError(f"header of {header.size} bytes (not {HEADER_BYTES}), mark of "
+                         f"{mark.size}, or log of {log.shape} (not [n >= 1, 2])")
+    if target is not None and (not isinstance(target, np.ndarray) or target.dtype != np.uint8
+                               or target.ndim != 2 or target.shape[0] < 1
+                               or target.strides[1] != 1 or not target.flags.writeable
+                               or (target.shape[0] > 1
+                                   and target.strides[0] < target.shape[1])):
+        raise ValueError("target must be a writeable [rows >= 1, bytes] uint8 array with "
+                         "contiguous rows that do not overlap")
+    status = np.zeros(2, np.int64)
     rows, stride, cols = ((0, 0, 0) if target is None
                           else (target.shape[0], target.strides[0], target.shape[1]))
     done = lib.CapricornReceiveFrames(
@@ -219,9 +302,12 @@ def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: 
     elif code == errno.EPIPE:
         error = ConnectionError("the peer closed the connection")
     elif code == errno.EPROTO:
+        count_rejection("header_checksum")
         error = CorruptHeader("a frame header fails its checksum")
     elif code == errno.EBADMSG:
-        error = ValueError("a frame does not fit its version's buffer")
+        reason = REJECTIONS[int(status[1]) - 1] if 1 <= status[1] <= len(REJECTIONS) else "?"
+        count_rejection(reason)
+        error = FrameRejected(reason, "a frame does not fit its version's buffer")
     else:
         error = ConnectionError(f"receiving a frame failed: {os.strerror(code)}")
     return -1, np.zeros((0, 2), np.int64), error

@@ -45,13 +45,24 @@ body raises the channel's ``CorruptFrame`` for that version alone (the
 length was trusted, so the next frame is read). The native frame loops get
 the header's C layout from ``HEADER_FIELDS`` (``native_prelude``), so there
 is one definition of it.
+
+A header that passes its checksum is still a peer's word: before a byte of
+its body is placed, ``frame_rejection`` checks its rows, offset and length
+against the buffer, each bound before any sum or product uses it (the
+native loop's int64 ``offset + length`` once wrapped past a row). A frame
+that fails raises ``FrameRejected`` naming the reason (``REJECTIONS``),
+counted per process (``rejected_frames``); the connection is refused with
+it. Alternative not taken: skipping such a frame and reading on, which would
+trust the length of a header already shown to lie.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -73,6 +84,19 @@ MAGIC = b"CJX3"
 no checksum, CJX2 a zlib CRC-32 of the rows alone; CJX3 this header."""
 
 
+MAX_ROWS = 4096
+"""The most rows (local devices) a frame may carry: a header naming more is refused."""
+MAX_ROW_BYTES = 1 << 48
+"""The largest offset or length per row a header may name (256 TiB): a bound
+far past any buffer, which keeps ``rows * length`` and ``offset + length``
+inside int64 on every path."""
+REJECTIONS = ("rows", "negative_offset", "negative_length", "too_long", "past_end")
+"""Why a frame whose header passed its checksum is refused, in the order
+checked (``frame_rejection``; the native loop's ``Reject`` codes are their
+index + 1): rows outside [1, ``MAX_ROWS``] or not the buffer's, an offset or
+length below 0, one past ``MAX_ROW_BYTES``, bytes past the buffer's end."""
+
+
 class Frame(NamedTuple):
     version: int
     offset: int
@@ -84,6 +108,57 @@ class Frame(NamedTuple):
 class CorruptHeader(ConnectionError):
     """A frame header that fails its own CRC32C: its length cannot be
     trusted, so neither can the rest of the stream."""
+
+
+class FrameRejected(ValueError):
+    """A frame whose header passed its checksum and names bytes this host
+    will not place (``reason``: one of ``REJECTIONS``); the connection is
+    refused (its next bytes cannot be trusted to be a header)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{message} (refused: {reason})")
+        self.reason = reason
+
+
+_COUNT_LOCK = threading.Lock()
+_REJECTED: collections.Counter[str] = collections.Counter()
+
+
+def count_rejection(reason: str) -> None:
+    """Counts one refused frame or header (``rejected_frames``)."""
+    with _COUNT_LOCK:
+        _REJECTED[reason] += 1
+
+
+def rejected_frames() -> dict[str, int]:
+    """Frames refused in this process so far, by reason (``REJECTIONS``, and
+    ``header_checksum`` for a header that fails its own CRC32C)."""
+    with _COUNT_LOCK:
+        return dict(_REJECTED)
+
+
+def frame_rejection(frame_rows: int, offset: int, length: int, rows: int | None = None,
+                    cols: int | None = None) -> str | None:
+    """Why a frame of ``frame_rows`` x ``length`` bytes at ``offset`` cannot
+    be placed in a [rows, cols] buffer (None: it can), without overflow in
+    any order of evaluation; ``rows`` None (a frame to discard): only the
+    bounds every frame keeps. The native loop applies the same rule
+    (``frames.cc:frame_rejection``, tested side by side)."""
+    if not 1 <= frame_rows <= MAX_ROWS:
+        return "rows"
+    if offset < 0:
+        return "negative_offset"
+    if length < 0:
+        return "negative_length"
+    if offset > MAX_ROW_BYTES or length > MAX_ROW_BYTES:
+        return "too_long"
+    if rows is None or cols is None:
+        return None
+    if frame_rows != rows:
+        return "rows"
+    if length > cols - offset:
+        return "past_end"
+    return None
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
@@ -117,6 +192,7 @@ def read_header(raw: Any) -> Frame:
     raw = bytes(raw)
     *fields, head_crc = HEADER.unpack(raw)
     if crc32c(raw[:HEADER_BYTES - 4]) != head_crc:
+        count_rejection("header_checksum")
         raise CorruptHeader(f"a frame header fails its checksum (fields as received: "
                             f"{fields[:4]})")
     return Frame(*fields)
@@ -351,14 +427,20 @@ inline uint32_t crc32c(uint32_t crc, const uint8_t* p, int64_t n) {
 
 
 def native_prelude() -> str:
-    """C++ that defines ``Header`` (``HEADER_FIELDS``' layout, packed) and
-    ``capricorn_integrity::crc32c``: what ``native.frames`` compiles its
-    loops after, so the header and the checksum have one definition."""
+    """C++ that defines ``Header`` (``HEADER_FIELDS``' layout, packed),
+    ``capricorn_integrity::crc32c`` and the bounds of ``frame_rejection``
+    (``kMaxRows``, ``kMaxRowBytes``, the ``Reject`` codes of
+    ``REJECTIONS``): what ``native.frames`` compiles its loops after, so the
+    header, the checksum and the bounds have one definition."""
     fields = "\n".join(f"  {ctype} {name};" for name, _, ctype in HEADER_FIELDS)
+    reasons = "\n".join(f"  kReject_{name} = {i + 1}," for i, name in enumerate(REJECTIONS))
     return (f"// Generated by capricorn_jax._src.native.integrity: do not edit.\n"
             f"#include <cstdint>\n#include <cstring>\n"
             f"#define POLY 0x{POLY:08X}u\n"
             f"{_CRC_SOURCE}\n#undef POLY\n"
             f"#pragma pack(push, 1)\nstruct Header {{\n{fields}\n}};\n#pragma pack(pop)\n"
             f"static_assert(sizeof(Header) == {HEADER_BYTES}, \"the frame header\");\n"
-            f"constexpr int64_t kFieldBytes = {FIELD_BYTES};\n")
+            f"constexpr int64_t kFieldBytes = {FIELD_BYTES};\n"
+            f"constexpr int64_t kMaxRows = {MAX_ROWS};\n"
+            f"constexpr int64_t kMaxRowBytes = {MAX_ROW_BYTES}LL;\n"
+            f"enum Reject : int64_t {{\n  kFits = 0,\n{reasons}\n}};\n")

@@ -6,7 +6,9 @@
 // Python owns the tables (numpy int64 arrays) and binds them here by address:
 // stamps[site * devices + device] (ns) and queued[...] (the chunk channel's
 // unacknowledged bytes at the mark, SIOCOUTQ on the bound socket; -1 unknown).
-// A mark of an unbound table, or outside its bounds, stamps nothing.
+// A mark of an unbound table, or outside its bounds, stamps nothing; a bind
+// with null tables or negative extents is refused (``marks.py`` checks the
+// arrays' dtype, layout and shape before their addresses come here).
 #include <atomic>
 #include <cstdint>
 #include <ctime>
@@ -33,7 +35,9 @@ Table g_tables[kTables];
 
 extern "C" int CapricornMarksBind(int table, int64_t* stamps, int64_t* queued, int64_t sites,
                                   int64_t devices, int eventfd) {
-  if (table < 0 || table >= kTables) return -1;
+  if (table < 0 || table >= kTables || stamps == nullptr || queued == nullptr || sites < 0 ||
+      devices < 0 || (devices > 0 && sites > INT64_MAX / devices))
+    return -1;
   Table& t = g_tables[table];
   t.stamps.store(nullptr, std::memory_order_release);
   t.queued.store(queued, std::memory_order_relaxed);
@@ -60,7 +64,9 @@ extern "C" int CapricornMarksUnbind(int table) {
 
 static ffi::Error WindowMark(ffi::Buffer<ffi::F32> tag, ffi::Result<ffi::Buffer<ffi::F32>> out,
                              int64_t table, int64_t site) {
+  if (out->element_count() < 1) return ffi::Error::InvalidArgument("a mark returns a scalar");
   out->typed_data()[0] = 0.0f;
+  if (tag.element_count() < 1) return ffi::Error::Success();
   if (table < 0 || table >= kTables) return ffi::Error::Success();
   Table& t = g_tables[table];
   int64_t* stamps = t.stamps.load(std::memory_order_acquire);

@@ -48,6 +48,7 @@ _FREE = list(range(TABLES))  # tables not bound (under _LOCK)
 
 
 def _configure(lib: ctypes.CDLL) -> None:
+    lib.CapricornMarksBind.restype = ctypes.c_int
     lib.CapricornMarksBind.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.CapricornMarksSocket.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -101,9 +102,14 @@ class MarkTable:
                             "run as Python host callbacks", TABLES)
             else:
                 self._lib = load()
-                self._lib.CapricornMarksBind(self.id, self.stamps.ctypes.data,
-                                             self.queued.ctypes.data, sites, devices,
-                                             self.eventfd)
+                for a in (self.stamps, self.queued):  # what the handler's pointers assume
+                    if (a.dtype != np.int64 or a.shape != (sites, devices)
+                            or not a.flags.c_contiguous):
+                        raise ValueError(f"a mark table of {a.dtype} {a.shape}")
+                if self._lib.CapricornMarksBind(self.id, self.stamps.ctypes.data,
+                                                self.queued.ctypes.data, sites, devices,
+                                                self.eventfd) != 0:
+                    raise ValueError(f"the native marks refused a table of {sites} x {devices}")
 
     @property
     def native(self) -> bool:

@@ -21,7 +21,12 @@ rows, the header's own CRC32C) is checked before its offset or length is
 trusted (a corrupt header ends the receive with ``CorruptHeader``, a
 ``ConnectionError``: the stream lost its framing), and its rows as placed
 in the version's buffer are checked against the CRC32C the sender took
-before they left (a mismatch: ``CorruptFrame``, that version dropped).
+before they left (a mismatch: ``CorruptFrame``, that version dropped). A
+header that passes its checksum and still names bytes outside the version's
+buffer (rows, a negative offset or length, an end past the buffer:
+``integrity.frame_rejection``, the native loop's rule too) is refused before
+a byte of it is placed: ``integrity.FrameRejected``, counted by reason
+(``integrity.rejected_frames``), and the connection with it.
 
 The sender and receiver threads that use it, and why the bytes leave the XLA
 program at all: ``scheduling.threaded``.
@@ -312,6 +317,24 @@ class ChunkChannel:
             self._closed.wait(seconds)  # a hung connection: nothing leaves (until closed)
         _send_all(self.out, [header, *views])
 
+    def send_window(self, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
+                    closes: float, rate: float, queue_bound: int, link: tuple[float, float],
+                    edges: tuple[np.ndarray, np.ndarray, int, float] | None
+                    ) -> tuple[int, list[tuple[float, float, int]], tuple[float, float],
+                               BaseException | None]:
+        """``native.frames.send_window`` on the sending socket (the deadline
+        sender's native loop), with the channel's corrupt-frame fault
+        (``flip_version``) applied there as in ``send``, after its checksum."""
+        flip = self.flip_version is not None and version >= self.flip_version
+        out = native_frames.send_window(self.out.fileno(), rows, version, lo, hi, per_row,
+                                        closes, rate, queue_bound, link, edges, self.timeout_s,
+                                        flip=flip)
+        if flip and out[1]:  # a frame left flipped
+            self.flip_version = None
+            if self.on_flip is not None:
+                self.on_flip(version)
+        return out
+
     def out_fileno(self) -> int | None:
         """The sending socket's descriptor (the native marks sample its queue), or None."""
         try:
@@ -410,12 +433,7 @@ class ChunkChannel:
             fd, version, target, remaining(version) if target is not None else 0, self._head,
             True, target is None, idle_s, self.timeout_s, self._mark, self._log)
         self._have_head = status == native_frames.HEADER
-        if isinstance(error, ValueError) and target is not None:
-            version, offset, length, rows, _, _ = _HEADER.unpack(self._head.tobytes())
-            raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at {offset} "
-                             f"from host {self.source} does not fit version {version}'s "
-                             f"{target.shape}")
-        self._raise(error)
+        self._raise(error, None if target is None else target.shape)
         if status == native_frames.DISCARDED:
             return [(version, offset, length)]
         got = [(version, int(o), int(n)) for o, n in frames]
@@ -429,8 +447,13 @@ class ChunkChannel:
             self._corrupt = corrupt
         return got
 
-    def _raise(self, error: BaseException | None) -> None:
-        """A native receive's error, named after this channel's ends."""
+    def _raise(self, error: BaseException | None, shape: tuple[int, ...] | None = None) -> None:
+        """A native receive's error, named after this channel's ends (a
+        refused frame's after its header, in ``_head``, and ``shape``)."""
+        if isinstance(error, integrity.FrameRejected):
+            version, offset, length, rows, _, _ = _HEADER.unpack(self._head.tobytes())
+            raise integrity.FrameRejected(error.reason, self._misfit(version, offset, length,
+                                                                     rows, shape))
         if isinstance(error, TimeoutError):
             raise TimeoutError(f"host {self.host}: host {self.source} stopped mid-frame for "
                                f"over {self.timeout_s:g}s") from None
@@ -447,19 +470,23 @@ class ChunkChannel:
         except integrity.CorruptHeader as e:
             raise integrity.CorruptHeader(f"host {self.host}: from host {self.source}: {e}; "
                                           f"the channel cannot be read on") from None
-        target = buffers(version)
+        # Bounds every frame keeps, before anything waits on its version.
+        why = integrity.frame_rejection(rows, offset, length)
+        target = None if why is not None else buffers(version)
+        if target is not None:
+            why = integrity.frame_rejection(rows, offset, length, *target.shape)
+        if why is not None:
+            integrity.count_rejection(why)
+            raise integrity.FrameRejected(why, self._misfit(
+                version, offset, length, rows, None if target is None else target.shape))
         if target is None:
             scratch = memoryview(bytearray(min(max(length, 1), 1 << 20)))
-            left = rows * length
-            while left:
+            left = rows * length  # both bounded (frame_rejection)
+            while left > 0:
                 n = min(left, len(scratch))
                 _recv_exact(self.inc, scratch[:n], self._mark)
                 left -= n
             return version, offset, length
-        if rows != target.shape[0] or offset + length > target.shape[1]:
-            raise ValueError(f"host {self.host}: a frame of {rows} x {length} bytes at "
-                             f"{offset} from host {self.source} does not fit version "
-                             f"{version}'s {target.shape}")
         got = integrity.crc32c(header[:integrity.FIELD_BYTES])
         for r in range(rows):  # checked as placed
             _recv_exact(self.inc, target[r, offset:offset + length].data, self._mark)
@@ -470,6 +497,13 @@ class ChunkChannel:
                                         f"{self.source} fails its checksum (CRC32C "
                                         f"{got:#010x}, sent {crc:#010x})")
         return version, offset, length
+
+    def _misfit(self, version: int, offset: int, length: int, rows: int,
+                shape: tuple[int, ...] | None) -> str:
+        """What a refused frame's error says."""
+        where = f"version {version}'s {shape}" if shape is not None else "any buffer"
+        return (f"host {self.host}: a frame of {rows} x {length} bytes at {offset} from host "
+                f"{self.source} does not fit {where}")
 
     def measure(self, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22), repeats: int = 3,
                 rows: int = 1) -> tuple[list[int], list[float]]:

@@ -65,6 +65,7 @@ from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native.integrity import Coverage
 from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
+from capricorn_jax._src.scheduling import stop_rule
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
 from capricorn_jax._src.scheduling.partitioner import Schedule
@@ -86,7 +87,7 @@ all-to-alls 61 ms per step above none's, steady 1.135x; 24 KiB with 8 KiB,
 24 ms and 1.098x, for 24 ms more sender CPU per step (the frames' Python)."""
 QUEUE_BYTES = 8 << 10
 """The most chunk bytes the deadline sender leaves on its link before it
-hands over the next frame (``_on_link``): on a first-in-first-out link what
+hands over the next frame (``stop_rule.ahead``): on a first-in-first-out link what
 is queued when a collective begins goes before it. TCP alone keeps a
 congestion window of the link's queue there (156-191 KB measured at a
 collective's start on the 0.0787 Gbit/s links, 16-20 ms)."""
@@ -179,7 +180,7 @@ class ThreadedSender:
         if queue_bytes < 0:
             raise ValueError(f"queue_bytes={queue_bytes} must be >= 0")
         self.queue_bytes = queue_bytes
-        self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``_on_link``
+        self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``stop_rule``
         self.native_send = native_send and deadline and native_frames.available()
         self.native_receive = native_receive and native_frames.available()
         if hold_tail < 0:
@@ -451,8 +452,7 @@ class ThreadedSender:
         channel has no deadline: ``start``). Returns the ranges left (to
         carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
-        if (closes is not None and rate > 0 and self.native_send
-                and channel.flip_version is None and channel.stall_at is None):
+        if closes is not None and rate > 0 and self.native_send and channel.stall_at is None:
             return self._send_native(channel, entry, local, site, ranges, closes, rate, opened,
                                      per_row)
         left = list(ranges)
@@ -461,21 +461,22 @@ class ThreadedSender:
             stop = min(hi, lo + per_row) if closes is not None else hi
             nbytes = (stop - lo) * len(local)
             if closes is not None and rate > 0:
-                while True:
-                    if opened is not None and self.marks.collective_started(opened):
-                        return left
+                while True:  # the rule: ``stop_rule`` (native: ``frames.cc``, the same)
                     now = time.perf_counter()
-                    queued = self._on_link(channel, rate, now)
-                    if now + (queued + nbytes) / rate > closes:
-                        return left
-                    if queued <= self.queue_bytes:
+                    rule, queued = stop_rule.decide(
+                        opened is not None and self.marks.collective_started(opened), now,
+                        self._link, channel.queued_bytes(), nbytes, rate, closes,
+                        self.queue_bytes)
+                    if rule == stop_rule.SEND:
                         break
+                    if rule != stop_rule.WAIT:
+                        return left
                     # Until the link drained to the bound, or a mark (a
                     # collective's start among them) wakes the thread.
                     self.marks.table.wait(min((queued - self.queue_bytes) / rate, closes - now))
             t_frame = time.perf_counter()
             if rate > 0:
-                self._link = (self._on_link(None, rate, t_frame) + nbytes, t_frame)
+                self._link = (stop_rule.ahead(t_frame, self._link, None, rate) + nbytes, t_frame)
             channel.send(entry.version, lo, [row[lo:stop] for row in local])
             entry.frames.append((site, t_frame, time.perf_counter(), nbytes, origin))
             if stop < hi:
@@ -495,9 +496,9 @@ class ThreadedSender:
         while left:
             origin, lo, hi = left[0]
             edges = None if opened is None else self.marks.start_edges(opened)
-            stop, frames, self._link, error = native_frames.send_window(
-                channel.out.fileno(), rows, entry.version, lo, hi, per_row, closes, rate,
-                self.queue_bytes, self._link, edges, channel.timeout_s)
+            stop, frames, self._link, error = channel.send_window(
+                rows, entry.version, lo, hi, per_row, closes, rate, self.queue_bytes, self._link,
+                edges)
             entry.frames.extend((site, t0, t1, n, origin) for t0, t1, n in frames)
             if error is not None:
                 raise error
@@ -506,20 +507,6 @@ class ThreadedSender:
                 return left
             left.pop(0)
         return []
-
-    def _on_link(self, channel: ChunkChannel | None, rate: float, now: float) -> float:
-        """The chunk bytes still ahead on this host's link at ``now``: what
-        the frames handed over would leave queued at the link's rate (a
-        model), at most what the kernel holds unacknowledged (``SIOCOUTQ``,
-        with ``channel``). Why both: on a first-in-first-out link the peer's
-        acknowledgements queue behind the peer's own chunk bytes, so the
-        kernel's count stays high for that long after the bytes left (waiting
-        for it starved the windows: 38 of 205 KB sent in one); the model
-        alone would miss a link slower than measured."""
-        queued, since = self._link
-        model = max(0.0, queued - rate * (now - since))
-        kernel = None if channel is None else channel.queued_bytes()
-        return model if kernel is None else min(model, float(kernel))
 
     def _buffer(self, version: int) -> np.ndarray | None:
         """The buffer of a frame of ``version``; None (discard the frame) for a

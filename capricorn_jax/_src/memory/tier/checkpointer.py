@@ -380,11 +380,10 @@ class InMemoryCheckpointer(StatusRound):
     def busy_hosts(self) -> tuple[int, ...]:
         """The hosts whose writers were still busy with an earlier version at
         the last status round gathered (the same on every host)."""
-        if self._last_statuses is None:
+        per_host = self._statuses()  # decoded and checked (``status_round``)
+        if per_host is None:
             return ()
-        rows = np.asarray(self._last_statuses)
-        busy = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)], 2 * self.hosts + 1]
-        return tuple(int(h) for h in np.flatnonzero(busy))
+        return tuple(int(h) for h in np.flatnonzero(per_host[:, 2 * self.hosts + 1]))
 
     def took(self, step: int) -> bool:
         """Whether this host took its own version ``step``: its copy is held or

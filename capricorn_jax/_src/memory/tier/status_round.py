@@ -14,6 +14,16 @@ at the same save (``_roll_back_lost``). Removals are decided
 between reading and reporting (``_decide_removals``, in ``_begin_save``'s
 order: ``retention``).
 
+The gathered rows are decoded once per round and checked before any field
+is acted on (``decode_statuses``: the width, every host's row, versions >=
+-1, masks inside ``MASK_BITS``, a store size >= 0, flags 0 or 1). A round
+that fails is a counted, named rejection (``status_rejections``, a warning
+naming the host and the field), and is read as no round: every host
+gathered the same rows, so every host skips it alike and the previous safe
+version stays. Alternative not taken: trusting the rows because the job's
+own collective carried them (a mismatched build or a corrupted row would
+index past the vector or adopt a wild safe version).
+
 Design choice: a base class of ``InMemoryCheckpointer`` that reads the
 records of its writers component (``writers``: a ``writers.VersionWriters``,
 whose ``held``, ``newest``, ``lock`` and queues are its public state) and
@@ -47,6 +57,46 @@ unconfirmed version may be reported under-replicated (with the wall bound)."""
 
 log = logging.getLogger("capricorn_jax")
 
+STATUS_TAIL = 6
+"""Fields after the held pairs: store KiB, busy, note, channel lost, lost newest, lost mask."""
+
+
+class StatusRejected(ValueError):
+    """A gathered status round that cannot be read (``reason``: ``shape``,
+    ``version``, ``mask``, ``store_kib`` or ``flag``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{message} (refused: {reason})")
+        self.reason = reason
+
+
+def decode_statuses(rows: Any, hosts: int, positions: list[int]) -> np.ndarray:
+    """Every host's status vector, [hosts, 2 * hosts + ``STATUS_TAIL``] int64,
+    from the gathered rows (one per device; ``positions``: each host's first
+    device's), checked field by field.
+
+    Raises:
+      StatusRejected: a row or field out of range (see the module docstring).
+    """
+    a = np.asarray(rows)
+    width = 2 * hosts + STATUS_TAIL
+    if (a.ndim != 2 or a.shape[1] != width or a.dtype.kind not in "iu" or len(positions) != hosts
+            or any(not 0 <= p < a.shape[0] for p in positions)):
+        raise StatusRejected("shape", f"gathered statuses of {a.dtype} {a.shape}, not rows of "
+                                      f"{width} integers with hosts at {positions}")
+    per_host = a[positions].astype(np.int64)
+    h, top = hosts, 1 << retention.MASK_BITS
+    checks = (("version", per_host[:, list(range(h)) + [2 * h + 4]] < -1),
+              ("mask", (per_host[:, list(range(h, 2 * h)) + [2 * h + 5]] < 0)
+               | (per_host[:, list(range(h, 2 * h)) + [2 * h + 5]] >= top)),
+              ("store_kib", per_host[:, [2 * h]] < 0),
+              ("flag", ~np.isin(per_host[:, [2 * h + 1, 2 * h + 3]], (0, 1))))
+    for reason, bad in checks:
+        if bad.any():
+            host = int(np.flatnonzero(bad.any(axis=1))[0])
+            raise StatusRejected(reason, f"host {host}'s status vector {per_host[host].tolist()}")
+    return per_host
+
 
 class StatusRound:
     """The status round over the writers' records (see the module docstring);
@@ -74,6 +124,31 @@ class StatusRound:
     _rounds_since: dict[int, int]
     _last_statuses: Any
     _store_bytes: int
+    _decoded: tuple[Any, np.ndarray | None] | None = None  # (rows, decoded) of the last round
+    _rejections: dict[str, int] | None = None
+
+    @property
+    def status_rejections(self) -> dict[str, int]:
+        """Gathered status rounds refused so far, by reason (``decode_statuses``)."""
+        return dict(self._rejections or {})
+
+    def _statuses(self) -> np.ndarray | None:
+        """The previous round's statuses per host, decoded and checked once
+        (None: no round yet, or one refused: counted and logged)."""
+        rows = self._last_statuses
+        if rows is None:
+            return None
+        if self._decoded is None or self._decoded[0] is not rows:
+            try:
+                decoded: np.ndarray | None = decode_statuses(
+                    rows, self.hosts, [self.plan.host_positions(h)[0] for h in range(self.hosts)])
+            except StatusRejected as e:
+                self._rejections = self._rejections or {}
+                self._rejections[e.reason] = self._rejections.get(e.reason, 0) + 1
+                log.warning("host %d: a status round refused: %s; read as no round", self.host, e)
+                decoded = None
+            self._decoded = (rows, decoded)
+        return self._decoded[1]
 
     def _decide_removals(self) -> None:
         """Marks what each owner's store no longer keeps (training thread, after
@@ -140,18 +215,17 @@ class StatusRound:
     def channel_lost_anywhere(self) -> bool:
         """Whether some host's status vector, as of the previous round, said its
         chunk channel was lost (the same answer on every host)."""
-        if self._last_statuses is None:
-            return False
-        return bool(np.asarray(self._last_statuses)[:, 2 * self.hosts + 3].any())
+        per_host = self._statuses()
+        return per_host is not None and bool(per_host[:, 2 * self.hosts + 3].any())
 
     def _over_budget(self) -> bool:
         """Whether this version is skipped: under a cost budget, some host's
         writers were busy at the previous save (the same answer on every host:
         it reads the all-gathered statuses)."""
-        if self.options.max_wait_s is None or self._last_statuses is None:
+        per_host = self._statuses()
+        if self.options.max_wait_s is None or per_host is None:
             return False
-        rows = np.asarray(self._last_statuses)
-        return bool(rows[:, 2 * self.hosts + 1].any())
+        return bool(per_host[:, 2 * self.hosts + 1].any())
 
     def _begin_save(self) -> tuple[SaveReport, np.ndarray]:
         with self.clock.phase("status_read"):
@@ -167,10 +241,9 @@ class StatusRound:
         report = SaveReport(step=-1, bytes=0, store_bytes=self._store_bytes,
                             committed=self.writers.newest[self.host], safe_version=self._safe,
                             under_replicated=[], skipped=False)
-        if self._last_statuses is None:
+        per_host = self._statuses()
+        if per_host is None:
             return report
-        rows = np.asarray(self._last_statuses)
-        per_host = rows[[self.plan.host_positions(h)[0] for h in range(self.hosts)]]
         h = self.hosts
         report.store_kib_per_host = [int(x) for x in per_host[:, 2 * h]]  # then: busy
         self.agreed_note = int(per_host[0, 2 * h + 2])
