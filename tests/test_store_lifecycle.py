@@ -5,6 +5,7 @@ listing and pruning the jobs' stores (capricorn_jax.stores)."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import os
 import re
@@ -21,7 +22,7 @@ import capricorn_jax
 from capricorn_jax import stores
 from capricorn_jax import stores as store_admin
 from capricorn_jax._src.memory.store import store_lifecycle as store_lib
-from capricorn_jax._src.memory.store.store import HostStore
+from capricorn_jax._src.memory.store.store import HostStore, StoreLockUnsupported
 from capricorn_jax._src.memory.store.store_lifecycle import (
     StoreFullError,
     StoreLimit,
@@ -395,3 +396,15 @@ def test_prune_keeps_a_job_newer_than_its_persistent_step_unless_forced(tmp_path
     (persistent / "7").mkdir()
     size = tree_bytes(root / "j")
     assert store_admin.prune(root, jobs=["j"]).deleted == [("j", size)]
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL])
+def test_a_store_root_without_flock_is_a_named_refusal(tmp_path, monkeypatch, code):
+    def no_flock(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(StoreLockUnsupported, match=rf"cannot lock {tmp_path}/h0/\.lock: "
+                                                    rf"{errno.errorcode[code]} .* needs a working "
+                                                    rf"flock on its store root"):
+        HostStore(tmp_path / "h0")

@@ -50,6 +50,7 @@ Lifecycle (the liveness lock, the RAM disk's bound, removing unused stores):
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -76,6 +77,7 @@ from capricorn_jax._src.memory.store.store_lifecycle import (
     StoreFullError,
     StoreLimit,
     full_message,
+    mount_point,
 )
 
 log = logging.getLogger("capricorn_jax")
@@ -93,6 +95,10 @@ class StoreIsolationError(RuntimeError):
 class StoreFormatError(RuntimeError):
     """A commit record of another format (another version of capricorn_jax
     wrote this store): reading it as this code's would misread its chunks."""
+
+
+class StoreLockUnsupported(OSError):
+    """The store root's filesystem refused ``flock`` (the store's liveness signal)."""
 
 
 class VersionGone(FileNotFoundError):
@@ -193,7 +199,15 @@ class HostStore:
         while True:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError as e:
+                os.close(fd)
+                raise StoreLockUnsupported(
+                    f"cannot lock {path}: {errno.errorcode.get(e.errno or 0, e.errno)} "
+                    f"({e.strerror}) on the filesystem at {mount_point(path)}; the RAM store "
+                    f"needs a working flock on its store root (a tmpfs such as /dev/shm "
+                    f"has one)") from None
             try:
                 if os.stat(path).st_ino == os.fstat(fd).st_ino:
                     return fd
