@@ -50,15 +50,15 @@ except ImportError:  # pragma: no cover - not POSIX
     fcntl = termios = None  # type: ignore[assignment]
 
 from capricorn_jax._src.multihost.agree import agree_measured
+from capricorn_jax._src.multihost.secret import SecretError, from_environment
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
+from capricorn_jax._src.scheduling import channel_hello
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
-from capricorn_jax._src.multihost.secret import SecretError, from_environment
 
 _HEADER = integrity.HEADER  # the frame header: ``native.integrity``'s
-from capricorn_jax._src.scheduling import channel_hello
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 """Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
@@ -171,11 +171,6 @@ class ChunkChannel:
       address: the address to listen on and advertise (default:
         ``job_address`` of the jax.distributed coordinator).
       tos: the IP TOS byte of what this host sends (0: the default class).
-
-    Fault injection (tests and the chaos harness): ``flip_version`` set, the
-    first frame sent of a version at or after it has a byte flipped after its
-    checksum (a byte corrupted in transit; ``memory.hooks.FaultHooks.flip_frame_at``),
-    then ``on_flip(version)``. ``stall_at`` (version, seconds) set, the
       secret: the job's secret, the same on both ends (default: the
         environment's, ``multihost.secret``; none there: ``SecretError``).
       shared: the digest of what both ends must share (the pack plan's
@@ -185,6 +180,11 @@ class ChunkChannel:
         complete its hello (at most ``timeout_s``).
 
     ``refusals``: (address, reason) of each connection the listener refused.
+
+    Fault injection (tests and the chaos harness): ``flip_version`` set, the
+    first frame sent of a version at or after it has a byte flipped after its
+    checksum (a byte corrupted in transit; ``memory.hooks.FaultHooks.flip_frame_at``),
+    then ``on_flip(version)``. ``stall_at`` (version, seconds) set, the
     channel sends nothing for that long before the first frame of a version
     at or after it (a connection that hangs; ``FaultHooks.stall_channel_at``),
     after ``on_stall(version)``.
@@ -230,6 +230,10 @@ class ChunkChannel:
             time.monotonic() + timeout_s, min(hello_timeout_s, timeout_s), self._refused)
         acceptor.start()
         try:
+            client.key_value_set(_KEY.format(job=job, host=host),
+                                 f"{address}:{listener.getsockname()[1]}")
+            peer_address, port = client.blocking_key_value_get(
+                _KEY.format(job=job, host=destination), int(timeout_s * 1000)).rsplit(":", 1)
             self.out = socket.create_connection((peer_address, int(port)), timeout=timeout_s)
             try:
                 channel_hello.say_hello(self.out, channel_hello.Party(
@@ -252,10 +256,6 @@ class ChunkChannel:
             acceptor.stop()
             listener.close()
             raise
-            client.key_value_set(_KEY.format(job=job, host=host),
-                                 f"{address}:{listener.getsockname()[1]}")
-            peer_address, port = client.blocking_key_value_get(
-                _KEY.format(job=job, host=destination), int(timeout_s * 1000)).rsplit(":", 1)
         acceptor.wait(max(0.0, timeout_s + 1.0))
         acceptor.stop()
         listener.close()
@@ -265,12 +265,12 @@ class ChunkChannel:
                                               f"{acceptor.mismatch}")
         if acceptor.conn is None:
             self.out.close()
+            why = f"last refusal: {self.refusals[-1][1]}" if self.refusals else acceptor.error
             raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
                                f"within {timeout_s:g}s ({why})")
         self.inc: socket.socket = acceptor.conn
         for s in (self.out, self.inc):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            why = f"last refusal: {self.refusals[-1][1]}" if self.refusals else acceptor.error
             s.settimeout(timeout_s)
         # A small send buffer: ``send`` returns when a window's bytes are
         # nearly on the link, not parked in the kernel to leave during the
