@@ -23,9 +23,10 @@ def test_cpu_step_places_every_window_after_its_tie_and_before_its_layer_ends(cp
     specs = hs.window_specs(sender.schedule, boundaries)
     assert [(s.window, s.group) for s in specs] == [
         (("block0", "fwd"), "outside"), (("block1", "fwd"), "fwd"), (("head", "fwd"), "fwd"),
-        (("block1", "bwd"), "bwd"), (("tail", "bwd"), "bwd"), (AFTER, "outside")]
+        (("block1", "bwd"), "bwd"), (("tail", "bwd"), "bwd"), (AFTER, "outside"),
+        (hs.PAYLOAD_CRC, "outside")]
     checks = hs.check_windows(compiled.as_text(), specs, hs.layer_order(boundaries))
-    assert len(checks) == sum(len(c) for c in sender.sites.values())
+    assert len(checks) == sum(len(c) for c in sender.sites.values()) + 1  # + the payload CRC
     assert all(c.after_tie and c.placed for c in checks), checks
     assert all(c.overlapped is None for c in checks)  # XLA:CPU: synchronous permutes
     report = hs.summary(checks)
@@ -37,7 +38,8 @@ def test_a_window_moved_before_its_tie_is_reported(cpu_step):
     specs = hs.window_specs(sender.schedule, boundaries)
     # Claim the start window's permutes wait for block 1: they do not depend on it.
     wrong = [hs.WindowSpec(s.window, s.group, s.count, ("block1", "fwd"), s.layer)
-             if s.group == "outside" and s.window != AFTER else s for s in specs]
+             if s.group == "outside" and s.window not in (AFTER, hs.PAYLOAD_CRC) else s
+             for s in specs]
     report = hs.summary(hs.check_windows(compiled.as_text(), wrong))
     assert not report["ok"]
     assert {tuple(f["window"]) for f in report["failed"]} == {("block0", "fwd")}
@@ -139,6 +141,8 @@ def test_window_specs_follow_the_executor_sites():
         (("block1", "fwd"), "fwd", ("block0", "fwd"), ("block1", "fwd")),
         (("block1", "bwd"), "bwd", None, ("block1", "bwd")),
         (("block0", "bwd"), "bwd", ("block1", "bwd"), ("block0", "bwd")),
-        (AFTER, "outside", ("block1", "bwd"), None)]
-    assert sum(s.count for s in specs) == sum(map(len, sched.chunks)) + len(sched.tail)
+        (AFTER, "outside", ("block1", "bwd"), None),
+        (hs.PAYLOAD_CRC, "outside", None, None)]
+    # Every chunk's permute, and one for the payloads' CRC32C.
+    assert sum(s.count for s in specs) == sum(map(len, sched.chunks)) + len(sched.tail) + 1
     assert np.all([s.count > 0 for s in specs])

@@ -22,9 +22,14 @@ from collections.abc import Callable
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("mib", 256, "MiB digested per measurement.")
-flags.DEFINE_integer("repeats", 5, "Measurements per digest and frame size (the fastest kept).")
-flags.DEFINE_string("json", None, "Write the results here as JSON.")
+
+
+def define_flags() -> None:
+    """Its flags, defined when run as a command (nothing at import)."""
+    flags.DEFINE_integer("mib", 256, "MiB digested per measurement.")
+    flags.DEFINE_integer("repeats", 5,
+                         "Measurements per digest and frame size (the fastest kept).")
+    flags.DEFINE_string("json", None, "Write the results here as JSON.")
 
 _KEY = b"k" * 32
 
@@ -72,4 +77,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

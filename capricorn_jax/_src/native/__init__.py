@@ -10,7 +10,7 @@ Design choice: sources shipped with the package and built where they run.
 Alternative not taken: prebuilt binaries in the wheel, which would tie the
 wheel to one platform and one jaxlib ABI.
 
-The build has warnings on and as errors (``FLAGS``; the jax FFI headers are
+The build has warnings on and as errors (``CXX_FLAGS``; the jax FFI headers are
 system headers, their warnings not ours). Every failure to build or load a
 library (no compiler, a compile that fails or runs past
 ``BUILD_TIMEOUT_S``, a cache that cannot be written, a library that will
@@ -50,7 +50,7 @@ into the perf_counter seconds the Python side keeps (one clock on Linux,
 so ~0; kept apart anyway, and one value for every conversion)."""
 
 
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-Wall", "-Wextra", "-Werror")
+CXX_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17", "-Wall", "-Wextra", "-Werror")
 """The compiler's flags for every native library (the include path apart)."""
 BUILD_TIMEOUT_S = 300.0
 """The most one compile may take; past it the build failed."""
@@ -74,8 +74,8 @@ def native_required() -> bool:
 
 
 def compile_command(source: Path, output: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The compile of ``source`` into ``output`` (``FLAGS``, then ``extra``)."""
-    return [os.environ.get("CXX", "g++"), *FLAGS, *extra, "-isystem", jax.ffi.include_dir(),
+    """The compile of ``source`` into ``output`` (``CXX_FLAGS``, then ``extra``)."""
+    return [os.environ.get("CXX", "g++"), *CXX_FLAGS, *extra, "-isystem", jax.ffi.include_dir(),
             str(source), "-o", output]
 
 
@@ -89,7 +89,7 @@ def cache_dir() -> Path:
 def library_path(source: Path, stem: str) -> Path:
     """The built library's path: named by the hash of the source and the jax version."""
     digest = hashlib.sha256(source.read_bytes() + jax.__version__.encode()
-                            + " ".join(FLAGS).encode()).hexdigest()[:16]
+                            + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / f"{stem}_{digest}.so"
 
 

@@ -47,6 +47,9 @@ from collections.abc import Iterable
 from capricorn_jax._src.scheduling.executor import AFTER, START, site_of
 from capricorn_jax._src.scheduling.partitioner import Schedule
 
+PAYLOAD_CRC = ("<payload crc>", "bwd")
+"""The window of the permute that carries each payload's CRC32C after every chunk."""
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9_\-]*)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -376,6 +379,10 @@ def window_specs(schedule: Schedule, boundaries: list[str]) -> list[WindowSpec]:
         # at block 0's output, i.e. block 1's backward.
         tie = (boundaries[1], "bwd") if len(boundaries) > 1 else None
         keyed.append(((3, 0), WindowSpec(AFTER, "outside", len(schedule.tail), tie, None)))
+    if keyed:
+        # The sender's payload CRC32C, one permute after every chunk (the
+        # integrity rule: ``executor.InStepSender.finish``); no layer to overlap.
+        keyed.append(((4, 0), WindowSpec(PAYLOAD_CRC, "outside", 1, None, None)))
     return [s for _, s in sorted(keyed, key=lambda ks: ks[0])]
 
 
