@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import capricorn_jax
 from capricorn_jax import RestoreInfo, Strategy
 from capricorn_jax.experimental import allgather_json
 from launch.trainer import Trainer
@@ -166,13 +167,13 @@ class BlockingCheckpoint(_Baseline):
         self.bytes_per_step = total
         return [{"version": step, "bytes": total}]
 
-    def restore(self) -> tuple[Any, RestoreInfo] | None:
-        """The newest version on every host's disk (collective), or None."""
+    def restore(self) -> tuple[Any, RestoreInfo]:
+        """The newest version on every host's disk (collective); ``NoCheckpoint``: none."""
         t0 = time.perf_counter()
         everyone = allgather_json(self._versions())
         common = set.intersection(*(set(v) for v in everyone))
         if not common:
-            return None
+            raise capricorn_jax.NoCheckpoint(f"{self.name}: no version on every host's disk")
         step = max(common)
         folder = self.directory / f"v{step:012d}"
         leaves = []
@@ -230,12 +231,13 @@ class OrbaxAsync(_Baseline):
             self.bytes_per_step = sum(s.data.nbytes for _, s in _unique_local_shards(state))
         return [{"version": step, "bytes": self.bytes_per_step}]
 
-    def restore(self) -> tuple[Any, RestoreInfo] | None:
-        """The newest committed Orbax step (every host reads the same root), or None."""
+    def restore(self) -> tuple[Any, RestoreInfo]:
+        """The newest committed Orbax step (every host reads the same root);
+        ``NoCheckpoint``: none."""
         t0 = time.perf_counter()
         step = self.manager.latest_step()
         if step is None:
-            return None
+            raise capricorn_jax.NoCheckpoint(f"{self.name}: no step in {self.manager.directory}")
         state = self.manager.restore(step, args=self._ocp.args.StandardRestore(_target(self.train)))
         host_state = self._host_states.read(step)
         return state, _restored(step, host_state, self.tier, t0)
@@ -330,12 +332,12 @@ class OrbaxEmergency(_Baseline):
     def _persisted(self) -> set[int]:
         return {int(p.name) for p in self.persistent.iterdir() if p.name.isdigit()}
 
-    def restore(self) -> tuple[Any, RestoreInfo] | None:
-        """The newest step of either tier (Orbax's choice), or None."""
+    def restore(self) -> tuple[Any, RestoreInfo]:
+        """The newest step of either tier (Orbax's choice); ``NoCheckpoint``: none."""
         t0 = time.perf_counter()
         step = self.manager.latest_step()
         if step is None:
-            return None
+            raise capricorn_jax.NoCheckpoint(f"{self.name}: no step in {self.manager.directory}")
         local = self.local_tier and step not in self._persisted()
         restored = self.manager.restore(step)
         host_state = self._host_states.read(step)

@@ -74,12 +74,14 @@ def _timed_restore(strategy, job, cold: bool) -> dict:
     dropped = _drop_page_cache(job) if cold else False
     allgather_floats([0.0], job.hosts)  # everyone starts together
     t0 = time.perf_counter()
-    recovered = strategy.restore()
+    import capricorn_jax
+
+    try:
+        _, info = strategy.restore()
+    except capricorn_jax.NoCheckpoint as e:
+        raise RuntimeError(f"{strategy.name}: nothing to restore after the benchmark") from e
     seconds = time.perf_counter() - t0
     slowest = max(x[0] for x in allgather_floats([seconds], job.hosts))
-    if recovered is None:
-        raise RuntimeError(f"{strategy.name}: nothing to restore after the benchmark")
-    info = recovered[1]
     return {"seconds": slowest, "bytes_moved": info.bytes_moved or 0,
             "tiers": host_tiers(info), "step": info.step, "cold_cache": dropped}
 

@@ -167,10 +167,12 @@ def resume(strategy: Any, persistent: PersistentTier | None, metrics: MetricsWri
     when there is none; logs the recovery."""
     if persistent is not None:
         return persistent.restore()
-    recovered = strategy.restore()
-    if recovered is None:
+    import capricorn_jax
+
+    try:
+        state, info = strategy.restore()
+    except capricorn_jax.NoCheckpoint:  # a fresh start
         return None, 0, None
-    state, info = recovered
     log_recovery(metrics, host, info)
     return state, info.step, info.host_state
 

@@ -86,7 +86,7 @@ from capricorn_jax._src.memory.store.store_admin import record_persistent
 from capricorn_jax._src.memory.tier.checkpointer import SaveReport
 from capricorn_jax._src.memory.tier.pec_tier import PecTier
 from capricorn_jax._src.memory.tier.recovery import recover
-from capricorn_jax._src.memory.tier.restore_info import PecRestore, RestoreInfo
+from capricorn_jax._src.memory.tier.restore_info import NoCheckpoint, PecRestore, RestoreInfo
 from capricorn_jax._src.multihost.agree import allgather_json, broadcast_json
 from capricorn_jax._src.persistent import barriers, finalize
 from capricorn_jax._src.persistent.commit_order import CommittedFirst
@@ -101,12 +101,6 @@ from capricorn_jax._src.persistent.pec_steps import (
 )
 
 log = logging.getLogger("capricorn_jax")
-
-
-class NoCheckpoint(FileNotFoundError):
-    """``restore()`` found no version in any tier: a fresh start. Any other
-    ``FileNotFoundError`` from a restore is a version that vanished or lost a
-    file while it was read, which a caller must not take for a fresh start."""
 
 
 class CheckpointManager(ocp.CheckpointManager):

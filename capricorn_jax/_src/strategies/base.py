@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
+from capricorn_jax._src.memory.tier.restore_info import NoCheckpoint
 from capricorn_jax._src.profiling.train_step import Metrics, State, StepFn, TrainStep
 
 if TYPE_CHECKING:
@@ -98,11 +99,23 @@ class Strategy(Protocol):
     def close(self) -> None:
         """Called once at the end: waits for background work, frees resources."""
 
-    def restore(self) -> tuple[State, RestoreInfo] | None:
+    def restore(self) -> tuple[State, RestoreInfo]:
         """Called once at start-up: the newest version every host can restore,
-        (state, its RestoreInfo: step, tier, host_state, seconds...), or None
-        (start from scratch)."""
-        return None
+        (state, its RestoreInfo: step, tier, host_state, seconds...).
+
+        Raises:
+          NoCheckpoint: nothing to restore (start from scratch), as the
+            managers' ``restore`` (one convention since 0.19.0).
+        """
+        raise NoCheckpoint(f"strategy {self.name!r} keeps no checkpoint to restore")
+
+    def restore_or_none(self) -> tuple[State, RestoreInfo] | None:
+        """0.18's convention: ``restore()``, or None where it raises
+        ``NoCheckpoint``. Kept for one release."""
+        try:
+            return self.restore()
+        except NoCheckpoint:
+            return None
 
     # --- called by the profiling driver (no-op defaults) ---
 

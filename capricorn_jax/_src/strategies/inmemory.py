@@ -19,7 +19,7 @@ import numpy as np
 
 from capricorn_jax._src.memory.tier.recovery import recover
 from capricorn_jax._src.memory.tier.reports import SaveReport
-from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
+from capricorn_jax._src.memory.tier.restore_info import NoCheckpoint, RestoreInfo
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, Strategy
@@ -70,8 +70,12 @@ class InMemoryStrategy(Strategy):
         """The checkpointer's phase clock since the last call (``memory.phase_clock``)."""
         return self.ckpt.clock.take()
 
-    def restore(self) -> tuple[State, RestoreInfo] | None:
-        return recover(self.ckpt)
+    def restore(self) -> tuple[State, RestoreInfo]:
+        recovered = recover(self.ckpt)
+        if recovered is None:
+            raise NoCheckpoint(f"{self.name}: no version every host can restore in the memory "
+                               f"tier")
+        return recovered
 
     def resume_at(self, step: int) -> None:
         """PEC: the tracker never saw the steps run without this strategy; its

@@ -20,6 +20,15 @@ import dataclasses
 from typing import Any
 
 
+class NoCheckpoint(FileNotFoundError):
+    """A restore found no version in any tier: a fresh start (every restore
+    of the library raises it: the strategies', the managers'). A
+    ``FileNotFoundError``, as Orbax's ``restore`` raises when it finds no
+    step. Any other ``FileNotFoundError`` from a restore is a version that
+    vanished or lost a file while it was read, which a caller must not take
+    for a fresh start."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PecRestore:
     """What a PEC restore took from where (``RestoreInfo.pec``).
