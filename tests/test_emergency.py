@@ -222,3 +222,19 @@ def test_a_ram_disk_too_small_is_refused_before_the_first_step_with_its_numbers(
         assert not (disk / "shm").exists() or not any((disk / "shm").iterdir())
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("found, chosen", [
+    ([[0], [1]], [0, 1]),            # the machines' own disks, the same numbering
+    ([[1], [0]], [1, 0]),            # process ids swapped across the restart
+    ([[], [0]], [0, 0]),             # host 0's machine replaced; host 1's machine was host 0
+    ([[1], []], [1, 1]),             # each opens a store of its own disk named host1
+    ([[0, 1], [0, 1]], [0, 1]),      # one shared RAM disk: by process index
+    ([[0], [0]], [0, 1]),            # one shared disk, host 1's store lost: by index
+    ([[2], [0], [1]], [2, 0, 1]),
+    ([[], []], [0, 1]),
+])
+def test_each_host_opens_the_store_its_machine_holds(found, chosen):
+    from capricorn_jax._src.memory.tier.store_identity import choose_store_hosts
+
+    assert choose_store_hosts(found) == chosen

@@ -41,7 +41,8 @@ def test_the_switch_is_one_import_and_one_options_line():
 class _Job:
     """The example's two processes, their output pumped line by line."""
 
-    def __init__(self, root: Path, steps: int, step_s: float = 0.3):
+    def __init__(self, root: Path, steps: int, step_s: float = 0.3, machines: tuple = (0, 1)):
+        """``machines[pid]``: the machine (its local directory) process ``pid`` runs on."""
         port = _free_port()
         self.lines: list[list[str]] = [[], []]
         self.procs = []
@@ -49,7 +50,7 @@ class _Job:
         for pid in range(2):
             cmd = [sys.executable, str(EXAMPLE / "train_capricorn.py"),
                    f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                   f"--process_id={pid}", f"--local_dir={root / f'local{pid}'}",
+                   f"--process_id={pid}", f"--local_dir={root / f'local{machines[pid]}'}",
                    f"--persistent_dir={root / 'ckpt'}", f"--steps={steps}",
                    "--persist_every=5", f"--step_s={step_s}"]
             proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(2), stdout=subprocess.PIPE,
@@ -124,3 +125,21 @@ def test_sigterm_stops_every_host_at_one_step_saved_to_both_tiers(tmp_path):
     for pid in range(2):
         assert again.wait_for(pid, r"resumed at step (\d+)").group(1) == str(step)
     assert again.finish() == [0, 0]
+
+
+@pytest.mark.slow
+def test_a_restart_with_swapped_process_ids_recovers_from_each_machines_store(tmp_path):
+    """The scheduler numbers the processes the other way round after the
+    restart: each machine's RAM store is found by what it holds, not by the
+    process index that wrote it, and the job resumes from memory."""
+    job = _Job(tmp_path, steps=12)
+    job.wait_for(1, r"host 1: step 9 loss")
+    job.kill()
+    again = _Job(tmp_path, steps=12, step_s=0.0, machines=(1, 0))
+    resumed = [again.wait_for(pid, r"resumed at step (\d+), data position (\d+), tier (.*)")
+               for pid in range(2)]
+    assert again.finish() == [0, 0], again.text(0)[-3000:] + again.text(1)[-3000:]
+    step = int(resumed[0].group(1))
+    assert 6 <= step <= 9 and int(resumed[1].group(1)) == step
+    assert resumed[0].group(3) == "['local', 'local']"  # from memory, each from its machine
+    assert "RAM store was written as host 1's" in again.text(0)

@@ -41,6 +41,7 @@ from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.memory.tier.sizing import memory_needs, preflight
+from capricorn_jax._src.memory.tier.store_identity import agree_store_host
 from capricorn_jax._src.persistent.emergency_options import TwoTierOptions
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
@@ -114,8 +115,12 @@ class TwoTierCheckpointManager:
         self.memory_needs = memory_needs(abstract, shardings, replicas, memory.window)
         preflight(self.memory_needs, memory.store_root, os.path.join(memory.store_root, job),
                   memory.max_store_fraction)
+        # This machine's store, whatever process index wrote it (store_identity).
+        store_host = agree_store_host(os.path.join(memory.store_root, job),
+                                      jax.process_index(), hosts)
         self.memory = InMemoryCheckpointer(memory, global_mesh, abstract, shardings,
-                                           host=jax.process_index(), hosts=hosts)
+                                           host=jax.process_index(), hosts=hosts,
+                                           store_host=store_host)
         self.handler = CapricornHandler(self.memory, fsync=options.fsync)
         extra = {"cleanup_tmp_directories": options.cleanup_tmp_directories}
         if options.async_options is not None:

@@ -105,12 +105,16 @@ class InMemoryCheckpointer(StatusRound):
       tokens_per_step: tokens of one training step (global batch x sequence
         length), the PLT's unit; PEC only.
       hooks: test-only fault injection (``hooks.FaultHooks``); None: none.
+      store_host: the index in this host's store directory's name
+        (``STORE_ROOT/JOB/host{i}``), when this machine's store was written
+        under another process index (``store_identity``); None: ``host``.
     """
 
     def __init__(self, options: InMemoryOptions, mesh, abstract_state: Any,
                  state_shardings: Any, host: int, hosts: int,
                  device_host: list[int] | None = None, *, model: MoEShape | None = None,
-                 tokens_per_step: int = 0, hooks: FaultHooks | None = None):
+                 tokens_per_step: int = 0, hooks: FaultHooks | None = None,
+                 store_host: int | None = None):
         if options.replicas > hosts:
             raise ValueError(f"replicas={options.replicas} exceeds the {hosts} hosts")
         if options.pec is not None and (model is None or tokens_per_step < 1):
@@ -123,7 +127,8 @@ class InMemoryCheckpointer(StatusRound):
         # Own versions copied straight into registered slots (pinned.SlotCopier),
         # or None: the host copy (``_to_host``) then the writers' copy.
         registry, self.copier = arena_copier(options.arena_copy, mesh.devices.flat[0])
-        self.store = HostStore(Path(options.store_root) / options.job / f"host{host}",
+        store_name = f"host{host if store_host is None else store_host}"
+        self.store = HostStore(Path(options.store_root) / options.job / store_name,
                                limit=limit, registry=registry)
         self._closed = False
         if self.store.removed_partials:
