@@ -106,3 +106,15 @@ def test_damaged_head_bytes_are_no_version_or_the_right_bytes(tmp_path_factory, 
     except StoreFormatError as e:  # the bytes of the format tag were hit
         assert "another version of capricorn_jax wrote this store" in str(e)
     store.close()
+
+
+def test_a_chunk_size_past_its_slot_is_no_version_and_allocates_nothing(tmp_path_factory):
+    """A size that parses (2**46 bytes) but lies past the slot's file: the
+    reader used to allocate it before looking (a worker killed for memory)."""
+    store, path = _store(tmp_path_factory)
+    head = json.loads(path.read_text())
+    head["chunks"]["d0.c0"]["nbytes"] = 1 << 46
+    path.write_text(json.dumps(head))
+    store._head_steps.clear()
+    assert store.versions(0) == []
+    store.close()

@@ -141,12 +141,16 @@ def _check_head(path: Path, head: Any) -> dict[str, Any]:
     chunks = head.get("chunks")
     if not isinstance(chunks, dict):
         raise ValueError(f"{path}: chunks is not a table")
+    try:  # every chunk lies inside its slot's file (written before the head)
+        slot_bytes = path.with_name(f"slot{index}.data").stat().st_size
+    except FileNotFoundError:
+        slot_bytes = 0
     for name, entry in chunks.items():
         if not isinstance(entry, dict):
             raise ValueError(f"{path}: chunk {name!r} is not a record")
         end = whole(entry.get("offset"), f"chunk {name!r} offset") + whole(
             entry.get("nbytes"), f"chunk {name!r} nbytes")
-        whole(end, f"chunk {name!r} end")
+        whole(end, f"chunk {name!r} end", slot_bytes + 1)
         whole(entry.get("crc32c"), f"chunk {name!r} crc32c", 1 << 32)
     return head
 
@@ -414,6 +418,7 @@ class HostStore:
                    manifest: dict | None = None) -> bytearray:
         """A chunk's bytes, checked against its CRC32C (``read_chunk_into``)."""
         manifest = manifest or self.manifest(owner, step)
+        self.chunk_view(owner, step, name, manifest)  # inside its slot before any allocation
         data = bytearray(manifest["chunks"][name]["nbytes"])
         self.read_chunk_into(owner, step, name, memoryview(data), manifest)
         return data
