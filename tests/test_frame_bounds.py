@@ -26,6 +26,7 @@ import pytest
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling.chunk_channel import RUN_FRAMES, ChunkChannel, CorruptFrame
+from capricorn_jax._src.scheduling.held_sockets import HeldSockets
 
 native = pytest.mark.skipif(not native_frames.available(),
                             reason="no C++ compiler: the frames go from Python")
@@ -47,6 +48,7 @@ def receiver(sock: socket.socket, timeout_s: float = 2.0) -> ChunkChannel:
     channel.host, channel.source, channel.timeout_s = 1, 0, timeout_s
     sock.settimeout(timeout_s)
     channel.inc = sock
+    channel._sockets = HeldSockets("a receiver", sock)
     channel._mark = np.full(1, -1, np.int64)
     channel._head = np.zeros(native_frames.HEADER_BYTES, np.uint8)
     channel._have_head = False
@@ -229,6 +231,7 @@ def test_an_armed_corrupt_frame_goes_through_the_native_sender():
     try:
         sender = ChunkChannel.__new__(ChunkChannel)
         sender.out, sender.timeout_s = a, 2.0
+        sender._sockets = HeldSockets("a sender", a)
         flipped: list[int] = []
         sender.flip_version, sender.on_flip = 3, flipped.append
         rows = [np.arange(3000, dtype=np.uint8), np.arange(3000, dtype=np.uint8)[::-1].copy()]

@@ -28,18 +28,23 @@ buffer (rows, a negative offset or length, an end past the buffer:
 a byte of it is placed: ``integrity.FrameRejected``, counted by reason
 (``integrity.rejected_frames``), and the connection with it.
 
+``close`` shuts both sockets down at once and releases their descriptors
+only after the last send or receive under way left (``held_sockets``: the
+native loops hold descriptor numbers, which a later socket would reuse).
+
 The sender and receiver threads that use it, and why the bytes leave the XLA
 program at all: ``scheduling.threaded``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -54,6 +59,7 @@ from capricorn_jax._src.multihost.secret import SecretError, from_environment
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
 from capricorn_jax._src.scheduling import channel_hello
+from capricorn_jax._src.scheduling.held_sockets import HeldSockets
 from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
 
 log = logging.getLogger(__name__)
@@ -156,6 +162,20 @@ def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 n -= len(views.pop(0))
             else:
                 views[0], n = views[0][n:], 0
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _holding(method: Callable[Concatenate[ChunkChannel, _P], _R]
+             ) -> Callable[Concatenate[ChunkChannel, _P], _R]:
+    """A send or receive of the channel, run holding its sockets'
+    descriptors (``held_sockets``: ``close`` releases them after it)."""
+    def held(self: ChunkChannel, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._sockets.hold():
+            return method(self, *args, **kwargs)
+    return functools.wraps(method)(held)
 
 
 class ChunkChannel:
@@ -269,6 +289,7 @@ class ChunkChannel:
             raise TimeoutError(f"host {host}: host {source} did not connect its chunk channel "
                                f"within {timeout_s:g}s ({why})")
         self.inc: socket.socket = acceptor.conn
+        self._sockets = HeldSockets(f"host {host}'s chunk channel", self.out, self.inc)
         for s in (self.out, self.inc):
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(timeout_s)
@@ -292,6 +313,7 @@ class ChunkChannel:
         log.warning("host %d: chunk channel refused a connection from %s: %s (%d refused)",
                     self.host, address, reason, len(self.refusals))
 
+    @_holding
     def send(self, version: int, offset: int, rows: np.ndarray | Sequence[np.ndarray]) -> None:
         """Sends ``rows`` (one uint8 row of n bytes per local device: a
         [devices, n] array or views of each device's buffer) as bytes
@@ -317,6 +339,7 @@ class ChunkChannel:
             self._closed.wait(seconds)  # a hung connection: nothing leaves (until closed)
         _send_all(self.out, [header, *views])
 
+    @_holding
     def send_window(self, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
                     closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                     edges: tuple[np.ndarray, np.ndarray, int, float] | None
@@ -356,6 +379,7 @@ class ChunkChannel:
         except (OSError, AttributeError, ValueError):
             return None
 
+    @_holding
     def receive_into(self, buffers: Callable[[int], np.ndarray | None], idle_ok: bool = False
                      ) -> tuple[int, int, int] | None:
         """Receives one frame into ``buffers(version)``; (version, offset, length).
@@ -395,6 +419,7 @@ class ChunkChannel:
             if idle != self.timeout_s:
                 self.inc.settimeout(idle)
 
+    @_holding
     def receive_frames(self, buffers: Callable[[int], np.ndarray | None],
                        remaining: Callable[[int], int], idle_ok: bool = False
                        ) -> list[tuple[int, int, int]] | None:
@@ -539,17 +564,10 @@ class ChunkChannel:
     def close(self) -> None:
         """Closes both connections; a thread blocked in a send or receive on
         them wakes with an error (``shutdown`` first: ``close`` alone would
-        leave it blocked until its timeout)."""
+        leave it blocked until its timeout), and their descriptors are
+        released once no send or receive holds them (``held_sockets``)."""
         self._closed.set()
-        for s in (self.out, self.inc):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                s.close()
-            except OSError:
-                pass
+        self._sockets.close()
 
 
 def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
