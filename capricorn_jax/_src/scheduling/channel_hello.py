@@ -360,6 +360,16 @@ class Acceptor:
         """Until a connection was taken, the setup must stop, or ``timeout_s``."""
         self.done.wait(timeout_s)
 
+    def settle(self, timeout_s: float) -> None:
+        """Until no hello is under way, or ``timeout_s``: a peer's hello in
+        progress then hears this host's identity before the listener closes."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            with self._lock:
+                if not self._pending:
+                    return
+            time.sleep(0.02)
+
     def stop(self) -> None:
         self.done.set()
         self._thread.join(1.0)

@@ -65,6 +65,8 @@ from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkMode
 log = logging.getLogger(__name__)
 
 _HEADER = integrity.HEADER  # the frame header: ``native.integrity``'s
+MISMATCH_GRACE_S = 2.0
+"""How long a host that met another build lets the hellos under way finish."""
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 """Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
@@ -268,10 +270,21 @@ class ChunkChannel:
             raise TimeoutError(f"host {host}: host {destination} did not connect its chunk "
                                f"channel within {timeout_s:g}s ({e}{refused})") from None
         except channel_hello.BuildMismatch as e:
+            acceptor.settle(MISMATCH_GRACE_S)  # the peer's hello to us hears our build too
             acceptor.stop()
             listener.close()
             raise channel_hello.BuildMismatch(f"host {host}: chunk channel to host "
                                               f"{destination}: {e}") from None
+        except channel_hello.HelloRefused:
+            # The peer may have stopped at a mismatch it saw first and closed
+            # on us: our acceptor then hears its hello; name the mismatch.
+            acceptor.wait(MISMATCH_GRACE_S)
+            acceptor.stop()
+            listener.close()
+            if acceptor.mismatch is not None:
+                raise channel_hello.BuildMismatch(f"host {host}: host {source}'s chunk "
+                                                  f"channel: {acceptor.mismatch}") from None
+            raise
         except BaseException:
             acceptor.stop()
             listener.close()
