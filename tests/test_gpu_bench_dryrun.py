@@ -47,7 +47,8 @@ def test_dry_run_writes_every_field(tmp_path):
     assert summary["recovery_arena_s"] > 0 and summary["recovery_persistent_s"] > 0
     cpu = parts["schedule"]["cpu"]
     assert summary["schedule_ok_cpu"] is True
-    assert (cpu["permutes"], cpu["asynchronous"], cpu["placed"]) == (12, 0, 12)
+    # 12 chunk permutes and the payload CRC's (the integrity rule), all placed
+    assert (cpu["permutes"], cpu["asynchronous"], cpu["placed"]) == (13, 0, 13)
     mem = cpu["memory"]
     assert summary["scheduled_step_peak_bytes"] == mem["peak_bytes"] == (
         mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"])
