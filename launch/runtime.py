@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from absl import logging
+
 from models.config import ModelConfig, get_config
 
 
@@ -29,8 +31,14 @@ def init_distributed(hosts: int, coordinator: str, process_id: int,
     and shutdown timeout: a host silent that long (SIGSTOP, a hung kernel, a
     cut link) is declared dead by the coordination service, and every other
     host's process ends with an error naming it, wherever it waits (an
-    in-graph collective, a barrier); no other bound reaches a collective that
-    XLA runs."""
+    in-graph collective, a barrier). A host that is alive but never reaches a
+    collective (its heartbeat goes on) is bounded by gloo's own timeout,
+    ``--xla_cpu_collective_timeout_seconds``, set here to
+    ``COLLECTIVE_TIMEOUT_FACTOR`` x ``peer_timeout_s`` (room for a peer that
+    compiles a new program before it arrives) while no backend exists yet
+    (XLA reads it when it creates the CPU client). Measured (jax 0.10.2, 2
+    processes): a sum whose peer never came failed after 5.0 s at a 5 s bound,
+    naming gloo's timed-out receive."""
     import jax
 
     if hosts == 1 and single_process:
@@ -44,9 +52,31 @@ def init_distributed(hosts: int, coordinator: str, process_id: int,
     if hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         bound = max(1, math.ceil(peer_timeout_s))
+        bound_collectives(COLLECTIVE_TIMEOUT_FACTOR * bound)
         jax.distributed.initialize(coordinator, num_processes=hosts, process_id=process_id,
                                    initialization_timeout=120, heartbeat_timeout_seconds=bound,
                                    shutdown_timeout_seconds=bound)
+
+
+COLLECTIVE_TIMEOUT_FACTOR = 3
+"""Gloo's collective bound over the peer timeout (``init_distributed``)."""
+
+
+def bound_collectives(seconds: int) -> bool:
+    """Sets gloo's collective timeout (``--xla_cpu_collective_timeout_seconds``
+    in ``XLA_FLAGS``, unless the user set it) before the CPU backend exists;
+    whether the bound is in force (False, logged: a backend came first)."""
+    from jax._src import xla_bridge
+
+    flag = "--xla_cpu_collective_timeout_seconds"
+    given = os.environ.get("XLA_FLAGS", "")
+    if flag in given:
+        return True
+    if xla_bridge.backends_are_initialized():
+        logging.warning("gloo's collective timeout not set: the CPU backend exists already")
+        return False
+    os.environ["XLA_FLAGS"] = f"{given} {flag}={int(seconds)}".strip()
+    return True
 
 
 ORBAX_BARRIER_S = 300

@@ -270,3 +270,34 @@ def test_a_library_program_whose_peer_never_arrives_ends_at_the_bound(tmp_path):
     assert result["outcome"] != "built", out0[-3000:]
     assert "DEADLINE_EXCEEDED" in result["outcome"] or "imed out" in result["outcome"], result
     assert bound <= result["seconds"] < bound + 20, result
+
+
+@pytest.mark.slow
+def test_a_collective_whose_peer_never_arrives_ends_at_gloos_bound():
+    """launch.runtime sets gloo's collective timeout from the peer timeout
+    (3 x 2 s): a live peer that never enters a sum no longer holds the other
+    host for ever (the heartbeat only ends a silent one)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, child_env
+    from tests.test_orbax_handler import _free_port
+
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "collective_worker.py"),
+         json.dumps({"port": port, "process": pid, "sleep": 30})],
+        cwd=ROOT, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for pid in range(2)]
+    try:
+        out0 = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    (result,) = [json.loads(x[len("RESULT "):]) for x in out0.splitlines()
+                 if x.startswith("RESULT ")]
+    assert "Timed out" in result["outcome"], (result, out0[-2000:])
+    assert 5.5 <= result["seconds"] < 30, result
