@@ -190,3 +190,15 @@ def test_a_refused_status_round_is_counted_named_and_read_as_no_round(caplog):
     assert status.status_rejections == {"mask": 1}
     warned = [r.getMessage() for r in caplog.records if "status round refused" in r.getMessage()]
     assert len(warned) == 1 and "host 1's status vector" in warned[0]
+
+
+def test_an_empty_frame_is_refused_alike_on_both_paths():
+    """A valid header of zero bytes: the native loop read on past it within its
+    call where the per-frame Python reader returned it (the fuzz target's CI
+    finding); no sender sends one, so both refuse it by name."""
+    fields = struct.pack("<qqqq", VERSION, 0, 0, ROWS)
+    data = forged(VERSION, 0, 0, ROWS, integrity.frame_crc(fields, [b"", b""]))
+    for path in PATHS:
+        outcome, target = _outcome(path, data, False)
+        assert outcome == ("FrameRejected", "empty"), (path, outcome)
+        assert (target == 0xA5).all()

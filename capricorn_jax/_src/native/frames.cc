@@ -238,6 +238,7 @@ int64_t frame_rejection(const Header& h, int64_t nrows, int64_t cols) {
   if (h.rows < 1 || h.rows > kMaxRows) return kReject_rows;
   if (h.offset < 0) return kReject_negative_offset;
   if (h.length < 0) return kReject_negative_length;
+  if (h.length == 0) return kReject_empty;
   if (h.offset > kMaxRowBytes || h.length > kMaxRowBytes) return kReject_too_long;
   if (nrows < 0) return kFits;
   if (h.rows != nrows) return kReject_rows;

@@ -90,11 +90,13 @@ MAX_ROW_BYTES = 1 << 48
 """The largest offset or length per row a header may name (256 TiB): a bound
 far past any buffer, which keeps ``rows * length`` and ``offset + length``
 inside int64 on every path."""
-REJECTIONS = ("rows", "negative_offset", "negative_length", "too_long", "past_end")
+REJECTIONS = ("rows", "negative_offset", "negative_length", "too_long", "past_end", "empty")
 """Why a frame whose header passed its checksum is refused, in the order
 checked (``frame_rejection``; the native loop's ``Reject`` codes are their
 index + 1): rows outside [1, ``MAX_ROWS``] or not the buffer's, an offset or
-length below 0, one past ``MAX_ROW_BYTES``, bytes past the buffer's end."""
+length below 0, one past ``MAX_ROW_BYTES``, bytes past the buffer's end, no
+bytes at all (no sender sends an empty frame; the native loop would read on
+past one within a call where a per-frame reader stops)."""
 
 
 class Frame(NamedTuple):
@@ -150,6 +152,8 @@ def frame_rejection(frame_rows: int, offset: int, length: int, rows: int | None 
         return "negative_offset"
     if length < 0:
         return "negative_length"
+    if length == 0:
+        return "empty"
     if offset > MAX_ROW_BYTES or length > MAX_ROW_BYTES:
         return "too_long"
     if rows is None or cols is None:
