@@ -25,3 +25,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="capricorn-test-jax-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+
+# Property and fuzz tests: CI runs the same examples every time (a failure
+# there is the code's, reproducible, not a new draw's); locally each run draws
+# anew (HYPOTHESIS_PROFILE=ci to replay CI's).
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
