@@ -13,27 +13,13 @@ import pytest
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.scheduling import channel_hello
 from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
+from tests.test_threaded import _DictStore
 
 SECRET = b"a secret for the close tests"
 
 
-class _Store:
-    def __init__(self):
-        self.values, self.cond = {}, threading.Condition()
-
-    def key_value_set(self, key, value):
-        with self.cond:
-            self.values[key] = value
-            self.cond.notify_all()
-
-    def blocking_key_value_get(self, key, timeout_ms):
-        with self.cond:
-            assert self.cond.wait_for(lambda: key in self.values, timeout_ms / 1000), key
-            return self.values[key]
-
-
 def _pair(job):
-    store, out = _Store(), {}
+    store, out = _DictStore(), {}
 
     def make(h):
         out[h] = ChunkChannel(h, 1 - h, 1 - h, job, store, 10.0, "127.0.0.1", secret=SECRET)

@@ -244,29 +244,10 @@ def test_a_library_program_whose_peer_never_arrives_ends_at_the_bound(tmp_path):
     alive but never builds its manager; process 0's manager fails at Orbax's
     first barrier after ``barrier_timeout_s`` (4 s), not after Orbax's
     unbounded collective."""
-    import json
-    import subprocess
-    import sys
 
-    from tests.helpers import ROOT, child_env
-    from tests.test_orbax_handler import _free_port
-
-    port, bound = _free_port(), 4
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "barrier_worker.py"),
-         json.dumps({"port": port, "process": pid, "bound": bound, "sleep": 15,
-                     "root": str(tmp_path)})],
-        env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for pid in range(2)]
-    try:
-        out0 = procs[0].communicate(timeout=120)[0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
-    (result,) = [json.loads(x[len("RESULT "):]) for x in out0.splitlines()
-                 if x.startswith("RESULT ")]
+    bound = 4
+    result, out0 = _process0_result("barrier_worker.py", {"bound": bound, "sleep": 15,
+                                                          "root": str(tmp_path)})
     assert result["outcome"] != "built", out0[-3000:]
     assert "DEADLINE_EXCEEDED" in result["outcome"] or "imed out" in result["outcome"], result
     assert bound <= result["seconds"] < bound + 20, result
@@ -277,6 +258,14 @@ def test_a_collective_whose_peer_never_arrives_ends_at_gloos_bound():
     """launch.runtime sets gloo's collective timeout from the peer timeout
     (3 x 2 s): a live peer that never enters a sum no longer holds the other
     host for ever (the heartbeat only ends a silent one)."""
+    result, out0 = _process0_result("collective_worker.py", {"sleep": 30})
+    assert "Timed out" in result["outcome"], (result, out0[-2000:])
+    assert 5.5 <= result["seconds"] < 30, result
+
+
+def _process0_result(worker: str, args: dict) -> tuple[dict, str]:
+    """Runs tests/``worker`` as a 2-process job (``args`` plus the port and the
+    process index); process 0's RESULT line and its output."""
     import json
     import subprocess
     import sys
@@ -286,8 +275,8 @@ def test_a_collective_whose_peer_never_arrives_ends_at_gloos_bound():
 
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "collective_worker.py"),
-         json.dumps({"port": port, "process": pid, "sleep": 30})],
+        [sys.executable, str(ROOT / "tests" / worker),
+         json.dumps({**args, "port": port, "process": pid})],
         cwd=ROOT, env=child_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for pid in range(2)]
     try:
@@ -299,5 +288,4 @@ def test_a_collective_whose_peer_never_arrives_ends_at_gloos_bound():
             p.communicate()
     (result,) = [json.loads(x[len("RESULT "):]) for x in out0.splitlines()
                  if x.startswith("RESULT ")]
-    assert "Timed out" in result["outcome"], (result, out0[-2000:])
-    assert 5.5 <= result["seconds"] < 30, result
+    return result, out0
