@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from capricorn_jax.experimental import remove_unused
+from launch.cluster.netns import pid_alive
 
 RUN = re.compile(r"^run(\d+)$")
 """A run's folder under the store root: ``run<supervisor pid>``."""
@@ -43,17 +44,6 @@ RUN = re.compile(r"^run(\d+)$")
 def run_root(store_root: str | os.PathLike, pid: int | None = None) -> Path:
     """The folder of the run whose supervisor is ``pid`` (default: this process)."""
     return Path(store_root) / f"run{os.getpid() if pid is None else pid}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def removable(names: Iterable[str], own: int, alive: Callable[[int], bool]) -> list[str]:

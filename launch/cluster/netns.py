@@ -182,7 +182,8 @@ def _run(*cmd: str) -> str:
     return done.stdout
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -223,7 +224,7 @@ def remove_job(job: str) -> list[str]:
 
 
 def _stale(names) -> list[str]:
-    return sorted(n for n in names if (m := _NAME.match(n)) and not _pid_alive(int(m.group(1))))
+    return sorted(n for n in names if (m := _NAME.match(n)) and not pid_alive(int(m.group(1))))
 
 
 def stale_namespaces() -> list[str]:
