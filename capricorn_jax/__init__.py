@@ -35,11 +35,12 @@ from capricorn_jax._src.persistent.emergency_options import (
     PersistentCheckpointOptions,
     TwoTierOptions,
 )
-from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager
+from capricorn_jax._src.strategies.two_tier import TwoTierCheckpointManager
 
 # Strategies: what a training loop drives (save / finish / close / restore),
 # and what the library asks of the caller's trainer.
 from capricorn_jax._src.profiling.train_step import TrainStep
+from capricorn_jax._src.profiling.loss_step import make_train_step
 from capricorn_jax._src.strategies.base import Strategy
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
@@ -85,6 +86,7 @@ __all__ = [
     "ScheduledStrategy",
     "Strategy",
     "TrainStep",
+    "make_train_step",
     # profiling
     "CollectiveProbe",
     "DetectorOptions",

@@ -30,7 +30,7 @@ from capricorn_jax._src.persistent.emergency_options import (
 from capricorn_jax._src.persistent.emergency_options import (
     TwoTierOptions as CheckpointManagerOptions,
 )
-from capricorn_jax._src.persistent.two_tier import TwoTierCheckpointManager as CheckpointManager
+from capricorn_jax._src.strategies.two_tier import TwoTierCheckpointManager as CheckpointManager
 
 __all__ = [
     "CheckpointManager",

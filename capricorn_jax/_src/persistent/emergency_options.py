@@ -23,7 +23,10 @@ What differs, on purpose (``docs/guide.md`` has the table):
   over hosts by the memory tier (``replicas``), not read from a replica axis
   of the mesh, which an expert-parallel mesh does not have.
 * Ours beside Orbax's: ``replicas`` (capped at the host count, said once),
-  ``job``, ``chunk_bytes``, ``pec``, ``barrier_timeout_s``, ``fsync``.
+  ``job``, ``chunk_bytes``, ``pec``, ``barrier_timeout_s``, ``fsync``, and
+  ``schedule`` (``"gemini"`` | ``"capricorn"``: each version moves inside the
+  next step, through ``TwoTierCheckpointManager.train_step``; None: after
+  the step, as before) with its ``profiling`` and ``channel_secret_file``.
 
 The top-level ``save_interval_steps`` / ``max_to_keep`` of 0.18 are kept for
 one release: given, they set ``persistent``'s (with a deprecation warning).
@@ -42,6 +45,10 @@ from typing import Any
 
 from capricorn_jax._src.partial.selection import PecOptions
 from capricorn_jax._src.persistent.barriers import DEFAULT_S as DEFAULT_BARRIER_S
+from capricorn_jax._src.profiling.policy import ProfilingOptions
+
+SCHEDULES = ("gemini", "capricorn")
+"""The scheduled strategies ``TwoTierOptions.schedule`` names."""
 
 
 class OptionRefused(ValueError):
@@ -154,6 +161,21 @@ class TwoTierOptions:
         several processes run: a host that never arrives fails the save
         after that long instead of holding the others.
       fsync: each persistent step made durable before it is committed.
+      schedule: None (each version moves to the peers after the step), or
+        ``"gemini"`` / ``"capricorn"``: the steps run through
+        ``TwoTierCheckpointManager.train_step`` and each version's chunks
+        move inside the next step, in the idle windows of a schedule planned
+        on layer profiles (gemini: once; capricorn: re-planned as the
+        experts' load drifts). Needs 2 hosts or more, ``replicas=2`` and
+        ``local.save_interval_steps=1``.
+      profiling: with ``schedule``, the profiling driver's options (their
+        policy the schedule's: capricorn ``speculative``, gemini
+        ``first_n``); None: that policy's defaults.
+      channel_secret_file: with ``schedule`` on the threaded path (CPU), the
+        job's secret the chunk channel's ends prove (``docs/guide.md``,
+        section 9); None: the environment's, else
+        ``persistent_directory/.capricorn.secret`` (created 0600 by the
+        first host).
       save_interval_steps, max_to_keep: deprecated (0.18's form of
         ``persistent``'s; one release).
     """
@@ -173,6 +195,9 @@ class TwoTierOptions:
     pec: PecOptions | None = None
     barrier_timeout_s: float = DEFAULT_BARRIER_S
     fsync: bool = True
+    schedule: str | None = None
+    profiling: ProfilingOptions | None = None
+    channel_secret_file: str | None = None
     save_interval_steps: int | None = None
     max_to_keep: int | None = None
 
@@ -190,6 +215,7 @@ class TwoTierOptions:
                                 "shards here; leave it True")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        self._check_schedule()
         if self.save_interval_steps is not None or self.max_to_keep is not None:
             warnings.warn("TwoTierOptions(save_interval_steps=, max_to_keep=) is deprecated: use "
                           "persistent=PersistentCheckpointOptions(save_interval_steps=, "
@@ -201,6 +227,23 @@ class TwoTierOptions:
             object.__setattr__(self, "persistent", dataclasses.replace(
                 old, save_interval_steps=self.save_interval_steps or old.save_interval_steps,
                 max_to_keep=self.max_to_keep or old.max_to_keep))
+
+    def _check_schedule(self) -> None:
+        if self.schedule is None:
+            if self.profiling is not None:
+                raise ValueError("TwoTierOptions(profiling=) drives the scheduled strategies' "
+                                 "profiled steps: give schedule='gemini' or 'capricorn' too")
+            return
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"TwoTierOptions(schedule={self.schedule!r}): one of "
+                             f"{', '.join(map(repr, SCHEDULES))}, or None")
+        if self.replicas != 2:
+            raise ValueError(f"TwoTierOptions(schedule={self.schedule!r}) moves one peer copy "
+                             f"inside each step: it needs replicas=2, got {self.replicas}")
+        if self.local.save_interval_steps != 1:
+            raise ValueError(f"TwoTierOptions(schedule={self.schedule!r}) moves a version "
+                             f"inside every step: local.save_interval_steps must be 1, got "
+                             f"{self.local.save_interval_steps}")
 
     @property
     def barrier_bound_s(self) -> float:

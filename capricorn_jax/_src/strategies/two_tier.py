@@ -21,6 +21,18 @@ arrays in both tiers: ``Composite(state=..., host_state=JsonSave(d))`` or
 ``save(step, state, host_state=d)``; ``restore`` returns it under
 ``host_state`` when asked (``JsonRestore()``) and always in ``last_restore``.
 
+The scheduled strategies from the same object: with
+``TwoTierOptions(schedule="gemini" | "capricorn")`` the loop runs its steps
+through ``step = manager.train_step(loss_fn, ...)`` (``state, metrics =
+step(state, batch)``), which builds the ``TrainStep`` from the loss and the
+strategy by name over this manager's memory tier; ``save`` then hands each
+version to the strategy, which moves its chunks inside the next step
+(``strategies.scheduled_steps``). Restore and the persistent tier are the
+same. On the threaded path (CPU) the chunk channel's ends prove the job's
+secret: the environment's, ``TwoTierOptions.channel_secret_file``, else
+``persistent_directory/.capricorn.secret`` (every host reads the persistent
+directory). It lives on the strategies' floor because it builds a strategy.
+
 Alternative not taken: a subclass of ``CheckpointManager`` with this
 constructor: its ``save`` takes ``CapricornSave`` items, which a loop written
 for Orbax's emergency manager does not build.
@@ -31,21 +43,30 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding
 
 from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
 from capricorn_jax._src.memory.tier.options import InMemoryOptions
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.memory.tier.sizing import memory_needs, preflight
 from capricorn_jax._src.memory.tier.store_identity import agree_store_host
+from capricorn_jax._src.multihost.secret import SECRET_NAME
 from capricorn_jax._src.persistent.emergency_options import TwoTierOptions
 from capricorn_jax._src.persistent.handler import CapricornHandler, CapricornRestore, CapricornSave
 from capricorn_jax._src.persistent.manager import CheckpointManager
 from capricorn_jax._src.persistent.preemption import Preemption
+from capricorn_jax._src.profiling.loss_step import TPE, LossFn, make_train_step, shardings_of
+from capricorn_jax._src.strategies.base import Strategy
+from capricorn_jax._src.strategies.scheduled_steps import (
+    ManagedStep,
+    Scheduled,
+    profiling_options,
+)
 
 log = logging.getLogger("capricorn_jax")
 
@@ -73,7 +94,8 @@ class TwoTierCheckpointManager:
 
     Raises:
       ValueError: a leaf without a sharding, named by its path;
-        ``OptionRefused`` (a ValueError) for an option with no meaning here.
+        ``OptionRefused`` (a ValueError) for an option with no meaning here;
+        ``schedule`` on fewer than 2 hosts.
       HostMemoryTooSmall: the RAM disk holding ``local_directory`` or the
         host's memory is smaller than the memory tier needs
         (``memory_needs``, ``sizing``), every number named.
@@ -88,15 +110,7 @@ class TwoTierCheckpointManager:
                             f"names of Orbax's emergency CheckpointManagerOptions), got "
                             f"{type(options).__module__}.{type(options).__name__}")
 
-        def sharding_of(path: Any, leaf: Any) -> Sharding:
-            sharding = getattr(leaf, "sharding", None)
-            if not isinstance(sharding, Sharding):
-                raise ValueError(f"abstract_state leaf {jax.tree_util.keystr(path)} has no "
-                                 f"sharding: give each leaf jax.ShapeDtypeStruct(..., "
-                                 f"sharding=...)")
-            return sharding
-
-        shardings = jax.tree_util.tree_map_with_path(sharding_of, abstract_state)
+        shardings = shardings_of(abstract_state, "abstract_state")
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_state)
         persistent = os.path.abspath(persistent_directory)
         job = options.job or "job-" + hashlib.sha1(
@@ -107,10 +121,20 @@ class TwoTierCheckpointManager:
             log.warning("TwoTierOptions.replicas=%d capped at the %d host(s) of this job: %s",
                         options.replicas, hosts,
                         "no peer copy (one host)" if replicas == 1 else f"{replicas} copies")
+        secret = None
+        if options.schedule is not None:
+            if replicas != 2:
+                raise ValueError(f"TwoTierOptions(schedule={options.schedule!r}) moves each "
+                                 f"version to a peer host inside the next step: it needs 2 "
+                                 f"hosts or more, this job has {hosts}")
+            profiling_options(options)  # refused now, not at the first step
+            secret = options.channel_secret_file or (
+                None if "://" in str(persistent_directory)
+                else os.path.join(persistent, SECRET_NAME))
         self.options = options
         memory = InMemoryOptions(store_root=os.path.abspath(local_directory), job=job,
                                  replicas=replicas, chunk_bytes=options.chunk_bytes,
-                                 pec=options.pec)
+                                 pec=options.pec, channel_secret_file=secret)
         # Before the first step: a RAM disk or a host too small is refused with the numbers.
         self.memory_needs = memory_needs(abstract, shardings, replicas, memory.window)
         preflight(self.memory_needs, memory.store_root, os.path.join(memory.store_root, job),
@@ -132,6 +156,70 @@ class TwoTierCheckpointManager:
         self._target = abstract_state
         self._mesh = global_mesh
         self._preemption = Preemption()
+        self._step: ManagedStep | None = None  # train_step's, once made
+        self._version: int | None = None  # the newest step saved or restored
+
+    # ----- the loop's step -----
+    def train_step(self, loss_fn: LossFn, *, batch_sharding: NamedSharding | None = None,
+                   optimizer: Any = None,
+                   apply_gradients: Callable[[Any, Any], Any] | None = None,
+                   tokens_per_expert: str | Callable[[Any], Any] | None = TPE,
+                   moe_layers: Sequence[int] | None = None,
+                   boundaries: Sequence[str] | None = None) -> ManagedStep:
+        """The loop's step, ``state, metrics = step(state, batch)``, made from
+        the loss; with ``TwoTierOptions.schedule`` it runs the scheduled
+        strategy's steps (each moves the last saved version inside itself).
+
+        It takes the loss, not a jitted step: on the in-graph path (GPU) the
+        chunks received in the backward pass are the cotangents of the
+        step's carrier inputs, so the library takes the ``jax.grad`` itself
+        (``profiling.loss_step``). Its first call traces the loss once (the
+        ``layer_boundary`` names; the batch is its example), and with a
+        schedule builds the strategy: every host calls it at the same step.
+
+        Args:
+          loss_fn: ``loss_fn(params, state, batch) -> (loss, aux)``, ``aux``
+            a dict of metrics (the step's metrics are ``aux`` and ``loss``).
+          batch_sharding, optimizer, apply_gradients, tokens_per_expert,
+            moe_layers, boundaries: as ``capricorn_jax.make_train_step``
+            (the state's shardings and the mesh are this manager's).
+
+        Returns:
+          The step; its ``train`` is the ``TrainStep`` once built, and
+          ``manager.strategy`` / ``manager.events`` the strategy and its events.
+        """
+        if self._step is not None and self.options.schedule is not None:
+            raise RuntimeError("train_step: this manager's scheduled strategy runs one step "
+                               "function; call it once")
+        kwargs = {"batch_sharding": batch_sharding, "optimizer": optimizer,
+                  "apply_gradients": apply_gradients, "tokens_per_expert": tokens_per_expert,
+                  "moe_layers": moe_layers, "boundaries": boundaries}
+
+        def build(batch: Any) -> tuple[Any, Scheduled | None]:
+            train = make_train_step(loss_fn, self._target, batch, mesh=self._mesh, **kwargs)
+            if self.options.schedule is None:
+                return train, None
+            return train, Scheduled(self.options, self.memory, train, self._version)
+
+        self._step = ManagedStep(build)
+        return self._step
+
+    @property
+    def _scheduled(self) -> Scheduled | None:
+        return None if self._step is None else self._step.scheduled
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The scheduled strategy (its ``schedule_summary()``...), once the
+        first step built it; None without ``schedule``."""
+        return None if self._scheduled is None else self._scheduled.strategy
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The scheduled strategy's ``checkpoint`` events (``moved_in_step``
+        on a version moved inside a step) and the profiling driver's events,
+        in order; empty without ``schedule``."""
+        return [] if self._scheduled is None else self._scheduled.events
 
     # ----- Orbax's emergency surface -----
     @property
@@ -162,21 +250,57 @@ class TwoTierCheckpointManager:
           args: Orbax's form instead: ``ocp.args.Composite(state=PyTreeSave(s) |
             StandardSave(s)[, host_state=JsonSave(d)])``.
           force: save both tiers now, whatever the intervals.
-          custom_metadata: the persistent step's, as Orbax's.
+          custom_metadata: the persistent step's, as Orbax's (not with
+            ``schedule``).
+
+        With ``schedule`` (once ``train_step``'s first call built the
+        strategy) the version goes to the strategy: the next step moves it
+        (it is committed, and written to disk when due, at the next
+        ``save``), or, at a profiled next step or with ``force``, it is
+        saved now. The loop calls it after every step.
 
         Returns:
-          Whether this step was saved (in memory at least), as Orbax's emergency
-          ``save``; ``persistent_steps`` and ``persistent_errors`` tell the disk.
+          Whether this step was saved (in memory at least, or deferred to the
+          next step), as Orbax's emergency ``save``; ``persistent_steps`` and
+          ``persistent_errors`` tell the disk.
         """
         state, host_state = _save_args(state, host_state, args)
         if not force and not self.should_save(step):
             return False
-        self.manager.save(step, args=ocp.args.Composite(
-            **{ITEM: CapricornSave(state, host_state=host_state)}), force=force,
-            custom_metadata=custom_metadata)
+        self._version = step
+        scheduled = self._scheduled
+        if scheduled is None:
+            self.manager.save(step, args=ocp.args.Composite(
+                **{ITEM: CapricornSave(state, host_state=host_state)}), force=force,
+                custom_metadata=custom_metadata)
+        else:
+            if custom_metadata is not None:
+                raise ValueError("save(custom_metadata=) is not taken with TwoTierOptions("
+                                 "schedule=...): a version reaches the disk a step later")
+            self.handler.await_reader()  # no prune under the disk writer's read
+            self._persist(scheduled.save(step, state, host_state, force), state,
+                          step if force else None)
         if not self.options.enable_async_checkpointing:
             self.manager.wait_until_finished()
         return True
+
+    def _persist(self, events: list[dict[str, Any]], state: Any, forced: int | None) -> None:
+        """Each version the scheduled strategy committed goes on to the disk
+        tier, which writes it from the host store when due (or ``forced``)."""
+        for event in events:
+            version = event["version"]
+            self.manager.persist(version, ocp.args.Composite(**{ITEM: CapricornSave(state)}),
+                                 force=version == forced)
+
+    def _flush(self) -> None:
+        """The version the scheduled strategy deferred, saved now (no step
+        follows to move it); every host calls it at the same point."""
+        scheduled = self._scheduled
+        if scheduled is not None:
+            pending = scheduled.flush()
+            if pending:
+                self.handler.await_reader()
+                self._persist(pending, self._target, None)
 
     def restore(self, step: int | None = None, args: Any = None) -> Any:
         """The newest step of either tier, or ``step`` (collective).
@@ -198,6 +322,10 @@ class TwoTierCheckpointManager:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             **{ITEM: CapricornRestore(target)}))
         items = {ITEM: restored[ITEM]}
+        if self.last_restore is not None:
+            self._version = self.last_restore.step
+            if self._scheduled is not None:
+                self._scheduled.restored(self.last_restore.step)
         if want_host_state:
             items[HOST_STATE] = self.last_restore.host_state if self.last_restore else {}
         return ocp.args.Composite(**items)
@@ -227,11 +355,17 @@ class TwoTierCheckpointManager:
         return self._preemption.reached(step, self.manager.reached_preemption)
 
     def wait_until_finished(self) -> None:
+        """Waits for the persistent save in flight; with ``schedule``, first
+        saves the version the strategy left for a next step (collective)."""
+        self._flush()
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        self._flush()
         self._preemption.close()
         self.manager.close()
+        if self.strategy is not None:
+            self.strategy.close()
 
     def __enter__(self) -> TwoTierCheckpointManager:
         return self
