@@ -2,7 +2,11 @@
 
 launch.train, launch.bench and launch.chaos take their flags from the groups
 here (cluster, links, model, data, training, checkpoint, profiling, faults,
-accelerator); a flag means the same in every command that takes it. Nothing
+accelerator: the job's, ``GROUPS``), and so do the other commands under launch/
+(launch.plan, launch.link_probe, launch.gpu_bench, the experiments), with the
+groups of flags that several commands take but a job does not (output,
+process); a flag means the same in every command that takes it
+(tests/test_launch_flags.py compares every definition of a name). Nothing
 is defined on import: ``define(fv, groups)`` defines the chosen groups into a
 ``FlagValues`` (a command calls it once, before ``app.run``; a test calls it
 on a fresh ``FlagValues``), so importing any launch module, or all of them
@@ -124,7 +128,8 @@ _spec("integer", "steps", 20,
 _spec("string", "workdir", None,
       "Directory for metrics.jsonl and checkpoints (train); scratch directory, default a "
       "temporary one (bench, chaos).")
-_spec("integer", "seed", 0, "Seed of the parameters, dropout and data order.")
+_spec("integer", "seed", 0,
+      "Seed of the parameters, dropout, data order and the routing bias's schedule.")
 _spec("enum", "workload", "steady", ["steady", "dynamic", "synthetic"],
                   "steady: one domain; dynamic: domain shift every --shift_every steps; "
                   "synthetic: random bytes (explicit opt-in).")
@@ -304,8 +309,9 @@ _spec("enum", "accelerator", "none", list(ACCELERATORS),
       "none: the model computes on the simulated devices; emulated: each layer's compute is "
       "a wait of the accelerator profile's duration.")
 _spec("string", "accelerator_profile", "",
-      f"--accelerator=emulated: a shipped profile ({', '.join(available_profiles())}; "
-      f"default {DEFAULT_PROFILE}) or a profile JSON file.")
+      f"The emulated accelerator's profile (--accelerator=emulated): a shipped profile "
+      f"({', '.join(available_profiles())}; default {DEFAULT_PROFILE}) or a profile JSON "
+      "file.")
 # In this group because its default follows --accelerator, and every command takes the group.
 _spec("enum", "routing_bias", "auto", list(ROUTING_BIASES),
       "Bias the router of training steps to a published schedule of expert loads "
@@ -315,6 +321,22 @@ _spec("enum", "routing_bias", "auto", list(ROUTING_BIASES),
       "schedule needs --workload=dynamic.")
 
 GROUPS = tuple(_SPECS)
+"""The job's groups: launch.train takes every flag of them, the other commands
+some. The groups below are not a job's (launch.train takes none of them)."""
+
+_in("output")
+_spec("string", "json", None, "Write the results here as JSON.")
+_spec("string", "png", None,
+      "Write the plot here (PNG): launch.bench a bar chart of the median step times (error "
+      "bars); launch.experiments.emulated_sweep plot each strategy's step over none's "
+      "against R.")
+_spec("string", "out", None,
+      "Output folder: launch.gpu_bench's summary.json and its parts' logs; "
+      "launch.experiments.emulated_sweep run's point JSONs.")
+
+_in("process")
+_spec("integer", "devices", 4,
+      "CPU devices of this command's one process (XLA's forced host platform device count).")
 
 
 def define(fv: flags.FlagValues, groups: Mapping[str, Iterable[str] | None],

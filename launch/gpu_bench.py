@@ -24,7 +24,9 @@ recorded and the next one runs; the exit code is 1 if any failed):
   the persistent tier; the recovery events' tier and seconds.
 
 ``--platform=cpu`` runs the same parts at small sizes (model ``tiny``, a few
-steps): the dry run CI runs (``tests/test_gpu_bench_dryrun.py``).
+steps): the dry run CI runs (``tests/test_gpu_bench_dryrun.py``). The parts'
+stores live under ``--store_root`` (default: a new folder in /dev/shm), which
+the run removes at its end.
 Alternative not taken: one process doing everything, which would let one
 part's device memory, XLA flags or a crash spoil the others.
 """
@@ -47,13 +49,23 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-    """The command's flags, defined only when run as a command (as launch.bench)."""
-    flags.DEFINE_string("out", None, "Output folder (summary.json, the parts' logs).")
-    flags.DEFINE_enum("platform", "gpu", ["gpu", "cpu"], "gpu: the real run; cpu: the dry run.")
-    flags.DEFINE_string("part", "", "Internal: run one part in this process.")
-    flags.DEFINE_string("store_root", "",
-                        "RAM disk for the stores; default: a new folder in /dev/shm.")
+# launch.cli_flags groups (and their flags) the command takes: it passes
+# --platform and --store_root on to the benches and training jobs of its parts.
+SHARED_FLAGS = {"cluster": ("platform",), "checkpoint": ("store_root",), "output": ("out",)}
+GPU_BENCH_DEFAULTS = {"platform": "gpu", "store_root": ""}
+"""Its own defaults: the real run on the GPU (cpu: the dry run, small sizes),
+and its stores in a new folder in /dev/shm ('') removed at the end."""
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags, defined only when run as a command (as launch.bench),
+    or by a test on a fresh ``fv``."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, SHARED_FLAGS, GPU_BENCH_DEFAULTS)
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_string("part", "", "Internal: run one part in this process.", flag_values=fv)
+    return fv
 
 
 PARTS = ("env", "arena", "schedule", "bench_small", "bench_big", "recovery")

@@ -96,19 +96,22 @@ def measure_link(mib: float = 8.0, repeats: int = 5) -> dict:
 
 FLAGS = flags.FLAGS
 
+# launch.cli_flags groups (and their flags) the probe takes, and its own default of one.
+SHARED_FLAGS = {"cluster": ("hosts", "devices_per_host", "timeout_s", "process_id",
+                            "coordinator"),
+                "links": None, "data": ("workdir",), "output": ("json",)}
+LINK_PROBE_DEFAULTS = {"timeout_s": 300.0}
+
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """The command's flags, defined only when run as a command (or by a test on
     a fresh ``fv``): launch.bench imports ``measure_link``."""
     from launch import cli_flags
 
-    cli_flags.define(fv, {"cluster": ("hosts", "devices_per_host", "timeout_s", "process_id",
-                                      "coordinator"),
-                          "links": None, "data": ("workdir",)}, {"timeout_s": 300.0})
+    cli_flags.define(fv, SHARED_FLAGS, LINK_PROBE_DEFAULTS)
     flags.adopt_module_key_flags(cli_flags, flag_values=fv)
     flags.DEFINE_float("mib", 8.0, "MiB per device per transfer.", flag_values=fv)
     flags.DEFINE_integer("repeats", 5, "Timed transfers per pattern.", flag_values=fv)
-    flags.DEFINE_string("json", None, "Write the measurement here.", flag_values=fv)
     return fv
 
 

@@ -39,7 +39,7 @@ from models.emulation import profile as accelerator_profile
 SHARED_FLAGS = {"cluster": ("hosts", "devices_per_host"), "links": ("link_gbps",),
                 "model": ("model",), "data": ("steps",),
                 "checkpoint": ("replicas", "pec_k", "ckpt_budget"),
-                "accelerator": ("accelerator_profile",)}
+                "accelerator": ("accelerator_profile",), "output": ("json",)}
 """The ``launch.cli_flags`` flags the planner takes, with their meaning there
 (a simulated job's hosts, model, steps, ...)."""
 PLAN_DEFAULTS = {"hosts": None, "devices_per_host": None, "link_gbps": None, "model": None,
@@ -71,7 +71,6 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
     flags.DEFINE_float("state_gb_per_host", None, "override: train state per host, GB",
                        flag_values=fv)
     flags.DEFINE_float("mtbf_h", 24.0, "mean time between failures, hours", flag_values=fv)
-    flags.DEFINE_string("json", None, "write the results here", flag_values=fv)
     flags.DEFINE_string("plot", None, "write a plot here (matplotlib)", flag_values=fv)
     flags.DEFINE_list("validate", [], "emulated bench JSON(s): derive each run's cluster "
                       "from its JSON, simulate it, print predicted against measured overhead "

@@ -18,12 +18,14 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """The command's flags, defined only when run as a command: a test or
     another launcher importing this module for its logic must not define
     flags of the same names twice."""
-    flags.DEFINE_string("trace", None, "A timeline JSON written by launch.train --timeline.")
-    flags.DEFINE_string("out", "timeline.png", "PNG to write.")
+    flags.DEFINE_string("trace", None, "A timeline JSON written by launch.train --timeline.",
+                        flag_values=fv)
+    flags.DEFINE_string("out", "timeline.png", "PNG to write.", flag_values=fv)
+    return fv
 
 
 _COLORS = {"compute": "tab:blue", "all-to-all": "tab:orange", "checkpoint link": "tab:green"}

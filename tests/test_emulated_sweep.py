@@ -90,3 +90,26 @@ def test_traffic_class_names_the_point_and_its_series(tmp_path):
     png = tmp_path / "p.png"
     sweep.plot([fifo, prio, jumbo], png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_point_runs_the_bench_with_the_sweeps_flags():
+    """The flags the sweep passes on are launch.bench's, with the sweep's
+    defaults; bench_argv takes their values (it reads no flags)."""
+    from pathlib import Path
+
+    from absl import flags
+
+    fv = sweep.define_flags(flags.FlagValues())
+    fv(["sweep"])
+    assert sweep.PointFlags.from_flags(fv) == sweep.PointFlags()
+    fv = sweep.define_flags(flags.FlagValues())
+    fv(["sweep", "--strategies=none,inmem", "--reps=2", "--steps=40", "--traffic_class=priority",
+        "--link_mtu=9000", "--ckpt_budget=0.5"])
+    bench = sweep.PointFlags.from_flags(fv)
+    low, high = sweep.points([0.5, 1.5], ["dynamic"], ["2x2"], {"2x2": 0.077}, 1.0)
+    assert sweep.bench_argv(low, Path("out"), bench)[1:] == [
+        "-m", "launch.bench", "--accelerator=emulated", "--strategies=none,inmem", "--hosts=2",
+        "--devices_per_host=2", "--workload=dynamic", "--shift_every=4", "--steps=40",
+        "--reps=2", "--bandwidth_mib=0", "--link_gbps=0.154", "--traffic_class=priority",
+        "--json=out/bench_2x2_dynamic_r0.5_priority_mtu9000.json", "--link_mtu=9000"]
+    assert sweep.bench_argv(high, Path("out"), bench)[-1] == "--ckpt_budget=0.5"

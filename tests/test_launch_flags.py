@@ -3,6 +3,9 @@
 Every command defines its flags into a FlagValues it is given and parses
 them; importing every launch module together defines no flag (absl flags
 defined at import broke CI twice, when a test imported two such modules).
+A flag name means one thing: every command that defines it defines it alike
+(type, help, enum values, default), but for the defaults a command declares
+and the flags declared its own (``OWN``).
 """
 
 import dataclasses
@@ -10,25 +13,63 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import pytest
 from absl import flags
 
 from capricorn_jax import stores
-from launch import accelerator, cli_flags, link_probe, plan
+from launch import accelerator, cli_flags, gpu_bench, link_probe, plan, plot_timeline
 from launch.bench import command as bench
 from launch.bench import config as bench_config
 from launch.chaos import command as chaos
 from launch.chaos import config as chaos_config
+from launch.experiments import (
+    bandwidth,
+    emulated_sweep,
+    frame_mac_cost,
+    fsync_cost,
+    plot_profile,
+    routing_bias,
+)
 from launch.train import command as train
 from launch.train import config
 from tests.helpers import ROOT
 
+# Every module that defines absl flags (a command; tests/test_launch_flags.py
+# finds any other: test_every_module_defining_flags_is_compared).
 COMMANDS = {"train": train, "bench": bench, "chaos": chaos, "stores": stores,
-            "link_probe": link_probe, "plan": plan}
-# A command's own flag under a shared name: chaos's --seed seeds the trial
-# draws (its DESIGN.md contract), not the job.
-OWN = {("chaos", "seed")}
+            "link_probe": link_probe, "plan": plan, "gpu_bench": gpu_bench,
+            "plot_timeline": plot_timeline, "emulated_sweep": emulated_sweep,
+            "routing_bias": routing_bias, "bandwidth": bandwidth, "fsync_cost": fsync_cost,
+            "frame_mac_cost": frame_mac_cost, "plot_profile": plot_profile}
+# Each command's own defaults of flags it shares (same meaning, another default).
+DECLARED = {"bench": bench.BENCH_DEFAULTS, "chaos": chaos.CHAOS_DEFAULTS,
+            "plan": plan.PLAN_DEFAULTS, "link_probe": link_probe.LINK_PROBE_DEFAULTS,
+            "gpu_bench": gpu_bench.GPU_BENCH_DEFAULTS,
+            "emulated_sweep": emulated_sweep.SWEEP_DEFAULTS,
+            "routing_bias": routing_bias.ROUTING_BIAS_DEFAULTS,
+            "fsync_cost": fsync_cost.FSYNC_COST_DEFAULTS}
+# A command's own flag under a name another command defines too, with another
+# meaning (documented usage, so not renamed): flag name -> those commands.
+_OWN = {
+    # chaos's --seed seeds the trial draws (its DESIGN.md contract), not the job.
+    "seed": ("chaos",),
+    # Which strategies: chaos draws trials from in-memory ones, the planner
+    # simulates its own set; the bench's (and the sweep's, passed on) run side by side.
+    "strategies": ("chaos", "plan"),
+    # Topologies: chaos's HxD or HxDrM drawn from, the sweep's HxD grid.
+    "topologies": ("chaos", "emulated_sweep"),
+    # The planner's trace (steady | dynamic | a metrics.jsonl), the timeline's JSON.
+    "trace": ("plan", "plot_timeline"),
+    # The PNG file the plot commands write (cli_flags' --out is an output folder).
+    "out": ("plot_timeline", "plot_profile"),
+    # Each measurement's own size and repetitions.
+    "mib": ("link_probe", "bandwidth", "fsync_cost", "frame_mac_cost"),
+    "repeats": ("link_probe", "bandwidth", "frame_mac_cost"),
+}
+OWN = {(command, name) for name, commands in _OWN.items() for command in commands}
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -174,14 +215,115 @@ def test_inmem_on_the_chunk_channel_needs_two_replicas(tmp_path):
     assert config.from_flags(fv).checkpoint.chunk_path == "threaded"
 
 
-def test_shared_flags_differ_only_in_the_declared_defaults():
-    train_fv = train.define_flags(flags.FlagValues())
-    for name, module, own in (("bench", bench, bench.BENCH_DEFAULTS),
-                              ("chaos", chaos, chaos.CHAOS_DEFAULTS)):
-        fv = module.define_flags(flags.FlagValues())
-        differ = {f: fv[f].default for f in fv
-                  if f in train_fv and fv[f].default != train_fv[f].default}
-        assert differ == own, name
+def _definition(flag: flags.Flag) -> dict[str, Any]:
+    """What the comparison compares of a flag's definition."""
+    return {"type": (type(flag).__name__, type(flag.parser).__name__,
+                     type(flag.serializer).__name__),
+            "enum values": getattr(flag.parser, "enum_values", None),
+            "help": flag.help, "default": flag.default}
+
+
+def definition_conflicts(commands: Mapping[str, flags.FlagValues],
+                         declared: Mapping[str, Mapping[str, Any]] | None = None,
+                         own: Collection[tuple[str, str]] = ()) -> list[str]:
+    """Where commands define a flag name differently: for every name that two
+    or more of ``commands`` (name -> its FlagValues) define, leaving out the
+    (command, name) pairs of ``own``, each aspect (the flag's type: its absl
+    flag, parser and serializer classes; its enum values; its help; its
+    default) that differs, as '<name>: <aspect>: <command> <value> !=
+    <command> <value>'. A default in ``declared[command]`` (the command's own
+    defaults) is left out of the comparison but must be the flag's default
+    ('<name>: <command> declares ...'), and must be of a flag it defines."""
+    declared = declared or {}
+    found = []
+    by_name: dict[str, dict[str, dict[str, Any]]] = {}
+    for command, fv in commands.items():
+        for name, value in declared.get(command, {}).items():
+            if name not in fv:
+                found.append(f"{name}: {command} declares a default of a flag it does not "
+                             f"define")
+            elif fv[name].default != value:
+                found.append(f"{name}: {command} declares the default {value!r}, its flag's "
+                             f"is {fv[name].default!r}")
+        for name in fv:
+            if (command, name) not in own:
+                by_name.setdefault(name, {})[command] = _definition(fv[name])
+    for name, definitions in sorted(by_name.items()):
+        for aspect in ("type", "enum values", "help", "default"):
+            seen = [(command, d[aspect]) for command, d in definitions.items()
+                    if aspect != "default" or name not in declared.get(command, {})]
+            found += [f"{name}: {aspect}: {seen[0][0]} {seen[0][1]!r} != {command} {value!r}"
+                      for command, value in seen[1:] if value != seen[0][1]]
+    return found
+
+
+def _all_commands_flags() -> dict[str, flags.FlagValues]:
+    """Every command's flags, and every cli_flags group's (as "cli_flags")."""
+    out = {name: module.define_flags(flags.FlagValues()) for name, module in COMMANDS.items()}
+    out["cli_flags"] = flags.FlagValues()
+    cli_flags.define(out["cli_flags"], {group: None for group in cli_flags._SPECS})
+    return out
+
+
+def test_a_flag_name_is_defined_alike_by_every_command():
+    """Every flag two or more commands (or a command and launch.cli_flags)
+    define is defined alike: same type, enum values, help and default, but for
+    each command's declared defaults and the declared own flags."""
+    assert definition_conflicts(_all_commands_flags(), DECLARED, OWN) == []
+
+
+def test_the_declared_own_flags_are_current():
+    """An own flag is a flag of its command whose name another command (or
+    launch.cli_flags) defines too: a stale exception is dropped."""
+    commands = _all_commands_flags()
+    for command, name in OWN:
+        assert name in commands[command], (command, name)
+        assert any(name in fv for other, fv in commands.items() if other != command), name
+
+
+def test_every_module_defining_flags_is_compared():
+    """A module under launch/ (or the library) that defines absl flags is a
+    command in COMMANDS, so its definitions are compared."""
+    defining = set()
+    for folder in ("launch", "models", "capricorn_jax"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if re.search(r"\bflags\.DEFINE_|cli_flags\.define\(", path.read_text()):
+                defining.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    defining -= {"launch.cli_flags"}  # the specs, defined by the commands
+    assert defining == {module.__name__ for module in COMMANDS.values()}
+
+
+def test_the_comparison_reports_a_flag_defined_twice_differently():
+    shared = flags.FlagValues()
+    cli_flags.define(shared, {"data": ("steps",)})
+    help_text = shared["steps"].help
+
+    def planted(definer, default=20, help=help_text, **extra):
+        fv = flags.FlagValues()
+        definer("steps", default, help, flag_values=fv, **extra)
+        return fv
+
+    assert definition_conflicts({"a": shared, "b": planted(flags.DEFINE_integer)}) == []
+    assert definition_conflicts({"a": shared, "b": planted(flags.DEFINE_integer,
+                                                           help="Steps.")}) == [
+        f"steps: help: a {help_text!r} != b 'Steps.'"]
+    assert definition_conflicts({"a": shared, "b": planted(flags.DEFINE_float)}) == [
+        "steps: type: a ('Flag', 'IntegerParser', 'ArgumentSerializer') != "
+        "b ('Flag', 'FloatParser', 'ArgumentSerializer')"]
+    eight = planted(flags.DEFINE_integer, default=8)
+    assert definition_conflicts({"a": shared, "b": eight}) == [
+        "steps: default: a 20 != b 8"]
+    assert definition_conflicts({"a": shared, "b": eight}, {"b": {"steps": 8}}) == []
+    assert definition_conflicts({"a": shared, "b": eight}, {"b": {"steps": 9}}) == [
+        "steps: b declares the default 9, its flag's is 8"]
+    assert definition_conflicts({"a": shared, "b": planted(flags.DEFINE_float, help="Other.")},
+                                own={("b", "steps")}) == []
+    first, second = flags.FlagValues(), flags.FlagValues()
+    flags.DEFINE_enum("mode", "x", ["x", "y"], "Mode.", flag_values=first)
+    flags.DEFINE_enum("mode", "x", ["x", "z"], "Mode.", flag_values=second)
+    assert definition_conflicts({"a": first, "b": second}) == [
+        "mode: enum values: a ['x', 'y'] != b ['x', 'z']",
+        "mode: help: a '<x|y>: Mode.' != b '<x|z>: Mode.'"]
 
 
 def test_a_flag_defined_twice_or_unknown_is_an_error():
@@ -219,10 +361,6 @@ def test_importing_every_launch_module_together_defines_no_flag():
     assert out["added"] == []
 
 
-# Commands whose helpers read the flag namespace themselves: measurement
-# scripts of one experiment each (launch/experiments), where the flags are
-# the experiment's knobs and nothing else builds on the helpers.
-FLAG_READERS_BESIDE_MAIN = {"launch/experiments/emulated_sweep.py"}
 # Library code that sets a flag Orbax defines (its distributed-barrier switch,
 # ``persistent.barriers``) for programs that never parse absl flags: Orbax's
 # setting, not a command's configuration.
@@ -276,10 +414,10 @@ def test_only_a_commands_main_reads_the_flags():
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = str(path.relative_to(ROOT))
             reads = flag_reads_outside_main(path.read_text())
-            if reads and rel not in FLAG_READERS_BESIDE_MAIN | ORBAX_FLAG_SETTERS:
+            if reads and rel not in ORBAX_FLAG_SETTERS:
                 found[rel] = reads
     assert found == {}
-    for rel in FLAG_READERS_BESIDE_MAIN | ORBAX_FLAG_SETTERS:  # a stale exception is dropped
+    for rel in ORBAX_FLAG_SETTERS:  # a stale exception is dropped
         assert flag_reads_outside_main((ROOT / rel).read_text()), rel
 
 

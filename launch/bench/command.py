@@ -88,6 +88,7 @@ SHARED_FLAGS = {
     "checkpoint": ("replicas", "chunk_bytes", "chunk_path", "store_root", "ckpt_budget",
                    "persist_every", "pec_k"),
     "profiling": ("profile_first_n", "profile_trigger", "drift_threshold"),
+    "output": ("json", "png"),
 }
 BENCH_DEFAULTS = {"steps": 10, "dispatch": "bucketed", "pec_k": 2,
                   "store_root": "/dev/shm/capricorn_jax_bench"}
@@ -118,9 +119,6 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
                          "strategy alike.", flag_values=fv)
     flags.DEFINE_integer("warmup", 3, "Warm-up steps per strategy (compilation), not measured.",
                          flag_values=fv)
-    flags.DEFINE_string("json", None, "Write the results here as JSON.", flag_values=fv)
-    flags.DEFINE_string("png", None, "Write a bar chart (median step time, error bars) here.",
-                        flag_values=fv)
     flags.DEFINE_integer("bandwidth_mib", 64,
                          "After the strategies: this host's memcpy, store ingest and store restore "
                          "bandwidth on this many MiB (the JSON's \"bandwidth\"; 0: skip).",

@@ -70,7 +70,7 @@ FLAGS = flags.FLAGS
 # is a launch.train job of --model and --steps (12 by default), behind the
 # links, on the accelerator.
 SHARED_FLAGS = {"model": ("model",), "data": ("steps", "workdir"), "links": None,
-                "accelerator": None}
+                "accelerator": None, "output": ("json",)}
 CHAOS_DEFAULTS = {"steps": 12}
 
 
@@ -89,8 +89,6 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     # the draws (DESIGN.md's contract); the trials' jobs use seed 0.
     flags.DEFINE_integer("seed", 0, "Seed of the trial draws (trial i uses seed * 1000 + i).",
                          flag_values=fv)
-    flags.DEFINE_string("json", None, "Write the trials and the summary here as JSON.",
-                        flag_values=fv)
     flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
                       "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.",
                       flag_values=fv)

@@ -40,17 +40,23 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-    """The command's flags (only when run as a command: launch.bench imports
-    ``measure`` and has flags of the same names)."""
-    flags.DEFINE_integer("mib", 256, "Bytes per copy, MiB.")
-    flags.DEFINE_integer("repeats", 5, "Timed copies per kind.")
-    flags.DEFINE_string("tmpfs", "/dev/shm", "RAM disk for the store write/read.")
-    flags.DEFINE_string("json", None, "Write the results here.")
-    flags.DEFINE_integer("rows", 4, "Device rows per store version (devices per host).")
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags (only when run as a command, or by a test on a fresh
+    ``fv``: launch.bench imports ``measure`` and has flags of the same names)."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, {"output": ("json",)})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_integer("mib", 256, "Bytes per copy, MiB.", flag_values=fv)
+    flags.DEFINE_integer("repeats", 5, "Timed copies per kind.", flag_values=fv)
+    flags.DEFINE_string("tmpfs", "/dev/shm", "RAM disk for the store write/read.", flag_values=fv)
+    flags.DEFINE_integer("rows", 4, "Device rows per store version (devices per host).",
+                         flag_values=fv)
     flags.DEFINE_integer("chunk_mib", 4,
-                         "Chunk size of the store path, MiB (the checkpointer's default).")
-    flags.DEFINE_integer("threads", 4, "Writer / reader threads of the store path.")
+                         "Chunk size of the store path, MiB (the checkpointer's default).",
+                         flag_values=fv)
+    flags.DEFINE_integer("threads", 4, "Writer / reader threads of the store path.", flag_values=fv)
+    return fv
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:

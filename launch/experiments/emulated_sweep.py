@@ -9,7 +9,11 @@
 ``run`` runs one ``launch.bench --accelerator=emulated`` per point of the grid
 (topology x workload x R), each with every strategy of ``--strategies`` in
 interleaved repetitions, and writes its JSON as
-``OUT/bench_{topology}_{workload}_r{R}.json``. R is set by the link rate:
+``OUT/bench_{topology}_{workload}_r{R}.json`` (``_priority`` appended with
+``--traffic_class=priority``, ``_mtu{N}`` with ``--link_mtu=N``). The flags it
+passes on to every point's bench (``--strategies``, ``--reps``, ``--steps``,
+``--shift_every``, the links' and the accelerator profile's) are launch.bench's,
+with the sweep's own defaults (``SWEEP_DEFAULTS``). R is set by the link rate:
 R = (bytes a host sends per version / link rate) / (none's idle link time per
 step), so the rate for a target R is ``r_per_gbps / R`` where ``r_per_gbps``
 (R at 1 Gbit/s, per topology) comes from an earlier run of the same model and
@@ -31,12 +35,14 @@ leave the link probe and R stale.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags
 
@@ -44,34 +50,76 @@ from launch.cluster.netns import own_mtu
 
 FLAGS = flags.FLAGS
 
-STRATEGIES = "none,inmem,gemini,capricorn,pec,capricorn_pec,orbax_async"
+STRATEGIES = ("none", "inmem", "gemini", "capricorn", "pec", "capricorn_pec", "orbax_async")
+
+# launch.cli_flags groups (and their flags) the sweep takes: the ones it passes
+# on to every point's launch.bench (same meaning as there), and its outputs.
+SHARED_FLAGS = {"data": ("steps", "shift_every"), "checkpoint": ("ckpt_budget",),
+                "links": ("link_burst_kb", "link_mtu", "traffic_class"),
+                "accelerator": ("accelerator_profile",), "output": ("out", "png")}
+BENCH_FLAGS = ("strategies", "reps")
+"""launch.bench's own flags the sweep passes on to every point, as launch.bench
+defines them."""
+SWEEP_DEFAULTS = {"steps": 8, "shift_every": 4, "ckpt_budget": 0.0,
+                  "out": "results/emulated/sweep", "png": "results/emulated/sweep.png",
+                  "strategies": list(STRATEGIES), "reps": 3}
+"""The sweep's own defaults of the flags above (the published sweeps' values);
+its --ckpt_budget applies to the points above --budget_above_r only."""
 
 
-def define_flags() -> None:
-    flags.DEFINE_string("out", "results/emulated/sweep", "Folder for the points' JSONs.")
-    flags.DEFINE_list("r", ["0.25", "0.5", "0.75", "1.0", "1.5"], "Target R values.")
-    flags.DEFINE_list("workloads", ["dynamic", "steady"], "Workloads (bench --workload).")
-    flags.DEFINE_list("topologies", ["2x2", "4x1"], "HOSTSxDEVICES per point.")
-    flags.DEFINE_string("strategies", STRATEGIES, "bench --strategies.")
-    flags.DEFINE_integer("reps", 3, "bench --reps (interleaved repetitions).")
-    flags.DEFINE_integer("steps", 8, "bench --steps (timed steps per block).")
-    flags.DEFINE_integer("shift_every", 4, "bench --shift_every (dynamic workload).")
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags, defined only when run as a command (or by a test on
+    a fresh ``fv``): importing this module defines none."""
+    from launch import cli_flags
+    from launch.bench import command as bench
+
+    cli_flags.define(fv, SHARED_FLAGS,
+                     {k: v for k, v in SWEEP_DEFAULTS.items() if k not in BENCH_FLAGS})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    theirs = bench.define_flags(flags.FlagValues())
+    for name in BENCH_FLAGS:
+        flags.DEFINE_flag(theirs[name], flag_values=fv)
+        fv.set_default(name, SWEEP_DEFAULTS[name])
+    flags.DEFINE_list("r", ["0.25", "0.5", "0.75", "1.0", "1.5"], "Target R values.",
+                      flag_values=fv)
+    flags.DEFINE_list("workloads", ["dynamic", "steady"], "Workloads (bench --workload).",
+                      flag_values=fv)
+    flags.DEFINE_list("topologies", ["2x2", "4x1"], "HOSTSxDEVICES per point.", flag_values=fv)
     flags.DEFINE_list("r_per_gbps", ["2x2=0.077", "4x1=0.037"],
-                      "R at 1 Gbit/s per topology (TOPOLOGY=VALUE), from an earlier run.")
-    flags.DEFINE_float("budget_above_r", 1.0, "Points with a larger target R run with a budget.")
-    flags.DEFINE_float("ckpt_budget", 0.0, "bench --ckpt_budget for those points (seconds).")
-    flags.DEFINE_string("accelerator_profile", "", "bench --accelerator_profile ('' = default).")
-    flags.DEFINE_float("link_burst_kb", 0.0, "bench --link_burst_kb (0 = bench's default).")
-    flags.DEFINE_integer("link_mtu", 0, "bench --link_mtu (0 = the kernel's 1500).")
-    flags.DEFINE_enum("traffic_class", "fifo", ["fifo", "priority"],
-                      "bench --traffic_class for every point (priority: the JSON's name ends "
-                      "in _priority).")
-    flags.DEFINE_integer("point_timeout_s", 3600, "A point's bench is killed after this long.")
-    flags.DEFINE_bool("dry_run", False, "Print the commands only.")
-    flags.DEFINE_string("png", "results/emulated/sweep.png", "plot: the PNG to write.")
+                      "R at 1 Gbit/s per topology (TOPOLOGY=VALUE), from an earlier run.",
+                      flag_values=fv)
+    flags.DEFINE_float("budget_above_r", 1.0,
+                       "Points with a larger target R run with --ckpt_budget (the others "
+                       "without a budget).", flag_values=fv)
+    flags.DEFINE_integer("point_timeout_s", 3600, "A point's bench is killed after this long.",
+                         flag_values=fv)
+    flags.DEFINE_bool("dry_run", False, "Print the commands only.", flag_values=fv)
     flags.DEFINE_list("ratios", ["median"],
                       "plot: one panel per workload and ratio: median (median step over "
-                      "none's), steady_ratio or long_run_ratio (the bench JSON's).")
+                      "none's), steady_ratio or long_run_ratio (the bench JSON's).",
+                      flag_values=fv)
+    return fv
+
+
+@dataclasses.dataclass(frozen=True)
+class PointFlags:
+    """The launch.bench flags every point gets (the sweep's flags of the same
+    names; the link rate, topology and workload are the point's)."""
+
+    strategies: tuple[str, ...] = STRATEGIES
+    steps: int = 8
+    shift_every: int = 4
+    reps: int = 3
+    traffic_class: str = "fifo"
+    accelerator_profile: str = ""
+    link_burst_kb: float = 0.0
+    link_mtu: int = 0
+    ckpt_budget: float = 0.0
+
+    @classmethod
+    def from_flags(cls, fv: flags.FlagValues) -> PointFlags:
+        values: dict[str, Any] = {f.name: fv[f.name].value for f in dataclasses.fields(cls)}
+        return cls(**{**values, "strategies": tuple(values["strategies"])})
 
 
 def parse_topology(text: str) -> tuple[int, int]:
@@ -117,22 +165,23 @@ def point_name(point: dict, traffic_class: str = "fifo", mtu: int = 0) -> str:
     return f"bench_{point['topology']}_{point['workload']}_r{point['r_target']:g}{tail}.json"
 
 
-def bench_argv(point: dict, out: Path) -> list[str]:
+def bench_argv(point: dict, out: Path, bench: PointFlags) -> list[str]:
+    """The launch.bench command of ``point``, its JSON in ``out``."""
     argv = [sys.executable, "-m", "launch.bench", "--accelerator=emulated",
-            f"--strategies={FLAGS.strategies}", f"--hosts={point['hosts']}",
+            f"--strategies={','.join(bench.strategies)}", f"--hosts={point['hosts']}",
             f"--devices_per_host={point['devices']}", f"--workload={point['workload']}",
-            f"--shift_every={FLAGS.shift_every}", f"--steps={FLAGS.steps}",
-            f"--reps={FLAGS.reps}", "--bandwidth_mib=0", f"--link_gbps={point['link_gbps']}",
-            f"--traffic_class={FLAGS.traffic_class}",
-            f"--json={out / point_name(point, FLAGS.traffic_class, FLAGS.link_mtu)}"]
-    if FLAGS.accelerator_profile:
-        argv.append(f"--accelerator_profile={FLAGS.accelerator_profile}")
-    if FLAGS.link_burst_kb:
-        argv.append(f"--link_burst_kb={FLAGS.link_burst_kb:g}")
-    if FLAGS.link_mtu:
-        argv.append(f"--link_mtu={FLAGS.link_mtu}")
+            f"--shift_every={bench.shift_every}", f"--steps={bench.steps}",
+            f"--reps={bench.reps}", "--bandwidth_mib=0", f"--link_gbps={point['link_gbps']}",
+            f"--traffic_class={bench.traffic_class}",
+            f"--json={out / point_name(point, bench.traffic_class, bench.link_mtu)}"]
+    if bench.accelerator_profile:
+        argv.append(f"--accelerator_profile={bench.accelerator_profile}")
+    if bench.link_burst_kb:
+        argv.append(f"--link_burst_kb={bench.link_burst_kb:g}")
+    if bench.link_mtu:
+        argv.append(f"--link_mtu={bench.link_mtu}")
     if point["budget"]:
-        argv.append(f"--ckpt_budget={FLAGS.ckpt_budget}")
+        argv.append(f"--ckpt_budget={bench.ckpt_budget}")
     return argv
 
 
@@ -199,31 +248,35 @@ def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -
     fig.savefig(png, dpi=110)
 
 
-def run_sweep() -> int:
+def r_per_gbps_of(items: Sequence[str]) -> dict[str, float]:
+    """``["2x2=0.077", ...]`` (--r_per_gbps) -> {topology: R at 1 Gbit/s}."""
     r_per = {}
-    for item in FLAGS.r_per_gbps:
+    for item in items:
         topo, _, value = item.partition("=")
         r_per[topo] = float(value)
-    grid = points([float(r) for r in FLAGS.r], FLAGS.workloads, FLAGS.topologies, r_per,
-                  FLAGS.budget_above_r)
-    out = Path(FLAGS.out)
+    return r_per
+
+
+def run_sweep(grid: Sequence[dict], out: Path, bench: PointFlags, dry_run: bool = False,
+              point_timeout_s: float = 3600) -> int:
+    """Runs (or, ``dry_run``, prints) each point's bench; 1 if any failed."""
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for i, point in enumerate(grid, 1):
-        argv = bench_argv(point, out)
+        argv = bench_argv(point, out, bench)
         print(f"[{i}/{len(grid)}] {point['topology']} {point['workload']} R~{point['r_target']} "
               f"({point['link_gbps']} Gbit/s{', budget on' if point['budget'] else ''})",
               flush=True)
-        if FLAGS.dry_run:
+        if dry_run:
             print("  " + " ".join(argv[1:]))
             continue
         start = time.monotonic()
-        name = point_name(point, FLAGS.traffic_class, FLAGS.link_mtu)
+        name = point_name(point, bench.traffic_class, bench.link_mtu)
         log = out / name.replace(".json", ".log")
         with log.open("w") as f:
             try:
                 rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=FLAGS.point_timeout_s).returncode
+                                    timeout=point_timeout_s).returncode
             except subprocess.TimeoutExpired:
                 rc = -1
         took = time.monotonic() - start
@@ -241,7 +294,10 @@ def run_sweep() -> int:
 
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[1] == "run":
-        sys.exit(run_sweep())
+        grid = points([float(r) for r in FLAGS.r], FLAGS.workloads, FLAGS.topologies,
+                      r_per_gbps_of(FLAGS.r_per_gbps), FLAGS.budget_above_r)
+        sys.exit(run_sweep(grid, Path(FLAGS.out), PointFlags.from_flags(FLAGS),
+                           dry_run=FLAGS.dry_run, point_timeout_s=FLAGS.point_timeout_s))
     if len(argv) >= 3 and argv[1] == "plot":
         plot([json.loads(Path(p).read_text()) for p in argv[2:]], Path(FLAGS.png), FLAGS.ratios)
         print(f"wrote {FLAGS.png}")

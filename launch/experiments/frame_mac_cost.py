@@ -24,12 +24,18 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """Its flags, defined when run as a command (nothing at import)."""
-    flags.DEFINE_integer("mib", 256, "MiB digested per measurement.")
+    from launch import cli_flags
+
+    cli_flags.define(fv, {"output": ("json",)})
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_integer("mib", 256, "MiB digested per measurement.", flag_values=fv)
     flags.DEFINE_integer("repeats", 5,
-                         "Measurements per digest and frame size (the fastest kept).")
-    flags.DEFINE_string("json", None, "Write the results here as JSON.")
+                         "Measurements per digest and frame size (the fastest kept).",
+                         flag_values=fv)
+    return fv
+
 
 _KEY = b"k" * 32
 

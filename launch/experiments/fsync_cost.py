@@ -29,13 +29,22 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+# launch.cli_flags groups (and their flags) the command takes, and its own default of one.
+SHARED_FLAGS = {"process": ("devices",), "output": ("json",)}
+FSYNC_COST_DEFAULTS = {"json": ""}
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """Its flags, defined when run as a command (nothing at import)."""
-    flags.DEFINE_integer("mib", 256, "state size in MiB")
-    flags.DEFINE_integer("pairs", 6, "paired saves (fsync on, off)")
-    flags.DEFINE_integer("devices", 4, "CPU devices of this process")
-    flags.DEFINE_string("dir", "/var/tmp/capricorn-fsync", "persistent directory (a real disk)")
-    flags.DEFINE_string("json", "", "write the result here")
+    from launch import cli_flags
+
+    cli_flags.define(fv, SHARED_FLAGS, FSYNC_COST_DEFAULTS)
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_integer("mib", 256, "state size in MiB", flag_values=fv)
+    flags.DEFINE_integer("pairs", 6, "paired saves (fsync on, off)", flag_values=fv)
+    flags.DEFINE_string("dir", "/var/tmp/capricorn-fsync", "persistent directory (a real disk)",
+                        flag_values=fv)
+    return fv
 
 
 def _interval(diffs: list[float], draws: int = 2000) -> tuple[float, float]:

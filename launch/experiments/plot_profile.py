@@ -32,15 +32,16 @@ from launch.metrics import read_metrics
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     """The command's flags, defined only when run as a command: a test or
     another launcher importing this module for its logic must not define
     flags of the same names twice."""
-    flags.DEFINE_string("metrics", None, "A launch.train metrics.jsonl.")
-    flags.DEFINE_string("out", "profile.png", "PNG to write.")
-    flags.DEFINE_string("title", "", "Figure title; default: the metrics path.")
+    flags.DEFINE_string("metrics", None, "A launch.train metrics.jsonl.", flag_values=fv)
+    flags.DEFINE_string("out", "profile.png", "PNG to write.", flag_values=fv)
+    flags.DEFINE_string("title", "", "Figure title; default: the metrics path.", flag_values=fv)
     flags.DEFINE_float("threshold", -1.0,
-                       "Drift threshold to draw on the detector panel (< 0: none).")
+                       "Drift threshold to draw on the detector panel (< 0: none).", flag_values=fv)
+    return fv
 
 
 def load(path: str) -> dict:

@@ -3,9 +3,10 @@
     python -m launch.experiments.routing_bias --model=tiny --steps=60 --shift_every=10
 
 Trains ``--model`` in this process on ``--devices`` forced CPU devices (an
-expert-parallel mesh as launch.train builds it, bucketed dispatch as the bench
-runs) on the dynamic workload, once per ``--biases`` value (``none`` and the
-named schedules of ``models.routing_bias``), same seed, same data. Per step
+expert-parallel mesh as launch.train builds it, its expert axis their gcd with
+the experts; bucketed dispatch as the bench runs) on the dynamic workload,
+once per ``--biases`` value (``none`` and the named schedules of
+``models.routing_bias``), same seed, same data. Per step
 and MoE layer it reads the real ``tokens_per_expert`` (kept assignments) and
 prints:
 
@@ -22,6 +23,7 @@ prints:
 
 No emulation runs here (the model computes): the wait is implied from the
 measured loads and the profile, which is all the emulated step does with them.
+``--json`` gets per bias the per-step records and the per-period rows.
 """
 
 from __future__ import annotations
@@ -38,16 +40,25 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
-    """The command's flags (defined only when run as a command)."""
-    flags.DEFINE_string("model", "tiny", "Model config.")
-    flags.DEFINE_integer("devices", 4, "Forced CPU devices (the expert axis: gcd with experts).")
-    flags.DEFINE_integer("steps", 60, "Training steps per run.")
-    flags.DEFINE_integer("shift_every", 10, "Steps between domain shifts.")
-    flags.DEFINE_integer("seed", 0, "Seed of the parameters, the data and the bias table.")
-    flags.DEFINE_list("biases", ["none", "cong24"], "Routing bias values to compare.")
-    flags.DEFINE_string("accelerator_profile", "", "Profile of the implied waits ('' = default).")
-    flags.DEFINE_string("json", None, "Write the per-step records here.")
+# launch.cli_flags groups (and their flags) the command takes, same meaning as
+# in launch.train (this one trains in its own process, on --devices).
+SHARED_FLAGS = {"model": ("model",), "data": ("steps", "seed", "shift_every"),
+                "accelerator": ("accelerator_profile",), "output": ("json",),
+                "process": ("devices",)}
+ROUTING_BIAS_DEFAULTS = {"steps": 60, "shift_every": 10}
+"""Its own defaults of those flags (the measurement in BUILD_NOTES.md)."""
+
+
+def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
+    """The command's flags (defined only when run as a command, or by a test on
+    a fresh ``fv``)."""
+    from launch import cli_flags
+
+    cli_flags.define(fv, SHARED_FLAGS, ROUTING_BIAS_DEFAULTS)
+    flags.adopt_module_key_flags(cli_flags, flag_values=fv)
+    flags.DEFINE_list("biases", ["none", "cong24"], "Routing bias values to compare.",
+                      flag_values=fv)
+    return fv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +164,6 @@ def main(argv: Sequence[str]) -> None:
     del argv
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={FLAGS.devices}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from models.config import get_config
 
     balanced_ms = expert_ms(FLAGS.model, FLAGS.accelerator_profile)
@@ -178,5 +188,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before define_flags imports JAX (cli_flags)
     define_flags()
     app.run(main)
