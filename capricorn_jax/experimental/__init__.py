@@ -8,6 +8,8 @@ audience, so that nothing outside the library imports ``capricorn_jax._src``:
   retention, PEC selection, profiling policy and cache, the partitioner);
 * ``store``: the RAM store's administration and the pinned copy path;
 * ``testing``: fault injection (``FaultHooks``);
+* ``strategies``: the strategy registry (``register``, ``spec``, ``specs``,
+  ``StrategySpec``, ``BuildArgs``): the launchers add the baselines there;
 * ``measuring``: transports and schedules measured directly, and
   ``ChannelReplication`` (a benchmark control, not in the stable face);
 * ``multihost``: small cross-host agreements, the distributed client, the job's secret.
@@ -79,6 +81,14 @@ from capricorn_jax.experimental.store import (
     store_in_use,
     tree_bytes,
 )
+from capricorn_jax.experimental.strategies import (
+    BuildArgs,
+    StrategySpec,
+    register,
+    spec,
+    specs,
+    unregister,
+)
 from capricorn_jax.experimental.testing import FaultHooks
 
 __all__ = [
@@ -86,6 +96,7 @@ __all__ = [
     "allgather_json",
     "average_windows",
     "build_native",
+    "BuildArgs",
     "CACHE_GRANULARITIES",
     "CacheOptions",
     "CAPACITY_CACHE",
@@ -108,6 +119,7 @@ __all__ = [
     "placement_holders",
     "PLAN_PROFILES",
     "PltTracker",
+    "register",
     "ProfileCache",
     "remove_unused",
     "scale_windows",
@@ -116,15 +128,19 @@ __all__ = [
     "scheduled_step",
     "SECRET_NAME",
     "Segment",
+    "spec",
+    "specs",
     "send_rounds",
     "shortest_windows",
     "should_profile",
     "start_job_secret",
     "store_in_use",
+    "StrategySpec",
     "timeline",
     "TRAILER_BYTES",
     "Transport",
     "tree_bytes",
+    "unregister",
     "TRIGGERS",
     "version_mask",
     "version_needs",
