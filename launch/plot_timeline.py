@@ -1,4 +1,4 @@
-"""Draws a timeline trace (capricorn_jax timeline JSON) as a PNG.
+"""Draws a timeline trace (``launch.timeline``'s JSON) as a PNG.
 
     python -m launch.plot_timeline --trace=WORKDIR/timeline.json --out=timeline.png
 

@@ -1,6 +1,6 @@
 """Capricorn's own decisions, called directly (pure inputs, exact answers):
-the profiling gate (``transfers.schedule_at_risk``), the shortest-window rule
-(``transfers.shortest_windows``), the re-plan on a profile by kind
+the profiling gate (``policies.schedule_at_risk``), the shortest-window rule
+(``policies.shortest_windows``), the re-plan on a profile by kind
 (``ScheduledStrategy.on_profile``) and the spill note and its agreement
 (``_note_spills`` / ``_check_spills`` over the checkpointer's status round).
 
@@ -23,19 +23,16 @@ from hypothesis import strategies as st
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, Span
-from capricorn_jax._src.scheduling.load_windows import MODEL_MARGIN, windows_at_load
-from capricorn_jax._src.scheduling.partitioner import (
+from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
+from capricorn_jax._src.scheduling.plan.load_windows import MODEL_MARGIN, windows_at_load
+from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
     Window,
     partition,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.transfers import (
-    ScheduledTransfers,
-    schedule_at_risk,
-    shortest_windows,
-)
-from capricorn_jax._src.scheduling.window_model import WindowModel
+from capricorn_jax._src.scheduling.plan.policies import schedule_at_risk, shortest_windows
+from capricorn_jax._src.scheduling.plan.window_model import WindowModel
 from capricorn_jax._src.strategies import scheduled, window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 from tests.helpers import StatusNotes, notes_of

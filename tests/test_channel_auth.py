@@ -1,6 +1,6 @@
 """The chunk channel only the job can talk to, and identity that means something.
 
-The hello (``scheduling.channel_hello``) over socket pairs and loopback: a
+The hello (``scheduling.threaded.channel_hello``) over socket pairs and loopback: a
 hello without the job's secret and a replayed one are refused, a silent
 connection delays nobody, and two builds that differ in what they must
 share stop at the first exchange naming both. The agreements carry the same
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from capricorn_jax._src.multihost import agree, secret
-from capricorn_jax._src.scheduling import channel_hello, chunk_channel
-from capricorn_jax._src.scheduling.channel_hello import BuildMismatch, HelloRefused, Party
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded import channel_hello, chunk_channel
+from capricorn_jax._src.scheduling.threaded.channel_hello import BuildMismatch, HelloRefused, Party
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
 from tests.test_agree import _on_hosts, _store
 from tests.test_threaded import SECRET, _DictStore, raw_hello
 

@@ -1,5 +1,5 @@
 """Closing a chunk channel while a send or receive is under way on it
-(scheduling.held_sockets): the sockets' descriptor numbers stay theirs until
+(scheduling.threaded.held_sockets): the sockets' descriptor numbers stay theirs until
 the last one left, so no later socket of the process takes a number a
 native loop still holds (the stale loop would read a new channel's hello).
 """
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from capricorn_jax._src.native import frames as native_frames
-from capricorn_jax._src.scheduling import channel_hello
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded import channel_hello
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
 from tests.test_threaded import _DictStore
 
 SECRET = b"a secret for the close tests"
@@ -47,7 +47,7 @@ def _next_sockets(stop_at):
 
 @pytest.mark.skipif(not native_frames.available(), reason="the native receive")
 def test_a_receive_under_way_at_close_keeps_its_descriptor_from_the_next_socket():
-    """A native receive waits for its version's buffer (``ThreadedSender._buffer``)
+    """A native receive waits for its version's buffer (``Versions.buffer``)
     when the channel closes, then discards the frame's body: it must not
     read it from a socket opened meanwhile (a new channel's connection)."""
     a, b = _pair("close")

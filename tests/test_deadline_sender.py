@@ -1,4 +1,4 @@
-"""The deadline sender (scheduling.threaded, ``deadline=True``) over real sockets.
+"""The deadline sender (scheduling.threaded.sender, ``deadline=True``) over real sockets.
 
 Two ThreadedSenders on one process, each with a real TCP chunk channel to the
 other on loopback (the address exchange through a dict: the one stand-in);
@@ -18,9 +18,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.scheduling.chunk_channel import CorruptFrame
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.threaded.chunk_channel import CorruptFrame
+from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from tests.helpers import netns_usable
 from tests.test_threaded import _pair
 
@@ -121,7 +122,7 @@ def test_the_last_windows_leftovers_go_after_the_step_and_the_version_completes(
             # Both windows' bytes went after the step (their records: carried out).
             assert w0.carried_out == w0.planned and w1.carried_out == w1.planned
             assert w1.carried_in == 0 and w0.sent + w0.late + w1.sent + w1.late == 0
-            assert s._versions == {}  # finished
+            assert s._versions.pending() == []  # finished
         # The next version goes as usual.
         _step(mesh, senders, 2, _schedule(10.0, 10.0))
     finally:
@@ -177,7 +178,7 @@ def test_a_held_version_that_gets_no_later_step_is_sent_by_wait():
             got = list(pool.map(lambda s: s.wait(1, 20.0), senders))
         for h, s in enumerate(senders):
             assert (got[h] == data[1 - h]).all()
-            assert s._versions == {}
+            assert s._versions.pending() == []
         _step(mesh, senders, 2, _schedule(10.0, 10.0))  # the next version goes as usual
     finally:
         _close(senders)
@@ -270,7 +271,7 @@ def test_piece_bytes_must_be_positive():
 _SHAPED = """
 import json, os, sys
 from tests.test_deadline_sender import _close, _schedule, _senders, _step
-from capricorn_jax._src.scheduling.partitioner import LinkModel
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel
 import dataclasses
 rate = float(sys.argv[1])
 mesh, senders = _senders(piece_bytes=4096)
@@ -491,7 +492,7 @@ def test_in_a_low_priority_class_the_version_goes_at_once_without_its_windows(mo
     back. Every part of a spread version goes at the start (no mark fired,
     none left to resume), and each host gets the other's payload bit for
     bit; no window record (the schedule did not time them)."""
-    from capricorn_jax._src.scheduling.partition_search import spread
+    from capricorn_jax._src.scheduling.plan.partition_search import spread
 
     mesh, senders = _senders(piece_bytes=1024)  # ranges of 4096 would be cut
     sent = [[] for _ in senders]

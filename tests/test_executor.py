@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 from capricorn_jax._src.memory.wire.packing import encode_trailer
-from capricorn_jax._src.scheduling.executor import (
-    AFTER,
-    START,
-    InStepSender,
-    scheduled_step,
-    site_of,
-)
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.in_graph.executor import InStepSender, scheduled_step
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.plan.sites import AFTER, START, site_of
 from tests.helpers import two_host_transport
 from tests.tree_utils import assert_trees_equal
 

@@ -25,8 +25,12 @@ import pytest
 
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling.chunk_channel import RUN_FRAMES, ChunkChannel, CorruptFrame
-from capricorn_jax._src.scheduling.held_sockets import HeldSockets
+from capricorn_jax._src.scheduling.threaded.chunk_channel import (
+    RUN_FRAMES,
+    ChunkChannel,
+    CorruptFrame,
+)
+from capricorn_jax._src.scheduling.threaded.held_sockets import HeldSockets
 
 native = pytest.mark.skipif(not native_frames.available(),
                             reason="no C++ compiler: the frames go from Python")

@@ -24,7 +24,7 @@ from capricorn_jax._src.memory.tier import retention
 from capricorn_jax._src.memory.tier.status_round import StatusRejected, decode_statuses
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling.chunk_channel import CorruptFrame
+from capricorn_jax._src.scheduling.threaded.chunk_channel import CorruptFrame
 from tests.test_frame_bounds import canaries_intact, forged, guarded, receive, receiver
 
 PATHS = ["python"] + (["native"] if native_frames.available() else [])

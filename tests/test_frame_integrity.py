@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling import chunk_channel
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
-from capricorn_jax._src.scheduling.threaded import VersionDropped
+from capricorn_jax._src.scheduling.threaded import chunk_channel
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel, CorruptFrame
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from tests.test_deadline_sender import _close, _schedule, _senders, _step
 from tests.test_threaded import SECRET, _DictStore, _pair
 

@@ -1,13 +1,13 @@
-"""The schedule check (scheduling/hlo_schedule.py): on the CPU-compiled
+"""The schedule check (scheduling/in_graph/hlo_schedule.py): on the CPU-compiled
 in-graph step of tests/test_executor.py (synchronous permutes: placement
 only) and on synthetic HLO in the asynchronous start/done form GPUs use."""
 
 import numpy as np
 import pytest
 
-from capricorn_jax._src.scheduling import hlo_schedule as hs
-from capricorn_jax._src.scheduling.executor import AFTER
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, Window, partition
+from capricorn_jax._src.scheduling.in_graph import hlo_schedule as hs
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Schedule, Window, partition
+from capricorn_jax._src.scheduling.plan.sites import AFTER
 from tests.test_executor import BOUNDARIES, setup  # noqa: F401 - setup: the executor's fixture
 
 

@@ -30,7 +30,7 @@ from capricorn_jax.experimental import hlo_schedule as hs, xla_flags
 assert xla_flags.set_overlap_flags() == []
 import jax, numpy as np
 from jax.experimental import topologies
-from capricorn_jax._src.scheduling import executor
+from capricorn_jax._src.scheduling.in_graph import executor
 from launch.gpu_bench import _scheduled, h100_target
 tie = sys.argv[1] == "tie"
 init = executor.InStepSender.__init__

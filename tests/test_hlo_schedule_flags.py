@@ -1,4 +1,4 @@
-"""The in-graph path's XLA:GPU flags (scheduling/xla_flags.py): merged into
+"""The in-graph path's XLA:GPU flags (scheduling/in_graph/xla_flags.py): merged into
 XLA_FLAGS without overriding the user, problems named, and every name one
 this jaxlib's XLA knows (an unknown flag aborts the backend's start)."""
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from capricorn_jax._src.scheduling import xla_flags
+from capricorn_jax._src.scheduling.in_graph import xla_flags
 
 
 def test_missing_flags_are_added_and_the_users_settings_kept():

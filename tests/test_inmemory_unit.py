@@ -323,7 +323,7 @@ def test_a_status_round_run_by_the_caller_commits_and_skips_as_the_save_s_own(tr
     import threading
 
     import capricorn_jax
-    from capricorn_jax._src.scheduling.threaded import pack_program
+    from capricorn_jax._src.scheduling.threaded.sender import pack_program
 
     opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1,
                                          max_wait_s=0.0)
@@ -475,7 +475,7 @@ def test_a_dropped_version_is_never_committed_and_the_next_is(trainer, tmp_path)
     stays the one before, and the next version commits (replicas=1: this
     host holds everything, so "everywhere" is here)."""
     import capricorn_jax
-    from capricorn_jax._src.scheduling.threaded import pack_program
+    from capricorn_jax._src.scheduling.threaded.sender import pack_program
 
     opts = capricorn_jax.InMemoryOptions(store_root=str(tmp_path), job="j", replicas=1)
     ckpt = capricorn_jax.InMemoryCheckpointer(

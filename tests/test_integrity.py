@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax._src.memory.wire.packing import encode_trailer
 from capricorn_jax._src.memory.wire.transport import Transport, local_rows
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling.chunk_channel import CorruptFrame
-from capricorn_jax._src.scheduling.threaded import VersionDropped
+from capricorn_jax._src.scheduling.threaded.chunk_channel import CorruptFrame
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from tests.test_deadline_sender import _close, _marks, _schedule, _senders, _start
 from tests.test_threaded import _pair
 
@@ -97,8 +97,8 @@ def test_two_cancelling_flips_in_the_in_graph_exchange_fail_that_chunks_check(ti
 def _in_step(trainer, transport, plan):
     """The in-step sender's begin and finish alone (no train step): its
     start window's chunks and the tail, as the GPU path moves them."""
-    from capricorn_jax._src.scheduling.executor import InStepSender
-    from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+    from capricorn_jax._src.scheduling.in_graph.executor import InStepSender
+    from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
 
     schedule = partition(plan.payload_bytes, [Window("block0", "fwd", 1e-3)],
                          LinkModel(0.0, 2e8), chunk_cap=100_000)
@@ -212,7 +212,7 @@ def test_a_flipped_payload_bit_is_caught_by_the_crc32c_over_header_and_rows():
 def test_a_version_whose_ranges_are_not_the_schedules_is_refused_though_its_bytes_add_up():
     """Frames [0, 1000) and [500, 1500) of a version scheduled as [0, 2000):
     2000 bytes arrived (the count of before), [1500, 2000) never did."""
-    from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+    from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
 
     mesh, senders = _senders()
     try:

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from capricorn_jax._src.memory.tier.reports import DropCounts
-from capricorn_jax._src.scheduling.threaded import VersionDropped
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 from launch.train import command as train
 from launch.train import config, lag_alarm

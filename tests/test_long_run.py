@@ -7,7 +7,7 @@ import pytest
 
 from capricorn_jax._src.profiling.layer_profile import Recorder
 from capricorn_jax._src.profiling.probe import CollectiveProbe, StepCollectives
-from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
+from capricorn_jax._src.scheduling.plan.window_bytes import WindowBytes, window_bytes
 from launch.bench.records import (
     collective_times,
     idle_outside_collectives,

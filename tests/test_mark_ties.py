@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from capricorn_jax._src.native import marks as native_marks
 from capricorn_jax._src.profiling.layer_profile import Recorder
 from capricorn_jax._src.profiling.probe import MarkKey, edge_marked, tie
-from capricorn_jax._src.scheduling.window_marks import WindowMarks
+from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 
 def _scheduled_lines(recorder) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling.chunk_channel import _HEADER, CorruptFrame
+from capricorn_jax._src.scheduling.threaded.chunk_channel import _HEADER, CorruptFrame
 from tests.test_threaded import _pair
 
 pytestmark = pytest.mark.skipif(not native_frames.available(),

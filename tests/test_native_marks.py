@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.native import marks as native_marks
 from capricorn_jax._src.profiling.profiler import mark
-from capricorn_jax._src.scheduling.window_marks import WindowMarks
+from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 pytestmark = pytest.mark.skipif(not native_marks.available(),
                                 reason="no C++ compiler: the marks run as host callbacks")

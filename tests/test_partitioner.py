@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from capricorn_jax import LayerProfile
 from capricorn_jax._src.memory.wire.packing import LeafSlot
 from capricorn_jax._src.profiling.layer_profile import Segment
-from capricorn_jax._src.scheduling.partition_search import spread
-from capricorn_jax._src.scheduling.partitioner import (
+from capricorn_jax._src.scheduling.plan.partition_search import spread
+from capricorn_jax._src.scheduling.plan.partitioner import (
     PADDING,
     TRAILER,
     Chunk,
@@ -433,7 +433,7 @@ def test_spread_takes_the_fewest_steps_whose_windows_hold_the_payload(payload, d
        max_share=st.floats(0.05, 1.0))
 def test_even_partition_fills_every_window_to_the_same_least_share(payload, durations, alpha,
                                                                    cap, max_share):
-    from capricorn_jax._src.scheduling.partition_search import even_partition
+    from capricorn_jax._src.scheduling.plan.partition_search import even_partition
 
     link = LinkModel(alpha, 1e7)
     windows = [Window(f"b{i}", "fwd", d) for i, d in enumerate(durations)]
@@ -458,7 +458,7 @@ def test_even_partition_fills_every_window_to_the_same_least_share(payload, dura
 
 
 def test_even_partition_names_a_bad_share():
-    from capricorn_jax._src.scheduling.partition_search import even_partition
+    from capricorn_jax._src.scheduling.plan.partition_search import even_partition
 
     with pytest.raises(ValueError, match="max_share=1.5"):
         even_partition(10, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e6), 4, max_share=1.5)

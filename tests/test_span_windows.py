@@ -2,9 +2,9 @@
 
 The profile's spans from marks (``layer_profile.build_profile``), the windows
 they give (``partitioner.windows_from_profile``), where the sender opens them
-(``window_clock.sites_in_order`` / ``window_sites``), the load model's share
-(``load_windows.windows_at``), the gate (``transfers.schedule_at_risk``) and
-the spill check (``transfers.window_spills``) on them: pure inputs, exact
+(``sites.sites_in_order`` / ``window_sites``), the load model's share
+(``load_windows.windows_at``), the gate (``policies.schedule_at_risk``) and
+the spill check (``spills.window_spills``) on them: pure inputs, exact
 answers. The marks in a real step: tests/test_profiler.py; the sender opening
 windows at edges in a real step: tests/test_threaded.py."""
 
@@ -24,20 +24,24 @@ from capricorn_jax._src.profiling.layer_profile import (
     build_profile,
     opens_span,
 )
-from capricorn_jax._src.scheduling.executor import AFTER, START, InStepSender, site_of
-from capricorn_jax._src.scheduling.load_windows import windows_at
-from capricorn_jax._src.scheduling.partitioner import (
+from capricorn_jax._src.scheduling.in_graph.executor import InStepSender
+from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
+from capricorn_jax._src.scheduling.plan.load_windows import windows_at
+from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
     Window,
     partition,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.transfers import (
-    ScheduledTransfers,
-    schedule_at_risk,
-    window_spills,
+from capricorn_jax._src.scheduling.plan.policies import schedule_at_risk
+from capricorn_jax._src.scheduling.plan.sites import (
+    AFTER,
+    START,
+    site_of,
+    sites_in_order,
+    window_sites,
 )
-from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
+from capricorn_jax._src.scheduling.plan.spills import window_spills
 
 NAMES = ["block0", "block1"]
 

@@ -1,4 +1,4 @@
-"""The deadline sender's stop rule, Python (``scheduling.stop_rule``, what
+"""The deadline sender's stop rule, Python (``scheduling.threaded.stop_rule``, what
 ``ThreadedSender._send_until`` runs) and native (``frames.cc``, what
 ``CapricornSendWindow`` runs) side by side on the same inputs: the same
 decision and the same bytes ahead, wherever the inputs are not within
@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax._src.native import frames as native_frames
-from capricorn_jax._src.scheduling import stop_rule
+from capricorn_jax._src.scheduling.threaded import stop_rule
 
 pytestmark = pytest.mark.skipif(not native_frames.available(),
                                 reason="no C++ compiler: only the Python rule runs")

@@ -27,13 +27,13 @@ from capricorn_jax._src.profiling.boundary import (
     collective_boundary,
     layer_boundary,
 )
-from capricorn_jax._src.scheduling import channel_hello, chunk_channel
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
-from capricorn_jax._src.scheduling.executor import START
-from capricorn_jax._src.scheduling.partition_search import spread
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.threaded import ThreadedSender
-from capricorn_jax._src.scheduling.window_marks import WindowMarks
+from capricorn_jax._src.scheduling.plan.partition_search import spread
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.plan.sites import START
+from capricorn_jax._src.scheduling.threaded import channel_hello, chunk_channel
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender
+from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 SECRET = b"a secret for the threaded tests"
 """The job's secret the channels here prove (tests/test_channel_auth.py: the hello)."""
@@ -679,7 +679,7 @@ def test_a_receive_wakes_only_once_its_bytes_are_queued():
     reader's thread wakes once per frame, not once per arriving packet."""
     import socket
 
-    from capricorn_jax._src.scheduling.chunk_channel import RCVLOWAT_CAP, _recv_exact
+    from capricorn_jax._src.scheduling.threaded.chunk_channel import RCVLOWAT_CAP, _recv_exact
 
     a, b = socket.socketpair()
     b.settimeout(10.0)  # the channel's frame bodies: a blocking socket keeps the mark at 1

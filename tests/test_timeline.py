@@ -1,11 +1,11 @@
-"""The timeline trace: layers, all-to-alls and chunks on their lanes; overflow
+"""The timeline trace (``launch.timeline``): layers, all-to-alls and chunks on their lanes; overflow
 flagged when a schedule planned on older windows outlasts this profile's."""
 
 import json
 
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
-from capricorn_jax._src.scheduling import timeline
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from launch import timeline
 
 LINK = LinkModel(alpha_s=0.001, bytes_per_s=1e6)  # 1 MB/s: 1000 bytes = 1 ms + 1 ms
 

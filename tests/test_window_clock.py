@@ -1,4 +1,4 @@
-"""scheduling.window_clock: the in-graph path's spill signal.
+"""scheduling.in_graph.window_clock: the in-graph path's spill signal.
 
 The clock's arithmetic (pure, exact), then the in-graph scheduled step with
 the clock attached on four CPU devices as two simulated hosts (as
@@ -22,15 +22,11 @@ from hypothesis import strategies as st
 
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.memory.wire.packing import encode_trailer
-from capricorn_jax._src.scheduling.executor import AFTER, START
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.transfers import ScheduledTransfers, window_spills
-from capricorn_jax._src.scheduling.window_clock import (
-    DONE,
-    WindowClock,
-    window_sites,
-    window_times,
-)
+from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
+from capricorn_jax._src.scheduling.in_graph.window_clock import DONE, WindowClock, window_times
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.plan.sites import AFTER, START, window_sites
+from capricorn_jax._src.scheduling.plan.spills import window_spills
 from capricorn_jax._src.strategies import window_feedback
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 from tests.helpers import StatusNotes, notes_of, two_host_transport

@@ -1,4 +1,4 @@
-"""Capricorn's model of the expert windows (scheduling.window_model): the fit,
+"""Capricorn's model of the expert windows (scheduling.plan.window_model): the fit,
 its noise, and the re-plan rule, property-tested."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.scheduling.partitioner import Window
-from capricorn_jax._src.scheduling.window_model import (
+from capricorn_jax._src.scheduling.plan.partitioner import Window
+from capricorn_jax._src.scheduling.plan.window_model import (
     MIN_SAMPLES,
     SpanFit,
     WindowModel,

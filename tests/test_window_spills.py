@@ -1,4 +1,4 @@
-"""scheduling.transfers.window_spills: what a filled window really held (pure)."""
+"""scheduling.plan.spills.window_spills: what a filled window really held (pure)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Window, partition
-from capricorn_jax._src.scheduling.transfers import window_spills
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
+from capricorn_jax._src.scheduling.plan.spills import window_spills
 
 LINK = LinkModel(alpha_s=1e-4, bytes_per_s=1e8)
 NAMES = [("block0", "fwd"), ("block1", "fwd"), ("head", "fwd"), ("block1", "bwd"),
@@ -80,8 +80,8 @@ def test_without_a_profile_the_whole_span_is_idle_and_without_sends_no_lateness(
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(st.floats(0.0, 0.05), min_size=5, max_size=5), min_size=1, max_size=4))
 def test_capricorn_plans_each_window_at_its_shortest_in_recent_profiles(runs):
-    from capricorn_jax._src.scheduling.partitioner import windows_from_profile
-    from capricorn_jax._src.scheduling.transfers import average_windows, shortest_windows
+    from capricorn_jax._src.scheduling.plan.partitioner import windows_from_profile
+    from capricorn_jax._src.scheduling.plan.policies import average_windows, shortest_windows
 
     profiles = [_profile(r, [0.0] * 5) for r in runs]
     short = shortest_windows(profiles, windows_from_profile)

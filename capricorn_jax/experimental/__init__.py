@@ -31,7 +31,6 @@ from capricorn_jax.experimental.measuring import (
     build_native,
     hlo_schedule,
     scheduled_step,
-    timeline,
     xla_flags,
 )
 from capricorn_jax.experimental.multihost import (
@@ -136,7 +135,6 @@ __all__ = [
     "start_job_secret",
     "store_in_use",
     "StrategySpec",
-    "timeline",
     "TRAILER_BYTES",
     "Transport",
     "tree_bytes",

@@ -8,9 +8,9 @@ from __future__ import annotations
 from capricorn_jax._src.memory.wire.transport import Transport
 from capricorn_jax._src.native import NativeBuildError
 from capricorn_jax._src.native import build as build_native
-from capricorn_jax._src.scheduling import hlo_schedule, timeline, xla_flags
-from capricorn_jax._src.scheduling.executor import InStepSender, scheduled_step
-from capricorn_jax._src.scheduling.window_marks import WindowMarks
+from capricorn_jax._src.scheduling.in_graph import hlo_schedule, xla_flags
+from capricorn_jax._src.scheduling.in_graph.executor import InStepSender, scheduled_step
+from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 from capricorn_jax._src.strategies.channel_replication import ChannelReplication
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "InStepSender",
     "NativeBuildError",
     "scheduled_step",
-    "timeline",
     "Transport",
     "WindowMarks",
     "xla_flags",

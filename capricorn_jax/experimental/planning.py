@@ -16,7 +16,7 @@ from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.profiling.layer_profile import Segment, moe_durations
 from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS, should_profile
-from capricorn_jax._src.scheduling.partitioner import (
+from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
     Schedule,
     Window,
@@ -24,7 +24,7 @@ from capricorn_jax._src.scheduling.partitioner import (
     scale_windows,
     windows_from_profile,
 )
-from capricorn_jax._src.scheduling.transfers import (
+from capricorn_jax._src.scheduling.plan.policies import (
     average_windows,
     schedule_at_risk,
     shortest_windows,

@@ -90,7 +90,7 @@ def _repartition(host: int, event: dict, last: tuple | None) -> tuple:
 
 def _write_timeline(config: Config, timeline) -> None:
     """WORKDIR/timeline.json and .png from host 0's last warm profile."""
-    from capricorn_jax.experimental import timeline as timeline_lib
+    from launch import timeline as timeline_lib
     from launch.plot_timeline import render
 
     if timeline is None:

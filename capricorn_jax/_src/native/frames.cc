@@ -102,7 +102,7 @@ bool collective_started(const int64_t* stamps, const int64_t* slots, int nslots,
   return false;
 }
 
-// The stop rule's one decision before a frame (``scheduling.stop_rule.decide``,
+// The stop rule's one decision before a frame (``scheduling.threaded.stop_rule.decide``,
 // the same in seconds; tested side by side): with `ahead` the bytes modelled
 // on the link (link_bytes handed over at link_ns, drained at `rate` since),
 // at most what the kernel holds (`kernel`; < 0: unknown).

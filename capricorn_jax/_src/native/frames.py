@@ -218,14 +218,14 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     return int(cursor.value), frames, (float(state[0]), state[1] / 1e9 + offset), error
 
 
-# The stop rule's decisions (frames.cc's Decision; ``scheduling.stop_rule``'s).
+# The stop rule's decisions (frames.cc's Decision; ``scheduling.threaded.stop_rule``'s).
 SEND, STARTED, CLOSE, WAIT = range(4)
 
 
 def stop_rule(started: bool, now_ns: int, link: tuple[float, float], kernel: int | None,
               nbytes: int, rate: float, close_ns: int, queue_bound: int) -> tuple[int, float]:
     """The native loop's decision before a frame, alone (for tests held to
-    ``scheduling.stop_rule.decide``): (SEND, STARTED, CLOSE or WAIT, the
+    ``scheduling.threaded.stop_rule.decide``): (SEND, STARTED, CLOSE or WAIT, the
     bytes modelled ahead on the link). ``link``: (bytes, when: ns)."""
     ahead = ctypes.c_double(0.0)
     decision = load().CapricornStopRule(int(started), now_ns, link[0], link[1],

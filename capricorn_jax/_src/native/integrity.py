@@ -4,10 +4,10 @@ Rule: a version is committed on a host only when a CRC32C its sender
 computed before the bytes left matches the receiver's over the bytes as
 placed, with the frame headers inside the check, and the ranges received
 are the schedule's (``Coverage``), not a byte count that adds up. Every path
-calls this module: the chunk channel (``scheduling.chunk_channel``, Python
+calls this module: the chunk channel (``scheduling.threaded.chunk_channel``, Python
 and ``native.frames``), the in-graph exchange of inmem/pec
 (``memory.wire.transport``), the in-step sender of the GPU path
-(``scheduling.executor``) and recovery's serve round
+(``scheduling.in_graph.executor``) and recovery's serve round
 (``memory.tier.recovery``).
 
 The checksum is CRC32C (Castagnoli, reflected polynomial ``0x82F63B78``),

@@ -87,7 +87,7 @@ def tie(leaves: Sequence[jax.Array], result: jax.Array) -> list[jax.Array]:
     on a collective's input ran *after* the collective (measured in the
     compiled step: both edges of every all-to-all stamped within 1 ms of each
     other, the collective inside the idle span before them), as it had
-    hoisted the in-graph chunks' permutes (``scheduling.executor``)."""
+    hoisted the in-graph chunks' permutes (``scheduling.in_graph.executor``)."""
     never = result > jnp.inf
     return [jnp.where(never, ~leaf if leaf.dtype == jnp.bool_ else -leaf, leaf)
             for leaf in leaves]

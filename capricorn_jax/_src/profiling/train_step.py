@@ -74,5 +74,5 @@ class TrainStep(Protocol):
         attaches ``sender.hooks(ctx, carriers, received)`` as boundary hooks
         around the loss, differentiates with respect to ``ctx.carriers`` too,
         and returns ``sender.finish(ctx, received, carrier_cotangents)`` as the
-        third output (see ``scheduling.executor``)."""
+        third output (see ``scheduling.in_graph.executor``)."""
         ...

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.layer_profile import LayerProfile
-    from capricorn_jax._src.scheduling.partitioner import Schedule
+    from capricorn_jax._src.scheduling.plan.partitioner import Schedule
 
 HostState = dict[str, Any]
 """JSON-able per-host state saved with a version (data position, ...)."""

@@ -50,8 +50,9 @@ import numpy as np
 
 from capricorn_jax._src.memory.tier.reports import SaveReport
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.strategies.base import CheckpointEvent
 
 log = logging.getLogger("capricorn_jax")

@@ -53,14 +53,14 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.memory.tier.pec_tier import PecVersion
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
-from capricorn_jax._src.memory.wire.transport import Transport
+from capricorn_jax._src.memory.wire.transport import Transport, pack_payload
 from capricorn_jax._src.multihost.agree import shared_digest
 from capricorn_jax._src.multihost.client import distributed_client
 from capricorn_jax._src.multihost.secret import resolve_secret
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel
-from capricorn_jax._src.scheduling.executor import pack_payload
-from capricorn_jax._src.scheduling.partitioner import LinkModel, Schedule, partition
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped, pack_program
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Schedule, partition
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
+from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender, pack_program
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.strategies.base import CheckpointEvent, HostState, State, TrainStep
 from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy

@@ -71,21 +71,21 @@ from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, build_profile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
 from capricorn_jax._src.profiling.profiler import step_marks
-from capricorn_jax._src.scheduling import xla_flags
-from capricorn_jax._src.scheduling.chunk_channel import measure_channel
-from capricorn_jax._src.scheduling.load_windows import windows_at_load
-from capricorn_jax._src.scheduling.partitioner import Schedule, Window, windows_from_profile
-from capricorn_jax._src.scheduling.threaded import ThreadedSender, VersionDropped, pack_program
-from capricorn_jax._src.scheduling.transfers import (
-    ScheduledTransfers,
+from capricorn_jax._src.scheduling.in_graph import xla_flags
+from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers, measure_link
+from capricorn_jax._src.scheduling.in_graph.window_clock import WindowClock
+from capricorn_jax._src.scheduling.plan.load_windows import windows_at_load
+from capricorn_jax._src.scheduling.plan.partitioner import Schedule, Window, windows_from_profile
+from capricorn_jax._src.scheduling.plan.policies import (
     average_windows,
-    measure_link,
     schedule_at_risk,
     shortest_windows,
-    window_spills,
 )
-from capricorn_jax._src.scheduling.window_clock import WindowClock
-from capricorn_jax._src.scheduling.window_model import WindowModel
+from capricorn_jax._src.scheduling.plan.spills import window_spills
+from capricorn_jax._src.scheduling.plan.window_model import WindowModel
+from capricorn_jax._src.scheduling.threaded.chunk_channel import measure_channel
+from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender, pack_program
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
     HostState,

@@ -28,8 +28,8 @@ import numpy as np
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, moe_segments
-from capricorn_jax._src.scheduling.partitioner import Window
-from capricorn_jax._src.scheduling.window_model import WindowModel, moved_windows, window_key
+from capricorn_jax._src.scheduling.plan.partitioner import Window
+from capricorn_jax._src.scheduling.plan.window_model import WindowModel, moved_windows, window_key
 from capricorn_jax._src.strategies.base import TrainStep
 
 SPILL_WINDOW = 4

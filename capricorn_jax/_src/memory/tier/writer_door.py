@@ -2,7 +2,7 @@
 
 The strategies (``strategies.inmemory``, ``strategies.channel_replication``,
 ``strategies.scheduled`` and its window feedback) and the scheduled steps
-they build (``scheduling.transfers.ScheduledTransfers``) save versions
+they build (``scheduling.in_graph.transfers.ScheduledTransfers``) save versions
 through a host's checkpointer, commit versions their own steps moved, skip
 or drop versions, time their phases on its clock and agree on a small note
 and on a lost chunk channel through its status round; at start-up they recover through it

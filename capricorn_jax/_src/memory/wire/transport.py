@@ -311,3 +311,17 @@ def local_rows(array: jax.Array, copy: bool = True) -> list[np.ndarray]:
     read = np.array if copy else np.asarray
     return [read(s.data)[0] for _, s in rows]
 
+
+def pack_payload(transport: Transport, state_specs: list, state: Any, trailer: jax.Array,
+                 *gather: jax.Array) -> jax.Array:
+    """Version ``state`` packed into its payload [devices, bytes] (traceable,
+    no collective): each device packs its shards (``gather``: a PEC plan's
+    int32 [R, C] indices, replicated; ``state_specs``: the leaves' specs).
+    Both chunk paths pack a version so: the in-graph executor inside the
+    step, the threaded path in a program of its own before it."""
+    return jax.shard_map(
+        lambda leaves, t, *g: transport.pack_local(leaves, t[0], *g)[None],
+        mesh=transport.mesh,
+        in_specs=(state_specs, P(transport.axes), *(P() for _ in gather)),
+        out_specs=P(transport.axes),
+    )(jax.tree.leaves(state), trailer, *gather)

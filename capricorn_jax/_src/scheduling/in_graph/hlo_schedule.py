@@ -44,8 +44,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from capricorn_jax._src.scheduling.executor import AFTER, START, site_of
-from capricorn_jax._src.scheduling.partitioner import Schedule
+from capricorn_jax._src.scheduling.plan.partitioner import Schedule
+from capricorn_jax._src.scheduling.plan.sites import AFTER, START, site_of
 
 PAYLOAD_CRC = ("<payload crc>", "bwd")
 """The window of the permute that carries each payload's CRC32C after every chunk."""
@@ -349,7 +349,7 @@ def window_specs(schedule: Schedule, boundaries: list[str]) -> list[WindowSpec]:
     A window named after a layer overlaps that layer's compute; "head" and
     "tail" overlap compute outside the layers (no layer check). Its permutes
     wait for the layer output (forward) or cotangent (backward) at the
-    boundary that opens it (``executor.site_of``).
+    boundary that opens it (``sites.site_of``).
     """
     last = len(boundaries) - 1
     keyed = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from capricorn_jax._src.scheduling.partitioner import (
+from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
     Schedule,
     Window,

@@ -65,17 +65,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from capricorn_jax._src.memory.wire.transport import Transport
+from capricorn_jax._src.memory.wire.transport import Transport, pack_payload
 from capricorn_jax._src.native.integrity import crc32c_rows
 from capricorn_jax._src.profiling.boundary import boundary_hooks
-from capricorn_jax._src.scheduling.partitioner import Schedule, Window
+from capricorn_jax._src.scheduling.plan.partitioner import Schedule
+from capricorn_jax._src.scheduling.plan.sites import AFTER, START, Site, site_of
 
 if TYPE_CHECKING:
     from capricorn_jax._src.profiling.train_step import TrainStep
-
-START = ("<start>", "fwd")
-AFTER = ("<after>", "bwd")
-Site = tuple[str, str]
 
 
 class SiteClock(Protocol):
@@ -87,35 +84,6 @@ class SiteClock(Protocol):
     def mark_site(self, x: Any, site: Site) -> Any: ...
 
     def mark_done(self, chunks: list[jax.Array], site: Site) -> list[jax.Array]: ...
-
-
-def pack_payload(transport: Transport, state_specs: list, state: Any, trailer: jax.Array,
-                 *gather: jax.Array) -> jax.Array:
-    """Version ``state`` packed into its payload [devices, bytes] (traceable,
-    no collective): each device packs its shards (``gather``: a PEC plan's
-    int32 [R, C] indices, replicated; ``state_specs``: the leaves' specs)."""
-    return jax.shard_map(
-        lambda leaves, t, *g: transport.pack_local(leaves, t[0], *g)[None],
-        mesh=transport.mesh,
-        in_specs=(state_specs, P(transport.axes), *(P() for _ in gather)),
-        out_specs=P(transport.axes),
-    )(jax.tree.leaves(state), trailer, *gather)
-
-
-def site_of(window: Window, boundaries: list[str]) -> Site:
-    """The mark (name, direction) at which ``window`` opens: a layer boundary,
-    or for a span window (``Window.edge``) the collective edge of its layer."""
-    if window.edge:
-        layer = boundaries[0] if window.name == "tail" else window.name
-        return (layer, window.edge)
-    if window.direction == "fwd":
-        if window.name == "head":
-            return (boundaries[-1], "fwd")
-        i = boundaries.index(window.name)
-        return START if i == 0 else (boundaries[i - 1], "fwd")
-    if window.name == "tail":
-        return (boundaries[0], "bwd")
-    return (window.name, "bwd")
 
 
 @dataclasses.dataclass

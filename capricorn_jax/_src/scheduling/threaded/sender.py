@@ -12,18 +12,23 @@ XLA program while the step computes:
   marks for every schedule, so a re-partition compiles nothing);
 * a mark on every local device of a boundary, or of a collective edge that
   opens an idle span (a span window, ``Window.edge``), opens the windows
-  whose site it is (``executor.site_of``; recorded by
+  whose site it is (``sites.site_of``; recorded by
   ``window_marks.WindowMarks``); the sender thread sends each window's ranges,
   in step order, as soon as its window is open, and the schedule's tail
   after the last window, so each window carries what the partitioner sized
   to its capacity; the marks' times give each filled window's real length
   (``last_spans``), which the strategy compares with its plan
-  (``transfers.window_spills``), and the frames' times where each window's
+  (``spills.window_spills``), and the frames' times where each window's
   bytes went (``last_bytes``: ``window_bytes.window_bytes``);
-* the bytes go over the chunk channel (``scheduling.chunk_channel``: a TCP
+* the bytes go over the chunk channel (``threaded.chunk_channel``: a TCP
   connection per replication round, on the job's address, accepting only its
-  job's peer); a receiver thread writes the peer's frames into the version's
-  buffer, and ``wait`` hands the complete buffer to the commit.
+  job's peer); a receiver thread (``receiver``) writes the peer's frames into
+  the version's buffer, and ``wait`` hands the complete buffer to the commit.
+
+What each part of a version sends where is laid out before its step
+(``pacing.part_plan``, pure); the deadline sender's decision before each
+frame is ``stop_rule.decide`` (pure; the native loop's the same); the
+versions in flight are ``versions.Versions``.
 
 Why not XLA programs issued from a second thread (a chunk's ppermute program
 while the step runs): measured on this box (jax 0.10.2, gloo), two programs
@@ -48,9 +53,7 @@ frame that arrives twice counts once, and the next version goes on.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 import queue
 import threading
 import time
@@ -60,20 +63,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from capricorn_jax._src.memory.wire.transport import local_rows
+from capricorn_jax._src.memory.wire.transport import local_rows, pack_payload
 from capricorn_jax._src.native import frames as native_frames
-from capricorn_jax._src.native.integrity import Coverage
 from capricorn_jax._src.profiling.layer_profile import END, STEP
 from capricorn_jax._src.profiling.profiler import ProfileHook
-from capricorn_jax._src.scheduling import stop_rule
-from capricorn_jax._src.scheduling.chunk_channel import ChunkChannel, CorruptFrame
-from capricorn_jax._src.scheduling.executor import AFTER, START, Site, pack_payload, site_of
-from capricorn_jax._src.scheduling.partitioner import Schedule
-from capricorn_jax._src.scheduling.window_bytes import WindowBytes, window_bytes
-from capricorn_jax._src.scheduling.window_clock import sites_in_order, window_sites
-from capricorn_jax._src.scheduling.window_marks import WindowMarks
-
-log = logging.getLogger(__name__)
+from capricorn_jax._src.scheduling.plan.partitioner import Schedule
+from capricorn_jax._src.scheduling.plan.sites import AFTER, START, Site, sites_in_order
+from capricorn_jax._src.scheduling.plan.window_bytes import WindowBytes
+from capricorn_jax._src.scheduling.threaded import stop_rule
+from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel, CorruptFrame
+from capricorn_jax._src.scheduling.threaded.pacing import PartPlan, part_plan
+from capricorn_jax._src.scheduling.threaded.receiver import receive_loop
+from capricorn_jax._src.scheduling.threaded.versions import Version, VersionDropped, Versions
+from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 STEP_END = (STEP, END)
 """The step's end mark (``profiler.step_marks``), where the step program carries it."""
@@ -91,52 +93,6 @@ hands over the next frame (``stop_rule.ahead``): on a first-in-first-out link wh
 is queued when a collective begins goes before it. TCP alone keeps a
 congestion window of the link's queue there (156-191 KB measured at a
 collective's start on the 0.0787 Gbit/s links, 16-20 ms)."""
-
-
-class VersionDropped(RuntimeError):
-    """``wait``'s answer for a version whose peer payload failed its
-    end-to-end check (``chunk_channel.CorruptFrame``): the caller takes no
-    version at that step (``InMemoryCheckpointer.drop``); the channel and the
-    next versions go on."""
-
-    def __init__(self, version: int, message: str) -> None:
-        super().__init__(message)
-        self.version = version
-
-
-class _Version:
-    def __init__(self, version: int, own: jax.Array, received: np.ndarray,
-                 expect: list[tuple[int, int]]) -> None:
-        self.version, self.own, self.received = version, own, received
-        self.coverage = Coverage(expect)  # the ranges received against the schedule's
-        self.sent = threading.Event()
-        self.complete = threading.Event()
-        self.error: BaseException | None = None
-        self.times: dict[str, float] = {}  # seconds since start: packed, sent, received
-        self.t0 = time.perf_counter()
-        # window index -> (the site opening it, the site closing it)
-        self.window_sites: dict[int, tuple[Site, Site]] = {}
-        self.site_sent: dict[Site, float] = {}  # when a site's last frame was handed over
-        # Every frame handed to the kernel: (the site it went in, start, end,
-        # bytes, the site that planned it: another when it was carried).
-        self.frames: list[tuple[Site, float, float, int, Site]] = []
-        # The deadline sender: per site, the planned idle time of the windows
-        # it opens (this part's), their bytes planned, and what a part left.
-        self.site_idle: dict[Site, float] = {}
-        self.planned: dict[int, int] = {}
-        self.carry: list[tuple[Site, int, int]] = []
-        # A version spread over several steps (``parts``): its schedule, the
-        # windows of one step, the next part to send and when the last one began.
-        self.schedule: Schedule | None = None
-        self.parts, self.per_part, self.next_part = 1, 0, 0
-        self.part_t0 = self.t0
-        # Holding the tail (``ThreadedSender.hold_tail``): the parts the
-        # sender finished (notified on ``done``); ``held`` the bytes the last
-        # one kept for the next step (``extend`` makes them a part of their own).
-        self.done = threading.Condition()
-        self.parts_done = 0
-        self.planned_parts = 1
-        self.held = 0
 
 
 class ThreadedSender:
@@ -195,9 +151,7 @@ class ThreadedSender:
         self._jobs: queue.Queue = queue.Queue()
         self._sender: threading.Thread | None = None
         self._receiver: threading.Thread | None = None
-        self._versions: dict[int, _Version] = {}
-        self._finished: set[int] = set()  # versions waited for or dropped: late frames discarded
-        self._lock = threading.Lock()
+        self._versions = Versions()  # in flight, and finished (late frames discarded)
         self._closed = False
         self.failure: BaseException | None = None
         self._start_threads()
@@ -238,19 +192,18 @@ class ThreadedSender:
         if parts < 1 or len(schedule.windows) % parts:
             raise ValueError(f"{len(schedule.windows)} windows are not {parts} steps' windows")
         rows = self.marks.local_devices
-        entry = _Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
+        entry = Version(version, own, np.empty((rows, schedule.payload_bytes), np.uint8),
                          [(c.start, c.stop) for c in schedule.all_chunks()])
         entry.schedule, entry.parts, entry.planned_parts = schedule, parts, parts
         entry.per_part = len(schedule.windows) // parts
-        with self._lock:
-            self._versions[version] = entry
+        self._versions.add(entry)
         if self.failure is not None:  # the channel failed earlier: this version is lost
             entry.error = RuntimeError(f"host {self.channel.host}: the chunk channel failed "
                                        f"before version {version}")
             entry.error.__cause__ = self.failure
             entry.sent.set()
             entry.complete.set()
-            self._part_done(entry, parts)
+            entry.part_done(parts)
             entry.next_part = entry.parts
             return
         # In a low-priority traffic class (``channel.tos``) the link lets a
@@ -266,8 +219,7 @@ class ThreadedSender:
         about to be dispatched opens its windows; ``flush``: every part left
         goes now, without waiting for any mark (before a step that carries no
         marks, e.g. a profiled one)."""
-        with self._lock:
-            entry = self._versions[version]
+        entry = self._versions[version]
         if entry.error is not None and entry.next_part >= entry.parts:
             return  # a version lost with the channel: nothing to send
         if entry.next_part >= entry.parts:
@@ -276,8 +228,7 @@ class ThreadedSender:
 
     def parts_left(self, version: int) -> int:
         """Parts of ``version`` not yet handed to the sender thread."""
-        with self._lock:
-            entry = self._versions[version]
+        entry = self._versions[version]
         return entry.parts - entry.next_part
 
     def held_bytes(self, version: int, timeout_s: float | None = None) -> int:
@@ -285,8 +236,7 @@ class ThreadedSender:
         (``hold_tail``), once the sender finished that part's windows (0:
         none; it ended the step with every byte handed over). Bounded: a
         sender that did not finish the part within the timeout raises."""
-        with self._lock:
-            entry = self._versions[version]
+        entry = self._versions[version]
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with entry.done:
             finished = entry.done.wait_for(lambda: entry.parts_done >= entry.next_part,
@@ -305,50 +255,25 @@ class ThreadedSender:
         """One more part for ``version``: the bytes it held go in the next
         step's windows (those of its schedule's first step, with their
         deadlines) when ``resume`` hands that part over."""
-        with self._lock:
-            entry = self._versions[version]
+        entry = self._versions[version]
         if entry.next_part < entry.parts:
             raise ValueError(f"version {version}: {entry.parts - entry.next_part} parts are "
                              f"still to send")
         entry.parts += 1
 
-    def _queue_part(self, entry: _Version, flush: bool = False) -> None:
-        schedule, n, part = entry.schedule, entry.per_part, entry.next_part
-        assert schedule is not None
-        last = entry.parts if flush else part + 1
-        entry.next_part = last
-        planned = entry.planned_parts
-        by_site: dict[Site, list[tuple[int, int]]] = {}
-        # A held part (past the planned ones) carries only what was held; it
-        # runs in the windows of the schedule's first step.
-        indices = range(part * n, min(last, planned) * n)
-        for i in indices:
-            site = START if flush else site_of(schedule.windows[i], self.boundaries)
-            by_site.setdefault(site, []).extend((c.start, c.stop) for c in schedule.chunks[i])
-        if part < planned <= last:
-            by_site.setdefault(AFTER, []).extend((c.start, c.stop) for c in schedule.tail)
-        first = (part % planned) * n
-        step_windows = schedule.windows[first:first + n]
-        pairs = window_sites(dataclasses.replace(
-            schedule, windows=step_windows, chunks=schedule.chunks[first:first + n]),
-            self.boundaries)
-        entry.window_sites = {} if flush else {first + i: p for i, p in pairs.items()}
-        entry.site_idle = {}
-        if self.deadline and not flush:
-            for i in range(first, first + n):
-                site = site_of(schedule.windows[i], self.boundaries)
-                entry.site_idle[site] = entry.site_idle.get(site, 0.0) + \
-                    schedule.windows[i].duration_s
-        rows = self.marks.local_devices
-        entry.planned = {i: sum(c.stop - c.start for c in schedule.chunks[i]) * rows
-                         for i in indices}
+    def _queue_part(self, entry: Version, flush: bool = False) -> None:
+        assert entry.schedule is not None
+        part = entry.next_part
+        plan = part_plan(entry.schedule, self.boundaries, part, entry.parts,
+                         entry.planned_parts, entry.per_part, self.marks.local_devices,
+                         flush=flush, deadline=self.deadline, hold_tail=self.hold_tail)
+        entry.next_part = plan.upto
+        entry.window_sites, entry.site_idle = plan.window_sites, plan.site_idle
+        entry.planned = plan.planned
         entry.part_t0 = time.perf_counter()
         entry.held = 0
-        done = last == entry.parts
-        hold = (done and not flush and self.hold_tail > 0 and entry.parts < self.hold_tail)
         epoch = self.marks.reset()
-        self._jobs.put((entry, epoch, by_site, sites_in_order(self.boundaries, step_windows),
-                        done, hold, last))
+        self._jobs.put((entry, epoch, plan))
 
     def _start_threads(self) -> None:
         """A sender and a receiver thread on the current channel (each keeps
@@ -357,8 +282,11 @@ class ThreadedSender:
         self._sender = threading.Thread(target=self._send_loop,
                                         args=(self._jobs, self.channel),
                                         name="chunk-sender", daemon=True)
-        self._receiver = threading.Thread(target=self._receive_loop, args=(self.channel,),
-                                          name="chunk-receiver", daemon=True)
+        channel = self.channel
+        self._receiver = threading.Thread(
+            target=receive_loop, name="chunk-receiver", daemon=True,
+            args=(channel, self._versions, self.timeout_s, self.native_receive,
+                  lambda: not self._closed and channel is self.channel, self._failed))
         self._sender.start()
         self._receiver.start()
 
@@ -367,74 +295,78 @@ class ThreadedSender:
             job = jobs.get()
             if job is None:
                 return
-            entry, epoch, by_site, order, last, hold, upto = job
+            entry, epoch, plan = job
             try:
-                t0 = entry.t0
-                local = local_rows(entry.own, copy=False)  # views of the packed payload
-                t_packed = time.perf_counter()
-                entry.times.setdefault("packed_s", t_packed - t0)
-                # Bytes a window could not send before its deadline go in the
-                # next window (a part's leftovers in the next part's first).
-                carry, entry.carry = entry.carry, []
-                # The link model is per row (the schedule's unit: every local
-                # row of a range goes at once); the frames and the queue are
-                # all rows' bytes.
-                rate = entry.schedule.link.bytes_per_s * len(local) if entry.schedule else 0.0
-                for site in order:
-                    if site == AFTER and (hold or not last):
-                        # A part's leftovers go in the next part's first
-                        # window; a held version's (and its tail) in the
-                        # next step's, if the caller gives it one.
-                        carry += [(AFTER, lo, hi) for lo, hi in by_site.get(AFTER, ())]
-                        break
-                    idle = entry.site_idle.get(site)
-                    own = [(site, lo, hi) for lo, hi in by_site.get(site, ())]
-                    if not own and (not carry or (idle is None and site != AFTER)):
-                        continue  # no window here to take the carried bytes
-                    if site not in (START, AFTER):
-                        # A window opens at its mark; a missed mark (a step that
-                        # ended another way) sends at once rather than never.
-                        self.marks.wait_open(site, epoch, self.timeout_s)
-                    elif site == AFTER and entry.site_idle and self.marks.has_site(STEP_END):
-                        # What the windows could not carry goes after the step
-                        # (its end mark), not into the gradient all-reduce's
-                        # span that follows the last window.
-                        self.marks.wait_open(STEP_END, epoch, self.timeout_s)
-                    ranges, carry = carry + own, []
-                    closes = opened = None
-                    if idle is not None and site != AFTER:
-                        opened = (max(entry.part_t0, t_packed) if site == START
-                                  else self.marks.open_time(site) or time.perf_counter())
-                        closes = opened + idle
-                    carry = self._send_until(channel, entry, local, site, ranges, closes,
-                                             rate, opened)
-                    entry.site_sent[site] = time.perf_counter()
-                if carry and hold:  # held for a later step: its windows carry them in
-                    entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
-                    entry.held = sum(hi - lo for _, lo, hi in carry) * len(local)
-                elif carry:  # the part's last window left some: the next part's
-                    entry.carry = carry
-                if last and not entry.held:
-                    entry.times["sent_s"] = time.perf_counter() - t0
+                self._send_part(channel, entry, epoch, plan)
             except BaseException as e:  # noqa: BLE001
                 entry.error = e
                 if channel is self.channel:  # not an old channel's (``reconnect``)
-                    self.failure = self.failure or e
+                    self._failed(e)
                 entry.complete.set()
                 entry.sent.set()
-                self._part_done(entry, upto)
+                entry.part_done(plan.upto)
             else:
-                if last and not entry.held:
+                if plan.last and not entry.held:
                     entry.sent.set()
-                self._part_done(entry, upto)
+                entry.part_done(plan.upto)
 
-    @staticmethod
-    def _part_done(entry: _Version, upto: int) -> None:
-        with entry.done:
-            entry.parts_done = max(entry.parts_done, upto)
-            entry.done.notify_all()
+    def _failed(self, error: BaseException) -> None:
+        """The channel failed (the first error is kept until ``reconnect``)."""
+        self.failure = self.failure or error
 
-    def _send_until(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
+    def _send_part(self, channel: ChunkChannel, entry: Version, epoch: int,
+                   plan: PartPlan) -> None:
+        """Sends ``plan``'s part of ``entry``, each window's at its mark."""
+        by_site, last, hold = plan.by_site, plan.last, plan.hold
+        t0 = entry.t0
+        local = local_rows(entry.own, copy=False)  # views of the packed payload
+        t_packed = time.perf_counter()
+        entry.times.setdefault("packed_s", t_packed - t0)
+        # Bytes a window could not send before its deadline go in the
+        # next window (a part's leftovers in the next part's first).
+        carry, entry.carry = entry.carry, []
+        # The link model is per row (the schedule's unit: every local
+        # row of a range goes at once); the frames and the queue are
+        # all rows' bytes.
+        rate = entry.schedule.link.bytes_per_s * len(local) if entry.schedule else 0.0
+        for site in plan.order:
+            if site == AFTER and (hold or not last):
+                # A part's leftovers go in the next part's first
+                # window; a held version's (and its tail) in the
+                # next step's, if the caller gives it one.
+                carry += [(AFTER, lo, hi) for lo, hi in by_site.get(AFTER, ())]
+                break
+            idle = entry.site_idle.get(site)
+            own = [(site, lo, hi) for lo, hi in by_site.get(site, ())]
+            if not own and (not carry or (idle is None and site != AFTER)):
+                continue  # no window here to take the carried bytes
+            if site not in (START, AFTER):
+                # A window opens at its mark; a missed mark (a step that
+                # ended another way) sends at once rather than never.
+                self.marks.wait_open(site, epoch, self.timeout_s)
+            elif site == AFTER and entry.site_idle and self.marks.has_site(STEP_END):
+                # What the windows could not carry goes after the step
+                # (its end mark), not into the gradient all-reduce's
+                # span that follows the last window.
+                self.marks.wait_open(STEP_END, epoch, self.timeout_s)
+            ranges, carry = carry + own, []
+            closes = opened = None
+            if idle is not None and site != AFTER:
+                opened = (max(entry.part_t0, t_packed) if site == START
+                          else self.marks.open_time(site) or time.perf_counter())
+                closes = opened + idle
+            carry = self._send_until(channel, entry, local, site, ranges, closes,
+                                     rate, opened)
+            entry.site_sent[site] = time.perf_counter()
+        if carry and hold:  # held for a later step: its windows carry them in
+            entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
+            entry.held = sum(hi - lo for _, lo, hi in carry) * len(local)
+        elif carry:  # the part's last window left some: the next part's
+            entry.carry = carry
+        if last and not entry.held:
+            entry.times["sent_s"] = time.perf_counter() - t0
+
+    def _send_until(self, channel: ChunkChannel, entry: Version, local: list, site: Site,
                     ranges: list[tuple[Site, int, int]], closes: float | None, rate: float,
                     opened: float | None = None) -> list[tuple[Site, int, int]]:
         """Sends ``ranges`` ((planning site, lo, hi), in order) in window
@@ -485,7 +417,7 @@ class ThreadedSender:
                 left.pop(0)
         return []
 
-    def _send_native(self, channel: ChunkChannel, entry: _Version, local: list, site: Site,
+    def _send_native(self, channel: ChunkChannel, entry: Version, local: list, site: Site,
                      ranges: list[tuple[Site, int, int]], closes: float, rate: float,
                      opened: float | None, per_row: int
                      ) -> list[tuple[Site, int, int]]:
@@ -508,90 +440,6 @@ class ThreadedSender:
             left.pop(0)
         return []
 
-    def _buffer(self, version: int) -> np.ndarray | None:
-        """The buffer of a frame of ``version``; None (discard the frame) for a
-        version already finished or dropped, or one this host did not start
-        within the bound (then dropped)."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            with self._lock:
-                entry = self._versions.get(version)
-                if entry is None and version in self._finished:
-                    return None
-            if entry is not None:
-                return entry.received
-            if time.monotonic() > deadline or self._closed:
-                log.warning("host %d: a frame of version %d from host %d arrived and this host "
-                            "did not start that version within %gs; version %d dropped",
-                            self.channel.host, version, self.channel.source, self.timeout_s,
-                            version)
-                self._finish(version)
-                return None
-            time.sleep(0.001)
-
-    def _finish(self, version: int) -> None:
-        """Forgets ``version``: its later frames are discarded."""
-        with self._lock:
-            self._versions.pop(version, None)
-            self._finished.add(version)
-            if len(self._finished) > 1024:
-                self._finished = set(sorted(self._finished)[-512:])
-
-    def _receive_loop(self, channel: ChunkChannel) -> None:
-        while not self._closed and channel is self.channel:
-            try:
-                # Idle between steps is not a failure: no frame within the
-                # channel's bound is waited for again (the socket keeps its
-                # timeout, so a frame costs no timeout changes).
-                if self.native_receive:  # a run of frames per call, off the GIL
-                    frames = channel.receive_frames(self._buffer, self._remaining, idle_ok=True)
-                else:
-                    one = channel.receive_into(self._buffer, idle_ok=True)
-                    frames = None if one is None else [one]
-                if frames is None:
-                    continue
-            except CorruptFrame as e:
-                # Checked end to end: the version is dropped (its wait raises,
-                # so no holder commits it; the caller's warning says so), the
-                # channel goes on.
-                log.info("%s; version %d dropped", e, e.version)
-                with self._lock:
-                    bad = self._versions.get(e.version)
-                if bad is not None:
-                    bad.error = bad.error or e
-                    bad.complete.set()
-                continue
-            except BaseException as e:  # noqa: BLE001
-                if self._closed or channel is not self.channel:
-                    return
-                self.failure = self.failure or e
-                with self._lock:
-                    pending = list(self._versions.values())
-                for waiting in pending:
-                    waiting.error = waiting.error or e
-                    waiting.complete.set()
-                return
-            with self._lock:
-                for version, offset, length in frames:
-                    entry = self._versions.get(version)
-                    if entry is None or entry.complete.is_set():  # discarded, or done
-                        continue
-                    try:  # complete when the ranges are the schedule's, not a byte count
-                        entry.coverage.add(offset, offset + length)
-                    except ValueError as e:  # refused: dropped as a corrupt one
-                        entry.error = CorruptFrame(version, f"host {channel.host}: version "
-                                                            f"{version}: {e}")
-                    if entry.error is not None or entry.coverage.complete:
-                        entry.times["received_s"] = time.perf_counter() - entry.t0
-                        entry.complete.set()
-
-    def _remaining(self, version: int) -> int:
-        """The bytes of a row still due for ``version`` (the native receive
-        returns once a run covers them, so its last frame is seen at once)."""
-        with self._lock:
-            entry = self._versions.get(version)
-            return 1 << 62 if entry is None else max(1, entry.coverage.missing)
-
     def wait(self, version: int, timeout_s: float | None = None) -> np.ndarray:
         """The peer's payload of ``version`` [local devices, bytes] once every
         chunk arrived and this host's chunks are sent; raises on a failure or
@@ -604,8 +452,7 @@ class ThreadedSender:
         the kernel (call it after the step, before the next ``start``)."""
         t_wait = time.perf_counter()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            entry = self._versions.get(version)
+        entry = self._versions.get(version)
         if entry is None:  # ``abandon`` finished it (or it never started)
             raise ConnectionError(f"host {self.channel.host}: version {version} is not in "
                                   f"flight on the chunk channel (abandoned with it)")
@@ -618,49 +465,20 @@ class ThreadedSender:
         for event, what in ((entry.sent, f"sending to host {self.channel.destination}"),
                             (entry.complete, f"receiving from host {self.channel.source}")):
             if not event.wait(max(0.0, deadline - time.monotonic())):
-                self._finish(version)  # dropped whole: its late frames are discarded
+                self._versions.finish(version)  # dropped whole: its late frames are discarded
                 raise TimeoutError(f"host {self.channel.host}: version {version}: {what} did "
                                    f"not finish within {timeout_s:g}s")
             if isinstance(entry.error, CorruptFrame):
-                self._finish(version)
+                self._versions.finish(version)
                 raise VersionDropped(version, str(entry.error)) from entry.error
             if entry.error is not None:
-                self._finish(version)
+                self._versions.finish(version)
                 raise RuntimeError(f"host {self.channel.host}: version {version}: {what} "
                                    f"failed") from entry.error
-        self._finish(version)
+        self._versions.finish(version)
         self.last_times = {**entry.times, "waited_s": time.perf_counter() - t_wait}
-        # Window 0 opens when the payload is packed: the pack program runs
-        # before the step on the same devices, and its time is no idle link
-        # time of the step (window 0's span once included it: 2-28 ms).
-        # The sender thread may see the packed payload only after window 0's
-        # closing mark (a busy box): that window then gave it no time, 0.
-        # A later part of a spread version: its step's start window opens
-        # when that part was handed over.
-        start = (entry.t0 + entry.times["packed_s"] if entry.parts == 1
-                 else max(entry.part_t0, entry.t0 + entry.times["packed_s"]))
-        opened = {**self.marks.opened_at, START: start}
-        self.last_spans = {i: max(0.0, opened[close] - opened[open_])
-                           for i, (open_, close) in entry.window_sites.items()
-                           if open_ in opened and close in opened}
-        self.last_sends = {i: entry.site_sent[open_] - opened[open_]
-                           for i, (open_, _) in entry.window_sites.items()
-                           if open_ in opened and open_ in entry.site_sent}
-        # A window closed when the first collective after its opening began
-        # (its start edge's mark, where the step marks them): what was still
-        # queued then met that collective on a first-in-first-out link.
-        starts = self.marks.collective_starts()  # in time order
-        closes_at = {}
-        for i, (open_, _) in entry.window_sites.items():
-            if open_ in opened:
-                first = next((s for s in starts if s[0] > opened[open_]), None)
-                if first is not None:
-                    closes_at[i] = first
-        # A spread version's earlier parts went in earlier steps: this step's
-        # windows hold the frames handed over since its part began.
-        self.last_bytes = window_bytes([f for f in entry.frames if f[1] >= entry.part_t0],
-                                       entry.window_sites, opened, self.marks.queued_at,
-                                       entry.planned, closes_at)
+        self.last_spans, self.last_sends, self.last_bytes = entry.step_records(
+            self.marks.opened_at, self.marks.collective_starts(), self.marks.queued_at)
         return entry.received
 
     def abandon(self) -> list[int]:
@@ -668,15 +486,14 @@ class ThreadedSender:
         channel lost: none of them will wait for these): each is finished
         (its late frames discarded) and its ``wait`` would raise. Returns
         their numbers, oldest first."""
-        with self._lock:
-            pending = sorted(self._versions.items())
+        pending = self._versions.pending()
         for version, entry in pending:
             entry.error = entry.error or ConnectionError(
                 f"host {self.channel.host}: version {version} abandoned with its chunk channel")
             entry.sent.set()
             entry.complete.set()
-            self._part_done(entry, entry.parts)
-            self._finish(version)
+            entry.part_done(entry.parts)
+            self._versions.finish(version)
         return [v for v, _ in pending]
 
     def reconnect(self, channel: ChunkChannel) -> None:
@@ -696,7 +513,7 @@ class ThreadedSender:
         self._start_threads()
 
     def close(self) -> None:
-        self._closed = True
+        self._closed = self._versions.closed = True
         self._jobs.put(None)
         self.marks.bind_socket(None)
         self.channel.close()
@@ -707,6 +524,6 @@ class ThreadedSender:
 
 def pack_program(transport: Any, state_shardings: Any) -> Callable[..., jax.Array]:
     """The jitted pack of a version into its payload [devices, bytes] (no
-    collective; ``executor.pack_payload``, as the in-graph path packs it)."""
+    collective; ``transport.pack_payload``, as the in-graph path packs it)."""
     specs = [s.spec for s in jax.tree.leaves(state_shardings)]
     return jax.jit(functools.partial(pack_payload, transport, specs))

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from capricorn_jax._src.scheduling.partitioner import Window
+from capricorn_jax._src.scheduling.plan.partitioner import Window
 
 MIN_SAMPLES = 6
 """Observations a window's fit needs (at two loads at least)."""

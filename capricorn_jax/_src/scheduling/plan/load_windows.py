@@ -28,7 +28,7 @@ from typing import Any
 
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, moe_segments
-from capricorn_jax._src.scheduling.partitioner import Window, windows_from_profile
+from capricorn_jax._src.scheduling.plan.partitioner import Window, windows_from_profile
 
 MODEL_MARGIN = 0.5
 """How far past the loads a cost model has seen (a fraction, each side) its

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from capricorn_jax._src.scheduling.executor import Site
+from capricorn_jax._src.scheduling.plan.sites import Site
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The threaded sender's window marks: when each boundary site opened in a step.
 
 ``WindowMarks`` records the boundary marks of a step that moves chunks on the
-threaded path (``scheduling.threaded``): a site opens when every local device
+threaded path (``threaded.sender``): a site opens when every local device
 stamped it. It is separate from the sender because it is the one piece the
 step itself touches (the native FFI stamp or the host callback of
 ``profiler.ProfileHook``) and the one the mark-cost measurements and the
@@ -20,7 +20,7 @@ import numpy as np
 from capricorn_jax._src.native import PERF_MINUS_MONOTONIC
 from capricorn_jax._src.native.marks import MarkTable
 from capricorn_jax._src.profiling.layer_profile import is_edge, opens_span
-from capricorn_jax._src.scheduling.executor import Site
+from capricorn_jax._src.scheduling.plan.sites import Site
 
 
 class WindowMarks:

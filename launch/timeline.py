@@ -1,5 +1,9 @@
 """One iteration's timeline as a Chrome / Perfetto trace: where the chunks went.
 
+``launch.train --timeline`` writes it (``write_trace``) and draws it
+(``launch.plot_timeline``). A tool, not a part of the library: it reads a
+profile and a schedule through the library's faces.
+
 Three lanes per host: the layers' compute (measured segments of a profiled
 step), their all-to-alls (the profiler's estimate, drawn at the end of each MoE
 segment: the profiler times a layer's collectives apart from the layer, so it
@@ -27,8 +31,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from capricorn_jax._src.profiling.layer_profile import LayerProfile
-from capricorn_jax._src.scheduling.partitioner import Schedule
+from capricorn_jax import LayerProfile
+from capricorn_jax.experimental import Schedule
 
 LANES = {"compute": 0, "all-to-all": 1, "checkpoint link": 2}
 

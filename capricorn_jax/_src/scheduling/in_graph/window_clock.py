@@ -1,6 +1,6 @@
 """The in-graph path's window clock: when each window's chunks arrived.
 
-On the in-graph path (``scheduling.executor``) a window's chunks move by
+On the in-graph path (``in_graph.executor``) a window's chunks move by
 collective-permutes inside the jitted step, so no host thread sees them go.
 With a ``WindowClock`` attached, the scheduled step carries three kinds of
 unordered per-device marks (``profiler.mark``: a host callback placed by its
@@ -20,7 +20,7 @@ site c, as ``window_sites`` pairs them): the span, ``t(c) - t(o)``, and when
 its chunks were in, ``done(o) - t(o)``, each site and done time being the
 last local device's (a boundary is passed when its last local device passed
 it, as the profiler counts). ``WindowClock.windows`` hands both to
-``transfers.window_spills``, so the records are the threaded path's:
+``spills.window_spills``, so the records are the threaded path's:
 ``spill_s`` (the modelled overflow: what the strategy counts) and ``late_s``,
 here how long after the closing boundary's mark the window's last chunk
 arrived (``sent_s``: when it arrived, from the opening mark). The tail window
@@ -37,8 +37,6 @@ serialise the step's callbacks, and only the sites of filled windows matter.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -47,41 +45,12 @@ from jax.sharding import PartitionSpec as P
 
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Recorder
 from capricorn_jax._src.profiling.profiler import mark
-from capricorn_jax._src.scheduling.executor import AFTER, START, Site, site_of
-from capricorn_jax._src.scheduling.partitioner import Schedule, Window
-from capricorn_jax._src.scheduling.transfers import window_spills
+from capricorn_jax._src.scheduling.plan.partitioner import Schedule
+from capricorn_jax._src.scheduling.plan.sites import AFTER, Site, window_sites
+from capricorn_jax._src.scheduling.plan.spills import window_spills
 
 DONE = ":done"
 """Suffix of a done mark's direction: (opening site name, direction + DONE)."""
-
-
-def sites_in_order(boundaries: list[str], windows: Sequence[Window] = ()) -> list[Site]:
-    """The sites at which windows open, in the order a step passes them: the
-    boundaries, and after each the collective edges at which ``windows``'
-    span windows (``Window.edge``) of the segment it opens open, in their
-    order in ``windows`` (step order)."""
-    base = ([START] + [(b, "fwd") for b in boundaries]
-            + [(b, "bwd") for b in reversed(boundaries)] + [AFTER])
-    edges: dict[Site, list[Site]] = {}
-    for window in windows:
-        if window.edge:
-            opener = site_of(dataclasses.replace(window, edge=""), boundaries)
-            site = site_of(window, boundaries)
-            if site not in edges.setdefault(opener, []):
-                edges[opener].append(site)
-    return [s for site in base for s in (site, *edges.get(site, ()))]
-
-
-def window_sites(schedule: Schedule, boundaries: list[str]) -> dict[int, tuple[Site, Site]]:
-    """Window index -> (opening site, closing site: the next one a step
-    passes) of each window of ``schedule`` with chunks."""
-    order = sites_in_order(boundaries, schedule.windows)
-    out = {}
-    for i, (window, chunks) in enumerate(zip(schedule.windows, schedule.chunks, strict=True)):
-        if chunks:
-            site = site_of(window, boundaries)
-            out[i] = (site, order[min(order.index(site) + 1, len(order) - 1)])
-    return out
 
 
 def window_times(pairs: dict[int, tuple[Site, Site]],

@@ -6,7 +6,7 @@ source), on the address this host reaches the job's coordinator from
 loopback alias such as 127.0.1.1 unless the coordinator itself is on
 loopback). The listener accepts only its job's peer: both ends prove they
 know the job's secret and state their build in a challenge-response hello
-(``scheduling.channel_hello``: each pending connection on its own thread
+(``threaded.channel_hello``: each pending connection on its own thread
 with its own short deadline, so a silent or hostile one delays nobody); a
 connection that fails it is closed, counted (``refusals``) and logged with
 its address, and the listener goes on waiting; the job's own peer on
@@ -33,7 +33,7 @@ only after the last send or receive under way left (``held_sockets``: the
 native loops hold descriptor numbers, which a later socket would reuse).
 
 The sender and receiver threads that use it, and why the bytes leave the XLA
-program at all: ``scheduling.threaded``.
+program at all: ``threaded.sender``.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ from capricorn_jax._src.multihost.agree import agree_measured
 from capricorn_jax._src.multihost.secret import SecretError, from_environment
 from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import integrity
-from capricorn_jax._src.scheduling import channel_hello
-from capricorn_jax._src.scheduling.held_sockets import HeldSockets
-from capricorn_jax._src.scheduling.partitioner import MEASURE_ATTEMPTS, LinkModel, fit_link_model
+from capricorn_jax._src.scheduling.plan import partitioner
+from capricorn_jax._src.scheduling.threaded import channel_hello
+from capricorn_jax._src.scheduling.threaded.held_sockets import HeldSockets
 
 log = logging.getLogger(__name__)
 
@@ -583,18 +583,18 @@ class ChunkChannel:
         self._sockets.close()
 
 
-def measure_channel(channel: ChunkChannel, rows: int) -> LinkModel:
+def measure_channel(channel: ChunkChannel, rows: int) -> partitioner.LinkModel:
     """alpha + bytes/B of the chunk channel, host 0's fit on every host; a fit
     that fails (times that do not grow with size) is measured again, up to
     ``MEASURE_ATTEMPTS`` times (every host decides alike: host 0's times)."""
-    for attempt in range(MEASURE_ATTEMPTS):
+    for attempt in range(partitioner.MEASURE_ATTEMPTS):
         sizes, times = channel.measure(rows=rows)
         # Per-row bytes (the schedule's unit): every local row of a range goes at once.
         agreed = agree_measured(times, what="the chunk channel's measured times")
         try:
-            return fit_link_model(sizes, agreed)
+            return partitioner.fit_link_model(sizes, agreed)
         except ValueError as e:
-            if attempt == MEASURE_ATTEMPTS - 1:
+            if attempt == partitioner.MEASURE_ATTEMPTS - 1:
                 raise
             log.info("host %d: chunk channel measured again (%s)", channel.host, e)
     raise AssertionError("unreachable")
