@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from launch.errors import FlagError
 from models import routing_bias
 from models.emulation.profile import DEFAULT_PROFILE, load
 
@@ -38,11 +39,6 @@ def emulation(accelerator: str, profile: str, cfg):
     return Emulation.for_config(load(profile or DEFAULT_PROFILE), cfg)
 
 
-def profile_name(accelerator: str, profile: str) -> str | None:
-    """The profile's name for records (None without emulation)."""
-    return load(profile or DEFAULT_PROFILE).name if accelerator == "emulated" else None
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AcceleratorConfig:
     """--accelerator / --accelerator_profile (train, bench, chaos).
@@ -57,7 +53,6 @@ class AcceleratorConfig:
     profile: str = ""
 
     def __post_init__(self) -> None:
-        from launch.cli_flags import FlagError  # (cli_flags imports this module)
 
         try:
             check(self.accelerator, self.profile)
@@ -68,7 +63,6 @@ class AcceleratorConfig:
 def resolve_routing_bias(value: str, accelerator: str, workload: str) -> str:
     """``--routing_bias`` resolved against ``--accelerator`` and ``--workload``
     (``models.routing_bias.resolve``); raises FlagError naming the bad value."""
-    from launch.cli_flags import FlagError  # (cli_flags imports this module)
 
     try:
         return routing_bias.resolve(value, accelerator=accelerator, workload=workload)

@@ -50,11 +50,6 @@ from models.emulation.profile import DEFAULT_PROFILE
 from models.emulation.profile import available as available_profiles
 from models.routing_bias import VALUES as ROUTING_BIASES
 
-
-class FlagError(ValueError):
-    """A flag value that cannot work, named in the message."""
-
-
 # group -> flag name -> (absl kind, default, help, extra keyword arguments)
 _SPECS: dict[str, dict[str, tuple[str, Any, str, dict]]] = {}
 _group = "cluster"

@@ -32,8 +32,8 @@ from typing import Any
 from absl import app, flags
 
 from launch.planner import presets, traces, validate
-from launch.planner.inputs import STRATEGIES, FailureModel
-from launch.planner.simulate import Scenario, simulate
+from launch.planner.inputs import FailureModel
+from launch.planner.simulate import STRATEGIES, Scenario, simulate
 from models.emulation import profile as accelerator_profile
 
 SHARED_FLAGS = {"cluster": ("hosts", "devices_per_host"), "links": ("link_gbps",),

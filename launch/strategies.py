@@ -1,54 +1,90 @@
 """Every checkpoint strategy by name, and the one factory that builds them.
 
 launch.train (``--ckpt``) and launch.bench (``--strategies``) accept the same
-names and build them here:
-
-* ``none``, ``blocking``, ``orbax_async``, ``orbax_emergency``: the baselines
-  (``launch.baselines``);
-* ``inmem``: capricorn_jax's in-memory tier, every step to host RAM and m-1
-  peers, moved after the step; ``pec``: the same with partial expert
-  checkpointing (the checkpointer's PEC options: K of N experts per version);
-* ``gemini``, ``capricorn``: versions moved inside the step on a schedule
-  from layer profiles (gemini: its first N profiled steps, kept; capricorn:
-  re-planned when the expert load drifts); ``capricorn_pec``: capricorn with
-  partial expert checkpoints.
+names, those of the library's registry (``capricorn_jax.experimental.specs``:
+``inmem``, ``pec``, ``gemini``, ``capricorn``, ``capricorn_pec``) plus the
+baselines registered here (``launch.baselines``): ``none``, ``blocking``,
+``orbax_async``, ``orbax_emergency``.
 
 Every strategy is driven the same way (``capricorn_jax.Strategy``): the
 caller runs each step through ``capricorn_jax.ProfilingDriver`` and calls
-``save``/``finish``/``close``/``restore``. The tables are plain data, read
-by the launcher's flag checks before JAX starts.
+``save``/``finish``/``close``/``restore``. The name tuples below are read
+from the registry at import, by the launcher's flag checks before JAX
+starts; every list of strategy names in launch/ reads them (or ``spec``).
+
+A strategy of one's own: a module that calls
+``capricorn_jax.experimental.register`` with its spec, named in the
+environment variable ``CAPRICORN_STRATEGY_MODULES`` (comma-separated module
+names, imported here first, so every launcher and every process it starts
+knows it).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 from pathlib import Path
 
-from capricorn_jax import (
-    InMemoryCheckpointer,
-    InMemoryStrategy,
-    ScheduledStrategy,
-    Strategy,
-)
-from capricorn_jax.experimental import ChannelReplication
+from capricorn_jax import Strategy
+from capricorn_jax.experimental import BuildArgs, StrategySpec, register, spec, specs
+from capricorn_jax.experimental.strategies import build
 
-STRATEGIES = ("none", "blocking", "orbax_async", "orbax_emergency", "inmem", "gemini",
-              "capricorn", "pec", "capricorn_pec")
+PLUGINS_ENV = "CAPRICORN_STRATEGY_MODULES"
+
+
+def _baseline(args: BuildArgs, name: str) -> Strategy:
+    from launch import baselines
+
+    if name == "none":
+        return baselines.NoCheckpoint()
+    directory = args.extra.get("directory")
+    if directory is None:
+        raise ValueError(f"strategy {name!r} needs a directory")
+    if name == "blocking":
+        return baselines.BlockingCheckpoint(directory, args.train)  # type: ignore[arg-type]
+    if name == "orbax_async":
+        return baselines.OrbaxAsync(directory, args.train,  # type: ignore[arg-type]
+                                    args.extra.get("tier", "persistent"))
+    local = args.extra.get("local_directory")
+    if local is None:
+        raise ValueError("strategy 'orbax_emergency' needs a local directory (its RAM tier)")
+    return baselines.OrbaxEmergency(local, directory, args.train,  # type: ignore[arg-type]
+                                    args.extra.get("persist_every", 10))
+
+
+BASELINES = {"none": "none", "blocking": "blocking (RAM disk)", "orbax_async": "Orbax async",
+             "orbax_emergency": "Orbax emergency"}
+"""The baselines and their names in tables."""
+for _name, _label in BASELINES.items():
+    register(StrategySpec(_name, functools.partial(_baseline, name=_name), label=_label))
+for _module in filter(None, os.environ.get(PLUGINS_ENV, "").split(",")):
+    importlib.import_module(_module.strip())
+
+_ALL = specs()
+STRATEGIES = (*BASELINES, *(s.name for s in _ALL if s.name not in BASELINES))
 # Built on the in-memory tier (its checkpointer, recovery and persistent tier).
-IN_MEMORY = ("inmem", "gemini", "capricorn", "pec", "capricorn_pec")
+IN_MEMORY = tuple(s.name for s in _ALL if s.in_memory)
 # Move a version inside the step on a schedule (one peer replica).
-SCHEDULED = ("gemini", "capricorn", "capricorn_pec")
+SCHEDULED = tuple(s.name for s in _ALL if s.scheduled)
 # Partial expert checkpoints: need the checkpointer's PEC options (K).
-PEC = ("pec", "capricorn_pec")
+PEC = tuple(s.name for s in _ALL if s.pec)
 # The profiling policy a strategy plans on (the others: the caller's choice, off by default).
-STRATEGY_PROFILE = {"gemini": "first_n", "capricorn": "speculative",
-                    "capricorn_pec": "speculative"}
+STRATEGY_PROFILE = {s.name: s.profile for s in _ALL if s.profile}
+LABELS = {s.name: s.label for s in _ALL}
+"""Each strategy's name in tables."""
 
 
-def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None = None,
-                  directory: Path | None = None, first_n: int | None = None,
-                  chunk_cap: int = 1 << 20, chunk_path: str = "auto",
-                  span_windows: bool = True, tier: str = "persistent",
-                  local_directory: Path | None = None, persist_every: int = 10) -> Strategy:
+def uses_channel(name: str, chunk_path: str, backend: str) -> bool:
+    """Whether ``name``'s versions move on the chunk channel (the registry's answer)."""
+    return spec(name).uses_channel(chunk_path, backend)
+
+
+def make_strategy(name: str, train, *, checkpointer=None, directory: Path | None = None,
+                  first_n: int | None = None, chunk_cap: int = 1 << 20,
+                  chunk_path: str = "auto", span_windows: bool = True,
+                  tier: str = "persistent", local_directory: Path | None = None,
+                  persist_every: int = 10) -> Strategy:
     """The strategy ``name`` of this host.
 
     Args:
@@ -73,34 +109,8 @@ def make_strategy(name: str, train, *, checkpointer: InMemoryCheckpointer | None
         writes its own folder in it).
       persist_every: ``orbax_emergency``'s persistent interval, steps.
     """
-    from capricorn_jax import ProfilingOptions
-    from launch import baselines
-
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    if (checkpointer is not None) != (name in IN_MEMORY):
-        raise ValueError(f"strategy {name!r} {'needs' if name in IN_MEMORY else 'takes no'} "
-                         f"in-memory checkpointer")
-    if checkpointer is None:  # the baselines
-        if name == "none":
-            return baselines.NoCheckpoint()
-        if directory is None:
-            raise ValueError(f"strategy {name!r} needs a directory")
-        if name == "blocking":
-            return baselines.BlockingCheckpoint(directory, train)
-        if name == "orbax_async":
-            return baselines.OrbaxAsync(directory, train, tier)
-        # orbax_emergency
-        if local_directory is None:
-            raise ValueError("strategy 'orbax_emergency' needs a local directory (its RAM tier)")
-        return baselines.OrbaxEmergency(local_directory, directory, train, persist_every)
-    if name in PEC and checkpointer.pec is None:
-        raise ValueError(f"strategy {name!r} needs a checkpointer with PEC options")
-    if name in SCHEDULED:
-        return ScheduledStrategy(name, checkpointer, train,
-                                 first_n=first_n or ProfilingOptions().first_n,
-                                 chunk_cap=chunk_cap, chunk_path=chunk_path,
-                                 spans=None if span_windows else False)
-    if chunk_path == "threaded":
-        return ChannelReplication(checkpointer, train, name, chunk_cap)
-    return InMemoryStrategy(checkpointer, name)
+    return build(name, BuildArgs(
+        train, checkpointer, first_n=first_n, chunk_cap=chunk_cap, chunk_path=chunk_path,
+        spans=None if span_windows else False,
+        extra={"directory": directory, "tier": tier, "local_directory": local_directory,
+               "persist_every": persist_every}))

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from launch.cli_flags import FlagError
+from launch.errors import FlagError
 from launch.train.fault_plan import Fault, FaultConfig, parse_fault_plan
 
 BASE = dict(kill_host=-1, kill_at_step=-1, kill_every=0, kill_mode="process",

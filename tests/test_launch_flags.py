@@ -20,7 +20,7 @@ import pytest
 from absl import flags
 
 from capricorn_jax import stores
-from launch import accelerator, cli_flags, gpu_bench, link_probe, plan, plot_timeline
+from launch import accelerator, cli_flags, errors, gpu_bench, link_probe, plan, plot_timeline
 from launch.bench import command as bench
 from launch.bench import config as bench_config
 from launch.chaos import command as chaos
@@ -148,7 +148,7 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     (["--link_gbps=1", "--platform=gpu"], "--link_gbps shapes the simulated CPU hosts' links"),
 ])
 def test_bench_config_names_a_bad_flag(tmp_path, argv, message):
-    with pytest.raises(cli_flags.FlagError, match=re.escape(message)):
+    with pytest.raises(errors.FlagError, match=re.escape(message)):
         _bench(tmp_path, *argv)
 
 
@@ -179,16 +179,16 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
 
 @pytest.mark.parametrize("argv, error, message", [
     (["--topologies=2y2"], ValueError, "--topologies: '2y2' is not HxD or HxDrM"),
-    (["--trials=0"], cli_flags.FlagError, "--trials must be >= 1 and --steps >= 6, got 0, 12"),
-    (["--strategies=inmem,blocking"], cli_flags.FlagError, "--strategies: ['blocking'] are not"),
-    (["--strategies=gemini", "--topologies=4x1r3"], cli_flags.FlagError,
+    (["--trials=0"], errors.FlagError, "--trials must be >= 1 and --steps >= 6, got 0, 12"),
+    (["--strategies=inmem,blocking"], errors.FlagError, "--strategies: ['blocking'] are not"),
+    (["--strategies=gemini", "--topologies=4x1r3"], errors.FlagError,
      "--topologies=4x1r3: none of --strategies=gemini runs there"),
-    (["--link_latency_ms=2"], cli_flags.FlagError, "--link_latency_ms needs --link_gbps > 0"),
-    (["--faults=pause,bitrot"], cli_flags.FlagError, "--faults: ['bitrot'] are not fault "
+    (["--link_latency_ms=2"], errors.FlagError, "--link_latency_ms needs --link_gbps > 0"),
+    (["--faults=pause,bitrot"], errors.FlagError, "--faults: ['bitrot'] are not fault "
                                                       "classes (after_step, mid_step"),
-    (["--faults=partition"], cli_flags.FlagError, "--faults: ['partition'] act on shaped "
+    (["--faults=partition"], errors.FlagError, "--faults: ['partition'] act on shaped "
                                                    "links: they need --link_gbps > 0"),
-    (["--faults=stall_channel", "--strategies=gemini", "--topologies=2x2"], cli_flags.FlagError,
+    (["--faults=stall_channel", "--strategies=gemini", "--topologies=2x2"], errors.FlagError,
      "--faults: ['stall_channel'] are drawn for capricorn, and inmem and pec over the chunk "
      "channel: add one of them to --strategies"),
 ])
@@ -197,7 +197,7 @@ def test_chaos_config_names_a_bad_flag(argv, error, message):
         _chaos(*argv)
     # A topology that does not parse stays a ValueError (the command never made
     # it a usage error); the others are FlagErrors, main's usage errors.
-    assert (info.type is cli_flags.FlagError) == (error is cli_flags.FlagError)
+    assert (info.type is errors.FlagError) == (error is errors.FlagError)
 
 
 def test_inmem_on_the_chunk_channel_needs_two_replicas(tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli_flags import FlagError
 from launch.cluster.console import Console
+from launch.errors import FlagError
 from launch.train.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from launch.bench import command as bench
 from launch.bench import config as bench_config
 from launch.chaos import command as chaos
 from launch.chaos import config as chaos_config
-from launch.cli_flags import FlagError
 from launch.data import Corpus, DataIterator, DataOptions
+from launch.errors import FlagError
 from launch.experiments.routing_bias import loads
 from launch.train import command as train
 from launch.train import config

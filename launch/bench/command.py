@@ -65,11 +65,11 @@ from launch.bench.config import BenchConfig, BenchSetup
 from launch.bench.recovery import baseline_recovery, recovery_times
 from launch.bench.report import VARIANTS, markdown, plot, summarize
 from launch.bench.runner import Runner
-from launch.cli_flags import FlagError
 from launch.cluster import cpu_account
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import links_for
-from launch.strategies import IN_MEMORY, PEC, STRATEGIES, STRATEGY_PROFILE
+from launch.errors import FlagError
+from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES, STRATEGY_PROFILE
 from launch.tiers import chunk_tos, memory_tier
 
 FLAGS = flags.FLAGS
@@ -266,7 +266,7 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                  for name, strategy in strategies.items()
                  if (summary := strategy.schedule_summary()) is not None}
     recovery = {name: recovery_times(ckpts[name], job, config.replicas)
-                for name in ("inmem", "pec") if name in strategies}
+                for name in strategies if name in IN_MEMORY and name not in SCHEDULED}
     for name, strategy in strategies.items():
         if name in ("blocking", "blocking_disk", "orbax_async", "orbax_emergency"):
             if name.startswith("orbax"):

@@ -28,8 +28,8 @@ from absl import flags
 
 from launch.accelerator import AcceleratorConfig, resolve_routing_bias
 from launch.bench.report import VARIANTS
-from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions, link_from_flags
+from launch.errors import FlagError
 from launch.strategies import IN_MEMORY, PEC, STRATEGIES
 
 

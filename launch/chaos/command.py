@@ -61,7 +61,7 @@ from launch.chaos.config import (  # noqa: F401 (re-exported)
     parse_topology,
 )
 from launch.chaos.draw import Trial, describe_fault, draw_trial, fault_classes
-from launch.cli_flags import FlagError
+from launch.errors import FlagError
 from launch.train.fault_plan import Fault
 
 FLAGS = flags.FLAGS

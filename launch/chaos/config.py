@@ -21,8 +21,8 @@ import dataclasses
 from absl import flags
 
 from launch.accelerator import AcceleratorConfig, resolve_routing_bias
-from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
+from launch.errors import FlagError
 from launch.train.fault_plan import (
     CORRUPT_FRAME,
     DISK_FULL_FINALIZE,

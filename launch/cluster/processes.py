@@ -75,10 +75,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class HostFailed(RuntimeError):
-    pass
-
-
 class LocalCluster:
     """Starts, watches and stops the processes of a simulated cluster.
 

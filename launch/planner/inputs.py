@@ -123,9 +123,6 @@ class ModelSpec:
         return self.tokens_per_step * self.top_k
 
 
-STRATEGIES = ("none", "inmem", "gemini", "capricorn", "pec", "capricorn_pec")
-
-
 @dataclasses.dataclass(frozen=True)
 class StrategyOptions:
     """The strategies' knobs (the library's defaults unless said).

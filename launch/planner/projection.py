@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from launch.planner import presets, traces
+from launch.planner.simulate import STRATEGIES as SIMULATED
 from launch.planner.simulate import Scenario, simulate
 
-STRATEGIES = ("inmem", "gemini", "capricorn", "pec", "capricorn_pec")
+STRATEGIES = tuple(n for n in SIMULATED if n != "none")
 TRACES = ("steady", "dynamic")
 TRACE_SEED = 0
 DEFAULT_STEPS = 60

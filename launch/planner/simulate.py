@@ -56,7 +56,13 @@ from capricorn_jax import experimental as ex
 from launch.planner.events import Link, Sim
 from launch.planner.inputs import Cluster, FailureModel, ModelSpec, StrategyOptions
 from launch.planner.traces import tokens as to_tokens
+from launch.strategies import IN_MEMORY, spec
 from models.emulation.profile import AcceleratorProfile
+
+STRATEGIES = ("none", *IN_MEMORY)
+"""What the planner simulates: every in-memory strategy of the registry, by
+its spec (planner "fixed" as gemini, "replan" as capricorn, none as inmem;
+PEC from ``pec``), and none."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +165,10 @@ class _Run:
 
     def __init__(self, sc: Scenario, strategy: str, load: np.ndarray) -> None:
         self.sc, self.strategy, self.load = sc, strategy, load
-        self.kind = strategy.removesuffix("_pec")
-        self.pec = strategy in ("pec", "capricorn_pec") and load.shape[1] > 0
+        s = spec(strategy)
+        self.planner = s.planner
+        self.policy = cj.ProfilePolicy(s.profile) if s.profile else None
+        self.pec = s.pec and load.shape[1] > 0
         opts = sc.options
         self.sim = Sim()
         self.link = Link(self.sim, sc.cluster.link_bytes_per_s, "host0/send",
@@ -194,12 +202,12 @@ class _Run:
 
     # ---------------------------------------------------------------- decisions
     def _profile_this(self, step: int) -> bool:
-        if self.kind == "gemini":
+        if self.policy is None:
+            return False
+        if self.planner == "fixed":
             return self.schedule is None and ex.should_profile(
-                cj.ProfilePolicy.FIRST_N, step, None, self.sc.options.first_n)
-        if self.kind == "capricorn":
-            return ex.should_profile(cj.ProfilePolicy.SPECULATIVE, step, self.decision)
-        return False
+                self.policy, step, None, self.sc.options.first_n)
+        return ex.should_profile(self.policy, step, self.decision)
 
     def _replan(self, windows: list) -> None:
         self._windows = ex.scale_windows(windows, self.sc.options.margin)
@@ -215,7 +223,7 @@ class _Run:
 
     def _on_profile(self, step: int, profile: cj.LayerProfile) -> None:
         self.profiled.append(step)
-        if self.kind == "gemini":
+        if self.planner == "fixed":
             self.profiles.append(profile)
             if len(self.profiles) >= self.sc.options.first_n:
                 self._replan(ex.average_windows(self.profiles, ex.windows_from_profile))
@@ -231,7 +239,7 @@ class _Run:
         """The driver's order: profile -> strategy, then the detector and the gate."""
         if profile is not None:
             self._on_profile(step, profile)
-        if self.kind != "capricorn":
+        if self.planner != "replan":
             return
         if profile is not None:
             durations = ex.moe_durations(profile, self.moe_layers)
@@ -319,7 +327,7 @@ class _Run:
 
         if self.strategy == "none":
             return next_step(None)
-        scheduled = self.kind in ("gemini", "capricorn")
+        scheduled = self.planner is not None
         budget = self.sc.options.budget_s
 
         def save() -> None:

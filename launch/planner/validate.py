@@ -123,6 +123,7 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     from launch.planner.inputs import GBIT, Cluster, ModelSpec, StrategyOptions
     from launch.planner.simulate import Scenario, plain_step_s
     from launch.planner.traces import tokens as to_tokens
+    from launch.strategies import IN_MEMORY, spec
     from models.config import get_config
     from models.emulation.profile import DEFAULT_PROFILE, load
 
@@ -143,7 +144,7 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     profile = emu.paired(moe, a2a_bytes_per_routed_token=per_token)
     # ckpt_bytes_per_step sums the hosts' versions (the bench's R divides it).
     full = max(float(r.get("ckpt_bytes_per_step") or 0) for n, r in rows.items()
-               if n in ("inmem", "gemini", "capricorn")) / hosts
+               if n in IN_MEMORY and not spec(n).pec) / hosts
     pec_k = _flag(doc, "pec_k")
     fraction = 0.0
     if "pec" in rows and full > 0 and pec_k < cfg.num_experts:
@@ -230,10 +231,11 @@ def validate_bench(path: str | Path, *, seed: int = 0) -> dict[str, Any]:
     import numpy as np
 
     from launch.planner.simulate import simulate
+    from launch.strategies import IN_MEMORY
 
     doc = json.loads(Path(path).read_text())
     rows = doc["strategies"]
-    names = [n for n in ("inmem", "gemini", "capricorn", "pec", "capricorn_pec") if n in rows]
+    names = [n for n in IN_MEMORY if n in rows]
     out: dict[str, Any] = {"file": str(path), "command": doc.get("command"),
                            "date": doc.get("date"), "link": doc.get("link"),
                            "link_idle_share": doc.get("link_idle_share"), "rows": []}

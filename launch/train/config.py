@@ -37,8 +37,8 @@ from capricorn_jax import DetectorOptions, ProfilePolicy, ProfilingOptions
 from capricorn_jax.experimental import CAPACITY_CACHE, TRIGGERS, CacheOptions
 from launch import runtime
 from launch.accelerator import AcceleratorConfig, resolve_routing_bias
-from launch.cli_flags import FlagError
 from launch.cluster.netns import LinkOptions
+from launch.errors import FlagError
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGY_PROFILE
 from launch.train.fault_plan import FaultConfig
 from models.config import CONFIGS, ModelConfig, get_config

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import InitVar
 from pathlib import Path
 
-from launch.cli_flags import FlagError
+from launch.errors import FlagError
 from launch.strategies import IN_MEMORY, SCHEDULED
 
 # Where a fault strikes. The pausing points are exact (the victim waits there

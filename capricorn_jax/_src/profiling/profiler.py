@@ -134,7 +134,7 @@ from capricorn_jax._src.profiling.probe import (
 )
 
 if TYPE_CHECKING:
-    from capricorn_jax._src.profiling.train_step import State, TrainStep
+    from capricorn_jax._src.profiling.train_step import TrainStep
 
 
 class MarkSink(Protocol):
@@ -453,50 +453,3 @@ def _collectives_key(collectives: Mapping[str, Sequence[jax.ShapeDtypeStruct]] |
         (name, tuple((tuple(b.shape), str(b.dtype)) for b in bufs))
         for name, bufs in sorted(collectives.items())
     )
-
-
-def measure_overhead(
-    trainer: TrainStep, factors: Sequence[float], state: State, batch: jax.Array,
-    steps: int = 10, warmup: int = 2,
-) -> tuple[State, dict[str, float]]:
-    """Times the plain and the profiled step, alternating, on the same batch.
-
-    Each round runs one plain and one profiled step (the order alternating
-    between rounds), each to block_until_ready; ``warmup`` rounds (compile
-    included) are not counted. Medians over ``steps`` rounds.
-
-    Args:
-      trainer: the caller's TrainStep; ``state`` is donated step after step.
-      factors: the capacity factors of both variants.
-      state, batch: the starting state (consumed) and the batch of every step.
-      steps, warmup: timed and untimed rounds.
-
-    Returns:
-      (the final state, {"plain_s", "profiled_s", "overhead" (profiled/plain -
-      1), "span_over_total" (median of the profiles' span_s / total_s)}).
-    """
-    plain, profiled = trainer.step_fn(tuple(factors)), make_profiled_step(trainer, factors)
-
-    def run_plain(state: Any) -> tuple[Any, LayerProfile | None]:
-        state, metrics = plain(state, batch)
-        jax.block_until_ready((state, metrics))
-        return state, None
-
-    def run_profiled(state: Any) -> tuple[Any, LayerProfile | None]:
-        state, _, profile = profiled(state, batch)
-        return state, profile
-
-    times: dict[str, list[float]] = {"plain": [], "profiled": []}
-    coverage = []
-    for round_ in range(warmup + steps):
-        order = [("plain", run_plain), ("profiled", run_profiled)]
-        for name, run in order[:: 1 if round_ % 2 else -1]:
-            t0 = time.perf_counter()
-            state, profile = run(state)
-            if round_ >= warmup:
-                times[name].append(time.perf_counter() - t0)
-                if profile is not None:
-                    coverage.append(profile.span_s / profile.total_s)
-    p, q = statistics.median(times["plain"]), statistics.median(times["profiled"])
-    return state, {"plain_s": p, "profiled_s": q, "overhead": q / p - 1.0,
-                   "span_over_total": statistics.median(coverage)}
