@@ -5,18 +5,25 @@ chosen for a capricorn job with a persistent tier keeping one step (the
 write of version 8 deletes version 4) whose host 1 is lost as a machine
 while the persistent tier writes, and a replica writer that stalls;
 the failure during recovery has its own test (test_strategies.py, soak); the full
-soak is documented in BUILD_NOTES (``--trials=N`` on every topology).
+soak is documented in BUILD_NOTES (``--trials=N`` on every topology). And a PEC
+job with a machine loss against its reference that takes the same roll-back
+(``launch.chaos.pec_reference``), which a reference rolled back to another
+version does not match.
 """
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from launch.chaos import jobs, pec_reference
 from launch.chaos.config import parse_topology
-from launch.chaos.draw import draw_trial
+from launch.chaos.draw import Trial, draw_trial
 from launch.cluster.netns import stale_namespaces
+from launch.train.fault_plan import Fault
 from tests.helpers import ROOT, assert_no_orphans, child_env, netns_usable
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -97,3 +104,44 @@ def test_chaos_refuses_a_topology_no_chosen_strategy_runs_on(tmp_path):
     assert ("--topologies=4x1r3: none of --strategies=gemini,capricorn runs there (gemini and "
             "capricorn need 2 replicas); add inmem or pec, or drop it") in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
+
+
+def test_a_pec_trial_matches_a_reference_that_takes_its_roll_backs(tmp_path, monkeypatch,
+                                                                   request):
+    """A PEC job whose host 0 is lost as a machine halfway through writing the
+    replicas of version 6 (it recovers from a peer, composing experts from
+    older versions) ends in the state of a fault-free run that takes the
+    same roll-back from its own stores (``launch.chaos.pec_reference``); a
+    reference that rolls back to another version is reported."""
+    for key, value in child_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    trial = Trial(0, 0, parse_topology("2x1"), "pec", 0,
+                  (Fault((0,), 5, "mid_replication", "host"),), None)
+    flags = trial.flags(STEPS, "tiny")
+    store = jobs.store_root(tmp_path)
+    request.addfinalizer(lambda: shutil.rmtree(store, ignore_errors=True))  # the RAM stores
+
+    def run(name, job_flags):
+        proc = jobs.run_train(job_flags, tmp_path / name, store, 600, True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return jobs.read_records(tmp_path / name)
+
+    faulted = run("faulted", flags)
+    recovery = next(r for r in faulted if r.get("event") == "recovery")
+    assert recovery["tiers"][0] == "peer" and len(recovery["versions"]) > 1  # composed
+    plan = pec_reference.rollbacks(faulted, 2, 2)
+    assert plan == (Fault((0, 1), recovery["step"] - 1, "rollback", version=recovery["step"]),)
+    reference = run("reference", pec_reference.reference_flags(flags, plan))
+    problems, info = pec_reference.compare(faulted, reference)
+    assert problems == [] and info == {"resumed_from": [recovery["step"]], "match": True}
+    assert [r["tier"] for r in reference if r.get("event") == "recovery"] == ["local"]
+    digest = pec_reference.state_digest(reference)
+    assert digest is not None and any(k.startswith("['params']") for k in digest)
+    older = (dataclasses.replace(plan[0], version=plan[0].version - 1),)
+    wrong = run("wrong", pec_reference.reference_flags(flags, older))
+    problems, info = pec_reference.compare(faulted, wrong)
+    assert info["match"] is False and problems[0].startswith(
+        f"PEC reference: resumption 1: the faulted job restored {{'step': {recovery['step']},")
+    assert f"the PEC reference {{'step': {recovery['step'] - 1}," in problems[0]
+    assert_no_orphans(str(tmp_path))

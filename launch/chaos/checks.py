@@ -8,7 +8,10 @@ persistent steps a watcher saw on disk while the job ran:
 * full checkpoints: the loss of every logged step, before and after every
   recovery, is bit-identical to the reference's (no torn or mixed version
   was restored); PEC: bit-identical before the first restore point, finite
-  after it, and each recovery reports its portion of lost tokens (PLT);
+  after it, and each recovery reports its portion of lost tokens (PLT) (a PEC
+  trial that passes these and restored is then run again as a reference that
+  takes the same roll-backs, ``pec_reference``: the same losses and the same
+  final state, bit for bit);
 * each resumption (a recovery, or a restart from step 0) is no older than
   the version the oracle (``oracle``) computed must survive its fault, from
   the tier it must come from, and no newer than the fault's step allows;

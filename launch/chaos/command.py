@@ -21,7 +21,11 @@ tier's safe versions, the persistent steps a watcher saw on disk while the
 job ran: ``jobs``), the newest version that must survive each fault and the
 tier it must come from (``expected_from`` in the JSON); a resumption from
 anything older fails the trial, and so does a committed persistent step
-deleted before ``max_to_keep`` newer ones were committed.
+deleted before ``max_to_keep`` newer ones were committed. A PEC trial that
+restored (its losses after the restore differ from the uninterrupted run's
+by design) is then compared with a second run of its job that takes the same
+roll-backs without the faults (``pec_reference``): the same losses after
+each roll-back and the same final state (``pec_reference`` in the JSON).
 
 A progress line per trial, a table and a summary at the end; the JSON
 (contract in DESIGN.md) has one object per trial with what was drawn, what
@@ -50,7 +54,7 @@ from typing import Any
 
 from absl import app, flags
 
-from launch.chaos import jobs
+from launch.chaos import jobs, pec_reference
 from launch.chaos.checks import check_trial, committed_steps, expected, expected_json
 from launch.chaos.config import (  # noqa: F401 (re-exported)
     CHANNEL_CLASSES,
@@ -138,9 +142,7 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
                                           f"lines: {tail}"],
                       seconds=round(time.monotonic() - start, 1))
         return result
-    records = []
-    if (work / "metrics.jsonl").exists():
-        records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    records = jobs.read_records(work)
     strikes = sum(proc.stdout.count(f"fault: {what}") for what in (
         "SIGKILLed", "paused host", "cut off host", "slowed the link of host"))
     result["persistent_seen"] = sorted({s for snap in disk for s in snap.steps})
@@ -151,11 +153,38 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
     else:
         problems, happened = check_trial(trial, records, reference, steps, strikes,
                                          committed_steps(work / "checkpoints"), disk)
+        if not problems and trial.pec and any(r.get("event") == "recovery" for r in records):
+            problems, happened["pec_reference"] = _pec_reference(
+                trial, records, flags_, scratch, timeout_s, fast_compile, extra)
     result.update(happened, ok=not problems, problems=problems,
                   seconds=round(time.monotonic() - start, 1))
     if not problems:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _pec_reference(trial: Trial, records: list[dict], flags_: list[str], scratch: Path,
+                   timeout_s: float, fast_compile: bool, extra: Sequence[str]
+                   ) -> tuple[list[str], dict[str, Any]]:
+    """A PEC trial's reference run, which takes the faulted job's roll-backs
+    (``pec_reference``): its problems and the trial's ``pec_reference`` entry."""
+    start = time.monotonic()
+    plan = pec_reference.rollbacks(records, trial.topology.hosts, trial.topology.replicas)
+    entry: dict[str, Any] = {"rollbacks": [f.to_json() for f in plan]}
+    work = scratch / f"trial{trial.index}-pec-reference"
+    try:
+        proc = jobs.run_train(pec_reference.reference_flags(flags_, plan), work,
+                              jobs.store_root(scratch), timeout_s, fast_compile, extra)
+    except subprocess.TimeoutExpired:
+        return ([f"PEC reference: the run did not end within {timeout_s:.0f}s"],
+                {**entry, "match": False})
+    if proc.returncode != 0:
+        return ([f"PEC reference: the run exited with {proc.returncode}: " + " | ".join(
+            (proc.stdout + proc.stderr).strip().splitlines()[-6:])], {**entry, "match": False})
+    problems, info = pec_reference.compare(records, jobs.read_records(work))
+    if not problems:
+        shutil.rmtree(work, ignore_errors=True)
+    return problems, {**entry, **info, "seconds": round(time.monotonic() - start, 1)}
 
 
 def _table(results: list[dict]) -> str:
@@ -202,6 +231,10 @@ def run(config: ChaosConfig) -> int:
             status = "ok" if result["ok"] else "FAIL: " + "; ".join(result["problems"])[:300]
             resumed = ",".join(f"{s} ({t})" for s, t in zip(
                 result.get("resumed_from", []), result.get("tier", []), strict=True))
+            if "pec_reference" in result:
+                match = result["pec_reference"]["match"]
+                resumed += ", PEC reference " + {True: "matched", False: "did not match",
+                                                 None: "not comparable"}[match]
             label = (f"trial index {i} (replayed alone)" if config.only_trial >= 0
                      else f"trial {i + 1}/{config.trials}")
             print(f"{label} (seed {trial.seed}) {trial.describe()} -> "

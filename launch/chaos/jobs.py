@@ -63,6 +63,14 @@ def run_train(flags_: list[str], workdir: Path, store: Path, timeout_s: float,
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
+def read_records(workdir: Path) -> list[dict]:
+    """A job's metrics.jsonl (empty when it wrote none)."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
 def _listing(workdir: Path, snapshots: list[DiskSnapshot]) -> None:
     steps = frozenset(committed_steps(workdir / "checkpoints"))
     try:  # counted after the listing: a record past it was written later
@@ -117,6 +125,5 @@ def reference(topo: Topology, steps: int, model: str, scratch: Path, cache: dict
         if proc.returncode != 0:
             raise RuntimeError(f"reference run {key} failed:\n{proc.stdout[-2000:]}"
                                f"{proc.stderr[-2000:]}")
-        records = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
-        cache[key] = {r["step"]: r["loss"] for r in records if "event" not in r}
+        cache[key] = {r["step"]: r["loss"] for r in read_records(work) if "event" not in r}
     return cache[key]

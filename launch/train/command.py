@@ -34,7 +34,7 @@ import capricorn_jax
 from capricorn_jax.experimental import xla_flags
 from launch import cli_flags, runtime
 from launch.metrics import MetricsWriter
-from launch.train import faults, lag_alarm, persistence
+from launch.train import digest, faults, lag_alarm, persistence
 from launch.train.config import Config, FlagError, from_flags
 from launch.train.supervisor import prepare_workdir, supervise
 from launch.train.workdir_lock import WorkdirLock, WorkdirRefused, hold, job_identity
@@ -193,6 +193,7 @@ def train_worker(config: Config, process_id: int) -> None:
         if alarm is not None:
             alarm.check()  # --on_lag=fail past --max_version_lag: every host ends here
         faults.reached(config.faults, t.workdir, host, "after_step", step)
+        faults.reached(config.faults, t.workdir, host, "rollback", step)
         for timed in ("pause", "partition", "slow_link"):  # the launcher acts after the step
             faults.reached(config.faults, t.workdir, host, timed, step)
         if host == 0:
@@ -208,6 +209,7 @@ def train_worker(config: Config, process_id: int) -> None:
         _write_timeline(config, timeline)
     _evaluate(config, job, state, metrics)
     jax.block_until_ready(state)
+    digest.write(state, metrics, t.steps, num_hosts)
     metrics.close()
 
 

@@ -25,8 +25,9 @@ from launch.strategies import IN_MEMORY, SCHEDULED
 # the kill lands somewhere inside the step / the persistent write.
 FAULT_POINTS = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
                 "mid_serve", "persist_error", "persist_hang", "disk_full_finalize", "pause",
-                "corrupt_frame", "partition", "slow_link", "stall_channel")
-PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery", "mid_serve"})
+                "corrupt_frame", "partition", "slow_link", "stall_channel", "rollback")
+PAUSING_POINTS = frozenset({"after_step", "mid_replication", "recovery", "mid_serve",
+                            "rollback"})
 # Points of the next recovery (a fault's ``step`` is ignored): ``recovery``
 # kills the victims at its start; ``mid_serve`` kills a host as it is about to
 # serve a peer's payload in the recovery's serve round (it follows a fault
@@ -91,6 +92,16 @@ LASTING = frozenset({*TIMED, STALL_CHANNEL})
 NO_KILL = frozenset({*PERSIST_FAULTS, DISK_FULL_FINALIZE, CORRUPT_FRAME, STALL_CHANNEL,
                      *TIMED})
 """Faults that end no attempt: a plan's last."""
+# Not a fault but a deliberate roll-back (launch.chaos's reference of a PEC
+# trial takes the roll-backs its faulted job took): every host (``hosts``:
+# all of them) stops after ``step``; once each one's store holds ``version``
+# (``launch.train.rollback``) the launcher ends the attempt, drops every
+# stored version newer than ``version`` (RAM stores and persistent steps),
+# wipes the RAM stores of the hosts in ``lose`` (a peer serves them) or, with
+# ``wipe_all``, every one (the persistent tier serves), and restarts: the
+# hosts recover through the ordinary recovery, from ``version`` (0: every
+# store emptied, the job starts over at step 0).
+ROLLBACK = "rollback"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +123,9 @@ class Fault:
       pause_s: points ``pause``, ``partition``, ``slow_link``,
         ``stall_channel``: how long the fault lasts (the victims stopped, cut
         off, slowed, or their chunk channel hung), in seconds.
+      version: point ``rollback``: the version every host rolls back to.
+      lose: point ``rollback``: the hosts whose RAM store is lost at the
+        roll-back (a peer serves their shards).
     """
 
     hosts: tuple[int, ...]
@@ -121,10 +135,14 @@ class Fault:
     corrupt: bool = False
     wipe_all: bool = False
     pause_s: float = 0.0
+    version: int = -1
+    lose: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         out = {"hosts": list(self.hosts), "step": self.step, "point": self.point,
                "mode": self.mode, "corrupt": self.corrupt, "wipe_all": self.wipe_all}
+        if self.point == ROLLBACK:
+            return {**out, "version": self.version, "lose": list(self.lose)}
         return {**out, "pause_s": self.pause_s} if self.point in LASTING else out
 
 
@@ -147,11 +165,39 @@ def parse_fault_plan(text: str) -> tuple[Fault, ...]:
             if not isinstance(entry, dict) or set(entry) - set(Fault.__dataclass_fields__):
                 raise TypeError(f"fields must be among {sorted(Fault.__dataclass_fields__)}")
             fault = Fault(**{**entry, "hosts": tuple(int(h) for h in entry["hosts"]),
-                             "step": int(entry.get("step", -1))})
+                             "step": int(entry.get("step", -1)),
+                             "lose": tuple(int(h) for h in entry.get("lose", ()))})
         except (TypeError, KeyError, ValueError) as e:
             raise FlagError(f"--fault_plan: fault {i} ({entry!r}): {e}") from None
         plan.append(fault)
     return tuple(plan)
+
+
+def _check_rollback(i: int, fault: Fault, hosts: int, strategy: str, replicas: int,
+                    persist_every: int) -> None:
+    """A ``rollback`` entry: every host, to a version its step saved or an
+    older one, from a tier the job has."""
+    what = f"--fault_plan fault {i}: rollback"
+    if sorted(fault.hosts) != list(range(hosts)):
+        raise FlagError(f"{what} stops every host: hosts must be {list(range(hosts))}")
+    if not 0 <= fault.version <= fault.step + 1:
+        raise FlagError(f"{what} to version {fault.version} after step {fault.step}: the "
+                        f"version must be in [0, {fault.step + 1}] (0: every store emptied, "
+                        f"a fresh start)")
+    if strategy not in IN_MEMORY or fault.mode != "process" or fault.corrupt:
+        raise FlagError(f"{what} restores through the memory tier: --ckpt in "
+                        f"{', '.join(IN_MEMORY)}, mode 'process', no corrupt")
+    if not set(fault.lose) <= set(fault.hosts) or len(set(fault.lose)) != len(fault.lose):
+        raise FlagError(f"{what}: lose {list(fault.lose)} must be distinct hosts")
+    if fault.lose and (fault.wipe_all or len(fault.lose) >= replicas):
+        raise FlagError(f"{what}: losing the stores of hosts {list(fault.lose)} leaves a "
+                        f"copy of each only below {replicas} replicas and without wipe_all")
+    if fault.wipe_all and not persist_every:
+        raise FlagError(f"{what} with wipe_all restores from the persistent tier: it needs "
+                        f"--persist_every")
+    if fault.wipe_all and fault.version and fault.version % persist_every:
+        raise FlagError(f"{what} with wipe_all to version {fault.version}: not a persistent "
+                        f"step (--persist_every={persist_every})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -210,6 +256,8 @@ class FaultConfig:
             if fault.point in NETWORK_FAULTS and not shaped:
                 raise FlagError(f"--fault_plan fault {i}: {fault.point} acts on the hosts' "
                                 f"shaped links: it needs --link_gbps > 0")
+            if fault.point == ROLLBACK:
+                _check_rollback(i, fault, hosts, strategy, replicas, persist_every)
 
     def _check(self, i: int, fault: Fault, hosts: int, steps: int, strategy: str,
                replicas: int, persist_every: int, channel: bool) -> None:
@@ -262,7 +310,7 @@ class FaultConfig:
                             f"{persist_every})")
 
     def plan(self, steps: int) -> tuple[Fault, ...]:
-        """The faults, in the order the attempts meet them."""
+        """The faults (and roll-backs), in the order the attempts meet them."""
         if self.fault_plan:
             return parse_fault_plan(self.fault_plan)
         if self.kill_host < 0:

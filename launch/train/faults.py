@@ -39,6 +39,7 @@ from absl import logging
 from capricorn_jax.experimental import HostStore
 from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import ShapedNetwork
+from launch.train import rollback
 from launch.train.config import CheckpointConfig
 from launch.train.fault_plan import (
     NETWORK_FAULTS,
@@ -47,6 +48,7 @@ from launch.train.fault_plan import (
     PAUSING_POINTS,
     PERSIST_FAULTS,
     RECOVERY_POINTS,
+    ROLLBACK,
     SLOW_LINK,
     SLOW_LINK_FACTOR,
     STALL_CHANNEL,
@@ -67,11 +69,15 @@ class FaultInjector:
       plan: the faults (``FaultConfig.plan``).
       workdir: the job's WORKDIR (the victims' markers).
       network: the job's shaped links (the network faults act on them).
+      checkpoint: the job's stores (a roll-back reads and prunes them).
     """
 
     def __init__(self, plan: tuple[Fault, ...], workdir: str,
-                 network: ShapedNetwork | None = None):
+                 network: ShapedNetwork | None = None,
+                 checkpoint: CheckpointConfig | None = None):
         self.plan, self.workdir, self.network = plan, workdir, network
+        self.checkpoint = checkpoint
+        self.stopped_at: float | None = None  # a roll-back: when every host had stopped
         self.fired = False
         self.cluster: cluster_lib.LocalCluster | None = None
         self.kills = 0  # faults done so far
@@ -92,6 +98,7 @@ class FaultInjector:
     def arm(self, cluster: cluster_lib.LocalCluster) -> None:
         """The next attempt's cluster: the next fault strikes it."""
         self.cluster, self.fired, self.resume_at = cluster, False, None
+        self.stopped_at = None
         for host in self.fault.hosts:
             pause_marker(self.workdir, host).unlink(missing_ok=True)
 
@@ -115,6 +122,8 @@ class FaultInjector:
         if self.fired or self.cluster is None or not any(
                 pause_marker(self.workdir, h).exists() for h in self.fault.hosts):
             return
+        if self.fault.point == ROLLBACK and not self._rollback_due():
+            return
         self.fired = True
         fault = self.fault
         if fault.point == PAUSE:
@@ -128,10 +137,29 @@ class FaultInjector:
         for host in fault.hosts:
             self.cluster.kill_host(host, signal.SIGKILL)
         where = ("recovering" if fault.point == "recovery" else "serving a peer's version"
-                 if fault.point == "mid_serve" else f"at step {fault.step}")
+                 if fault.point == "mid_serve" else f"after step {fault.step} to roll back to "
+                 f"version {fault.version}" if fault.point == ROLLBACK
+                 else f"at step {fault.step}")
         victims = ", ".join(str(h) for h in fault.hosts)
         print(f"fault: SIGKILLed host{'s' if len(fault.hosts) > 1 else ''} {victims} {where} "
               f"({fault.point}, mode {fault.mode})", flush=True)
+
+    def _rollback_due(self) -> bool:
+        """A roll-back strikes once every host stopped after its step and the
+        stores hold its version (``rollback.ready``), or ``rollback.WAIT_S``
+        after the last host stopped (said on one line)."""
+        if not all(pause_marker(self.workdir, h).exists() for h in self.fault.hosts):
+            return False
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+        assert self.checkpoint is not None, "a roll-back needs the job's checkpoint config"
+        if rollback.ready(self.fault, self.checkpoint, self.workdir, len(self.fault.hosts)):
+            return True
+        if time.monotonic() - self.stopped_at < rollback.WAIT_S:
+            return False
+        print(f"fault: rollback: version {self.fault.version} not held where the roll-back "
+              f"restores it from after {rollback.WAIT_S:g} s; rolling back anyway", flush=True)
+        return True
 
     def _pause(self) -> None:
         fault = self.fault
@@ -191,6 +219,14 @@ class FaultInjector:
     def after_kill(self, checkpoint: CheckpointConfig, hosts: int) -> None:
         """Between the killed attempt and the restart: the store damage asked for."""
         fault = self.fault
+        if fault.point == ROLLBACK:
+            assert self.checkpoint is not None, "a roll-back needs the job's checkpoint config"
+            for line in rollback.apply(fault, self.checkpoint, self.workdir, hosts):
+                print(f"fault: {line}", flush=True)
+            for host in fault.hosts:
+                pause_marker(self.workdir, host).unlink(missing_ok=True)
+            self.kills += 1
+            return
         wiped = range(hosts) if fault.wipe_all else fault.hosts if fault.mode == "host" else ()
         for host in wiped:
             shutil.rmtree(checkpoint.store_dir(host), ignore_errors=True)
@@ -237,6 +273,7 @@ def reached(config: FaultConfig, workdir: str, host: int, point: str, step: int 
              "mid_persist": f"writing persistent version {step + 1}, running on until killed",
              "recovery": "paused at the start of its recovery",
              "mid_serve": f"paused in its recovery, about to serve a peer version {step}",
+             ROLLBACK: f"paused after step {step} for a roll-back",
              PAUSE: f"finished step {step}; the launcher stops it for a while",
              PARTITION: f"finished step {step}; the launcher cuts its link for a while",
              SLOW_LINK: f"finished step {step}; the launcher slows its link for a while"}[point]

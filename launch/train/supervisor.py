@@ -175,7 +175,7 @@ def _supervise(config: Config, argv: Sequence[str], network: ShapedNetwork | Non
     os.environ.update(start_job_secret(train.workdir))
     console = Console(verbose=train.verbose)
     plan = config.faults.plan(train.steps)
-    injector = FaultInjector(plan, train.workdir, network) if plan else None
+    injector = FaultInjector(plan, train.workdir, network, checkpoint) if plan else None
     if injector is not None:
         injector.before_kill = console.injected_kill
     deadline = time.monotonic() + cluster.timeout_s
