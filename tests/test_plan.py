@@ -17,7 +17,14 @@ from launch import plan
 from launch.planner import presets, traces, validate
 from launch.planner.events import Link, Sim
 from launch.planner.inputs import Cluster, ModelSpec, StrategyOptions
-from launch.planner.simulate import Scenario, layer_profile, plain_step_s, segments, simulate
+from launch.planner.simulate import (
+    PARTITION,
+    Scenario,
+    layer_profile,
+    plain_step_s,
+    segments,
+    simulate,
+)
 from models.emulation import profile as accelerator_profile
 from models.emulation.profile import AcceleratorProfile, LayerTimes
 
@@ -113,9 +120,9 @@ def test_gemini_schedule_is_the_partitioners_output():
     profiles = [layer_profile(sc, t, run._tpe[t]) for t in range(sc.options.first_n)]
     windows = ex.scale_windows(ex.average_windows(profiles, ex.windows_from_profile),
                                sc.options.margin)
-    expected = ex.partition(int(sc.model.state_bytes_per_host), windows,
-                            ex.LinkModel(sc.cluster.alpha_s, sc.cluster.link_bytes_per_s),
-                            sc.options.chunk_cap_bytes)
+    expected, _ = ex.even_partition(int(sc.model.state_bytes_per_host), windows,
+                                    ex.LinkModel(sc.cluster.alpha_s, sc.cluster.link_bytes_per_s),
+                                    sc.options.chunk_cap_bytes)
     assert run.schedule == expected
     assert r["partitions"] == [sc.options.first_n - 1]
     assert expected.tail_bytes > 0  # the test's link is too slow for the windows alone
@@ -128,8 +135,68 @@ def test_capricorn_replans_on_its_latest_profiles():
     recent = [layer_profile(sc, t, run._tpe[t]) for t in run.profiled[-ex.PLAN_PROFILES:]]
     windows = ex.scale_windows(ex.shortest_windows(recent, ex.windows_from_profile),
                                sc.options.margin)
-    assert run.schedule == ex.partition(int(sc.model.state_bytes_per_host), windows,
-                                        run.linkmodel, sc.options.chunk_cap_bytes)
+    assert run.schedule == ex.even_partition(int(sc.model.state_bytes_per_host), windows,
+                                             run.linkmodel, sc.options.chunk_cap_bytes)[0]
+
+
+@pytest.mark.parametrize("strategy", ["gemini", "capricorn_pec"])
+def test_schedule_is_the_strategies_even_partition(strategy):
+    """Where the version fits the windows, the planner's schedule of every
+    payload it moved (capricorn_pec: the PEC version's and the full one) is
+    ``ScheduledTransfers``' own pure call on the same margin-scaled windows,
+    ``even_partition`` with its arguments, and not the greedy ``partition``
+    (which fills the first windows to the margin and leaves the rest empty)."""
+    sc = _scenario(state_gb=1.0)
+    run = simulate(sc, strategy, _trace())["_run"]
+    assert run.schedule is not None and run.schedule.tail_bytes == 0
+    assert len(run._schedules) == (2 if strategy == "capricorn_pec" else 1)
+    for size, schedule in run._schedules.items():
+        expected, share = ex.even_partition(size, run._windows, run.linkmodel,
+                                            sc.options.chunk_cap_bytes)
+        assert schedule == expected
+        assert 0 < share < 1 and not schedule.tail
+        greedy = ex.partition(size, run._windows, run.linkmodel, sc.options.chunk_cap_bytes)
+        assert schedule != greedy
+        assert greedy.bytes_in_window(len(greedy.windows) - 1) == 0  # greedy: the last empty
+        assert all(schedule.bytes_in_window(i) > 0 for i in range(len(schedule.windows)))
+
+
+def test_planner_defaults_are_the_librarys_constants(monkeypatch):
+    """The margin, gemini's profiled steps and the partition are the library's,
+    read where the strategies read them: changing a library constant changes
+    the planner (a literal copied back into launch/planner fails here)."""
+    import importlib.util
+    import inspect
+    import sys
+
+    from capricorn_jax._src.profiling import policy
+    from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
+    from capricorn_jax._src.scheduling.plan import partition_search
+    from launch.planner import inputs
+
+    # What the strategies pass: ScheduledTransfers' defaults (margin, even).
+    params = inspect.signature(ScheduledTransfers).parameters
+    assert params["margin"].default is partition_search.SCHEDULE_MARGIN is ex.SCHEDULE_MARGIN
+    assert params["even"].default is True
+    assert PARTITION is ex.even_partition is partition_search.even_partition
+    assert ex.DEFAULT_FIRST_N is policy.DEFAULT_FIRST_N
+    assert StrategyOptions().margin is ex.SCHEDULE_MARGIN
+    assert StrategyOptions().first_n == ex.DEFAULT_FIRST_N
+
+    # A fresh copy of the planner's modules over changed library constants.
+    monkeypatch.setattr(ex, "SCHEDULE_MARGIN", 0.5)
+    monkeypatch.setattr(ex, "DEFAULT_FIRST_N", 7)
+    fresh = {}
+    for name, module in (("inputs", inputs), ("validate", validate)):
+        probe = f"launch.planner._probe_{name}"
+        spec = importlib.util.spec_from_file_location(probe, module.__file__)
+        assert spec is not None and spec.loader is not None
+        fresh[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, probe, fresh[name])
+        spec.loader.exec_module(fresh[name])
+    options = fresh["inputs"].StrategyOptions()
+    assert (options.margin, options.first_n) == (0.5, 7)
+    assert fresh["validate"].BENCH_DEFAULTS["profile_first_n"] == 7
 
 
 def test_budget_skips_versions_instead_of_waiting():
@@ -391,6 +458,8 @@ def test_validation_derives_the_run_from_its_json(tmp_path, capsys):
     assert inmem["error"] == pytest.approx(inmem["predicted"] - inmem["measured"])
     saved = json.loads(out.read_text())
     assert saved["rows"] == 4 and saved["model"] == "blocking/one_way"
+    assert saved["partition"] == "even_partition"
+    assert run["derived"]["margin"] == ex.SCHEDULE_MARGIN
     assert "inmem" in capsys.readouterr().out
     table = tables.validation_table(saved)
     assert "| bench_2x2_dynamic_0.4gbps.json" not in table  # the fixture's own name

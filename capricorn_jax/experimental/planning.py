@@ -1,5 +1,6 @@
 """The decisions the planner (``launch.plan``) and the bench replay or inspect: placement,
-retention, PEC selection, the profiling policy and cache, the partitioner and its windows.
+retention, PEC selection, the profiling policy and cache, the partitioner and its windows,
+and the constants the strategies plan with (the schedule margin, gemini's profiled steps).
 
 Unstable: see ``capricorn_jax.experimental``."""
 
@@ -15,7 +16,13 @@ from capricorn_jax._src.partial.tracker import PltTracker
 from capricorn_jax._src.profiling.cache import CACHE_GRANULARITIES, CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import METRICS as DRIFT_METRICS
 from capricorn_jax._src.profiling.layer_profile import Segment, moe_durations
-from capricorn_jax._src.profiling.policy import CAPACITY_CACHE, TRIGGERS, should_profile
+from capricorn_jax._src.profiling.policy import (
+    CAPACITY_CACHE,
+    DEFAULT_FIRST_N,
+    TRIGGERS,
+    should_profile,
+)
+from capricorn_jax._src.scheduling.plan.partition_search import SCHEDULE_MARGIN, even_partition
 from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
     Schedule,
@@ -36,8 +43,10 @@ __all__ = [
     "CACHE_GRANULARITIES",
     "CacheOptions",
     "CAPACITY_CACHE",
+    "DEFAULT_FIRST_N",
     "DRIFT_METRICS",
     "DynamicK",
+    "even_partition",
     "LinkModel",
     "make_plan",
     "moe_durations",
@@ -48,6 +57,7 @@ __all__ = [
     "ProfileCache",
     "scale_windows",
     "Schedule",
+    "SCHEDULE_MARGIN",
     "schedule_at_risk",
     "Segment",
     "send_rounds",

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from capricorn_jax import experimental as ex
+
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
 
@@ -125,7 +127,8 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyOptions:
-    """The strategies' knobs (the library's defaults unless said).
+    """The strategies' knobs (the library's defaults unless said: its constants
+    read, not copied, so the planner replays what the strategies do).
 
     Attributes:
       replicas: m, copies of each host's version (own + m-1 peers).
@@ -133,9 +136,11 @@ class StrategyOptions:
       budget_s: the cost budget (``InMemoryOptions.max_wait_s``): None waits
         for the previous version; set, a version is skipped when the previous
         one is still on the link at its save.
-      margin: windows are scaled by this before partitioning (the library's 0.8).
-      chunk_cap_bytes: the partitioner's largest chunk.
-      first_n: gemini's profiled iterations.
+      margin: windows are scaled by this before partitioning (the library's
+        ``SCHEDULE_MARGIN``, ``ScheduledTransfers``' default).
+      chunk_cap_bytes: the partitioner's largest chunk (not the library's 1 MiB
+        default: a paper-scale version of ~87 GB would pay its alpha per MiB).
+      first_n: gemini's profiled iterations (the library's ``DEFAULT_FIRST_N``).
       drift_threshold: the detector's drift threshold (jsd).
       window: versions kept after the safe one (``InMemoryOptions.window``).
       pec_dynamic: PEC's K adapts to the lost tokens (``PecOptions.dynamic``).
@@ -144,9 +149,9 @@ class StrategyOptions:
     replicas: int = 2
     pec_k: int = 1
     budget_s: float | None = None
-    margin: float = 0.8
+    margin: float = ex.SCHEDULE_MARGIN
     chunk_cap_bytes: int = 64 << 20
-    first_n: int = 20
+    first_n: int = ex.DEFAULT_FIRST_N
     drift_threshold: float = 0.05
     window: int = 1
     pec_dynamic: bool = True

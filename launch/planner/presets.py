@@ -8,7 +8,7 @@ does not give), so a reader sees which numbers carry the prediction.
   host, GPT-2 100B, a ~65 s iteration of which the link is idle ~10 s, ~87 GB
   of checkpoint per host per iteration. Gemini reports no throughput
   overhead; the planner predicts none: 87 GB at 50 GB/s is 1.74 s of link,
-  within the 8 s that 0.8 x 10 s of windows hold.
+  within the 8 s that the margin (``SCHEDULE_MARGIN``) leaves of 10 s of windows.
 * ``moevement_paper`` (MoEvement, NSDI 2026): 80 Gbit/s per host,
   DeepSeek-MoE 16B (64 routed experts, top-6, 28 layers, d_model 2048).
   MoEvement reports per-iteration Gemini slowing training about 2.5x.
@@ -93,7 +93,8 @@ def gemini_paper() -> Preset:
         "assumed: 80 layers; the idle 10 s split evenly over the 160 layer segments "
         "(forward 1/3, backward 2/3); the 55 s of training traffic split evenly likewise",
         "assumed: the model is dense (no expert load): its trace moves nothing",
-        "assumed: host RAM 1152 GB (p4d.24xlarge), chunk alpha 50 us, margin 0.8 (library)",
+        "assumed: host RAM 1152 GB (p4d.24xlarge), chunk alpha 50 us, "
+        f"margin {scenario.options.margin} (library)",
     )
     return Preset(scenario, "steady", notes, {"gemini_slowdown": 1.0})
 
@@ -129,7 +130,8 @@ def moevement_paper() -> Preset:
         f"assumed: {BYTES_PER_PARAM} bytes of train state per parameter (mixed-precision Adam)",
         "assumed: expert parallelism inside a host (all-to-alls on NVLink, not on the "
         "inter-host link); the data-parallel gradient traffic is not modelled",
-        "assumed: host RAM 900 GB, chunk alpha 50 us, margin 0.8 (library)",
+        "assumed: host RAM 900 GB, chunk alpha 50 us, "
+        f"margin {scenario.options.margin} (library)",
     )
     return Preset(scenario, "steady", notes, {"gemini_slowdown": 2.5})
 

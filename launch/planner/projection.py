@@ -32,8 +32,8 @@ TRACES = ("steady", "dynamic")
 TRACE_SEED = 0
 DEFAULT_STEPS = 60
 FIRST_N = 10
-"""gemini's profiled steps here (of DEFAULT_STEPS; the library's default 20
-would leave too few scheduled steps in a short projection)."""
+"""gemini's profiled steps here (of DEFAULT_STEPS; the library's
+``DEFAULT_FIRST_N`` would leave too few scheduled steps in a short projection)."""
 PEC_K = 2
 """PEC's K here, fixed (``pec_dynamic=False``), as the validated bench runs
 it: with the library's dynamic K the planner's PLT prediction over these

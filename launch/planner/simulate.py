@@ -25,13 +25,18 @@ The strategies' decisions are the library's own, called here:
   waits for it (or, under a cost budget, skips its version). ``pec``'s K and
   experts: ``DynamicK`` / ``version_mask`` over a ``PltTracker`` fed the trace.
 * ``gemini``: profiles its first ``first_n`` steps (``should_profile``),
-  then partitions once (``average_windows`` -> ``scale_windows`` ->
-  ``partition``) and keeps the schedule.
+  then partitions once (``average_windows`` -> ``scale_windows`` by the
+  margin -> ``even_partition``) and keeps the schedule.
 * ``capricorn`` (and ``capricorn_pec``): the dynamicity detector observes
   every step; a drift asks for a profile, gated by ``schedule_at_risk``;
   each profile re-partitions (``shortest_windows`` of the last
   ``PLAN_PROFILES``). A profiled step moves no chunks (its version leaves
   after it, as ``inmem``), as in ``strategies.scheduled``.
+* the partition is the strategies' own (``ScheduledTransfers``): the
+  windows scaled by ``StrategyOptions.margin`` (the library's
+  ``SCHEDULE_MARGIN``), then ``even_partition`` (every window filled to the
+  same least share that holds the version; the tail where none does), one
+  schedule per payload size.
 * RAM per host: the versions ``retention.versions_to_keep`` keeps (PEC: with
   ``plans.version_needs`` of each version's tracker) x the owners whose
   versions host 0 holds under Gemini's placement (``placement.holders``).
@@ -39,7 +44,11 @@ The strategies' decisions are the library's own, called here:
 Not modelled (assumed free): the device-to-host copy, profiling's own cost,
 compiles, the spill-triggered re-profile of the threaded path, and the
 library's ``ProfilingDriver`` object itself, which runs real JAX steps: the
-planner calls the decisions it calls, in its order.
+planner calls the decisions it calls, in its order. The schedule is the
+in-graph path's (one window per layer segment, a tail after the step): the
+threaded path's span windows and, under a budget, its spreading of a version
+over the windows of several steps (``partition_search.spread``) are not
+replayed.
 """
 
 from __future__ import annotations
@@ -63,6 +72,11 @@ STRATEGIES = ("none", *IN_MEMORY)
 """What the planner simulates: every in-memory strategy of the registry, by
 its spec (planner "fixed" as gemini, "replan" as capricorn, none as inmem;
 PEC from ``pec``), and none."""
+
+PARTITION = ex.even_partition
+"""How a payload is cut into the windows: the strategies' own call
+(``ScheduledTransfers``' default ``even=True``; its margin is
+``StrategyOptions.margin``, the library's ``SCHEDULE_MARGIN``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +229,14 @@ class _Run:
         self.schedule = self._schedule_for(self.sc.model.state_bytes_per_host)
 
     def _schedule_for(self, payload: float) -> Any:
+        """The schedule of a payload over the windows in force, as the
+        strategies' ``ScheduledTransfers`` partitions it (``even=True``, its
+        default): ``even_partition``, every window filled to the same least
+        share that holds the payload (one per payload size: a PEC version's is
+        smaller)."""
         size = int(payload)
         if size not in self._schedules:
-            self._schedules[size] = ex.partition(size, self._windows, self.linkmodel,
+            self._schedules[size], _ = PARTITION(size, self._windows, self.linkmodel,
                                                  self.sc.options.chunk_cap_bytes)
         return self._schedules[size]
 

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from capricorn_jax import experimental as ex
+
 
 def measured(path: str | Path) -> dict[str, dict[str, float | None]]:
     """{strategy: {"median", "mean", "p95"}} overheads of a bench JSON (None: not given).
@@ -66,9 +68,11 @@ def compare(measures: Mapping[str, Mapping[str, float | None]],
 
 
 # ---------------------------------------------------------------- the bench's own scenario
-BENCH_DEFAULTS = {"pec_k": 2, "profile_first_n": 20, "warmup": 3, "a2a_steps": 2}
+BENCH_DEFAULTS = {"pec_k": 2, "profile_first_n": ex.DEFAULT_FIRST_N, "warmup": 3,
+                  "a2a_steps": 2}
 """``launch.bench``'s defaults for what the JSON's config block lacks (read
-from its ``command`` when given there)."""
+from its ``command`` when given there); ``--profile_first_n``'s is the
+library's ``DEFAULT_FIRST_N``."""
 
 VARIANTS = (("blocking", "one_way"), ("fifo", "one_way"), ("fair", "one_way"),
             ("blocking", "exchange"))
@@ -175,7 +179,8 @@ def bench_scenario(doc: dict[str, Any], *, discipline: str = "fifo", rate: str =
     derived = {"link_gbps": gbps, "link_rate": rate, "link_discipline": discipline,
                "a2a_bytes_per_step": a2a_total, "version_bytes": full,
                "pec_expert_fraction": fraction, "pec_k": pec_k,
-               "first_n": options.first_n, "timed_steps": int(timed.sum()),
+               "first_n": options.first_n, "margin": options.margin,
+               "timed_steps": int(timed.sum()),
                "simulated_steps": len(timed), "host_step_s": max(0.0, host),
                "host_step_clamped": host < 0, "workload": kind,
                "profile": emu.name}
@@ -273,10 +278,13 @@ def validate_bench(path: str | Path, *, seed: int = 0) -> dict[str, Any]:
 
 
 def validation_doc(paths: list[str]) -> dict[str, Any]:
-    """``results/planner/validation.json``: every bench JSON's rows."""
+    """``results/planner/validation.json``: every bench JSON's rows (and the
+    partition the planner replays, ``simulate.PARTITION``)."""
+    from launch.planner.simulate import PARTITION
+
     runs = [validate_bench(p) for p in paths]
     errors = [abs(r["error"]) for run in runs for r in run["rows"]]
-    return {"simulated": True, "model": "/".join(VARIANTS[0]),
+    return {"simulated": True, "model": "/".join(VARIANTS[0]), "partition": PARTITION.__name__,
             "variants": ["/".join(v) for v in VARIANTS], "runs": runs,
             "max_abs_error": max(errors) if errors else None,
             "mean_abs_error": sum(errors) / len(errors) if errors else None,

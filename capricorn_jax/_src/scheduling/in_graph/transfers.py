@@ -37,7 +37,11 @@ from capricorn_jax._src.scheduling.in_graph.executor import (
     SiteClock,
     scheduled_step,
 )
-from capricorn_jax._src.scheduling.plan.partition_search import even_partition, spread
+from capricorn_jax._src.scheduling.plan.partition_search import (
+    SCHEDULE_MARGIN,
+    even_partition,
+    spread,
+)
 from capricorn_jax._src.scheduling.plan.partitioner import (
     MEASURE_ATTEMPTS,
     LinkModel,
@@ -96,7 +100,8 @@ class ScheduledTransfers:
       boundaries: the model's boundary names, forward order.
       link: the measured link model.
       chunk_cap: largest chunk in bytes.
-      margin: windows are scaled by this before partitioning (safety).
+      margin: windows are scaled by this before partitioning (safety;
+        ``partition_search.SCHEDULE_MARGIN``).
       even: fill every window to the same least share of its (margin-scaled)
         time that holds the version (``partition_search.even_partition``), not
         greedily in order to the margin.
@@ -105,7 +110,7 @@ class ScheduledTransfers:
     """
 
     def __init__(self, ckpt: TierWriter, trainer: TrainStep, boundaries: list[str],
-                 link: LinkModel, chunk_cap: int, margin: float = 0.8,
+                 link: LinkModel, chunk_cap: int, margin: float = SCHEDULE_MARGIN,
                  clock: SiteClock | None = None, even: bool = True) -> None:
         self.ckpt, self.trainer, self.boundaries = ckpt, trainer, boundaries
         self.clock = clock

@@ -26,6 +26,13 @@ from capricorn_jax._src.scheduling.plan.partitioner import (
     scale_windows,
 )
 
+SCHEDULE_MARGIN = 0.8
+"""The share of each measured window a schedule may use: the windows are scaled
+by it before partitioning (``scale_windows``), so a window that comes out
+shorter than profiled by up to 20% still holds its chunks. The default of the
+compiled-step cache (``in_graph.transfers.ScheduledTransfers``) and of the
+planner (``launch.plan``), which replays it."""
+
 
 def even_partition(payload_bytes: int, windows: Sequence[Window], link: LinkModel,
                    chunk_cap: int, min_chunk: int = 1, max_share: float = 1.0,

@@ -209,7 +209,8 @@ def windows_from_profile(profile: LayerProfile, spans: bool = False) -> list[Win
 
 
 def scale_windows(windows: Sequence[Window], factor: float) -> list[Window]:
-    """The windows with each duration multiplied by ``factor`` (a safety margin, e.g. 0.8)."""
+    """The windows with each duration multiplied by ``factor`` (a safety margin:
+    ``partition_search.SCHEDULE_MARGIN``)."""
     factor = _finite("factor", factor)
     return [dataclasses.replace(w, duration_s=w.duration_s * factor) for w in windows]
 
