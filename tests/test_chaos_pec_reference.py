@@ -87,8 +87,6 @@ def test_the_plan_is_one_launch_train_accepts_and_bad_roll_backs_are_named():
             ({"hosts": [0, 1], "step": 5, "version": 7}, r"version must be in \[0, 6\]"),
             ({"hosts": [0, 1], "step": 5, "version": 6, "lose": [0, 1]},
              r"losing the stores of hosts \[0, 1\]"),
-            ({"hosts": [0, 1], "step": 5, "version": 6, "wipe_all": True},
-             r"version 6: not a persistent step"),
             ({"hosts": [0, 1], "step": 5, "version": 6, "corrupt": True},
              r"restores through the memory tier")]:
         with pytest.raises(ValueError, match=r"^--fault_plan fault 0: rollback.*" + message):

@@ -195,9 +195,6 @@ def _check_rollback(i: int, fault: Fault, hosts: int, strategy: str, replicas: i
     if fault.wipe_all and not persist_every:
         raise FlagError(f"{what} with wipe_all restores from the persistent tier: it needs "
                         f"--persist_every")
-    if fault.wipe_all and fault.version and fault.version % persist_every:
-        raise FlagError(f"{what} with wipe_all to version {fault.version}: not a persistent "
-                        f"step (--persist_every={persist_every})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
