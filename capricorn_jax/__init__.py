@@ -1,7 +1,7 @@
 """capricorn_jax: in-memory, load-aware checkpointing for MoE training in JAX.
 
-The public API, in five groups. Everything else lives under
-``capricorn_jax._src`` (one subpackage per concept; README "Architecture")
+The public API, in five groups: what a user calls. Everything else lives under
+``capricorn_jax._src`` (one subpackage per concept; docs/design.md's folder map)
 and may change without notice; names that the project's own measurement tools
 need are in ``capricorn_jax.experimental``, with no stability promise.
 """
@@ -19,7 +19,7 @@ from capricorn_jax._src.profiling.boundary import (
 
 # The memory tier: a version every step in host RAM and on m-1 peers.
 from capricorn_jax._src.memory.tier.checkpointer import InMemoryCheckpointer
-from capricorn_jax._src.memory.tier.options import InMemoryOptions
+from capricorn_jax._src.memory.tier.options import LOW_PRIORITY_TOS, InMemoryOptions
 from capricorn_jax._src.memory.tier.recovery import recover
 from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
 from capricorn_jax._src.memory.tier.reports import SaveReport
@@ -45,13 +45,12 @@ from capricorn_jax._src.strategies.base import Strategy
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
 
-# Profiling: the layer profile, the dynamicity detector and the one driver
-# that decides which steps run instrumented.
-from capricorn_jax._src.profiling.detector import DetectorOptions, DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile
-from capricorn_jax._src.profiling.policy import ProfilePolicy, ProfilingOptions, StepOutcome
-from capricorn_jax._src.profiling.probe import CollectiveProbe
-from capricorn_jax._src.profiling.profiler import make_profiled_step
+# Profiling: the one driver that decides which steps run instrumented, and its
+# options (the policy, the dynamicity detector's). What it runs inside (the
+# layer profile, the detector, the instrumented step, the all-to-all probe, a
+# step's outcome) is in ``capricorn_jax.experimental.profiling``.
+from capricorn_jax._src.profiling.detector import DetectorOptions
+from capricorn_jax._src.profiling.policy import ProfilePolicy, ProfilingOptions
 from capricorn_jax._src.strategies.driver import ProfilingDriver
 
 __all__ = [
@@ -65,6 +64,7 @@ __all__ = [
     "HostMemoryTooSmall",
     "InMemoryCheckpointer",
     "InMemoryOptions",
+    "LOW_PRIORITY_TOS",
     "PecOptions",
     "MemoryNeeds",
     "SaveReport",
@@ -88,13 +88,8 @@ __all__ = [
     "TrainStep",
     "make_train_step",
     # profiling
-    "CollectiveProbe",
     "DetectorOptions",
-    "DynamicityDetector",
-    "LayerProfile",
     "ProfilePolicy",
     "ProfilingDriver",
     "ProfilingOptions",
-    "StepOutcome",
-    "make_profiled_step",
 ]

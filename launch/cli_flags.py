@@ -233,7 +233,8 @@ _spec("boolean", "timeline", False,
                      "0's last profiled iteration (layers, all-to-alls) with the checkpoint chunks "
                      "of the schedule in force in it (gemini/capricorn), overflowing windows red. "
                      "Needs a profiling policy.")
-_spec("integer", "profile_first_n", 20, "--profile=first_n: the steps profiled at the start.")
+_spec("integer", "profile_first_n", ProfilingOptions().first_n,
+      "--profile=first_n: the steps profiled at the start.")
 _spec("enum", "profile_trigger", ProfilingOptions().trigger, list(TRIGGERS),
                   "--profile=speculative: what asks for a profile. capacity: the next step's "
                   "capacity tuple (known before it runs) has fewer than "

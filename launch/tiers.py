@@ -1,9 +1,11 @@
 """The in-memory tier as the launchers build it, shared by train and bench.
 
-``memory_tier`` builds a host's ``InMemoryCheckpointer`` from its options and
-the trainer (the one builder of both commands); ``chunk_tos`` maps
-``--traffic_class`` to the chunk channel's IP TOS byte; ``host_tiers`` reads
-each host's tier off a restore.
+``memory_options`` turns the commands' checkpoint flags into
+``InMemoryOptions`` (the one place for the rules: ``--ckpt_budget``'s -1 for
+none, ``--traffic_class`` to the chunk channel's IP TOS byte and send policy);
+``memory_tier`` builds a host's ``InMemoryCheckpointer`` from those options
+and the trainer (the one builder of both commands); ``host_tiers`` reads each
+host's tier off a restore.
 """
 
 from __future__ import annotations
@@ -14,15 +16,31 @@ if TYPE_CHECKING:
     from capricorn_jax import RestoreInfo
 
 
-LOW_PRIORITY_TOS = 0x08
-"""IP TOS "maximize throughput": Linux's pfifo_fast puts it in its last band,
-behind the default class the collectives send in."""
 
+def memory_options(*, store_root: str, job: str, replicas: int, chunk_bytes: int,
+                   replication_timeout_s: float, budget_s: float, pec: Any,
+                   traffic_class: str, channel_secret_file: str | None = None) -> Any:
+    """``InMemoryOptions`` from a command's checkpoint flags.
 
-def chunk_tos(traffic_class: str) -> int:
-    """The chunk channel's IP TOS byte (``InMemoryOptions.chunk_tos``) for
-    ``--traffic_class``."""
-    return LOW_PRIORITY_TOS if traffic_class == "priority" else 0
+    Args:
+      budget_s: ``--ckpt_budget``: -1 for none (a version waits for the
+        previous one), else the cost budget ``max_wait_s``.
+      pec: the ``PecOptions`` of a PEC strategy, else None.
+      traffic_class: ``--traffic_class``: "priority" sends the chunk channel
+        in the low-priority class (``LOW_PRIORITY_TOS``) and every part of a
+        version at its step's start (``chunk_send="at_once"``: the class lets
+        the collectives pass); "fifo" the default class, held to the windows.
+    """
+    import capricorn_jax
+
+    priority = traffic_class == "priority"
+    return capricorn_jax.InMemoryOptions(
+        store_root=store_root, job=job, replicas=replicas, chunk_bytes=chunk_bytes,
+        replication_timeout_s=replication_timeout_s,
+        max_wait_s=None if budget_s < 0 else budget_s, pec=pec,
+        chunk_tos=capricorn_jax.LOW_PRIORITY_TOS if priority else 0,
+        chunk_send="at_once" if priority else "windows",
+        channel_secret_file=channel_secret_file)
 
 
 def memory_tier(options: Any, trainer: Any, mesh: Any, host: int, hosts: int,

@@ -31,8 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from capricorn_jax import LayerProfile
-from capricorn_jax.experimental import Schedule
+from capricorn_jax.experimental import LayerProfile, Schedule
 
 LANES = {"compute": 0, "all-to-all": 1, "checkpoint link": 2}
 

@@ -315,7 +315,7 @@ def param_partition_specs(params: Any) -> Any:
 def all_to_all_buffers(cfg: ModelConfig, tokens_per_group: int,
                        factors: Sequence[float]) -> dict[str, list[jax.ShapeDtypeStruct]]:
     """The per-device all-to-all buffers of each MoE block, for the layer
-    profiler's collective estimate (``capricorn_jax.make_profiled_step``).
+    profiler's collective estimate (``capricorn_jax.experimental.make_profiled_step``).
 
     Each MoE layer sends a [num_experts, capacity, d_model] buffer out
     (dispatch) and one back (combine), in the activation dtype (float32);

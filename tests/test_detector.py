@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax import DetectorOptions, DynamicityDetector, ProfilePolicy
+from capricorn_jax import DetectorOptions, ProfilePolicy
 from capricorn_jax._src.profiling.cache import CacheOptions, ProfileCache
 from capricorn_jax._src.profiling.detector import CostModel, Decision, drift_score
 from capricorn_jax._src.profiling.policy import FirstNProfiler, should_profile
+from capricorn_jax.experimental import DynamicityDetector
 
 METRICS = ("jsd", "l1", "max_load")
 

@@ -123,10 +123,10 @@ def test_probed_scheduled_step_times_every_all_to_all_and_changes_nothing(setup)
     """The interference probe inside the scheduled step: the chunks still arrive,
     the state is bitwise the plain step's, and every MoE all-to-all (dispatch
     and combine, forward and backward) of every MoE layer is timed."""
-    import capricorn_jax
+    from capricorn_jax.experimental import CollectiveProbe
 
     trainer, transport, sender, _, batch, trailer, rows = setup
-    probe = capricorn_jax.CollectiveProbe()
+    probe = CollectiveProbe()
     probed = scheduled_step(trainer, sender, (2.0, 2.0), hooks=(probe,))
     want_state, _ = trainer.step_fn((2.0, 2.0))(trainer.init_state(0), batch)
     own, received, _, _ = transport.replicate(trainer.init_state(0), trailer, np.zeros(3))

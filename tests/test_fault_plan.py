@@ -145,7 +145,7 @@ def test_a_pause_is_a_plan_of_its_own():
 @pytest.mark.parametrize("plan, strategy, message", [
     ('[{"hosts": [1], "step": 2, "point": "corrupt_frame"}]', "orbax_async",
      r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host, "
-     r"and --ckpt in gemini, capricorn, capricorn_pec, inmem, pec \(got orbax_async, hosts "
+     r"and --ckpt in inmem, gemini, capricorn, pec, capricorn_pec \(got orbax_async, hosts "
      r"\[1\]\)"),
     ('[{"hosts": [0, 1], "step": 2, "point": "corrupt_frame"}]', "capricorn",
      r"^--fault_plan fault 0: corrupt_frame flips a byte in transit from one host: one host"),
@@ -174,8 +174,12 @@ def test_a_corrupt_frame_reaches_only_its_victims_channel():
 @pytest.mark.parametrize("plan, strategy, chunk_path, message", [
     ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "inmem", "auto",
      r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel: one host, and "
-     r"--ckpt in gemini, capricorn, capricorn_pec \(or inmem or pec with "
-     r"--chunk_path=threaded\) \(got inmem, hosts \[1\]\)"),
+     r"a --ckpt whose versions take the channel with --chunk_path=auto on cpu \(gemini, "
+     r"capricorn, capricorn_pec\) \(got inmem, hosts \[1\]\)"),
+    # On GPU auto is in-graph for every strategy: no channel to hang (the
+    # rule once read "scheduled" as "on the channel" whatever the backend).
+    ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "capricorn",
+     "auto", r"--chunk_path=auto on gpu \(none\) \(got capricorn"),
     ('[{"hosts": [1], "step": 2, "point": "stall_channel", "pause_s": 20}]', "pec",
      "auto", r"^--fault_plan fault 0: stall_channel hangs one host's chunk channel"),
     ('[{"hosts": [1], "step": 2, "point": "stall_channel"}]', "capricorn", "auto",
@@ -187,7 +191,8 @@ def test_a_corrupt_frame_reaches_only_its_victims_channel():
 def test_a_bad_stall_channel_is_refused_naming_it(plan, strategy, chunk_path, message):
     with pytest.raises(FlagError, match=message):
         FaultConfig(**{**BASE, "fault_plan": plan, "strategy": strategy,
-                       "chunk_path": chunk_path})
+                       "chunk_path": chunk_path,
+                       "platform": "gpu" if "on gpu" in message else "cpu"})
 
 
 def test_a_stall_channel_reaches_only_its_victims_channel_with_its_length():

@@ -55,7 +55,7 @@ LIB = "capricorn_jax"
 SRC = f"{LIB}._src"
 FACES = (LIB, f"{LIB}.experimental", f"{LIB}.stores",
          *(f"{LIB}.experimental.{m}" for m in ("planning", "store", "testing", "measuring",
-                                               "multihost", "strategies")))
+                                               "multihost", "strategies", "profiling")))
 """The faces: the stable API, the stores command, and the unstable names by audience."""
 TOOLS = ("launch", "models")
 COMMANDS = ("launch.train", "launch.bench", "launch.chaos")

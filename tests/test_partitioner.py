@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax import LayerProfile
 from capricorn_jax._src.memory.wire.packing import LeafSlot
 from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.scheduling.plan.partition_search import spread
@@ -26,6 +25,7 @@ from capricorn_jax._src.scheduling.plan.partitioner import (
     scale_windows,
     windows_from_profile,
 )
+from capricorn_jax.experimental import LayerProfile
 
 # ---------------------------------------------------------------- strategies
 

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from capricorn_jax import LayerProfile, make_profiled_step
 from capricorn_jax._src.profiling import layer_profile
 from capricorn_jax._src.profiling.layer_profile import Segment
 from capricorn_jax._src.profiling.probe import time_all_to_all
+from capricorn_jax.experimental import LayerProfile, make_profiled_step
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 
@@ -255,7 +255,7 @@ def test_collective_probe_stamps_each_all_to_all_edge_on_every_device(setup):
     """The all-to-all probe in the plain step: bitwise the same results, one
     callback per edge (begin, end of dispatch and combine, forward and backward)
     per MoE layer, each stamped once on every device, the end after the begin."""
-    from capricorn_jax import CollectiveProbe
+    from capricorn_jax.experimental import CollectiveProbe
 
     trainer, batch = setup
     probe = CollectiveProbe()

@@ -81,9 +81,17 @@ def test_the_traffic_class_is_recorded_and_described():
         "0.5 Gbit/s each way per host"
     assert priority.record()["traffic_class"] == "priority"
     assert priority.describe().endswith(", checkpoint bytes in a low-priority class")
-    from launch.tiers import chunk_tos
+    from launch.tiers import memory_options
 
-    assert chunk_tos("fifo") == 0 and chunk_tos("priority") == 0x08
+    def options(traffic_class):
+        return memory_options(store_root="/nonexistent", job="j", replicas=2, chunk_bytes=1 << 20,
+                              replication_timeout_s=30.0, budget_s=-1, pec=None,
+                              traffic_class=traffic_class)
+
+    fifo_opts, priority_opts = options("fifo"), options("priority")
+    assert (fifo_opts.chunk_tos, fifo_opts.chunk_send) == (0, "windows")
+    assert (priority_opts.chunk_tos, priority_opts.chunk_send) == (0x08, "at_once")
+    assert fifo_opts.max_wait_s is None
 
 
 @needs_root

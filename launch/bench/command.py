@@ -21,7 +21,7 @@ timed steps and the ratio of that median to ``none``'s; ``steps_timed``,
 ``steps_profiled``, ``steps_compiled`` and the profiled / compiled steps'
 own medians; and, labelled as such, the steady state (plain steps only)
 beside it. After the timed steps, each block runs ``--a2a_steps`` steps
-(not timed) of the variant with ``capricorn_jax.CollectiveProbe`` attached:
+(not timed) of the variant with ``capricorn_jax.experimental.CollectiveProbe`` attached:
 ordered per-device callbacks at the edges of every MoE all-to-all (dispatch
 and combine, forward and backward), under the strategy's own checkpoint
 traffic (for gemini and capricorn, the scheduled step with its chunks); the
@@ -70,7 +70,7 @@ from launch.cluster import processes as cluster_lib
 from launch.cluster.netns import links_for
 from launch.errors import FlagError
 from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES, STRATEGY_PROFILE
-from launch.tiers import chunk_tos, memory_tier
+from launch.tiers import memory_options, memory_tier
 
 FLAGS = flags.FLAGS
 
@@ -134,16 +134,15 @@ def _checkpointer(name: str, job, config: BenchConfig):
     """An in-memory strategy's InMemoryCheckpointer (its own job in the store root)."""
     import capricorn_jax
 
-    options = capricorn_jax.InMemoryOptions(
+    options = memory_options(
         store_root=config.store_root, job=f"bench-{name}", replicas=config.replicas,
         chunk_bytes=config.chunk_bytes,
         # A strategy's statuses refresh only when it saves; interleaved blocks of
         # the other strategies must not read as replicas that stopped answering.
-        replication_timeout_s=config.setup.timeout_s,
-        max_wait_s=None if config.ckpt_budget < 0 else config.ckpt_budget,
+        replication_timeout_s=config.setup.timeout_s, budget_s=config.ckpt_budget,
         pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
         if VARIANTS.get(name, name) in PEC else None,
-        chunk_tos=chunk_tos(config.setup.link.traffic_class))
+        traffic_class=config.setup.link.traffic_class)
     return memory_tier(options, job.trainer, job.mesh, job.host, job.hosts)
 
 

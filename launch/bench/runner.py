@@ -24,14 +24,14 @@ class Runner:
     def __init__(self, job, seed: int, every_step: bool = False):
         import jax
 
-        import capricorn_jax
+        from capricorn_jax.experimental import CollectiveProbe
         from models.capacity import choose_capacity_factors
 
         self.job, self.choose = job, choose_capacity_factors
         self.state = job.trainer.init_state(seed)
         self.max_routed: list[int] | None = None  # None until a step reported its maxima
         self.step = 0
-        self.probe = capricorn_jax.CollectiveProbe()
+        self.probe = CollectiveProbe()
         # Every XLA compile in this process (a step variant, or a program a
         # strategy's save compiles, e.g. PEC's packing for a new K): a step
         # during which one ran is not timed.

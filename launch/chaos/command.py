@@ -59,6 +59,7 @@ from launch.chaos.checks import check_trial, committed_steps, expected, expected
 from launch.chaos.config import (  # noqa: F401 (re-exported)
     CHANNEL_CLASSES,
     FAULT_CLASSES,
+    IN_MEMORY_STRATEGIES,
     NETWORK_CLASSES,
     ChaosConfig,
     Topology,
@@ -96,7 +97,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     flags.DEFINE_list("topologies", ["2x2", "4x1", "4x1r3"],
                       "Topologies drawn from: HxD (H hosts x D devices, 2 replicas) or HxDrM.",
                       flag_values=fv)
-    flags.DEFINE_list("strategies", ["inmem", "gemini", "capricorn", "pec"],
+    flags.DEFINE_list("strategies", list(IN_MEMORY_STRATEGIES),
                       "Strategies drawn from (in-memory ones).", flag_values=fv)
     flags.DEFINE_list("faults", [],
                       "Fault classes drawn (empty: all): only trials whose last fault is of "

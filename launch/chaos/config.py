@@ -23,6 +23,7 @@ from absl import flags
 from launch.accelerator import AcceleratorConfig, resolve_routing_bias
 from launch.cluster.netns import LinkError, LinkOptions, check_available, link_from_flags
 from launch.errors import FlagError
+from launch.strategies import IN_MEMORY, spec
 from launch.train.fault_plan import (
     CORRUPT_FRAME,
     DISK_FULL_FINALIZE,
@@ -32,7 +33,22 @@ from launch.train.fault_plan import (
     STALL_CHANNEL,
 )
 
-IN_MEMORY_STRATEGIES = ("inmem", "gemini", "capricorn", "pec")
+IN_MEMORY_STRATEGIES = tuple(n for n in IN_MEMORY if n != "capricorn_pec")
+"""The default draw: every in-memory strategy of the registry but capricorn_pec
+(capricorn's channel with pec's checks, named with ``--strategies``; left out
+of the default so that a seed draws what it drew before)."""
+
+
+def moves_on_channel_from_start(strategy: str) -> bool:
+    """Whether ``strategy``'s versions can move on the chunk channel from a
+    trial's first step (so the channel's faults can strike them): a scheduled
+    strategy on the channel that plans from the start (capricorn; gemini
+    profiles its first steps past a trial's faults), or an unscheduled one
+    that takes the channel with ``--chunk_path=threaded`` (inmem, pec)."""
+    s = spec(strategy)
+    if s.scheduled:
+        return s.planner == "replan" and s.uses_channel("auto", "cpu")
+    return s.uses_channel("threaded", "cpu")
 
 FAULT_CLASSES = ("after_step", "mid_step", "mid_replication", "mid_persist", "recovery",
                  "kill_mid_serve", "double_kill", "persist_error", "persist_hang",
@@ -92,12 +108,12 @@ class ChaosConfig:
         if self.trials < 1 or self.steps < 6:
             raise FlagError(f"--trials must be >= 1 and --steps >= 6, got {self.trials}, "
                             f"{self.steps}")
-        unknown = set(self.strategies) - set(IN_MEMORY_STRATEGIES)
+        unknown = set(self.strategies) - set(IN_MEMORY)
         if unknown:
             raise FlagError(f"--strategies: {sorted(unknown)} are not in-memory strategies "
-                            f"(inmem, gemini, capricorn, pec)")
+                            f"({', '.join(IN_MEMORY)})")
         for topo in self.topologies:  # the draw would stop at the first trial on such a topology
-            if topo.replicas != 2 and not set(self.strategies) & {"inmem", "pec"}:
+            if topo.replicas != 2 and all(spec(s).scheduled for s in self.strategies):
                 raise FlagError(f"--topologies={topo.name}: none of --strategies="
                                 f"{','.join(self.strategies)} runs there (gemini and "
                                 f"capricorn need 2 replicas); add inmem or pec, or drop it")
@@ -134,8 +150,8 @@ class ChaosConfig:
         if set(self.faults) & NETWORK_CLASSES and not shaped:
             raise FlagError(f"--faults: {sorted(set(self.faults) & NETWORK_CLASSES)} act on "
                             f"shaped links: they need --link_gbps > 0")
-        if set(self.faults) & CHANNEL_CLASSES and not set(self.strategies) & {
-                "capricorn", "inmem", "pec"}:
+        if set(self.faults) & CHANNEL_CLASSES and not any(
+                moves_on_channel_from_start(s) for s in self.strategies):
             raise FlagError(f"--faults: {sorted(set(self.faults) & CHANNEL_CLASSES)} are "
                             f"drawn for capricorn, and inmem and pec over the chunk channel: "
                             f"add one of them to --strategies")

@@ -25,7 +25,8 @@ import random
 from collections.abc import Sequence
 
 from capricorn_jax.experimental import send_rounds
-from launch.chaos.config import Topology
+from launch.chaos.config import Topology, moves_on_channel_from_start
+from launch.strategies import spec
 from launch.train.fault_plan import (
     CORRUPT_FRAME,
     DISK_FULL_FINALIZE,
@@ -101,7 +102,7 @@ class Trial:
 
     @property
     def pec(self) -> bool:
-        return self.strategy == "pec"
+        return spec(self.strategy).pec
 
     def flags(self, steps: int, model: str) -> list[str]:
         t = self.topology
@@ -163,8 +164,10 @@ def _on_channel(strategy: str, topo: Topology, persist: int) -> bool:
     step (the faults of the channel can strike): capricorn's, or inmem's and
     pec's with ``THREADED`` (2 replicas; pec not with a persistent tier,
     which launch.train refuses)."""
-    return strategy == "capricorn" or (strategy in ("inmem", "pec") and topo.replicas == 2
-                                       and not (strategy == "pec" and persist))
+    if spec(strategy).scheduled:
+        return moves_on_channel_from_start(strategy)
+    return (moves_on_channel_from_start(strategy) and topo.replicas == 2
+            and not (spec(strategy).pec and persist))
 
 
 def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: list[str],
@@ -188,7 +191,7 @@ def draw_trial(index: int, seed: int, topologies: list[Topology], strategies: li
 def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
           strategies: list[str], steps: int, shaped: bool) -> Trial:
     topo = rng.choice(topologies)
-    choices = [s for s in strategies if topo.replicas == 2 or s in ("inmem", "pec")]
+    choices = [s for s in strategies if topo.replicas == 2 or not spec(s).scheduled]
     if not choices:
         raise ValueError(f"no strategy of {strategies} runs on {topo.name} (the scheduled "
                          f"ones need 2 replicas)")
@@ -274,7 +277,7 @@ def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
         stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
     variant = []
     channel_fault = any(f.point in (CORRUPT_FRAME, STALL_CHANNEL) for f in faults)
-    if strategy != "capricorn" and _on_channel(strategy, topo, persist) and (
+    if not spec(strategy).scheduled and _on_channel(strategy, topo, persist) and (
             channel_fault or rng.random() < 0.4):
         variant.append(THREADED)
     if all(f.point in BUDGET_POINTS for f in faults) and stall is None and rng.random() < 0.25:

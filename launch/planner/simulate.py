@@ -127,7 +127,7 @@ def plain_step_s(sc: Scenario, load: np.ndarray) -> float:
     return sc.cluster.host_step_s + sum(c + b / rate for _, _, c, b in segments(sc, load))
 
 
-def layer_profile(sc: Scenario, step: int, load: np.ndarray) -> cj.LayerProfile:
+def layer_profile(sc: Scenario, step: int, load: np.ndarray) -> ex.LayerProfile:
     """The library's LayerProfile of a step at ``load`` with a free link (what
     the profiler measures on a step that moves no chunks)."""
     rate, t, segs = sc.cluster.link_bytes_per_s, sc.cluster.host_step_s, []
@@ -135,7 +135,7 @@ def layer_profile(sc: Scenario, step: int, load: np.ndarray) -> cj.LayerProfile:
         a2a = nbytes / rate
         segs.append(ex.Segment(name, direction, t, compute + a2a, a2a))
         t += compute + a2a
-    return cj.LayerProfile(step, t, tuple(segs))
+    return ex.LayerProfile(step, t, tuple(segs))
 
 
 class _Sender:
@@ -191,7 +191,7 @@ class _Run:
         self.linkmodel = ex.LinkModel(sc.cluster.alpha_s, sc.cluster.link_bytes_per_s)
         self.moe_layers = sc.profile.moe_layers
         layers, experts = load.shape[1], load.shape[2]
-        self.detector = cj.DynamicityDetector(cj.DetectorOptions(threshold=opts.drift_threshold))
+        self.detector = ex.DynamicityDetector(cj.DetectorOptions(threshold=opts.drift_threshold))
         self.decision: Any = None  # the detector's Decision about the previous step
         if self.pec:
             self.tracker = ex.PltTracker(layers, experts, sc.model.top_k)
@@ -201,8 +201,8 @@ class _Run:
         self.schedule: Any = None
         self._schedules: dict[int, Any] = {}
         self._windows: list[Any] = []
-        self.planned_on: cj.LayerProfile | None = None
-        self.profiles: list[cj.LayerProfile] = []
+        self.planned_on: ex.LayerProfile | None = None
+        self.profiles: list[ex.LayerProfile] = []
         self.recent: collections.deque = collections.deque(maxlen=ex.PLAN_PROFILES)
         self.partitions: list[int] = []
         self.profiled: list[int] = []
@@ -240,7 +240,7 @@ class _Run:
                                                  self.sc.options.chunk_cap_bytes)
         return self._schedules[size]
 
-    def _on_profile(self, step: int, profile: cj.LayerProfile) -> None:
+    def _on_profile(self, step: int, profile: ex.LayerProfile) -> None:
         self.profiled.append(step)
         if self.planner == "fixed":
             self.profiles.append(profile)
@@ -254,7 +254,7 @@ class _Run:
             self.planned_on = profile
             self.partitions.append(step)
 
-    def _after_step(self, step: int, tpe: np.ndarray, profile: cj.LayerProfile | None) -> None:
+    def _after_step(self, step: int, tpe: np.ndarray, profile: ex.LayerProfile | None) -> None:
         """The driver's order: profile -> strategy, then the detector and the gate."""
         if profile is not None:
             self._on_profile(step, profile)

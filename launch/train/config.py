@@ -494,7 +494,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         stall_seconds=fv.stall_seconds, fault_at=fv.fault_at, fault_plan=fv.fault_plan,
         hosts=cluster.hosts, steps=train.steps, strategy=checkpoint.strategy,
         replicas=checkpoint.replicas, persist_every=checkpoint.persist_every,
-        shaped=cluster.link.shaped, chunk_path=checkpoint.chunk_path)
+        shaped=cluster.link.shaped, chunk_path=checkpoint.chunk_path, platform=cluster.platform)
     accelerator = AcceleratorConfig(accelerator=fv.accelerator,
                                     profile=fv.accelerator_profile)
     return Config(cluster, train, profile, checkpoint, faults, accelerator)

@@ -18,7 +18,7 @@ from dataclasses import InitVar
 from pathlib import Path
 
 from launch.errors import FlagError
-from launch.strategies import IN_MEMORY, SCHEDULED
+from launch.strategies import IN_MEMORY, uses_channel
 
 # Where a fault strikes. The pausing points are exact (the victim waits there
 # for its SIGKILL); at the others the victim says it got there and goes on, so
@@ -68,12 +68,10 @@ CORRUPT_FRAME = "corrupt_frame"
 # capricorn, capricorn_pec; inmem and pec with --chunk_path=threaded). Under
 # PEC the versions lost are rolled back in every host's tracker.
 STALL_CHANNEL = "stall_channel"
-CORRUPT_FRAME_STRATEGIES = (*SCHEDULED, "inmem", "pec")
-"""corrupt_frame: on the chunk channel (the scheduled strategies, inmem and pec
-with --chunk_path=threaded) or the in-graph exchange's collectives (inmem, pec)."""
-CHANNEL_STRATEGIES = SCHEDULED
-"""Strategies whose versions move on the chunk channel whatever --chunk_path
-says (on CPU); inmem and pec do with --chunk_path=threaded."""
+CORRUPT_FRAME_STRATEGIES = IN_MEMORY
+"""corrupt_frame: every in-memory strategy, on the path its versions take
+(the registry's ``uses_channel``): the chunk channel, or the in-graph
+exchange's collectives."""
 # Faults of the network (shaped links only, ``--link_gbps``), kill no host: once
 # the victims finished the step, the launcher cuts their links (``partition``:
 # the veth down at the switch, both ways) or slows them ``SLOW_LINK_FACTOR``
@@ -226,9 +224,10 @@ class FaultConfig:
     persist_every: InitVar[int] = 0
     shaped: InitVar[bool] = False
     chunk_path: InitVar[str] = "auto"
+    platform: InitVar[str] = "cpu"
 
     def __post_init__(self, hosts: int, steps: int, strategy: str, replicas: int,
-                      persist_every: int, shaped: bool, chunk_path: str) -> None:
+                      persist_every: int, shaped: bool, chunk_path: str, platform: str) -> None:
         if self.kill_every < 0 or (self.kill_every and self.kill_host < 0):
             raise FlagError(f"--kill_every={self.kill_every} needs --kill_host and must be >= 0")
         if self.fault_plan and self.kill_host >= 0:
@@ -241,8 +240,7 @@ class FaultConfig:
         plan = self.plan(steps)
         for i, fault in enumerate(plan):
             self._check(i, fault, hosts, steps, strategy, replicas, persist_every,
-                        strategy in CHANNEL_STRATEGIES or (strategy in ("inmem", "pec")
-                                                           and chunk_path == "threaded"))
+                        uses_channel(strategy, chunk_path, platform), chunk_path, platform)
             if fault.point == "mid_serve" and not (
                     i and (plan[i - 1].mode == "host" or plan[i - 1].wipe_all) and
                     strategy in IN_MEMORY and replicas >= 2):
@@ -257,7 +255,8 @@ class FaultConfig:
                 _check_rollback(i, fault, hosts, strategy, replicas, persist_every)
 
     def _check(self, i: int, fault: Fault, hosts: int, steps: int, strategy: str,
-               replicas: int, persist_every: int, channel: bool) -> None:
+               replicas: int, persist_every: int, channel: bool, chunk_path: str = "auto",
+               platform: str = "cpu") -> None:
         what = f"--fault_plan fault {i}" if self.fault_plan else "--kill_point"
         if fault.point not in FAULT_POINTS:
             raise FlagError(f"{what}: point {fault.point!r} is not one of {FAULT_POINTS}")
@@ -292,10 +291,11 @@ class FaultConfig:
                             f"one host, and --ckpt in {', '.join(CORRUPT_FRAME_STRATEGIES)} "
                             f"(got {strategy}, hosts {list(fault.hosts)})")
         if fault.point == STALL_CHANNEL and (len(fault.hosts) != 1 or not channel):
+            on = [n for n in IN_MEMORY if uses_channel(n, chunk_path, platform)]
             raise FlagError(f"{what}: stall_channel hangs one host's chunk channel: one host, "
-                            f"and --ckpt in {', '.join(CHANNEL_STRATEGIES)} (or inmem or pec with "
-                            f"--chunk_path=threaded) (got {strategy}, hosts "
-                            f"{list(fault.hosts)})")
+                            f"and a --ckpt whose versions take the channel with --chunk_path="
+                            f"{chunk_path} on {platform} ({', '.join(on) or 'none'}) (got "
+                            f"{strategy}, hosts {list(fault.hosts)})")
         if fault.point == DISK_FULL_FINALIZE and (fault.hosts != (0,) or fault.mode != "process"
                                                   or fault.corrupt or fault.wipe_all):
             raise FlagError(f"{what}: disk_full_finalize strikes the primary's Orbax finalize: "

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from absl import logging
 
 from launch.metrics import MetricsWriter
-from launch.strategies import SCHEDULED
-from launch.tiers import chunk_tos, host_tiers, memory_tier
+from launch.strategies import uses_channel
+from launch.tiers import host_tiers, memory_options, memory_tier
 from launch.train import faults as faults_lib
 from launch.train.config import CheckpointConfig, Config
 
@@ -39,6 +39,8 @@ TIER_ORDER = ("local", "peer", "persistent")
 
 def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts: int) -> Any:
     """This host's ``capricorn_jax.InMemoryCheckpointer`` for the --ckpt strategy."""
+    import jax
+
     import capricorn_jax
     from capricorn_jax.experimental import SECRET_NAME, FaultHooks
 
@@ -63,8 +65,9 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
         faults_lib.reached(faults, workdir, host, "mid_serve", version)
 
     # A corrupted frame strikes the path the strategy's versions take: the
-    # chunk channel, or the in-graph exchange (inmem / pec without it).
-    channel = ckpt_cfg.strategy in SCHEDULED or ckpt_cfg.chunk_path == "threaded"
+    # chunk channel, or the in-graph exchange (the registry's answer for this
+    # path on this backend: on GPU auto is in-graph for every strategy).
+    channel = uses_channel(ckpt_cfg.strategy, ckpt_cfg.chunk_path, jax.default_backend())
     hooks = FaultHooks(stall_replica_writer_at=faults.stall(host),
                        pause_mid_replication_at=pause, on_pause=on_pause,
                        flip_frame_at=faults.flip_frame_at if channel else None,
@@ -72,15 +75,15 @@ def make_checkpointer(config: Config, trainer: Any, mesh: Any, host: int, hosts:
                        on_flip=on_flip,
                        stall_channel_at=faults.stall_channel_at, on_stall=on_stall,
                        on_serve=on_serve)
-    options = capricorn_jax.InMemoryOptions(
+    options = memory_options(
         store_root=ckpt_cfg.store_root, job=ckpt_cfg.job, replicas=ckpt_cfg.replicas,
         chunk_bytes=ckpt_cfg.chunk_bytes, replication_timeout_s=ckpt_cfg.replication_timeout_s,
-        max_wait_s=None if ckpt_cfg.budget_s < 0 else ckpt_cfg.budget_s,
+        budget_s=ckpt_cfg.budget_s,
         pec=capricorn_jax.PecOptions(k=ckpt_cfg.pec_k, k_persist=ckpt_cfg.pec_k_persist or None,
                                      policy=ckpt_cfg.pec_policy,
                                      plt_threshold=ckpt_cfg.pec_plt_threshold,
                                      dynamic=ckpt_cfg.pec_dynamic) if ckpt_cfg.pec_k else None,
-        chunk_tos=chunk_tos(config.cluster.link.traffic_class),
+        traffic_class=config.cluster.link.traffic_class,
         # The chunk channel's secret (the environment's wins): the supervisor made
         # it; hosts started by hand read it, the first one creating it.
         channel_secret_file=str(Path(workdir).absolute() / SECRET_NAME),

@@ -70,8 +70,6 @@ MISMATCH_GRACE_S = 2.0
 SEND_BUFFER = 128 << 10
 NOTSENT_LOWAT = 16 << 10
 """Unsent bytes the kernel keeps for the chunk channel (``TCP_NOTSENT_LOWAT``)."""
-LOW_PRIORITY_TOS = 0x08
-"""TOS "maximize throughput": pfifo_fast's lowest band, behind the default class."""
 RUN_FRAMES = 4096
 """The most frames one native receive call logs (``receive_frames``)."""
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
