@@ -130,7 +130,7 @@ def test_a_pec_trial_matches_a_reference_that_takes_its_roll_backs(tmp_path, mon
     faulted = run("faulted", flags)
     recovery = next(r for r in faulted if r.get("event") == "recovery")
     assert recovery["tiers"][0] == "peer" and len(recovery["versions"]) > 1  # composed
-    plan = pec_reference.rollbacks(faulted, 2, 2)
+    plan = pec_reference.rollbacks(faulted, 2, 2, STEPS)
     assert plan == (Fault((0, 1), recovery["step"] - 1, "rollback", version=recovery["step"]),)
     reference = run("reference", pec_reference.reference_flags(flags, plan))
     problems, info = pec_reference.compare(faulted, reference)

@@ -41,7 +41,7 @@ def _faulted():
 
 
 def test_the_reference_rolls_back_to_each_version_the_faulted_job_resumed_from():
-    plan = pec_reference.rollbacks(_faulted(), hosts=2, replicas=2)
+    plan = pec_reference.rollbacks(_faulted(), hosts=2, replicas=2, steps=12)
     # Stopped once it trained the step that made the version (after step 5:
     # version 6; after step 7: version 8), losing the store the first
     # recovery read from a peer (another recovery follows it); the last one
@@ -56,16 +56,22 @@ def test_the_reference_rolls_back_to_each_version_the_faulted_job_resumed_from()
     # the step the reference resumed at.
     records = [*_steps(range(5)), _recovery(4, "persistent", ("persistent",) * 2),
                *_steps(range(4, 6)), *_steps(range(3)), _recovery(2), *_steps(range(2, 8))]
-    assert pec_reference.rollbacks(records, hosts=2, replicas=2) == (
+    assert pec_reference.rollbacks(records, hosts=2, replicas=2, steps=12) == (
         Fault((0, 1), 3, "rollback", version=4, wipe_all=True),
         Fault((0, 1), 4, "rollback", version=0),
         Fault((0, 1), 1, "rollback", version=2))
     # As many lost stores as replicas: none lost (nothing could serve them).
     records = [*_steps(range(3)), _recovery(3, "peer", ("peer", "peer")), *_steps(range(3, 5)),
                _recovery(4)]
-    assert pec_reference.rollbacks(records, 2, 2)[0].lose == ()
-    assert pec_reference.rollbacks(records[:5], 2, 2)[0].lose == ()  # the last: local
-    assert pec_reference.rollbacks(records, 4, 3)[0].lose == (0, 1)
+    assert pec_reference.rollbacks(records, 2, 2, 12)[0].lose == ()
+    assert pec_reference.rollbacks(records[:5], 2, 2, 12)[0].lose == ()  # the last: local
+    assert pec_reference.rollbacks(records, 4, 3, 12)[0].lose == (0, 1)
+    # A strategy that moves a version inside the next step: stopped after that
+    # step, within the job's steps.
+    assert [f.step for f in pec_reference.rollbacks(_faulted(), 2, 2, 12, in_step=True)] == [
+        6, 8]
+    assert [f.step for f in pec_reference.rollbacks(
+        [*_steps(range(8)), _recovery(8)], 2, 2, 8, in_step=True)] == [7]
     flags = pec_reference.reference_flags(
         ["--hosts=2", '--fault_plan=[{"hosts": [1], "step": 6}]', "--pec_k=2"], plan[:1])
     assert flags[:2] == ["--hosts=2", "--pec_k=2"]
@@ -77,7 +83,7 @@ def test_the_plan_is_one_launch_train_accepts_and_bad_roll_backs_are_named():
                 kill_point="after_step", corrupt_store=False, stall_host=-1, stall_at_step=-1,
                 stall_seconds=0.0, hosts=2, steps=12, strategy="pec", replicas=2,
                 persist_every=4)
-    plan = pec_reference.reference_flags([], pec_reference.rollbacks(_faulted(), 2, 2))
+    plan = pec_reference.reference_flags([], pec_reference.rollbacks(_faulted(), 2, 2, 12))
     config = FaultConfig(**base, fault_plan=plan[0].split("=", 1)[1])
     assert [f.version for f in config.plan(12)] == [6, 8]
     assert FaultConfig(**base, fault_plan=plan[0].split("=", 1)[1],

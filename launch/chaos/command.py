@@ -67,6 +67,7 @@ from launch.chaos.config import (  # noqa: F401 (re-exported)
 )
 from launch.chaos.draw import Trial, describe_fault, draw_trial, fault_classes
 from launch.errors import FlagError
+from launch.strategies import SCHEDULED
 from launch.train.fault_plan import Fault
 
 FLAGS = flags.FLAGS
@@ -156,7 +157,7 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
                                          committed_steps(work / "checkpoints"), disk)
         if not problems and trial.pec and any(r.get("event") == "recovery" for r in records):
             problems, happened["pec_reference"] = _pec_reference(
-                trial, records, flags_, scratch, timeout_s, fast_compile, extra)
+                trial, records, flags_, steps, scratch, timeout_s, fast_compile, extra)
     result.update(happened, ok=not problems, problems=problems,
                   seconds=round(time.monotonic() - start, 1))
     if not problems:
@@ -164,13 +165,14 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
     return result
 
 
-def _pec_reference(trial: Trial, records: list[dict], flags_: list[str], scratch: Path,
-                   timeout_s: float, fast_compile: bool, extra: Sequence[str]
+def _pec_reference(trial: Trial, records: list[dict], flags_: list[str], steps: int,
+                   scratch: Path, timeout_s: float, fast_compile: bool, extra: Sequence[str]
                    ) -> tuple[list[str], dict[str, Any]]:
     """A PEC trial's reference run, which takes the faulted job's roll-backs
     (``pec_reference``): its problems and the trial's ``pec_reference`` entry."""
     start = time.monotonic()
-    plan = pec_reference.rollbacks(records, trial.topology.hosts, trial.topology.replicas)
+    plan = pec_reference.rollbacks(records, trial.topology.hosts, trial.topology.replicas,
+                                   steps, in_step=trial.strategy in SCHEDULED)
     entry: dict[str, Any] = {"rollbacks": [f.to_json() for f in plan]}
     work = scratch / f"trial{trial.index}-pec-reference"
     try:

@@ -10,7 +10,8 @@ strategy, seed and data) without the faults, whose fault plan holds one
 deliberate roll-back (fault plan point ``rollback``, ``launch.train.rollback``)
 per resumption of the faulted job (``rollbacks``). Each roll-back stops
 every host once it trained the step that made the version the faulted job
-resumed from (or, when it resumed there already, after its next step), ends
+resumed from (the step after it for a strategy that moves a version inside
+the next step; when it resumed there already, after its next step), ends
 the attempt with every store holding that version and restarts the hosts,
 which recover through the ordinary recovery. A faulted recovery from the
 persistent tier is mirrored (every RAM store lost: the persistent tier
@@ -72,18 +73,21 @@ everywhere (timing: the two runs may differ in them)."""
 Records = Sequence[Mapping[str, Any]]
 
 
-def rollbacks(records: Records, hosts: int, replicas: int) -> tuple[Fault, ...]:
+def rollbacks(records: Records, hosts: int, replicas: int, steps: int,
+              in_step: bool = False) -> tuple[Fault, ...]:
     """The reference's fault plan: one roll-back per resumption of the faulted
     job (its ``recovery`` events, and restarts from step 0), in order (module
     docstring). A ``persistent`` recovery loses every RAM store; one whose
     hosts read from a peer loses those hosts' stores when another resumption
     follows it (and they are fewer than ``replicas``); the last roll-back
-    reads every host's own store."""
+    reads every host's own store. ``in_step``: the strategy moves a version
+    inside the next step (the scheduled ones), so a roll-back to it stops
+    after that step (within the job's ``steps``)."""
     out: list[Fault] = []
     resumed = 0  # the step the reference resumed at, before the next roll-back
     every = oracle.resumptions(records)
     for n, res in enumerate(every):
-        step = max(res.step - 1, resumed, 0)
+        step = min(max(res.step - 1 + in_step, resumed, 0), steps - 1)
         lose: tuple[int, ...] = ()
         if res.tier != "persistent" and n < len(every) - 1:
             peers = tuple(h for h, t in enumerate(records[res.index].get("tiers", ()))
