@@ -1,18 +1,18 @@
 """Capricorn's own decisions, called directly (pure inputs, exact answers):
 the profiling gate (``policies.schedule_at_risk``), the shortest-window rule
-(``policies.shortest_windows``), the re-plan on a profile by kind
-(``ScheduledStrategy.on_profile``) and the spill note and its agreement
-(``_note_spills`` / ``_check_spills`` over the checkpointer's status round).
+(``policies.shortest_windows``), the re-plan on a profile by planner
+(``strategies.planners``: ``FixedPlanner`` for gemini, ``ReplanningPlanner``
+for capricorn) and the spill note and its agreement (``on_windows`` /
+``on_committed`` over the checkpointer's status round).
 
-The strategy is built without its transport (``__new__`` plus the fields these
-methods read) and with a recording stand-in for ``ScheduledTransfers``: these
-tests hold the decisions, the multi-process bench and training tests the
-whole path."""
+The planners are built over test doubles: a recording stand-in for
+``ScheduledTransfers`` (the schedule in force) and ``StatusNotes`` for the
+status round; no transport, no chunk path. These tests hold the decisions,
+the multi-process bench and training tests the whole path."""
 
 from __future__ import annotations
 
 import collections
-import types
 from typing import cast
 
 import numpy as np
@@ -20,10 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.profiling.detector import DynamicityDetector
 from capricorn_jax._src.profiling.layer_profile import LayerProfile, Segment, Span
-from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
 from capricorn_jax._src.scheduling.plan.load_windows import MODEL_MARGIN, windows_at_load
 from capricorn_jax._src.scheduling.plan.partitioner import (
     LinkModel,
@@ -32,9 +30,13 @@ from capricorn_jax._src.scheduling.plan.partitioner import (
     windows_from_profile,
 )
 from capricorn_jax._src.scheduling.plan.policies import schedule_at_risk, shortest_windows
-from capricorn_jax._src.scheduling.plan.window_model import WindowModel
-from capricorn_jax._src.strategies import scheduled, window_feedback
-from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
+from capricorn_jax._src.strategies import planners
+from capricorn_jax._src.strategies.planners import (
+    FixedPlanner,
+    Planner,
+    PlanTarget,
+    ReplanningPlanner,
+)
 from tests.helpers import StatusNotes, notes_of
 
 LINK = LinkModel(alpha_s=0.0, bytes_per_s=100.0)  # 1 byte = 10 ms
@@ -126,6 +128,8 @@ def test_shortest_windows_keeps_a_window_seen_in_one_profile_only():
 class _Transfers:
     """Records the windows each re-partition got."""
 
+    link = LINK
+
     def __init__(self) -> None:
         self.schedule = None
         self.plans: list[list[Window]] = []
@@ -139,35 +143,27 @@ class _Transfers:
         return {"scheduled": self.schedule is not None}
 
 
-def _strategy(kind: str, first_n: int = 3, spans: bool = False) -> ScheduledStrategy:
-    s = ScheduledStrategy.__new__(ScheduledStrategy)
-    s.kind, s.first_n, s.link = kind, first_n, LINK
-    s.transfers = cast(ScheduledTransfers, _Transfers())  # test doubles
-    s.ckpt = cast(TierWriter, StatusNotes())
-    s.train = types.SimpleNamespace(moe_layers=MOE)
-    s._profiles, s._profiles_seen, s._planned_on = [], 0, None
-    s._recent = collections.deque(maxlen=scheduled.PLAN_PROFILES)
-    s._spills = collections.deque(maxlen=window_feedback.SPILL_WINDOW)
-    s._wants_profile, s.repartitions, s.spill_requests = False, [], []
-    s.repartition_sources, s._modelled_windows = [], None
-    s.spans = spans
-    s.window_model, s._plan_windows, s.window_model_replans = WindowModel(), [], []
-    return s
+def _planner(kind: str, first_n: int = 3, spans: bool = False) -> Planner:
+    """The planner of ``kind`` ("gemini": fixed, "capricorn": replan) over test doubles."""
+    target = cast(PlanTarget, _Transfers())
+    if kind == "gemini":
+        return FixedPlanner(StatusNotes(), target, MOE, spans, first_n)
+    return ReplanningPlanner(StatusNotes(), target, MOE, spans)
 
 
 def test_gemini_plans_once_on_the_mean_of_its_first_n_warm_profiles_and_keeps_it():
-    s = _strategy("gemini", first_n=3)
+    s = _planner("gemini", first_n=3)
     assert s.on_profile(1, _profile(1, 9.0, 9.0), cold=True) is None  # counted, not averaged
     assert s.on_profile(2, _profile(2, 1.2, 2.2), cold=False) is None
     summary = s.on_profile(3, _profile(3, 2.2, 1.2), cold=False)
-    assert s.transfers.plans == [[Window("block0", "fwd", 1.5), Window("block1", "fwd", 1.5)]]
+    assert s.target.plans == [[Window("block0", "fwd", 1.5), Window("block1", "fwd", 1.5)]]
     assert summary["windows_s"] == [1.5, 1.5] and s.repartitions == [3]
     assert s.on_profile(4, _profile(4, 0.3, 0.3), cold=False) is None  # kept for good
-    assert len(s.transfers.plans) == 1 and s._planned_on.step == 3
+    assert len(s.target.plans) == 1 and s.planned_on.step == 3
 
 
 def test_capricorn_replans_on_every_warm_profile_from_the_shortest_of_its_recent_ones():
-    s = _strategy("capricorn")
+    s = _planner("capricorn")
     assert s.on_profile(1, _profile(1, 2.2, 2.2), cold=True) is None  # a cold profile: no plan
     s._wants_profile, s._spills = True, collections.deque([True, True], maxlen=4)
     s.on_profile(2, _profile(2, 2.2, 1.2), cold=False)
@@ -175,28 +171,28 @@ def test_capricorn_replans_on_every_warm_profile_from_the_shortest_of_its_recent
     s.on_profile(3, _profile(3, 1.2, 3.2), cold=False)
     s.on_profile(4, _profile(4, 3.2, 3.2), cold=False)
     s.on_profile(5, _profile(5, 4.2, 4.2), cold=False)  # profile 2 leaves the last three
-    assert [[w.duration_s for w in plan] for plan in s.transfers.plans] == [
+    assert [[w.duration_s for w in plan] for plan in s.target.plans] == [
         [2.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 3.0]]
-    assert s.repartitions == [2, 3, 4, 5] and s._planned_on.step == 5
+    assert s.repartitions == [2, 3, 4, 5] and s.planned_on.step == 5
 
 
 def test_on_the_threaded_path_capricorn_plans_on_the_spans_between_all_to_alls():
     spans = (Span("", 0.25, 0.1), Span("fwd:dispatch.end", 0.5, 0.1),
              Span("fwd:combine.end", 0.05, 0.0))
     profile = LayerProfile(2, 1.0, (Segment("block0", "fwd", 0.0, 1.0, 0.2, spans),))
-    s = _strategy("capricorn", spans=True)
+    s = _planner("capricorn", spans=True)
     s.on_profile(2, profile, cold=False)
-    assert s.transfers.plans == [[Window("block0", "fwd", 0.25),
-                                  Window("block0", "fwd", 0.5, "fwd:dispatch.end"),
-                                  Window("block0", "fwd", 0.05, "fwd:combine.end")]]
-    g = _strategy("gemini", first_n=1, spans=False)
+    assert s.target.plans == [[Window("block0", "fwd", 0.25),
+                               Window("block0", "fwd", 0.5, "fwd:dispatch.end"),
+                               Window("block0", "fwd", 0.05, "fwd:combine.end")]]
+    g = _planner("gemini", first_n=1, spans=False)
     g.on_profile(2, profile, cold=False)
-    assert g.transfers.plans == [[Window("block0", "fwd", 0.8)]]
+    assert g.target.plans == [[Window("block0", "fwd", 0.8)]]
 
 
 def test_the_gate_is_capricorns_only():
     profile = _profile(1, 1.0, 1.0)
-    gemini, capricorn = _strategy("gemini"), _strategy("capricorn")
+    gemini, capricorn = _planner("gemini"), _planner("capricorn")
     detector = _detector((10, 1.0), (20, 1.5))
     capricorn.on_profile(1, profile, cold=False)  # plans 70 bytes on this profile
     assert not capricorn.allow_profile(detector, _load(10))
@@ -251,23 +247,23 @@ def test_windows_at_load_answer_only_near_the_loads_the_models_saw():
 
 
 def test_capricorn_replans_on_its_cost_model_where_it_covers_the_load():
-    s = _strategy("capricorn")
+    s = _planner("capricorn")
     detector = _two_layer_detector()
     assert s.replan_at_load(2, detector, _load(16, 12)) is None  # nothing planned on yet
     s.on_profile(3, _profile(3, 1.0, 1.0), cold=False)
     s._spills = collections.deque([True, True], maxlen=4)
     event = s.replan_at_load(5, detector, _load(16, 12))
     assert event["source"] == "cost_model" and event["windows_s"] == [1.1, 1.8]
-    assert [w.duration_s for w in s.transfers.plans[-1]] == pytest.approx([1.1, 1.8])
+    assert [w.duration_s for w in s.target.plans[-1]] == pytest.approx([1.1, 1.8])
     assert s.repartitions == [3, 5] and s.repartition_sources == ["profile", "cost_model"]
     assert not s._spills  # the new schedule's spills count afresh
-    assert s._planned_on.step == 3  # the profiled base stays
+    assert s.planned_on.step == 3  # the profiled base stays
     # The same load again: the model's plan is in force; no profile, no re-plan.
     assert s.replan_at_load(6, detector, _load(16, 12)) == {}
-    assert s.repartitions == [3, 5] and len(s.transfers.plans) == 2
+    assert s.repartitions == [3, 5] and len(s.target.plans) == 2
     assert s.replan_at_load(7, detector, _load(40, 12)) is None  # outside: profile
     assert s.repartitions == [3, 5]
-    gemini = _strategy("gemini", first_n=1)
+    gemini = _planner("gemini", first_n=1)
     gemini.on_profile(3, _profile(3, 1.0, 1.0), cold=False)
     assert gemini.replan_at_load(5, detector, _load(16, 12)) is None  # Gemini stays Gemini
 
@@ -314,26 +310,26 @@ def test_with_measured_bytes_a_spill_counts_only_when_bytes_met_the_collective()
     """The deadline sender's records: a window shorter than planned whose
     bytes were carried on (at most one frame met the collective) is no
     spill; one whose bytes met it beyond that is."""
-    s = _strategy("capricorn")
+    s = _planner("capricorn")
     s.repartitions = [3]
-    late = window_feedback.SPILL_LATE_BYTES
+    late = planners.SPILL_LATE_BYTES
     for windows in ([{"spill_s": 0.5, "bytes_late": 0}],
                     [{"spill_s": 0.5, "bytes_late": late}],
                     [{"spill_s": 0.0, "bytes_late": 10 * late}],  # no spill: the link's error
                     [{"spill_s": 0.5, "bytes_late": late + 1}],
                     [{"spill_s": 0.5, "bytes_late": None}]):  # not measured: the spill counts
-        s._note_spills(windows)
+        s.on_windows(windows, None)
     assert list(s._spills) == [False, False, True, True]  # the last SPILL_WINDOW (4) of 5
     assert notes_of(s).status_note == 1000 + 2  # one schedule so far, 2 spilled of the last 4
 
 
 def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
-    s = _strategy("capricorn")
+    s = _planner("capricorn")
     s.repartitions = [2, 7]
     # A spill within the marks' jitter is none; one window over it is one.
-    for windows in (_windows(0.0, window_feedback.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
+    for windows in (_windows(0.0, planners.SPILL_TOLERANCE_S), _windows(0.0, 0.002),
                     _windows(0.5), _windows()):
-        s._note_spills(windows)
+        s.on_windows(windows, None)
     assert notes_of(s).status_note == 2 * 1000 + 2
     for _ in range(4):  # only the last SPILL_WINDOW versions count
         s._note_spills(_windows(0.0))
@@ -341,28 +337,28 @@ def test_the_note_counts_spilled_versions_under_the_schedule_in_force():
 
 
 @pytest.mark.parametrize("note, asks", [
-    (1000 + window_feedback.SPILL_WINDOW // 2 + 1, True),   # most of the last versions spilled
-    (1000 + window_feedback.SPILL_WINDOW // 2, False),      # half is not most
-    (0 * 1000 + window_feedback.SPILL_WINDOW, False),       # host 0 counted under an older schedule
+    (1000 + planners.SPILL_WINDOW // 2 + 1, True),   # most of the last versions spilled
+    (1000 + planners.SPILL_WINDOW // 2, False),      # half is not most
+    (0 * 1000 + planners.SPILL_WINDOW, False),       # host 0 counted under an older schedule
     (None, False),                                    # no round agreed yet
 ])
 def test_capricorn_asks_for_a_profile_on_host_0s_agreed_note(note, asks):
-    s = _strategy("capricorn")
+    s = _planner("capricorn")
     s.repartitions = [3]
     s.ckpt.note_status(0)  # this host's own count does not decide
     notes_of(s).agreed_note = note
-    s._check_spills(9)
+    s.on_committed(9)
     assert s.profile_requested() is asks
     assert s.spill_requests == ([9] if asks else [])
-    s._check_spills(10)  # asked once until a profile answers
+    s.on_committed(10)  # asked once until a profile answers
     assert s.spill_requests == ([9] if asks else [])
 
 
 def test_gemini_only_reports_its_spills():
-    s = _strategy("gemini")
+    s = _planner("gemini")
     s.repartitions = [3]
-    notes_of(s).agreed_note = 1000 + window_feedback.SPILL_WINDOW
-    s._check_spills(9)
+    notes_of(s).agreed_note = 1000 + planners.SPILL_WINDOW
+    s.on_committed(9)
     assert not s.profile_requested() and s.spill_requests == []
 
 
@@ -405,7 +401,7 @@ def test_capricorn_replans_an_expert_window_its_load_moves_beyond_its_noise():
     spans = (Span("", 0.25, 0.1), Span("fwd:dispatch.end", 0.5, 0.1),
              Span("fwd:combine.end", 0.05, 0.0))
     profile = LayerProfile(2, 1.0, (Segment("block0", "fwd", 0.0, 1.0, 0.2, spans),))
-    s = _strategy("capricorn", spans=True)
+    s = _planner("capricorn", spans=True)
     s.on_profile(2, profile, cold=False)
     detector = DynamicityDetector()  # no segment model: the window model or a profile
     assert s.replan_at_load(3, detector, _load(10)) is None  # no fit yet
@@ -418,8 +414,8 @@ def test_capricorn_replans_an_expert_window_its_load_moves_beyond_its_noise():
     assert s.replan_at_load(4, detector, _load(10)) == {}  # 0.5 predicted: within noise
     event = s.replan_at_load(5, detector, _load(20))
     assert event["source"] == "window_model" and s.window_model_replans == [5]
-    assert s.transfers.plans[-1][0] == Window("block0", "fwd", 0.25)  # not modelled: kept
-    assert s.transfers.plans[-1][1].duration_s == pytest.approx(0.7, abs=2e-3)
-    assert s.transfers.plans[-1][2] == Window("block0", "fwd", 0.05, "fwd:combine.end")
+    assert s.target.plans[-1][0] == Window("block0", "fwd", 0.25)  # not modelled: kept
+    assert s.target.plans[-1][1].duration_s == pytest.approx(0.7, abs=2e-3)
+    assert s.target.plans[-1][2] == Window("block0", "fwd", 0.05, "fwd:combine.end")
     assert s.replan_at_load(6, detector, _load(20)) == {}  # the plan in force already
     assert s.replan_at_load(7, detector, _load(100)) is None  # beyond the loads seen

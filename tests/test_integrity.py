@@ -136,7 +136,8 @@ def test_save_transferred_hands_the_in_step_verdict_to_the_replica_writer():
     from capricorn_jax._src.strategies import scheduled
 
     assert "corrupt" in inspect.signature(InMemoryCheckpointer.save_transferred).parameters
-    assert 'corrupt=[payloads["corrupt"]]' in inspect.getsource(scheduled)
+    assert "corrupt=None if moved.corrupt is None else [moved.corrupt]" in \
+        inspect.getsource(scheduled)
 
 
 class _HeaderFlipper:

@@ -2,16 +2,18 @@
 
 The clock's arithmetic (pure, exact), then the in-graph scheduled step with
 the clock attached on four CPU devices as two simulated hosts (as
-``test_executor``): its marks give every filled window a record, the bytes
-and the state are those of the step without marks, and capricorn's spill note
-and profile request (``ScheduledStrategy._note_spills`` / ``_check_spills``,
-fed by ``in_graph_windows``) fire when the link model makes every chunk far
-longer than any window of a CPU step, and stay quiet when it makes them free.
+``test_executor``), moved by the in-graph mover alone
+(``strategies.movers.InGraphMover``): its marks give every filled window a
+record, the bytes and the state are those of the step without marks, and
+capricorn's spill note and profile request
+(``strategies.planners.ReplanningPlanner.on_windows`` / ``on_committed``,
+fed by the mover's ``collect``) fire when the link model makes every chunk
+far longer than any window of a CPU step, and stay quiet when it makes them
+free.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import cast
 
 import jax
@@ -27,8 +29,8 @@ from capricorn_jax._src.scheduling.in_graph.window_clock import DONE, WindowCloc
 from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Window, partition
 from capricorn_jax._src.scheduling.plan.sites import AFTER, START, window_sites
 from capricorn_jax._src.scheduling.plan.spills import window_spills
-from capricorn_jax._src.strategies import window_feedback
-from capricorn_jax._src.strategies.scheduled import ScheduledStrategy
+from capricorn_jax._src.strategies.movers import InGraphMover, Payload
+from capricorn_jax._src.strategies.planners import SPILL_WINDOW, ReplanningPlanner
 from tests.helpers import StatusNotes, notes_of, two_host_transport
 from tests.tree_utils import assert_trees_equal
 
@@ -112,35 +114,35 @@ def setup():
     return trainer, transport, batch, rows
 
 
-def _capricorn(trainer, transport, link: LinkModel, seconds: float) -> ScheduledStrategy:
-    """Capricorn's in-graph state with a real clock and real scheduled steps;
-    the checkpointer is left out (one host: its status round would agree on
+def _capricorn(trainer, transport, link: LinkModel, seconds: float
+               ) -> tuple[InGraphMover, ReplanningPlanner]:
+    """Capricorn's in-graph parts: the mover with a real clock and real
+    scheduled steps, and the replanning planner with one plan in force; the
+    checkpointer is left out (one host: its status round would agree on
     host 0's note, this host's own)."""
-    s = ScheduledStrategy.__new__(ScheduledStrategy)
-    s.kind, s.link = "capricorn", link
-    s.ckpt = cast(TierWriter, StatusNotes(transport=transport))  # a test double
-    s.clock = WindowClock(trainer.mesh, BOUNDARIES)
-    s.transfers = ScheduledTransfers(s.ckpt, trainer, BOUNDARIES, link, CHUNK, clock=s.clock)
-    s.transfers.repartition(_windows(seconds))
-    s._planned_on = None
-    s._spills = collections.deque(maxlen=window_feedback.SPILL_WINDOW)
-    s._wants_profile, s.repartitions, s.spill_requests = False, [0], []
-    return s
+    ckpt = cast(TierWriter, StatusNotes(transport=transport))  # a test double
+    clock = WindowClock(trainer.mesh, BOUNDARIES)
+    transfers = ScheduledTransfers(ckpt, trainer, BOUNDARIES, link, CHUNK, clock=clock)
+    mover = InGraphMover(ckpt, trainer, link, transfers, clock)
+    planner = ReplanningPlanner(ckpt, transfers, (), spans=False)
+    planner._repartition(0, _windows(seconds), "profile")
+    return mover, planner
 
 
-def _run(s: ScheduledStrategy, trainer, batch, rows, versions: int):
-    """``versions`` in-graph steps, each followed by the note and its check as
-    ``save`` does them; returns the last state, moved payloads and records."""
+def _run(mover: InGraphMover, planner: ReplanningPlanner, trainer, batch, rows, versions: int):
+    """``versions`` in-graph steps, each moving its version and followed by
+    the note and its check as the strategy's ``save`` does them; returns the
+    last state, the last version moved and its records."""
     state = trainer.init_state(0)
-    step = s.transfers.step_fn(FACTORS)
-    assert s.clock is not None
+    payload = Payload(rows, mover.ckpt.transport)
     for version in range(versions):
-        s.clock.clear()
-        state, _, moved = step(state, batch, rows)
-        windows = s.in_graph_windows(moved, state)
-        s._note_spills(windows)
-        notes_of(s).agreed_note = notes_of(s).status_note  # one host: the round agrees on its note
-        s._check_spills(version)
+        state, _ = mover.move(trainer, version, FACTORS, state, batch, (), payload)
+        moved = mover.collect(state, planner.planned_on)
+        assert moved is not None and moved.version == version and moved.windows is not None
+        windows = moved.windows
+        planner.on_windows(windows, None)
+        notes_of(planner).agreed_note = notes_of(planner).status_note  # one host: its note
+        planner.on_committed(version)
     return state, moved, windows
 
 
@@ -150,10 +152,10 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
     # Every chunk costs 10^4 s on the link model and the plan's windows (1.5 x
     # 10^4 s, 0.8 of it filled) take one each: no window of a CPU step holds
     # one, so each filled window spills.
-    s = _capricorn(trainer, transport, LinkModel(alpha_s=1e4, bytes_per_s=1e9), 1.5e4)
+    s, planner = _capricorn(trainer, transport, LinkModel(alpha_s=1e4, bytes_per_s=1e9), 1.5e4)
     schedule = s.transfers.schedule
     assert schedule.tail_bytes == 0 and all(schedule.chunks)
-    state, moved, windows = _run(s, trainer, batch, rows, window_feedback.SPILL_WINDOW)
+    state, moved, windows = _run(s, planner, trainer, batch, rows, SPILL_WINDOW)
     # Every window but the last (closed by the step's end) has its record.
     assert [w["window"] for w in windows] == [f"{n}/{d}" for n, d in NAMES[:4]]
     for i, w in enumerate(windows):
@@ -164,8 +166,8 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
         assert w["late_s"] == round(max(0.0, w["sent_s"] - w["observed_s"]), 6)
     # Most of the last SPILL_WINDOW versions spilled: one request, after the
     # third (more than half of 4), and not again until a profile answers.
-    assert notes_of(s).status_note == 1000 + window_feedback.SPILL_WINDOW
-    assert s.profile_requested() and s.spill_requests == [window_feedback.SPILL_WINDOW // 2]
+    assert notes_of(planner).status_note == 1000 + SPILL_WINDOW
+    assert planner.profile_requested() and planner.spill_requests == [SPILL_WINDOW // 2]
 
     # The marks change no byte: the same schedule's step without a clock
     # trains and moves bitwise the same.
@@ -173,11 +175,11 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
     plain.repartition(_windows(1.5e4))
     assert plain.schedule == schedule
     want = trainer.init_state(0)
-    for _ in range(window_feedback.SPILL_WINDOW):
+    for _ in range(SPILL_WINDOW):
         want, _, want_moved = plain.step_fn(FACTORS)(want, batch, rows)
     assert_trees_equal(state, want)
-    for key in ("own", "received"):
-        np.testing.assert_array_equal(np.asarray(moved[key]), np.asarray(want_moved[key]))
+    np.testing.assert_array_equal(np.asarray(moved.own), np.asarray(want_moved["own"]))
+    np.testing.assert_array_equal(np.asarray(moved.received), np.asarray(want_moved["received"]))
     # And only the clock's step carries callbacks.
     hlo = {name: t.step_fn(FACTORS).lower(trainer.init_state(0), batch, rows).as_text()
            for name, t in (("clock", s.transfers), ("plain", plain))}
@@ -188,8 +190,8 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
 def test_no_request_when_no_window_spills_on_the_in_graph_path(setup):
     trainer, transport, batch, rows = setup
     # A free link: every chunk's modelled time rounds to 0, so no window spills.
-    s = _capricorn(trainer, transport, LinkModel(alpha_s=0.0, bytes_per_s=1e30), 1.0)
-    _, _, windows = _run(s, trainer, batch, rows, window_feedback.SPILL_WINDOW)
+    s, planner = _capricorn(trainer, transport, LinkModel(alpha_s=0.0, bytes_per_s=1e30), 1.0)
+    _, _, windows = _run(s, planner, trainer, batch, rows, SPILL_WINDOW)
     assert windows and [w["spill_s"] for w in windows] == [0.0] * len(windows)
-    assert notes_of(s).status_note == 1000
-    assert not s.profile_requested() and s.spill_requests == []
+    assert notes_of(planner).status_note == 1000
+    assert not planner.profile_requested() and planner.spill_requests == []

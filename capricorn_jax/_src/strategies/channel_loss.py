@@ -1,6 +1,6 @@
 """A lost chunk channel: versions skipped on every host, reconnects with backoff, a bound.
 
-A chunk channel (``scheduling.chunk_channel``) is lost when a send or a
+A chunk channel (``scheduling.threaded.chunk_channel``) is lost when a send or a
 receive on it failed or a version's ``wait`` ran past the channel's timeout
 (a peer whose connection hangs, a link cut for longer than the timeout).
 Slow is not dead: the job keeps training.

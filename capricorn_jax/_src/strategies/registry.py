@@ -182,7 +182,7 @@ def _scheduled(args: BuildArgs, name: str) -> Strategy:
     return ScheduledStrategy(name, args.checkpointer, args.train,
                              first_n=args.first_n or ProfilingOptions().first_n,
                              chunk_cap=args.chunk_cap, chunk_path=args.chunk_path,
-                             spans=args.spans)
+                             spans=args.spans, planner=spec(name).planner)
 
 
 register(StrategySpec("inmem", lambda a: _unscheduled(a, "inmem"), in_memory=True))

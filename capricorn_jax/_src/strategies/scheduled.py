@@ -1,91 +1,61 @@
 """``gemini`` and ``capricorn``: version t's chunks move inside step t.
 
 Version t is the state step t starts from; the scheduled variant of step t
-packs it and moves its chunks at the layer boundaries the schedule names
-(``scheduling.executor``), and ``save`` after step t commits it
-(``InMemoryCheckpointer.save_transferred``). The schedule comes from layer
-profiles (``partitioner.windows_from_profile``): gemini builds it once from
-the warm profiles of its first ``first_n`` profiled steps (Gemini profiles
-the first iterations and assumes the timeline stays constant) and keeps it;
-capricorn re-partitions from every new warm profile (each window the shortest
-it had in its last ``PLAN_PROFILES`` warm profiles), so the chunks follow the
-experts' load. Under PEC (``gemini_pec``/``capricorn_pec``: the checkpointer
-has PEC options) each version is decided when its step starts, and only its
-K experts per layer move, on a schedule of their own payload.
+packs it and moves its chunks in the windows the schedule names, and
+``save`` after step t commits it (``InMemoryCheckpointer.save_transferred``).
+Under PEC (``capricorn_pec``: the checkpointer has PEC options) each version
+is decided when its step starts, and only its K experts per layer move, on
+a schedule of their own payload.
 
-Two paths move the chunks (``chunk_path``): ``in_graph``, collective-permutes
-placed inside the jitted step at the boundaries (``scheduling.executor``), where
-the backend runs collectives asynchronously (GPU); ``threaded``, a sender
-thread outside the XLA program, started by boundary marks, over a TCP channel
-to the peer (``scheduling.threaded``), on CPU, where an in-graph permute adds
-its link time to the step. ``auto`` takes in_graph on GPU, threaded otherwise.
-Both commit the same bytes (tested); the link model each schedules with is
-measured on its own path. On the threaded path the windows are the idle
-spans between a layer's all-to-alls (``spans``: the profile's
-``Segment.spans``, opened at the collective edges the step marks), so a
-window's bytes do not meet the all-to-all that begins its layer's backward;
-the in-graph path keeps one window per layer segment.
+The strategy is made of two parts, chosen once, and keeps the lifecycle
+between them:
 
-A step that is profiled, or runs before a schedule exists, moves no chunks:
-its version moves unscheduled after the step (as ``inmem``). A version is
-never moved twice: ``save`` defers version t when step t will move it, and
-saves it now otherwise. ``finish`` saves the last state, which no later step
-moves.
+* a planner (``strategies.planners``), chosen by the registry's
+  ``StrategySpec.planner``: "fixed" (gemini: planned once on its first
+  profiles, kept) or "replan" (capricorn: re-planned from its recent
+  profiles, its models at a new load, and its windows' spills). It decides
+  the windows of the schedule in force and takes the moved steps' window
+  records (``scheduling.plan.spills.window_spills``);
+* a mover (``strategies.movers``), chosen by ``chunk_path``: "in_graph"
+  (collective-permutes inside the jitted step, GPU) or "threaded" (a sender
+  thread over a TCP channel started by the step's marks, CPU); "auto" takes
+  in_graph on GPU, threaded otherwise. It runs the step programs, moves a
+  version's chunks and collects what arrived. On the threaded path the
+  windows are the idle spans between a layer's all-to-alls (``spans``), so a
+  window's bytes do not meet the all-to-all that begins its layer's
+  backward; the in-graph path keeps one window per layer segment.
 
-Each moved version's event reports, per filled window, the idle time the
-step gave it against the plan (``transfers.window_spills``): on the threaded
-path from the sender's marks; on the in-graph path, capricorn's only, from
-the window clock's marks inside the step (``scheduling.window_clock``: when
-each window's receptions arrived against the boundary that closes it; gemini,
-which would only report them, runs its steps without those marks).
-capricorn asks for a profile when its windows spilled in most of host 0's
-last ``SPILL_WINDOW`` moved versions (agreed through the checkpointer's
-status round), so a schedule planned on slower or faster steps than today's
-is re-planned; gemini keeps its schedule and only reports the spills (the
-spill count and the expert windows' model: ``strategies.window_feedback``).
+The lifecycle (this class): a step that is profiled, or runs before a
+schedule exists, moves no chunks: its version is saved unscheduled after the
+step (as ``inmem``). A version is never moved twice: ``save`` defers version
+t when step t will move it, and saves it now otherwise; the next ``save``
+commits it with the records its planner reads. ``finish`` saves the last
+state, which no later step moves.
 
 Design choice: the strategy does not decide which steps are profiled; the
 profiling driver (``strategies.driver.ProfilingDriver``) does, for every
 strategy alike, and hands this one its profiles (``on_profile``), asks its
-gate (``allow_profile``: capricorn profiles on the detector's word only when
-the schedule in force may overflow at the new load) and its own request
-(``profile_requested``: the spills above). Alternative not taken
-(the previous state): a second profiling loop inside this class for the
-benchmark, with its own defaults.
+gate (``allow_profile``), its re-plan at a new load (``replan_at_load``) and
+its own request (``profile_requested``): each is the planner's answer.
+Alternative not taken (the previous state): one class crossing both axes,
+with a branch per strategy kind and a None check per chunk path in its
+lifecycle, and a mixin reading the class's state for the window feedback.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-import time
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 import jax
 import numpy as np
 
 from capricorn_jax._src.memory.tier.writer_door import TierWriter
 from capricorn_jax._src.memory.wire.transport import Transport
-from capricorn_jax._src.multihost.agree import allgather_floats
 from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile, build_profile
+from capricorn_jax._src.profiling.layer_profile import LayerProfile
 from capricorn_jax._src.profiling.policy import DEFAULT_FIRST_N
-from capricorn_jax._src.profiling.profiler import step_marks
-from capricorn_jax._src.scheduling.in_graph import xla_flags
-from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers, measure_link
-from capricorn_jax._src.scheduling.in_graph.window_clock import WindowClock
-from capricorn_jax._src.scheduling.plan.load_windows import windows_at_load
-from capricorn_jax._src.scheduling.plan.partitioner import Schedule, Window, windows_from_profile
-from capricorn_jax._src.scheduling.plan.policies import (
-    average_windows,
-    schedule_at_risk,
-    shortest_windows,
-)
-from capricorn_jax._src.scheduling.plan.spills import window_spills
-from capricorn_jax._src.scheduling.plan.window_model import WindowModel
-from capricorn_jax._src.scheduling.threaded.chunk_channel import measure_channel
-from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender, pack_program
-from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
+from capricorn_jax._src.scheduling.in_graph.transfers import ScheduledTransfers
+from capricorn_jax._src.scheduling.plan.partitioner import LinkModel, Schedule
 from capricorn_jax._src.strategies.base import (
     CheckpointEvent,
     HostState,
@@ -94,208 +64,128 @@ from capricorn_jax._src.strategies.base import (
     TrainStep,
 )
 from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
-from capricorn_jax._src.strategies.channel_replication import channel_keeper, peer_channel
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
-from capricorn_jax._src.strategies.window_feedback import SPILL_WINDOW, WindowFeedback
+from capricorn_jax._src.strategies.movers import MOVERS, Mover, Payload, resolve_chunk_path
+from capricorn_jax._src.strategies.planners import PLAN_PROFILES, PLANNERS, Planner
 
-KINDS = ("gemini", "capricorn")
-CHUNK_PATHS = ("auto", "in_graph", "threaded")
-PLAN_PROFILES = 3
-"""capricorn plans on the shortest of each window over its last this many warm
-profiles: one profile is one noisy sample, and on this box a profile that
-caught a slow step (1.3-1.7x the others) planned the whole version into one
-window that the next steps did not give (BUILD_NOTES, "Where the CPU goes")."""
-MAX_SPREAD = 8
-"""Under a cost budget, the most steps one version's chunks may spread over
-(``partition_search.spread``): a version the windows of one step cannot hold goes over
-the windows of the fewest steps that hold it; the versions of the steps between are not taken."""
-
-log = logging.getLogger(__name__)
+LIBRARY_PLANNERS = {"gemini": "fixed", "gemini_pec": "fixed",
+                    "capricorn": "replan", "capricorn_pec": "replan"}
+"""The planner of the library's own names when the caller names none (the
+registry passes its spec's)."""
 
 
-class MovedPayloads(TypedDict):
-    """What a step moved: this host's packed payload, the peer's (None until
-    the threaded sender's chunks are all in), the transport they went by, and
-    in-step the CRC32C verdict on the peer's (``executor``: ``corrupt``)."""
-
-    own: jax.Array
-    received: jax.Array | np.ndarray | None
-    transport: NotRequired[Transport]
-    schedule: NotRequired[Schedule]
-    corrupt: NotRequired[jax.Array]
-
-
-def resolve_chunk_path(path: str) -> str:
-    """``auto``: in_graph where collectives run asynchronously (GPU), threaded elsewhere."""
-    if path not in CHUNK_PATHS:
-        raise ValueError(f"chunk_path must be one of {CHUNK_PATHS}, got {path!r}")
-    if path == "auto":
-        path = "in_graph" if jax.default_backend() == "gpu" else "threaded"
-    if path == "in_graph" and jax.default_backend() == "gpu":
-        xla_flags.set_overlap_flags()  # the backend started: checks, warns what is missing
-    return path
-
-
-class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
+class ScheduledStrategy(InMemoryStrategy):
     """``gemini`` / ``capricorn`` (see the module docstring).
 
     Args:
-      name: "gemini" or "capricorn", optionally with a "_pec" suffix (the
-        checkpointer's PEC options decide what a version carries).
+      name: the strategy's name ("gemini", "capricorn", "capricorn_pec", or
+        a registered one's); the checkpointer's PEC options decide what a
+        version carries.
       checkpointer: the host's memory tier (``TierWriter``); one peer replica.
       train: the caller's TrainStep (the scheduled steps are built on it).
-      first_n: gemini: the profiled steps its fixed schedule is built from.
+      first_n: the fixed planner's profiled steps (gemini).
       chunk_cap: the partitioner's largest chunk, in bytes.
       chunk_path: "auto", "in_graph" or "threaded" (module docstring).
-      spans: plan on span windows (``partitioner.windows_from_profile``:
-        the idle spans between a layer's all-to-alls, opened at their edges)
+      spans: plan on span windows
+        (``scheduling.plan.partitioner.windows_from_profile``: the idle spans
+        between a layer's all-to-alls, opened at their edges)
         rather than one window per layer segment; threaded path only (the
         in-graph path places chunks at boundaries). None: on the threaded
         path.
+      planner: "fixed" or "replan" (``registry.PLANNERS``); None: the
+        library's for ``name`` (``LIBRARY_PLANNERS``).
+
+    Attributes:
+      planner: its ``Planner``; mover: its ``Mover``.
     """
 
     plans_on_profiles = True
 
     def __init__(self, name: str, checkpointer: TierWriter, train: TrainStep,
                  first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20,
-                 chunk_path: str = "auto", spans: bool | None = None) -> None:
-        kind = name.removesuffix("_pec")
-        if kind not in KINDS:
-            raise ValueError(f"unknown scheduled strategy {name!r}")
+                 chunk_path: str = "auto", spans: bool | None = None,
+                 planner: str | None = None) -> None:
+        planner = planner or LIBRARY_PLANNERS.get(name)
+        if planner not in PLANNERS:
+            raise ValueError(f"scheduled strategy {name!r}: planner must be one of "
+                             f"{tuple(PLANNERS)}, got {planner!r}")
         if len(checkpointer.sources) != 1:
             raise ValueError(f"{name} sends one replica per step inside the step; it needs "
                              f"--replicas=2, got {len(checkpointer.sources) + 1}")
         super().__init__(checkpointer, name)
-        self.kind, self.train, self.first_n = kind, train, first_n
+        self.train = train
         self.chunk_path = resolve_chunk_path(chunk_path)
-        if spans and self.chunk_path != "threaded":
+        mover_cls, planner_cls = MOVERS[self.chunk_path], PLANNERS[planner]
+        if spans and not mover_cls.marks_edges:
             raise ValueError(f"{name}: span windows open at collective edges, which only the "
                              f"threaded chunk path marks; chunk_path={self.chunk_path!r}")
-        self.spans = self.chunk_path == "threaded" if spans is None else spans
-        self.sender: ThreadedSender | None = None
-        # capricorn, in-graph: the marks that time each window inside the step.
-        self.clock: WindowClock | None = None
-        if self.chunk_path == "threaded":
-            channel = peer_channel(checkpointer)
-            self.link = measure_channel(channel, jax.local_device_count())
-            # The deadline sender: a window's bytes stop at its planned close
-            # and go on in the next window (issue 38); under a budget what a
-            # step could not carry goes in the next step's windows, not after
-            # the step (``_hold_over``).
-            budget = checkpointer.options.max_wait_s is not None
-            self.sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
-                                         train.mesh, channel.timeout_s, deadline=True,
-                                         hold_tail=MAX_SPREAD if budget else 0)
-            self.keeper: ChannelKeeper | None = channel_keeper(checkpointer, self.sender)
-        else:
-            self.keeper = None
-            self.link = measure_link(checkpointer.transport)
-            if kind == "capricorn":
-                self.clock = WindowClock(train.mesh, train.boundaries)
-        self._packs: dict[int, Any] = {}
-        self._step_wrap: Any = None  # the step's start and end marks (``_step_args``)
-        self.transfers = ScheduledTransfers(checkpointer, train, train.boundaries, self.link,
-                                            chunk_cap, clock=self.clock)
-        self._profiles: list[LayerProfile] = []  # gemini: its warm profiles, until it schedules
-        self._profiles_seen = 0  # gemini: profiles seen (cold ones too)
-        self._moved: tuple[int, MovedPayloads, Any] | None = None
-        # Under a budget, threaded: a version whose chunks still have steps to go.
-        self._spread: tuple[int, MovedPayloads, Any] | None = None
+        self.spans = mover_cls.marks_edges if spans is None else spans
+        self.mover: Mover = mover_cls.build(checkpointer, train, chunk_cap,
+                                            time_windows=planner_cls.acts_on_windows)
+        self.planner: Planner = planner_cls.create(checkpointer, self.mover.transfers,
+                                                   train.moe_layers, self.spans, first_n)
         self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
         self._last_saved = -1
-        self._planned_on: LayerProfile | None = None  # the profile of the schedule in force
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
-        self.repartitions: list[int] = []
-        # What each re-partition was planned on: "profile" (a measured one,
-        # newly taken or cached) or "cost_model" (``replan_at_load``).
-        self.repartition_sources: list[str] = []
-        self._modelled_windows: list | None = None  # the model's windows in force, if any
-        # capricorn: the expert windows' model, fitted on every moved step's
-        # marks (scheduling.window_model), and the windows of the plan in force.
-        self.window_model = WindowModel()
-        self._plan_windows: list[Window] = []
-        self.window_model_replans: list[int] = []
-        # capricorn: whether a window spilled in each of this host's
-        # last moved versions under the schedule in force, and whether the
-        # hosts agreed to profile.
-        self._spills: collections.deque[bool] = collections.deque(maxlen=SPILL_WINDOW)
-        self.held_over: list[int] = []  # versions whose rest went in a later step's windows
-        self._recent: collections.deque[LayerProfile] = collections.deque(maxlen=PLAN_PROFILES)
-        self._wants_profile = False
-        self.spill_requests: list[int] = []  # versions after which it asked for a profile
 
-    def _hooks(self, hooks: tuple) -> tuple:
-        """The boundary hooks of a step that moves chunks on the threaded path:
-        ``hooks`` and the sender's marks (the same for every schedule)."""
-        assert self.sender is not None
-        return (*hooks, self.sender.hook())
+    # --- the parts' state, as the launchers and tests read it ---
+
+    @property
+    def transfers(self) -> ScheduledTransfers:
+        return self.mover.transfers
+
+    @property
+    def link(self) -> LinkModel:
+        return self.mover.link
+
+    @property
+    def repartitions(self) -> list[int]:
+        return self.planner.repartitions
+
+    @property
+    def repartition_sources(self) -> list[str]:
+        return self.planner.repartition_sources
+
+    @property
+    def spill_requests(self) -> list[int]:
+        return self.planner.spill_requests
+
+    @property
+    def window_model_replans(self) -> list[int]:
+        return self.planner.window_model_replans
+
+    @property
+    def held_over(self) -> list[int]:
+        return self.mover.held_over
+
+    @property
+    def keeper(self) -> ChannelKeeper | None:
+        """The chunk channel's keeper (the threaded path's; the launcher's lag
+        alarm reads its counts), None on the in-graph path."""
+        return self.mover.keeper
+
+    # --- the driver's hooks: the step programs (the mover's) ---
 
     @property
     def profiles_from_marks(self) -> bool:  # type: ignore[override]
-        """On the threaded path with native marks: every step runs one
-        program per capacity tuple, marked at every boundary and collective
-        edge and at its start and end, and a profiled step is that program
-        (``run_profiled``), not a separately compiled variant."""
-        return self.sender is not None and self.sender.marks.table.native
-
-    def _step_args(self, train: TrainStep, hooks: tuple) -> tuple[tuple, Any]:
-        """(hooks, wrap) of this strategy's step program for every step it
-        runs (moving a version or not): the plain step without a sender; the
-        sender's marks (and, where ``profiles_from_marks``, the step's start
-        and end marks) with one."""
-        if self.sender is None:
-            return hooks, None
-        if not self.profiles_from_marks:
-            return self._hooks(hooks), None
-        if self._step_wrap is None:
-            self._step_wrap = step_marks(train, self.sender.marks, ordered=False)
-        return self._hooks(hooks), self._step_wrap
-
-    def _step(self, train: TrainStep, factors: tuple[float, ...], hooks: tuple) -> Any:
-        return train.step_fn(factors, *self._step_args(train, hooks))
-
-    def _has_step(self, train: TrainStep, factors: tuple[float, ...], hooks: tuple) -> bool:
-        hooks, wrap = self._step_args(train, hooks)
-        # A trainer written before ``has_step`` took ``wrap`` is asked without it.
-        return train.has_step(factors, hooks) if wrap is None else \
-            train.has_step(factors, hooks, wrap)
+        """The mover's step program is marked at every boundary and
+        collective edge (the threaded path with native marks): a profiled
+        step runs it (``run_profiled``)."""
+        return self.mover.profiles_from_marks
 
     def run_profiled(self, train: TrainStep, step: int, factors: tuple[float, ...],
                      state: State, batch: jax.Array, estimates: tuple[dict[str, float] | None,
                                                                      float],
                      hooks: tuple = ()) -> tuple[State, Metrics, LayerProfile]:
         """Profiled step ``step`` on this strategy's own program: no version
-        moves in it (``save`` saved version ``step`` unscheduled and flushed
-        a spread one), its marks are read after it into a ``LayerProfile``.
-        The previous step is waited for first, so the table holds this
-        step's stamps only. The native marks' cost (~3 us each) is taken as 0;
-        the all-to-alls' times are measured between their edges
-        (``measured_collectives``; ``estimates`` gives the gradient
-        all-reduce's, and the others' where a segment has no spans)."""
+        moves in it (``save`` saved version ``step`` unscheduled and sent a
+        spread one whole); its marks are read after it into a
+        ``LayerProfile`` (``Mover.run_profiled``)."""
         if not self.profiles_from_marks:
             raise RuntimeError(f"{self.name}: run_profiled needs the threaded path's native "
                                f"marks; the driver profiles with an instrumented variant")
-        assert self.sender is not None and not self._moves(step)
-        jax.block_until_ready(state)
-        marks = self.sender.marks
-        marks.reset()
-        program = self._step(train, factors, hooks)
-        t0 = time.perf_counter()
-        state, metrics = program(state, batch)
-        jax.block_until_ready((state, metrics))
-        total = time.perf_counter() - t0
-        collectives_s, tail_s = estimates
-        profile = build_profile(step, total, self.sender.hook().names, marks.step_times(),
-                                collectives_s, 0.0, tail_s, measured_collectives=True)
-        return state, metrics, profile
-
-    def _pack(self, transport: Transport) -> Any:
-        """The pack program of ``transport``'s payload (kept with the transport,
-        so that its id is not reused by another while the entry lives)."""
-        if id(transport) not in self._packs:
-            self._packs[id(transport)] = (pack_program(transport, self.train.state_shardings),
-                                          transport)
-        return self._packs[id(transport)][0]
+        assert not self._moves(step)
+        return self.mover.run_profiled(train, step, factors, state, batch, estimates, hooks)
 
     def _moves(self, step: int) -> bool:
         """Whether step ``step`` moves version ``step`` inside it."""
@@ -305,179 +195,52 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                  hooks: tuple = ()) -> bool:
         """Under PEC it assumes the payload of the last version moved (K is
         fixed in the bench; a new K compiles a variant)."""
-        if self._spread is not None:
-            return self._has_step(train, factors, hooks)
-        if self._moves(step):
-            if self.ckpt.pec is not None and self._pec_transport is None:
-                return False
-            if self.sender is not None:
-                return (self._has_step(train, factors, hooks)
-                        and id(self._pec_transport or self.ckpt.transport) in self._packs)
-            return self.transfers.has_step(factors, hooks, self._pec_transport)
-        return self._has_step(train, factors, hooks)
+        if self.mover.carrying_on or not self._moves(step):
+            return self.mover.has_plain_step(train, factors, hooks)
+        if self.ckpt.pec is not None and self._pec_transport is None:
+            return False
+        return self.mover.has_move_step(train, factors, hooks,
+                                        self._pec_transport or self.ckpt.transport)
 
     def run_step(self, train: TrainStep, step: int, factors: tuple[float, ...], state: State,
                  batch: jax.Array, hooks: tuple = ()) -> tuple[State, Metrics]:
         """Step ``step``, moving version ``step`` in it when a schedule exists;
         ``hooks``: extra boundary hooks (the bench's CollectiveProbe). While a
         spread version has parts left, the step sends its next part instead."""
-        if self._spread is not None:
-            return self._continue_spread(train, factors, state, batch, hooks)
+        if self.mover.carrying_on:
+            return self.mover.carry_on(train, factors, state, batch, hooks)
         if not self._moves(step):
-            return self._step(train, factors, hooks)(state, batch)
+            return self.mover.plain_step(train, factors, hooks)(state, batch)
         host_state, tokens_per_expert = self._host_states[step]
-        trailer = self.ckpt.trailer_rows(host_state)
-        version, transport = None, None
-        gather: tuple[jax.Array, ...] = ()
+        payload = Payload(self.ckpt.trailer_rows(host_state), self.ckpt.transport)
         if self.ckpt.pec is not None:
             # PEC: decide version ``step`` now (K experts per layer), pack and
             # move only it; its payload has its own schedule.
             version = self.ckpt.plan_pec_version(step, tokens_per_expert)
-            transport = self._pec_transport = version.transport
+            payload.transport = self._pec_transport = version.transport
+            payload.pec_version = version
             if version.gather is not None:
-                gather = (transport.gather_input(version.gather),)
-        if self.sender is not None:
-            # Pack, then the plain step with marks: the sender thread sends each
-            # window's chunks when the step opens it.
-            transport = transport or self.ckpt.transport
-            with self.ckpt.clock.phase("pack"):
-                own = self._pack(transport)(state, trailer, *gather)
-            schedule, parts = self.transfers.spread_for(
-                transport, MAX_SPREAD if self.ckpt.options.max_wait_s is not None else 1)
-            with self.ckpt.clock.phase("send_handoff"):
-                self.sender.start(step, own, schedule, parts)
-            state, metrics = self._step(train, factors, hooks)(state, batch)
-            sent: tuple[int, MovedPayloads, Any] = (
-                step, {"own": own, "received": None, "transport": transport,
-                       "schedule": schedule}, version)
-            if self.sender.parts_left(step):
-                self._spread = sent  # committed after its last part's step
-            else:
-                self._moved = sent
-            return state, metrics
-        if self.clock is not None:
-            self.clock.clear()
-        state, metrics, moved = self.transfers.step_fn(factors, hooks, transport)(
-            state, batch, trailer, *gather)
-        self._moved = (step, {"own": moved["own"], "received": moved["received"],
-                              "corrupt": moved["corrupt"],
-                              "transport": transport or self.ckpt.transport}, version)
-        return state, metrics
+                payload.gather = (version.transport.gather_input(version.gather),)
+        return self.mover.move(train, step, factors, state, batch, hooks, payload)
 
-    def _continue_spread(self, train: TrainStep, factors: tuple[float, ...], state: State,
-                         batch: jax.Array, hooks: tuple) -> tuple[State, Metrics]:
-        """A step that sends the next part of the spread version (no pack, no
-        new version); after the last part the version is committed as a
-        moved one."""
-        assert self._spread is not None and self.sender is not None
-        version = self._spread[0]
-        with self.ckpt.clock.phase("send_handoff"):
-            self.sender.resume(version)
-        state, metrics = self._step(train, factors, hooks)(state, batch)
-        if self.sender.parts_left(version) == 0:
-            self._moved, self._spread = self._spread, None
-        return state, metrics
-
-    def _flush_spread(self) -> None:
-        """Sends every part left of the spread version now (before a step that
-        carries no sender marks, or at the end); it is committed as moved."""
-        if self._spread is not None:
-            assert self.sender is not None
-            with self.ckpt.clock.phase("send_handoff"):
-                self.sender.resume(self._spread[0], flush=True)
-            self._moved, self._spread = self._spread, None
+    # --- the driver's hooks: the plan (the planner's) ---
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
-        """Re-partitions from the profile when the strategy does (gemini: once,
-        after its first ``first_n`` profiles; capricorn: every warm profile)."""
-        if self.kind == "gemini":
-            if self.transfers.schedule is not None:
-                return None
-            self._profiles_seen += 1
-            if not cold:
-                self._profiles.append(profile)
-            if self._profiles_seen < self.first_n:
-                return None
-            # Gemini: the iteration timeline of the first n steps, kept for good.
-            windows = average_windows(self._profiles or [profile], self._windows_of)
-            self._profiles.clear()
-        else:
-            if cold:
-                return None
-            self._recent.append(profile)
-            windows = shortest_windows(list(self._recent), self._windows_of)
-            self._wants_profile = False  # a warm profile answers a spill's request
-            self._spills.clear()
-        self._planned_on, self._modelled_windows = profile, None
-        return self._repartition(step, windows, "profile")
-
-    def _windows_of(self, profile: LayerProfile) -> list[Window]:
-        """The windows a profile gives this strategy (span windows or not)."""
-        return windows_from_profile(profile, spans=self.spans)
-
-    def _repartition(self, step: int, windows: list, source: str) -> dict[str, Any]:
-        """Re-partitions the payload into ``windows`` (planned on ``source``);
-        the fields of its ``repartition`` event."""
-        self.transfers.repartition(windows)
-        self._plan_windows = list(windows)
-        self.repartitions.append(step)
-        self.repartition_sources.append(source)
-        return {**self.transfers.summary(), "link_alpha_s": self.link.alpha_s,
-                "link_bytes_per_s": self.link.bytes_per_s, "source": source,
-                "windows_s": [round(w.duration_s, 6) for w in windows]}
+        """Re-partitions from the profile when the planner does (fixed: once,
+        after its first ``first_n`` profiles; replan: every warm profile)."""
+        return self.planner.on_profile(step, profile, cold)
 
     def replan_at_load(self, step: int, detector: DynamicityDetector,
                        tokens_per_expert: np.ndarray) -> dict[str, Any] | None:
-        """capricorn: when the load shifted enough to put its schedule at risk,
-        re-partitions on the windows its cost models predict at this load
-        (``scheduling.load_windows``), with no profiled step, where every
-        filled MoE window's model covers the load; None (profile instead)
-        elsewhere, and always for gemini. The same answer on every host: the
-        models are fitted on host 0's agreed profiles and the load is
-        replicated (as for ``allow_profile``, the detector reads every
-        expert's load: ``DetectorOptions.host_experts`` None, the driver's
-        default).
-
-        Returns:
-          The ``repartition`` event's fields; ``{}`` when the schedule in
-          force already is the model's at this load (no profile either);
-          None to profile."""
-        if self.kind != "capricorn" or self._planned_on is None:
-            return None
-        by_model = self._replan_by_window_model(step, tokens_per_expert)
-        if by_model is not None:
-            return by_model
-        windows = windows_at_load(self._planned_on, detector, tokens_per_expert,
-                                  self.train.moe_layers, spans=self.spans)
-        if windows is None:
-            return None
-        if windows == self._modelled_windows:
-            return {}  # the plan in force already is the model's at this load
-        self._modelled_windows = windows
-        self._spills.clear()  # a new schedule in force: its spills count afresh
-        return self._repartition(step, windows, "cost_model")
-
-    def in_graph_windows(self, payloads: MovedPayloads, state: State) -> list[dict[str, Any]]:
-        """The ``window_spills`` records of the in-graph step that moved
-        ``payloads`` and returned ``state``, from the window clock's marks
-        (waits until both are ready: every mark is tied into one of them)."""
-        assert self.clock is not None, "only capricorn's in-graph steps carry the marks"
-        jax.block_until_ready((payloads["received"], state))
-        transport = payloads.get("transport", self.ckpt.transport)
-        return self.clock.windows(self.transfers.schedule_for(transport), self._planned_on)
+        return self.planner.replan_at_load(step, detector, tokens_per_expert)
 
     def allow_profile(self, detector: DynamicityDetector, tokens_per_expert: np.ndarray) -> bool:
-        """capricorn: whether the schedule in force may overflow at this load
-        (``scheduling.transfers.schedule_at_risk``); gemini: always."""
-        if self.kind != "capricorn":
-            return True
-        # The same answer on every host with no collective: a profiled step
-        # (other collectives) must run on every host or on none, and every
-        # input is the same everywhere: the expert load is replicated, and the
-        # schedule, the profile it was planned on and the cost models' points
-        # are host 0's (the driver hands this strategy agreed profiles only).
-        return schedule_at_risk(self.transfers.schedule, detector, tokens_per_expert,
-                                self._planned_on, self.train.moe_layers)
+        return self.planner.allow_profile(detector, tokens_per_expert)
+
+    def profile_requested(self) -> bool:
+        return self.planner.profile_requested()
+
+    # --- the lifecycle: save, defer, commit ---
 
     def save(self, step: int, state: State, host_state: HostState, *,
              tokens_per_expert: np.ndarray | None = None,
@@ -492,20 +255,18 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
           The ``checkpoint`` events of the versions committed now: the one
           moved in the step, and ``step`` when it is saved now.
         """
-        if self.keeper is not None:
-            if self.keeper.down(step):
-                return self._save_while_down(step, tokens_per_expert)
-            self.keeper.note()
-        self._hold_over()
-        if self._spread is not None:
-            if not next_step_profiled:
-                # The spread version still has steps to go: version ``step``
-                # is not taken (every host alike: the same schedule).
-                self._host_states = {}
-                report = self.ckpt.skip(
-                    step, tokens_per_expert if self.ckpt.pec is not None else None)
-                return [self._event(step, report)]
-            self._flush_spread()  # a profiled step carries no sender marks
+        lost = self.mover.while_lost(step, self._event, tokens_per_expert)
+        if lost is not None:  # no version moves until the chunk channel is back
+            self._host_states = {}
+            self._last_saved = step
+            return lost
+        if self.mover.carries_on(next_step_profiled):
+            # A spread version still has steps to go: version ``step`` is not
+            # taken (every host alike: the same schedule).
+            self._host_states = {}
+            report = self.ckpt.skip(
+                step, tokens_per_expert if self.ckpt.pec is not None else None)
+            return [self._event(step, report)]
         will_move = self.transfers.schedule is not None and not next_step_profiled
         self._host_states = {step: (host_state, tokens_per_expert)} if will_move else {}
         events = self._commit_moved(state, tokens_per_expert)
@@ -514,100 +275,37 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
             events += super().save(step, state, host_state, tokens_per_expert=tokens_per_expert)
         return events
 
-    def _hold_over(self) -> None:
-        """Under a budget, threaded: when the version the last step moved left
-        bytes on any host (its windows' deadlines, or a tail the plan could
-        not place), every host gives it the next step's windows (one more
-        part; the sender held those bytes instead of sending them after the
-        step, where they would meet the next step's collectives) and that
-        step's version is not taken. Agreed (one ``allgather_floats`` of the
-        held bytes) so every host takes and skips the same versions."""
-        sender = self.sender
-        if (sender is None or not sender.hold_tail or self._spread is not None
-                or self._moved is None or self._moved[1]["received"] is not None):
-            return
-        version = self._moved[0]
-        if sender.parts_left(version):
-            return
-        held = sender.held_bytes(version)
-        rows = allgather_floats([held], what="held_tail")
-        if max(row[0] for row in rows) <= 0:
-            return
-        sender.extend(version)
-        self._spread, self._moved = self._moved, None
-        self.held_over.append(version)
-        log.info("host %d: version %d: %d bytes here (%d on the busiest host) go in the next "
-                 "step's windows, not after the step; that step's version is not taken",
-                 self.ckpt.host, version, held, max(row[0] for row in rows))
-
     def _commit_moved(self, state: State, load: np.ndarray | None = None) -> list[CheckpointEvent]:
         """Commits the version the last step(s) moved, if any: its event
         (``state``: the last step's, whose marks the in-graph path reads;
-        ``load``: its tokens per expert, which the window model reads)."""
-        moved, self._moved = self._moved, None
+        ``load``: its tokens per expert, which the planner's window model
+        reads). The planner notes the version's window records before the
+        save's status round and reads the agreed note after it."""
+        moved = self.mover.collect(state, self.planner.planned_on)
         if moved is None:
             return []
-        version, payloads, pec_version = moved
-        windows = None
-        if payloads["received"] is None:  # threaded: the peer's chunks, once all are in
-            sender = self.sender
-            assert sender is not None, "only the threaded path leaves the peer's payload out"
-            try:
-                with self.ckpt.clock.phase("peer_wait"):
-                    waiter = sender.wait if self.keeper is None else self.keeper.wait
-                    payloads["received"] = waiter(version)  # [local devices, bytes]
-            except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
-                log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
-                self._last_saved = version
-                return [{**self._event(version, self.ckpt.drop(version)), "corrupt": True}]
-            except Exception as e:
-                assert self.keeper is not None
-                if not self.keeper.is_loss(e):
-                    raise
-                self._last_saved = version
-                report = self.ckpt.drop(version, corrupt=False)
-                return [{**self._event(version, report), "channel_lost": True}]
-            schedule = payloads.get("schedule") or self.transfers.schedule_for(
-                payloads["transport"])  # a spread version's: its last step's windows timed
-            windows = window_spills(schedule, sender.last_spans, self._planned_on,
-                                    sender.last_sends, sender.last_bytes)
-            self._observe_windows(windows, load)
-            self._note_spills(windows)
-        elif self.clock is not None:  # in-graph: the step's marks, once it is done
-            windows = self.in_graph_windows(payloads, state)
-            self._note_spills(windows)
+        version = moved.version
+        if moved.dropped is not None:  # nothing usable arrived: no version here, the job goes on
+            self._last_saved = version
+            report = self.ckpt.drop(version, corrupt=moved.dropped == "corrupt")
+            return [{**self._event(version, report), moved.dropped: True}]
+        if moved.windows is not None:
+            self.planner.on_windows(moved.windows, load)
         report = self.ckpt.save_transferred(  # in-step: its CRC32C verdict, for the writer
-            version, payloads["own"], [payloads["received"]], version=pec_version,
-            corrupt=[payloads["corrupt"]] if "corrupt" in payloads else None)
+            version, moved.own, [moved.received], version=moved.pec_version,
+            corrupt=None if moved.corrupt is None else [moved.corrupt])
         self._last_saved = version
-        event = {**self._event(version, report), "moved_in_step": version}
-        if self.sender is not None:  # threaded: when its chunks went (seconds from start)
-            event["chunk_times_s"] = {k: round(v, 4) for k, v in self.sender.last_times.items()}
-        if windows is not None:
-            event["windows"] = windows
-            self._check_spills(version)
+        event = {**self._event(version, report), "moved_in_step": version, **moved.fields}
+        if moved.windows is not None:
+            event["windows"] = moved.windows
+            self.planner.on_committed(version)
         return [event]
-
-    def _save_while_down(self, step: int, tokens_per_expert: np.ndarray | None
-                         ) -> list[CheckpointEvent]:
-        """A save while the hosts agree the chunk channel is lost: the
-        versions in flight are abandoned, the channel reconnects when the
-        backoff says so (``ChannelKeeper.while_down``), and version ``step``
-        is not taken (no step moves one until the channel is back)."""
-        assert self.keeper is not None
-        self._moved = self._spread = None
-        self._host_states = {}
-        self._last_saved = step
-        return self.keeper.skip_save(step, self._event, tokens_per_expert)
 
     def finish(self, step: int, state: State, host_state: HostState) -> list[CheckpointEvent]:
         """Saves the final state (version ``step``), which no later step moves;
         a spread version still on its way is sent whole and committed first
         (with the chunk channel lost on some host: abandoned on every host)."""
-        if self.keeper is not None and (self._moved or self._spread) and self.keeper.down(step):
-            self.ckpt.note_lost(self.sender.abandon())  # type: ignore[union-attr]
-            self._moved = self._spread = None
-        self._flush_spread()
+        self.mover.settle(step)
         events = self._commit_moved(state)
         if self._last_saved == step:
             return events
@@ -617,16 +315,15 @@ class ScheduledStrategy(WindowFeedback, InMemoryStrategy):
                                      tokens_per_expert=tokens_per_expert)
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        self.mover.close()
         super().close()
 
     def schedule(self) -> Schedule | None:
         return self.transfers.schedule
 
     def schedule_summary(self) -> dict[str, Any] | None:
-        return {**self.transfers.summary(), "repartition_steps": self.repartitions,
-                "repartition_sources": self.repartition_sources,
-                "spill_request_versions": self.spill_requests,
-                "held_over_versions": self.held_over,
-                "window_model_replan_steps": self.window_model_replans}
+        return {**self.transfers.summary(), **self.planner.summary(),
+                "held_over_versions": self.mover.held_over}
+
+
+__all__ = ["LIBRARY_PLANNERS", "PLAN_PROFILES", "ScheduledStrategy"]  # PLAN_PROFILES: the planners'
