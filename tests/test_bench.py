@@ -49,6 +49,16 @@ def test_bench_reports_every_strategy(tmp_path):
         assert (result[name]["versions_taken"], result[name]["versions_skipped"]) == (1.0, 0)
         assert result[name]["versions_committed"] == 1.0 and result[name]["max_commit_lag"] >= 1
     assert result["none"].get("versions_committed") is None
+    # Each row's steady ratio with its paired interval (DESIGN.md round 5): the
+    # pairs are the positions steady in both (none against itself: every one).
+    for row in result.values():
+        steady = [not p and not c for p, c in zip(row["step_profiled"], row["step_compiled"],
+                                                   strict=True)] if "step_profiled" in row \
+            else None
+        assert row["pairs"] >= 2 and row["steady_ratio_ci"][0] <= row["steady_ratio_ci"][1]
+        if steady is not None:
+            assert row["pairs"] <= sum(steady)
+    assert result["none"]["steady_ratio_ci"] == [1.0, 1.0]
     # Orbax's emergency manager on the expert-parallel mesh (one data-parallel
     # replica): Orbax builds a persistent-only manager, a version every 2nd step.
     emergency = result["orbax_emergency"]

@@ -214,6 +214,26 @@ def test_a_mid_replication_fault_behind_a_stalled_writer_may_strike_late():
         "recovery to 8, after the fault at step 4 (mid_replication)"]
 
 
+def test_no_stall_delays_a_mid_replication_fault_past_the_faults_after_it():
+    """Seed 66 trial 4 drew host 1's replica writer stalled at version 2 and a
+    mid_replication fault of host 1 at step 2 followed by a second fault at
+    step 6: the stall held the first fault until the job had passed step 6,
+    and the second never struck. Such a stall is no longer drawn; the faults
+    are drawn as before, and a stall behind a last fault stays (it may
+    strike late: the test above)."""
+    trial = draw_trial(3, 66, TOPOLOGIES, STRATEGIES, 12)
+    assert [(f.hosts, f.step, f.point) for f in trial.faults] == [
+        ((1,), 2, "mid_replication"), ((1, 2), 6, "after_step")]
+    assert trial.stall is None
+    for i in range(400):
+        t = draw_trial(i, 66, TOPOLOGIES,
+                       STRATEGIES, 12)
+        if t.stall is None:
+            continue
+        assert not any(f.point == "mid_replication" and t.stall[0] in f.hosts
+                       and t.stall[1] <= f.step + 1 for f in t.faults[:-1]), t.describe()
+
+
 def test_a_persist_fault_strikes_no_host_and_needs_its_step_dropped_and_a_later_write():
     trial = _trial(Fault((1,), 3, "persist_error"), persist=4)
     good = [*_steps(range(8)), {"event": "persist", "step": 4},

@@ -486,18 +486,19 @@ def test_what_the_windows_could_not_carry_waits_for_the_steps_end_mark(monkeypat
         _close(senders)
 
 
-def test_in_a_low_priority_class_the_version_goes_at_once_without_its_windows(monkeypatch):
-    """The chunk channel marked low priority (``tos``, the traffic class):
-    the link lets the collectives pass its bytes, so no window holds them
-    back. Every part of a spread version goes at the start (no mark fired,
-    none left to resume), and each host gets the other's payload bit for
-    bit; no window record (the schedule did not time them)."""
+def test_sent_at_once_the_version_goes_without_its_windows(monkeypatch):
+    """``at_once`` (``InMemoryOptions.chunk_send``: the network's classes let
+    the collectives pass the checkpoint's bytes): no window holds them back.
+    Every part of a spread version goes at the start (no mark fired, none
+    left to resume), and each host gets the other's payload bit for bit; no
+    window record (the schedule did not time them). The channel's TOS byte
+    alone no longer decides it (it used to be inferred from it)."""
     from capricorn_jax._src.scheduling.plan.partition_search import spread
 
     mesh, senders = _senders(piece_bytes=1024)  # ranges of 4096 would be cut
     sent = [[] for _ in senders]
     for s, frames in zip(senders, sent, strict=True):
-        monkeypatch.setattr(s.channel, "tos", 0x08)
+        s.at_once = True
         send = s.channel.send
 
         def record(version, offset, rows, send=send, frames=frames):
@@ -522,5 +523,26 @@ def test_in_a_low_priority_class_the_version_goes_at_once_without_its_windows(mo
         ranges = [c.stop - c.start for c in schedule.all_chunks()]
         assert all(sorted(frames) == sorted(ranges) and sum(frames) == PAYLOAD
                    for frames in sent)
+    finally:
+        _close(senders)
+
+
+def test_a_low_priority_tos_alone_holds_the_version_to_its_windows(monkeypatch):
+    """The send policy is said (``at_once``), not read off the channel's TOS
+    byte: a channel in the low-priority class without ``at_once`` hands the
+    sender thread only the first part, the rest waiting for the next steps'
+    windows (before 0.20 any nonzero TOS sent every part at once)."""
+    from capricorn_jax._src.scheduling.plan.partition_search import spread
+
+    mesh, senders = _senders(piece_bytes=1024)
+    sender = senders[0]
+    monkeypatch.setattr(sender.channel, "tos", 0x08)
+    try:
+        windows = [Window("b0", "fwd", 1e-5), Window("b1", "fwd", 1.0)]
+        schedule, parts = spread(PAYLOAD, windows, LinkModel(0.0, 8e3), 4096, max_steps=8)
+        assert parts > 1 and not sender.at_once
+        own = np.zeros((1, PAYLOAD), np.uint8)
+        sender.start(1, jax.device_put(own, NamedSharding(mesh, P("x"))), schedule, parts)
+        assert sender.parts_left(1) == parts - 1
     finally:
         _close(senders)

@@ -87,6 +87,12 @@ def summarize(raw: dict) -> dict:
         row["steady_ratio"] = (row["steady_median_s"] / steady_base
                                if steady_base and "steady_median_s" in row else None)
         row["long_run_ratio"] = row["mean_step_s"] / mean if mean else None
+        if "none" in raw["samples"]:  # paired with none's steps, both steady
+            none_steps = raw["samples"]["none"]
+            row["steady_ratio_ci"], row["pairs"] = step_stats.paired_ratio_ci(
+                [t for t, _, _ in raw["samples"][name]], [t for t, _, _ in none_steps],
+                [not p and not c for _, p, c in raw["samples"][name]],
+                [not p and not c for _, p, c in none_steps])
         row["warmup_compiles"] = ((raw.get("warmup") or {}).get(name) or {}).get("compiles")
         row["warmup_s"] = warmup_seconds(
             raw["samples"][name], (raw.get("warmup") or {}).get(name),

@@ -275,6 +275,15 @@ def _draw(rng: random.Random, index: int, seed: int, topologies: list[Topology],
     stall = None
     if rng.random() < 0.15:
         stall = (rng.randrange(topo.hosts), rng.randrange(1, steps - 1))
+        # A stall of a victim's replica writer at or before the version a
+        # mid_replication fault pauses in delays that fault by the stall (3 s:
+        # ~10 steps of tiny), past the steps of the faults after it, which then
+        # never strike (found by the soak, seed 66 trial 4): such a pair is
+        # not drawn with a fault after it. (Drawn, then dropped: the seed's
+        # other choices stay as they were.)
+        if any(f.point == "mid_replication" and stall[0] in f.hosts and stall[1] <= f.step + 1
+               for f in faults[:-1]):
+            stall = None
     variant = []
     channel_fault = any(f.point in (CORRUPT_FRAME, STALL_CHANNEL) for f in faults)
     if not spec(strategy).scheduled and _on_channel(strategy, topo, persist) and (

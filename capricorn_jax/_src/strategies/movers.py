@@ -321,7 +321,8 @@ class ThreadedMover(Mover):
         budget = ckpt.options.max_wait_s is not None
         sender = ThreadedSender(channel, train.boundaries, jax.local_device_count(),
                                 train.mesh, channel.timeout_s, deadline=True,
-                                hold_tail=MAX_SPREAD if budget else 0)
+                                hold_tail=MAX_SPREAD if budget else 0,
+                                at_once=ckpt.options.chunk_send == "at_once")
         keeper = channel_keeper(ckpt, sender)
         transfers = ScheduledTransfers(ckpt, train, train.boundaries, link, chunk_cap)
         return cls(ckpt, train, link, transfers, sender, keeper)

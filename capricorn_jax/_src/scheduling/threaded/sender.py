@@ -115,6 +115,10 @@ class ThreadedSender:
       native_receive: the receive loop takes runs of frames in native code
         (``ChunkChannel.receive_frames``) where it could be built; a frame
         at a time in Python otherwise.
+      at_once: every part of a version goes at its step's start, in large
+        frames, without waiting for any mark (``InMemoryOptions.chunk_send``
+        "at_once": the network's classes let the collectives pass the
+        checkpoint's bytes); False: held to the planned windows.
       hold_tail: the most parts a version may take in all (its planned ones
         and the held ones); 0: none held. What a version's last part
         leaves (the bytes its windows could not carry before their
@@ -130,12 +134,13 @@ class ThreadedSender:
                  mesh: Any, timeout_s: float = 120.0, deadline: bool = False,
                  piece_bytes: int = PIECE_BYTES, hold_tail: int = 0,
                  queue_bytes: int = QUEUE_BYTES, native_send: bool = True,
-                 native_receive: bool = True) -> None:
+                 native_receive: bool = True, at_once: bool = False) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes={piece_bytes} must be positive")
         if queue_bytes < 0:
             raise ValueError(f"queue_bytes={queue_bytes} must be >= 0")
         self.queue_bytes = queue_bytes
+        self.at_once = at_once
         self._link = (0.0, 0.0)  # (bytes modelled on the link, when): ``stop_rule``
         self.native_send = native_send and deadline and native_frames.available()
         self.native_receive = native_receive and native_frames.available()
@@ -187,8 +192,8 @@ class ThreadedSender:
         opens its windows. ``own``: its packed payload [devices, bytes].
         ``parts`` > 1: the schedule's windows are ``parts`` steps' windows
         (``partition_search.spread``); this step sends the first step's, and each
-        ``resume`` the next's. On a low-priority channel (``tos``) every part
-        goes at once, without waiting for any mark (``parts_left`` is 0)."""
+        ``resume`` the next's. With ``at_once`` every part goes at once,
+        without waiting for any mark (``parts_left`` is 0)."""
         if parts < 1 or len(schedule.windows) % parts:
             raise ValueError(f"{len(schedule.windows)} windows are not {parts} steps' windows")
         rows = self.marks.local_devices
@@ -206,13 +211,13 @@ class ThreadedSender:
             entry.part_done(parts)
             entry.next_part = entry.parts
             return
-        # In a low-priority traffic class (``channel.tos``) the link lets a
-        # collective pass the chunk bytes, so no window holds them back: every
-        # part goes at once, in large frames. Measured (R 0.77, priority):
-        # held to the windows, 6-7% of the version was still on its way at the
-        # step's end and the training thread waited 73 ms per step for it
-        # (capricorn 1.10x, inmem 1.04x).
-        self._queue_part(entry, flush=bool(self.channel.tos))
+        # ``at_once`` (a network whose classes let a collective pass the
+        # chunk bytes): no window holds them back, every part goes now, in
+        # large frames. Measured (R 0.77, priority): held to the windows, 6-7%
+        # of the version was still on its way at the step's end and the
+        # training thread waited 73 ms per step for it (capricorn 1.10x,
+        # inmem 1.04x).
+        self._queue_part(entry, flush=self.at_once)
 
     def resume(self, version: int, flush: bool = False) -> None:
         """The next step's part of spread version ``version`` goes as the step
