@@ -90,9 +90,9 @@ def test_a_toy_strategy_added_through_the_registry_runs_in_the_bench_and_a_chaos
     env = {**child_env(), strategies.PLUGINS_ENV: "tests.toy_strategy"}
     out = tmp_path / "bench.json"
     bench = subprocess.run(
-        [sys.executable, "-m", "launch.bench", "--strategies=none,toy", "--hosts=2",
-         "--devices_per_host=1", "--replicas=2", "--model=tiny", "--dispatch=fixed",
-         "--steps=3", "--reps=1", "--warmup=1", "--bandwidth_mib=0",
+        [sys.executable, "-m", "launch.bench", "--strategies=none,toy", "--hosts=1",
+         "--devices_per_host=2", "--replicas=1", "--model=tiny", "--dispatch=fixed",
+         "--steps=2", "--reps=1", "--warmup=1", "--bandwidth_mib=0",
          f"--store_root={tmp_path / 'stores'}", f"--workdir={tmp_path / 'bw'}",
          f"--json={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
