@@ -36,7 +36,7 @@ from capricorn_jax._src.scheduling.plan.policies import (
     schedule_at_risk,
     shortest_windows,
 )
-from capricorn_jax._src.strategies.scheduled import PLAN_PROFILES
+from capricorn_jax._src.strategies.planners import PLAN_PROFILES
 
 __all__ = [
     "average_windows",

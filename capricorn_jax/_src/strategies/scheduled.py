@@ -66,7 +66,7 @@ from capricorn_jax._src.strategies.base import (
 from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 from capricorn_jax._src.strategies.inmemory import InMemoryStrategy
 from capricorn_jax._src.strategies.movers import MOVERS, Mover, Payload, resolve_chunk_path
-from capricorn_jax._src.strategies.planners import PLAN_PROFILES, PLANNERS, Planner
+from capricorn_jax._src.strategies.planners import PLANNERS, Planner
 
 LIBRARY_PLANNERS = {"gemini": "fixed", "gemini_pec": "fixed",
                     "capricorn": "replan", "capricorn_pec": "replan"}
@@ -326,4 +326,4 @@ class ScheduledStrategy(InMemoryStrategy):
                 "held_over_versions": self.mover.held_over}
 
 
-__all__ = ["LIBRARY_PLANNERS", "PLAN_PROFILES", "ScheduledStrategy"]  # PLAN_PROFILES: the planners'
+__all__ = ["LIBRARY_PLANNERS", "ScheduledStrategy"]

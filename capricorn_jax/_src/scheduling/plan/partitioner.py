@@ -98,10 +98,6 @@ class LinkModel:
         object.__setattr__(
             self, "bytes_per_s", _finite("bytes_per_s", self.bytes_per_s, positive=True))
 
-    def chunk_cost_s(self, size: int) -> float:
-        """Seconds to send one chunk of ``size`` bytes: alpha + size / B."""
-        return self.alpha_s + size / self.bytes_per_s
-
     def cost_s(self, chunks: int, nbytes: int) -> float:
         """Seconds to send ``chunks`` chunks holding ``nbytes`` bytes in total.
 
@@ -303,10 +299,6 @@ class Schedule:
     def tail_bytes(self) -> int:
         """Bytes that fit in no window (sent after the step)."""
         return sum(c.size for c in self.tail)
-
-    @property
-    def placed_bytes(self) -> int:
-        return self.payload_bytes - self.tail_bytes
 
     def window_cost_s(self, i: int) -> float:
         """Link seconds of window i's chunks (<= its duration)."""
