@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -117,3 +119,51 @@ def netns_usable() -> bool:
     import shutil
 
     return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+class PumpedProcesses:
+    """Processes a test starts (one per simulated host), each one's output
+    pumped line by line, so a test can wait for a line while they run."""
+
+    def __init__(self, commands: list[list[str]], env: dict[str, str],
+                 timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+        self.lines: list[list[str]] = [[] for _ in commands]
+        self._cond = threading.Condition()
+        self.procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True) for cmd in commands]
+        for pid in range(len(commands)):
+            threading.Thread(target=self._pump, args=(pid,), daemon=True).start()
+
+    def _pump(self, pid: int) -> None:
+        stdout = self.procs[pid].stdout
+        assert stdout is not None
+        for line in stdout:
+            with self._cond:
+                self.lines[pid].append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, pid: int, pattern: str, timeout: float | None = None) -> re.Match:
+        rx = re.compile(pattern)
+        with self._cond:
+            found = self._cond.wait_for(
+                lambda: next((m for m in map(rx.search, self.lines[pid]) if m), None),
+                timeout or self.timeout_s)
+        assert found, f"{pattern!r} never printed by host {pid}:\n" + self.text(pid)[-4000:]
+        return found
+
+    def text(self, pid: int) -> str:
+        with self._cond:
+            return "".join(self.lines[pid])
+
+    def finish(self, timeout: float | None = None) -> list[int]:
+        try:
+            return [p.wait(timeout or self.timeout_s) for p in self.procs]
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

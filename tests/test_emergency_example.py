@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, PumpedProcesses, child_env
 from tests.test_orbax_handler import _free_port
 
 EXAMPLE = ROOT / "examples" / "maxtext_style"
@@ -38,57 +35,21 @@ def test_the_switch_is_one_import_and_one_options_line():
     ]
 
 
-class _Job:
+class _Job(PumpedProcesses):
     """The example's two processes, their output pumped line by line."""
 
     def __init__(self, root: Path, steps: int, step_s: float = 0.3, machines: tuple = (0, 1)):
         """``machines[pid]``: the machine (its local directory) process ``pid`` runs on."""
         port = _free_port()
-        self.lines: list[list[str]] = [[], []]
-        self.procs = []
-        self._cond = threading.Condition()
-        for pid in range(2):
-            cmd = [sys.executable, str(EXAMPLE / "train_capricorn.py"),
-                   f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                   f"--process_id={pid}", f"--local_dir={root / f'local{machines[pid]}'}",
-                   f"--persistent_dir={root / 'ckpt'}", f"--steps={steps}",
-                   "--persist_every=5", f"--step_s={step_s}"]
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(2), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            self.procs.append(proc)
-            threading.Thread(target=self._pump, args=(pid,), daemon=True).start()
+        super().__init__([
+            [sys.executable, str(EXAMPLE / "train_capricorn.py"),
+             f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={pid}",
+             f"--local_dir={root / f'local{machines[pid]}'}",
+             f"--persistent_dir={root / 'ckpt'}", f"--steps={steps}", "--persist_every=5",
+             f"--step_s={step_s}"] for pid in range(2)], child_env(2), timeout_s=180)
 
-    def _pump(self, pid: int) -> None:
-        stdout = self.procs[pid].stdout
-        assert stdout is not None
-        for line in stdout:
-            with self._cond:
-                self.lines[pid].append(line)
-                self._cond.notify_all()
-
-    def wait_for(self, pid: int, pattern: str, timeout: float = 180) -> re.Match:
-        rx = re.compile(pattern)
-        with self._cond:
-            found = self._cond.wait_for(
-                lambda: next((m for m in map(rx.search, self.lines[pid]) if m), None), timeout)
-        assert found, f"{pattern!r} never printed by host {pid}:\n" + "".join(self.lines[pid][-40:])
-        return found
-
-    def finish(self, timeout: float = 240) -> list[int]:
-        try:
-            return [p.wait(timeout) for p in self.procs]
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-
-    def text(self, pid: int) -> str:
-        with self._cond:
-            return "".join(self.lines[pid])
+    def finish(self, timeout: float | None = 240) -> list[int]:
+        return super().finish(timeout)
 
 
 @pytest.mark.slow

@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import jax
@@ -28,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import capricorn_jax
 from capricorn_jax._src.profiling.loss_step import trace_boundaries
 from capricorn_jax._src.strategies.scheduled_steps import profiling_options
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, PumpedProcesses, child_env
 from tests.test_orbax_handler import _free_port
 from tests.tree_utils import assert_trees_equal
 
@@ -258,53 +256,16 @@ def test_the_in_graph_step_differentiates_through_the_senders_carriers():
 # ------------------------------------------------ the simulated cluster
 
 
-class _Job:
+class _Job(PumpedProcesses):
     """The worker's two processes, their output pumped line by line."""
 
     def __init__(self, root: Path, steps: int, schedule: str = "capricorn"):
         port = _free_port()
-        self.lines: list[list[str]] = [[], []]
-        self.procs = []
-        self._cond = threading.Condition()
-        for pid in range(2):
-            args = {"port": port, "process": pid, "root": str(root), "machine": pid,
-                    "steps": steps, "schedule": schedule, "persist_every": 4}
-            self.procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), json.dumps(args)], cwd=ROOT, env=child_env(2),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-            threading.Thread(target=self._pump, args=(pid,), daemon=True).start()
-
-    def _pump(self, pid: int) -> None:
-        stdout = self.procs[pid].stdout
-        assert stdout is not None
-        for line in stdout:
-            with self._cond:
-                self.lines[pid].append(line)
-                self._cond.notify_all()
-
-    def wait_for(self, pid: int, pattern: str, timeout: float = 300) -> re.Match:
-        rx = re.compile(pattern)
-        with self._cond:
-            found = self._cond.wait_for(
-                lambda: next((m for m in map(rx.search, self.lines[pid]) if m), None), timeout)
-        assert found, f"{pattern!r} never printed by host {pid}:\n" + self.text(pid)[-4000:]
-        return found
-
-    def text(self, pid: int) -> str:
-        with self._cond:
-            return "".join(self.lines[pid])
-
-    def finish(self, timeout: float = 300) -> list[int]:
-        try:
-            return [p.wait(timeout) for p in self.procs]
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        super().__init__([
+            [sys.executable, str(WORKER), json.dumps(
+                {"port": port, "process": pid, "root": str(root), "machine": pid,
+                 "steps": steps, "schedule": schedule, "persist_every": 4})]
+            for pid in range(2)], child_env(2), timeout_s=300)
 
     def digests(self, pid: int) -> dict[int, str]:
         return {int(s): d for s, d in re.findall(r"^STEP (\d+) (\w+)$", self.text(pid), re.M)}
