@@ -393,3 +393,32 @@ def test_the_channel_faults_are_drawn_for_every_strategy_on_the_channel():
     assert {t.strategy for t in drawn} == {"capricorn", "inmem", "pec"}
     for t in drawn:
         assert t.strategy == "capricorn" or "--chunk_path=threaded" in t.variant
+
+
+def test_a_failed_trial_keeps_its_jobs_console_and_a_passed_one_keeps_nothing(tmp_path,
+                                                                              monkeypatch):
+    """The job (one part: launch.train stubbed by its console and exit code):
+    a failed trial's WORKDIR keeps what the hosts printed (``console.log``);
+    a passed one is removed."""
+    import subprocess
+
+    from launch.chaos import command, jobs
+
+    def fake_job(returncode):
+        def run(flags_, work, store, timeout_s, fast_compile, extra=()):
+            work.mkdir(parents=True, exist_ok=True)
+            (work / "metrics.jsonl").write_text("")
+            return subprocess.CompletedProcess([], returncode, "[host 0] said this\n", ""), []
+        return run
+
+    monkeypatch.setattr(jobs, "reference", lambda *a, **k: {})
+    trial = _trial(Fault((0,), 3, "after_step"))
+    monkeypatch.setattr(jobs, "run_watched", fake_job(1))
+    result = command.run_trial(trial, 8, "tiny", tmp_path, {}, 60.0)
+    assert not result["ok"] and "job exited with 1" in result["problems"][0]
+    kept = tmp_path / f"trial{trial.index}" / command.CONSOLE_LOG
+    assert kept.read_text() == "[host 0] said this\n"
+    monkeypatch.setattr(command, "check_trial", lambda *a, **k: ([], {}))
+    monkeypatch.setattr(jobs, "run_watched", fake_job(0))
+    assert command.run_trial(trial, 8, "tiny", tmp_path, {}, 60.0)["ok"]
+    assert not (tmp_path / f"trial{trial.index}").exists()

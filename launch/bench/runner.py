@@ -196,7 +196,7 @@ def step_record(step: int, events: list[dict], collectives, grad_all_reduce_s: f
                 ) -> dict:
     """One timed step's record (DESIGN.md contracts, "Long-run accounting"):
     its windows (from the checkpoint events' window records: the threaded
-    path's, ``scheduling.transfers.window_spills``), its collectives (each
+    path's, ``scheduling.plan.spills.window_spills``), its collectives (each
     all-to-all phase from the probe, and the gradient all-reduce) and each
     MoE layer's expert span (the idle link between its all-to-alls)."""
     windows = [{"name": w["window"], "planned_idle_s": w["planned_s"],

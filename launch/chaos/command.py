@@ -116,6 +116,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     return fv
 
 
+CONSOLE_LOG = "console.log"
+"""A failed trial's job console, kept in its WORKDIR."""
+
+
 def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: dict,
               timeout_s: float, fast_compile: bool = True, extra: Sequence[str] = ()
               ) -> dict[str, Any]:
@@ -139,6 +143,7 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
         proc, disk = jobs.run_watched(flags_, work, store, timeout_s, fast_compile, extra)
     except subprocess.TimeoutExpired as e:
         said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        _keep_console(work, said or "")
         tail = " | ".join((said or "").strip().splitlines()[-8:])
         result.update(ok=False, problems=[f"job did not end within {timeout_s:.0f}s; its last "
                                           f"lines: {tail}"],
@@ -162,7 +167,18 @@ def run_trial(trial: Trial, steps: int, model: str, scratch: Path, references: d
                   seconds=round(time.monotonic() - start, 1))
     if not problems:
         shutil.rmtree(work, ignore_errors=True)
+    else:
+        _keep_console(work, proc.stdout + proc.stderr)
     return result
+
+
+def _keep_console(work: Path, text: str) -> None:
+    """A failed trial's job console beside its metrics in the kept WORKDIR
+    (``console.log``): the post-mortem needs what the hosts said, not only
+    what they logged (soak seed 66 trial 16 failed once and kept only its
+    metrics; its cause is not known)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / CONSOLE_LOG).write_text(text)
 
 
 def _pec_reference(trial: Trial, records: list[dict], flags_: list[str], steps: int,

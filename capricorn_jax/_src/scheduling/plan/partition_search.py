@@ -1,6 +1,6 @@
 """The searches over ``partition``: the least share, the fewest steps.
 
-Both call the partitioner (``scheduling.partitioner.partition``) on windows
+Both call the partitioner (``scheduling.plan.partitioner.partition``) on windows
 changed in one parameter and keep the least value whose schedule holds the
 whole payload: ``even_partition`` every window scaled by one share (found by
 bisection), so the windows fill evenly rather than the first ones to their
