@@ -321,3 +321,34 @@ def test_a_save_while_the_channel_is_lost_drops_what_is_in_flight(monkeypatch):
     _move(mover, train, tier, 5)
     mover.settle(6)  # the last save with the channel lost: abandoned on every host
     assert tier.lost == [3, 5] and mover.collect(1, None) is None
+
+
+def test_a_plan_the_mover_does_not_follow_is_not_remade():
+    """The mover sends each version whole at its step's start (``at_once``):
+    once the first schedule exists (its chunks are what the sender sends), the
+    replanning planner neither re-plans (a profile, the cost models) nor asks
+    for a profile; without ``at_once`` the same profile re-plans."""
+    for unused, replans in ((False, [2, 3]), (True, [2])):
+        notes, target = StatusNotes(), _Target()
+        p = ReplanningPlanner(notes, cast(PlanTarget, target), (0, 1), spans=False)
+        p.windows_unused = unused
+        p.on_profile(2, _profile(2, 2.0), cold=False)  # the first schedule: always made
+        assert target.schedule is not None
+        again = p.on_profile(3, _profile(3, 1.0), cold=False)
+        assert p.repartitions == replans and (again is None) == unused
+        if unused:
+            assert p.replan_at_load(4, cast(Any, None), np.ones((2, 4))) == {}
+            assert not p.allow_profile(cast(Any, None), np.ones((2, 4)))
+            for version in range(SPILL_WINDOW):  # every version spills: no profile asked
+                p.on_windows(_spilled(True), None)
+                notes.agreed_note = notes.status_note
+                p.on_committed(version)
+            assert not p.profile_requested()
+
+
+def test_the_threaded_mover_says_whether_it_sends_at_once(monkeypatch):
+    for at_once in (False, True):
+        sender = _Sender()
+        sender.at_once = at_once
+        mover = _mover(monkeypatch, sender=sender)[0]
+        assert mover.sends_at_once is at_once

@@ -148,10 +148,13 @@ class Mover:
       transfers: the schedule in force and its compiled steps.
       held_over: versions whose rest went in a later step's windows.
       keeper: the chunk channel's keeper (None: the path has no channel).
+      sends_at_once: each version goes whole at its step's start, not held
+        to the plan's windows (``InMemoryOptions.chunk_send="at_once"``).
     """
 
     marks_edges: ClassVar[bool] = False
     keeper: ChannelKeeper | None = None
+    sends_at_once: bool = False
 
     def __init__(self, ckpt: TierWriter, train: TrainStep, link: LinkModel,
                  transfers: ScheduledTransfers) -> None:
@@ -308,6 +311,7 @@ class ThreadedMover(Mover):
         super().__init__(ckpt, train, link, transfers)
         self.sender = sender
         self.keeper: ChannelKeeper = keeper
+        self.sends_at_once = bool(getattr(sender, "at_once", False))
         self.spread_steps = MAX_SPREAD if ckpt.options.max_wait_s is not None else 1
         self._packs: dict[int, Any] = {}
         self._wrap: Any = None  # the step's start and end marks (``_step_args``)

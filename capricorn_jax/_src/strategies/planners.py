@@ -140,6 +140,12 @@ class Planner:
     """
 
     acts_on_windows: ClassVar[bool] = False
+    windows_unused = False
+    """Set by the strategy when its mover sends each version whole at its
+    step's start (``InMemoryOptions.chunk_send="at_once"``): once a schedule
+    exists (the chunking the sender follows), a re-plan or a profile changes
+    nothing a step does, so neither is made (each re-plan cost the timed
+    step ~5 ms at the priority point; BUILD_NOTES)."""
 
     def __init__(self, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
                  spans: bool) -> None:
@@ -281,8 +287,13 @@ class ReplanningPlanner(Planner):
         # The expert windows' model, fitted on every moved step's records.
         self.window_model = WindowModel()
 
+    @property
+    def _settled(self) -> bool:
+        """The plan in force is the last one (``windows_unused``)."""
+        return self.windows_unused and self.target.schedule is not None
+
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
-        if cold:
+        if cold or self._settled:
             return None
         self._recent.append(profile)
         windows = shortest_windows(list(self._recent), self._windows_of)
@@ -304,6 +315,8 @@ class ReplanningPlanner(Planner):
         schedule, the profile it was planned on and the cost models' points
         are host 0's (the driver hands a planning strategy agreed profiles
         only)."""
+        if self._settled:
+            return False
         return schedule_at_risk(self.target.schedule, detector, tokens_per_expert,
                                 self.planned_on, self.moe_layers)
 
@@ -322,6 +335,8 @@ class ReplanningPlanner(Planner):
           The ``repartition`` event's fields; ``{}`` when the schedule in
           force already is the model's at this load (no profile either);
           None to profile."""
+        if self._settled:
+            return {}
         if self.planned_on is None:
             return None
         by_model = self._replan_by_window_model(step, tokens_per_expert)
@@ -340,7 +355,7 @@ class ReplanningPlanner(Planner):
     def profile_requested(self) -> bool:
         """The windows its schedule filled spilled in most of the last
         checked versions (the same answer on every host)."""
-        return self._wants_profile
+        return self._wants_profile and not self._settled
 
     def on_windows(self, records: list[dict[str, Any]],
                    tokens_per_expert: np.ndarray | None) -> None:

@@ -124,6 +124,7 @@ class ScheduledStrategy(InMemoryStrategy):
                                             time_windows=planner_cls.acts_on_windows)
         self.planner: Planner = planner_cls.create(checkpointer, self.mover.transfers,
                                                    train.moe_layers, self.spans, first_n)
+        self.planner.windows_unused = self.mover.sends_at_once
         self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
         self._last_saved = -1
         self._pec_transport: Transport | None = None  # PEC: the program of the last version moved
