@@ -7,6 +7,8 @@ real ``ChannelKeeper``. The multi-process path, a hung channel in a real
 training run, is tests/test_strategies.py's stall_channel test.
 """
 
+import types
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -104,3 +106,40 @@ def test_a_channel_lost_past_the_last_attempt_ends_the_job_naming_the_peers():
             keeper.while_down(saves)
             saves += 1
     assert saves == 2 ** (RECONNECT_ATTEMPTS - 1) and keeper.attempts == RECONNECT_ATTEMPTS
+
+
+def test_a_save_while_down_marks_the_versions_it_abandoned_and_the_trainer_offers_none(
+        monkeypatch):
+    """Which versions were in flight differs between hosts, so their events
+    are marked ``abandoned`` and launch.train offers none of them to the
+    persistent tier, whose write is collective (soak seed 70 trial 11: hosts
+    that offered an abandoned version waited in its pre-check for hosts that
+    had none to offer); the save's own version, skipped on every host, is."""
+    from launch.train import command
+
+    class _Skipping(_Tier):
+        pec = None
+
+        def note_lost(self, versions):
+            pass
+
+        def skip(self, step, tokens_per_expert):
+            return types.SimpleNamespace(step=step, skipped=True)
+
+    tier, sender = _Skipping(), _Sender()
+    tier.anywhere = True
+    keeper = ChannelKeeper(tier, sender, lambda attempt: _Channel())
+    events = keeper.skip_save(9, lambda v, report: {"version": v, "skipped": report.skipped})
+    assert events == [{"version": 7, "skipped": True, "channel_lost": True, "abandoned": True},
+                      {"version": 9, "skipped": True, "channel_lost": True}]
+
+    class _Persistent:
+        offered: list[int] = []
+
+        def offer(self, version, state):
+            self.offered.append(version)
+
+    persistent, logged = _Persistent(), []
+    monkeypatch.setattr(command, "_log_checkpoint", lambda m, h, e: logged.append(e))
+    command._log_checkpoints(None, 0, events, persistent, state=None)
+    assert persistent.offered == [9] and logged == events

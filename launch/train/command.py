@@ -245,11 +245,15 @@ def _release_store(ckpt, persistent, final_step: int, host: int) -> None:
 
 def _log_checkpoints(metrics: MetricsWriter, host: int, saved: list[dict], persistent,
                      state) -> None:
-    """The checkpoint events of a save; each committed version goes on to the
-    persistent tier (which writes it when --persist_every says so)."""
+    """The checkpoint events of a save; each version every host has an event
+    for goes on to the persistent tier (which writes it when --persist_every
+    says so, collectively: every host must offer the same versions). A
+    version abandoned in flight when the hosts agreed the chunk channel lost
+    (``abandoned``) is not offered: which versions were in flight differs
+    between hosts, and none of them is held anywhere."""
     for event in saved:
         _log_checkpoint(metrics, host, event)
-        if persistent is not None:
+        if persistent is not None and not event.get("abandoned"):
             persistent.offer(event["version"], state)
 
 

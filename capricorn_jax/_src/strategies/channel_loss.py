@@ -231,9 +231,17 @@ class ChannelKeeper:
         abandoned and of ``step``, each marked ``channel_lost``. The
         abandoned versions are named to the status round (PEC rolls them
         back on every host); ``tokens_per_expert``: the step's (read under
-        PEC only: a whole-version tier takes none)."""
+        PEC only: a whole-version tier takes none). An abandoned version's
+        event is marked ``abandoned``: which versions were in flight differs
+        between hosts, so a caller that acts collectively per version (the
+        persistent tier's ``persist``) must not act on those (soak seed 70
+        trial 11: hosts 2 and 3 offered an abandoned version 8 to the
+        persistent tier, hosts 0 and 1 had none to offer, and the job hung
+        in the pre-check's agreement against the next step's all-to-all)."""
         lost = self.while_down(step)
         self.counts.skips += 1
         self.ckpt.note_lost(lost)
         report = self.ckpt.skip(step, tokens_per_expert if self.ckpt.pec is not None else None)
-        return [{**event(v, report), "channel_lost": True} for v in (*lost, step)]
+        return [{**event(v, report), "channel_lost": True, **({"abandoned": True} if v != step
+                                                                else {})}
+                for v in (*lost, step)]
