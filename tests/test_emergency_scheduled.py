@@ -296,7 +296,11 @@ def test_capricorn_through_the_one_object_moves_versions_in_step_and_restores_bi
     lines = [json.loads(resumed.wait_for(pid, r"^RESTORED (.*)$").group(1)) for pid in range(2)]
     assert resumed.finish() == [0, 0], resumed.text(0)[-3000:] + resumed.text(1)[-3000:]
     step = lines[0]["step"]
-    assert step in moved, (step, moved)  # the newest version every host holds: a moved one
+    # The newest version every host holds: a moved one. The kill may cut off
+    # the MOVED line of the last version committed before it (found by CI:
+    # version 6 restored, its line not printed), which the steady schedule
+    # moved like the ones before it.
+    assert step in moved or step == max(moved) + 1, (step, moved)
     for pid, line in enumerate(lines):
         assert line["step"] == step and line["tiers"] == ["local", "peer"]
         assert line["digest"] == first[pid][step]  # bit for bit, on each host
