@@ -72,7 +72,8 @@ def test_capacity_choice_follows_load():
 def test_results_page_is_the_generated_one():
     """docs/results.md (every published table, the model table among them) is
     launch.tables' output for the JSONs in results/, verbatim."""
-    from launch.tables import RESULTS_PAGE, model_table, results_page
+    from launch.results_page import RESULTS_PAGE, results_page
+    from launch.tables import model_table
 
     root = Path(__file__).resolve().parent.parent
     page = (root / RESULTS_PAGE).read_text()
@@ -84,7 +85,8 @@ def test_results_page_is_the_generated_one():
 def test_the_cpu_headline_is_generated_from_the_bench_runs_beside_it():
     # The CPU headline (docs/results.md) is the generator's output for the
     # bench JSONs kept in results/, verbatim: no hand-copied ratio.
-    from launch.tables import RESULTS_PAGE, headline_table
+    from launch.results_page import RESULTS_PAGE
+    from launch.tables import headline_table
 
     root = Path(__file__).resolve().parent.parent
     docs = [json.loads((root / "results" / f"bench_{w}.json").read_text())
@@ -97,7 +99,8 @@ def test_the_cpu_headline_is_generated_from_the_bench_runs_beside_it():
 
 
 def test_readme_long_run_table_is_generated_from_the_headline_sweeps_jsons_beside_it():
-    from launch.tables import RESULTS_PAGE, long_run_summary, long_run_table
+    from launch.results_page import RESULTS_PAGE
+    from launch.tables import long_run_summary, long_run_table
 
     root = Path(__file__).resolve().parent.parent
     paths = sorted((root / "results" / "emulated" / "headline").glob("bench_*.json"))
@@ -121,7 +124,8 @@ def test_readme_long_run_table_is_generated_from_the_headline_sweeps_jsons_besid
 
 
 def test_the_projection_is_generated_from_the_planner_json_beside_it():
-    from launch.tables import RESULTS_PAGE, projection_table
+    from launch.results_page import RESULTS_PAGE
+    from launch.tables import projection_table
 
     root = Path(__file__).resolve().parent.parent
     doc = json.loads((root / "results" / "planner" / "projection.json").read_text())

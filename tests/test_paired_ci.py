@@ -50,3 +50,27 @@ def test_pairing_cancels_the_noise_both_share():
     shuffled, _ = paired_ratio_ci(times[150:] + times[:150], base, mask, mask, resamples=500)
     assert paired == pytest.approx([1.02, 1.02], rel=1e-4)
     assert shuffled[1] - shuffled[0] > 10 * (paired[1] - paired[0] + 1e-6)
+
+
+def test_the_tables_print_each_steady_ratio_with_its_interval():
+    """The tables take the bench's interval where it recorded one and compute
+    the same bootstrap from the per-step record of a run made before it did."""
+    from launch.tables import ratio_cell, steady_ci
+
+    base = [1.0 + 0.01 * (i % 7) for i in range(40)]
+    none = {"step_s": base, "step_profiled": [False] * 40,
+            "step_compiled": [i < 2 for i in range(40)]}
+    late = {"step_s": [1.05 * b for b in base], "step_profiled": [i == 9 for i in range(40)],
+            "step_compiled": [False] * 40}
+    doc = {"strategies": {"none": none, "late": late,
+                          "recorded": {**late, "steady_ratio_ci": [0.5, 0.6]},
+                          "bare": {"steady_ratio": 1.2}}}
+    mask = [not p and not c for p, c in zip(late["step_profiled"], late["step_compiled"],
+                                                   strict=True)]
+    base_mask = [not c for c in none["step_compiled"]]
+    assert steady_ci(doc, "late") == paired_ratio_ci(late["step_s"], base, mask, base_mask)[0]
+    assert steady_ci(doc, "late") == pytest.approx([1.05, 1.05])
+    assert steady_ci(doc, "recorded") == [0.5, 0.6]
+    assert steady_ci(doc, "bare") is None and steady_ci(doc, "none") is None
+    assert ratio_cell(1.0341, [1.012, 1.0511], ".3f") == "1.034 [1.012-1.051]"
+    assert ratio_cell(1.2, None, ".2f") == "1.20" and ratio_cell(None, None, ".2f") == "-"
