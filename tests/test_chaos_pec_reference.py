@@ -260,3 +260,21 @@ def test_the_state_digest_is_one_crc_per_leaf_over_every_host_s_shards():
     assert merged == digest.merge(halves[::-1]) == {
         "['w']": f"{zlib.crc32(b'0:1,0:3=00000001;1:2,0:3=00000002'):08x}"}
     assert digest.merge([halves[0], {"['w']": {"1:2,0:3": "00000003"}}]) != merged
+
+
+def test_a_version_committed_at_the_next_save_is_rolled_back_to_after_that_step():
+    """inmem and pec over the chunk channel commit version t at save t + 1
+    (``ChannelReplication``), as the scheduled strategies do: the reference's
+    roll-back must let that step run, or it waits for a version that never
+    commits and restores the one before (soak seed 71, trial 2: pec over the
+    channel restored 6, its reference 5)."""
+    from launch.chaos.config import parse_topology
+    from launch.chaos.draw import THREADED, Trial
+
+    def trial(strategy, variant=()):
+        return Trial(0, 0, parse_topology("2x2"), strategy, 0, (), None, variant)
+
+    assert trial("pec", (THREADED,)).commits_next_save
+    assert trial("inmem", (THREADED,)).commits_next_save
+    assert trial("capricorn").commits_next_save and trial("gemini").commits_next_save
+    assert not trial("pec").commits_next_save and not trial("inmem").commits_next_save

@@ -67,7 +67,6 @@ from launch.chaos.config import (  # noqa: F401 (re-exported)
 )
 from launch.chaos.draw import Trial, describe_fault, draw_trial, fault_classes
 from launch.errors import FlagError
-from launch.strategies import SCHEDULED
 from launch.train.fault_plan import Fault
 
 FLAGS = flags.FLAGS
@@ -188,7 +187,7 @@ def _pec_reference(trial: Trial, records: list[dict], flags_: list[str], steps: 
     (``pec_reference``): its problems and the trial's ``pec_reference`` entry."""
     start = time.monotonic()
     plan = pec_reference.rollbacks(records, trial.topology.hosts, trial.topology.replicas,
-                                   steps, in_step=trial.strategy in SCHEDULED)
+                                   steps, in_step=trial.commits_next_save)
     entry: dict[str, Any] = {"rollbacks": [f.to_json() for f in plan]}
     work = scratch / f"trial{trial.index}-pec-reference"
     try:

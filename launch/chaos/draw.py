@@ -104,6 +104,18 @@ class Trial:
     def pec(self) -> bool:
         return spec(self.strategy).pec
 
+    @property
+    def commits_next_save(self) -> bool:
+        """Whether the job commits version t at save t + 1, not at save t: the
+        scheduled strategies (version t moves inside step t + 1) and inmem /
+        pec over the chunk channel (``THREADED``: ``ChannelReplication``
+        commits the deferred version at the next save). A roll-back to such
+        a version must let that step run (``pec_reference.rollbacks``'s
+        ``in_step``)."""
+        s = spec(self.strategy)
+        path = "threaded" if THREADED in self.variant else "auto"
+        return s.scheduled or s.uses_channel(path, "cpu")
+
     def flags(self, steps: int, model: str) -> list[str]:
         t = self.topology
         out = [f"--hosts={t.hosts}", f"--devices_per_host={t.devices_per_host}",
