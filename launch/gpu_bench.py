@@ -72,10 +72,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
 
 PARTS = ("env", "arena", "schedule", "bench_small", "bench_big", "recovery")
 STRATEGIES = ",".join(n for n in strategies.STRATEGIES
-                      if not strategies.spec(n).scheduled and n != "blocking")
+                      if n not in strategies.PEER_ONLY and n != "blocking")
 """Every strategy of the registry that runs on one host (the scheduled ones
-send to a peer), less ``blocking`` (left out of the run's 8 minutes when the
-run was written; the CPU benches measure it)."""
+and the control send to a peer), less ``blocking`` (left out of the run's 8
+minutes when the run was written; the CPU benches measure it)."""
 # The dry run's big bench rehearses the part with two of them: the small bench
 # runs them all, and tests/test_bench.py runs every strategy of launch.bench.
 DRY_RUN_BIG_STRATEGIES = "none,inmem"

@@ -4,7 +4,9 @@ launch.train (``--ckpt``) and launch.bench (``--strategies``) accept the same
 names, those of the library's registry (``capricorn_jax.experimental.specs``:
 ``inmem``, ``pec``, ``gemini``, ``capricorn``, ``capricorn_pec``) plus the
 baselines registered here (``launch.baselines``): ``none``, ``blocking``,
-``orbax_async``, ``orbax_emergency``.
+``orbax_async``, ``orbax_emergency``; and the control registered here
+(``launch.control``): ``control``, no checkpoint, a version's bytes sent to
+the peer host every step (the emulator's own floor; 2 hosts or more).
 
 Every strategy is driven the same way (``capricorn_jax.Strategy``): the
 caller runs each step through ``capricorn_jax.ProfilingDriver`` and calls
@@ -58,6 +60,19 @@ BASELINES = {"none": "none", "blocking": "blocking (RAM disk)", "orbax_async": "
 """The baselines and their names in tables."""
 for _name, _label in BASELINES.items():
     register(StrategySpec(_name, functools.partial(_baseline, name=_name), label=_label))
+
+
+def _control(args: BuildArgs) -> Strategy:
+    from launch import control
+
+    return control.build(args)
+
+
+CONTROLS = {"control": "control (bulk bytes, no ckpt)"}
+"""The controls and their names in tables: no checkpoint, nothing to
+restore (not in-memory), a peer host needed."""
+for _name, _label in CONTROLS.items():
+    register(StrategySpec(_name, _control, label=_label))
 for _module in filter(None, os.environ.get(PLUGINS_ENV, "").split(",")):
     importlib.import_module(_module.strip())
 
@@ -71,6 +86,9 @@ SCHEDULED = tuple(s.name for s in _ALL if s.scheduled)
 PEC = tuple(s.name for s in _ALL if s.pec)
 # The profiling policy a strategy plans on (the others: the caller's choice, off by default).
 STRATEGY_PROFILE = {s.name: s.profile for s in _ALL if s.profile}
+# Send to a peer host every step, so refuse a job of one host: the scheduled
+# ones and the controls (the registry has no trait for it).
+PEER_ONLY = (*SCHEDULED, *CONTROLS)
 LABELS = {s.name: s.label for s in _ALL}
 """Each strategy's name in tables."""
 
@@ -84,7 +102,8 @@ def make_strategy(name: str, train, *, checkpointer=None, directory: Path | None
                   first_n: int | None = None, chunk_cap: int = 1 << 20,
                   chunk_path: str = "auto", span_windows: bool = True,
                   tier: str = "persistent", local_directory: Path | None = None,
-                  persist_every: int = 10) -> Strategy:
+                  persist_every: int = 10, traffic_class: str | None = None,
+                  replicas: int | None = None) -> Strategy:
     """The strategy ``name`` of this host.
 
     Args:
@@ -108,9 +127,13 @@ def make_strategy(name: str, train, *, checkpointer=None, directory: Path | None
       local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
         writes its own folder in it).
       persist_every: ``orbax_emergency``'s persistent interval, steps.
+      traffic_class, replicas: ``control``'s traffic class ("fifo" or
+        "priority") and the in-memory tier's m its peers follow; None: the
+        launcher's ``--traffic_class`` and ``--replicas`` (defaults outside one).
     """
     return build(name, BuildArgs(
         train, checkpointer, first_n=first_n, chunk_cap=chunk_cap, chunk_path=chunk_path,
         spans=None if span_windows else False,
         extra={"directory": directory, "tier": tier, "local_directory": local_directory,
-               "persist_every": persist_every}))
+               "persist_every": persist_every, "traffic_class": traffic_class,
+               "replicas": replicas}))

@@ -35,7 +35,7 @@ import capricorn_jax
 from capricorn_jax._src.memory.tier.recovery import read_rows
 from capricorn_jax._src.memory.wire.host_arrays import global_arrays
 from capricorn_jax._src.memory.wire.packing import decode_trailer, unpack
-from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES, make_strategy
+from launch.strategies import IN_MEMORY, PEC, PEER_ONLY, SCHEDULED, STRATEGIES, make_strategy
 from launch.trainer import OptimizerOptions, Trainer, make_mesh
 from models import get_config
 from tests.tree_utils import assert_trees_equal
@@ -67,10 +67,12 @@ def _build(name, trainer, root):
                          chunk_path="in_graph")
 
 
-RESTORED = [s for s in STRATEGIES if s not in SCHEDULED]
+RESTORED = [s for s in STRATEGIES if s not in PEER_ONLY]
 """Every strategy of the registry is in one of the two tests below (read from
-the registry: a new strategy is checked here without an edit); each test
-asserts the built strategy is what its spec says (scheduled or not)."""
+the registry: a new strategy is checked here without an edit), but the
+controls (``CONTROLS``: they refuse one host and save nothing; their own
+2-process test is tests/test_control.py); each test asserts the built
+strategy is what its spec says (scheduled or not)."""
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

@@ -16,8 +16,9 @@ restarts, and the run goes on from what the strategy restores:
 * blocking, orbax_async: their own restore (blocking: this host's files on
   the store root's RAM disk; orbax_async: the newest committed Orbax step in
   WORKDIR/checkpoints) resumes at the saved step with identical losses;
-* none: nothing to restore, so the restarted run starts again from step 0
-  (and, being deterministic, repeats the same losses).
+* none, and the control (``launch.control``: no checkpoint, a version's bytes
+  to the peer every step): nothing to restore, so the restarted run starts
+  again from step 0 (and, being deterministic, repeats the same losses).
 
 The runs share a JAX compilation cache, so only the first compiles the plain
 step.
@@ -28,7 +29,7 @@ import re
 
 import pytest
 
-from launch.strategies import IN_MEMORY, PEC, SCHEDULED, STRATEGIES
+from launch.strategies import CONTROLS, IN_MEMORY, PEC, SCHEDULED, STRATEGIES
 from tests.helpers import assert_no_orphans, netns_usable, run_train
 
 STEPS, KILL_AT = 8, 4
@@ -108,7 +109,7 @@ def test_strategy_saves_is_killed_and_recovers(tmp_path, cache, reference, strat
     steps = [r["step"] for r in _steps(records)]
     assert steps[-1] == STEPS - 1  # the job ran to its end after the restart
     recoveries = _events(records, "recovery")
-    if strategy == "none":
+    if strategy == "none" or strategy in CONTROLS:
         # Nothing was saved: the restarted job starts over from step 0.
         assert not recoveries and not _events(records, "checkpoint")
         assert steps == list(range(KILL_AT + 1)) + list(range(STEPS))
