@@ -116,9 +116,10 @@ class Job:
 
 def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int,
               learning_rate: float, warmup_steps: int, workload: str, shift_every: int,
-              seed: int, accelerator: str = "none", accelerator_profile: str = "") -> Job:
-    """The model, mesh, trainer and this host's data iterator (``accelerator``:
-    launch.accelerator's flags)."""
+              seed: int, accelerator: str = "none", accelerator_profile: str = "",
+              time_scale: float = 1.0) -> Job:
+    """The model, mesh, trainer and this host's data iterator (``accelerator``,
+    ``time_scale``: launch.accelerator's ``AcceleratorConfig``)."""
     import jax
 
     from launch.data import Corpus, DataIterator, DataOptions
@@ -136,7 +137,7 @@ def build_job(model: str, overrides: dict, expert_parallel_flag: int, steps: int
     corpus = None if workload == "synthetic" else Corpus.load(options.max_bytes_per_domain)
     data = DataIterator(options, host, hosts, corpus)
     trainer = Trainer(cfg, mesh, OptimizerOptions(learning_rate, warmup_steps, steps),
-                      accel.emulation(accelerator, accelerator_profile, cfg),
+                      accel.emulation(accelerator, accelerator_profile, cfg, time_scale),
                       routing_bias_table(cfg, workload, shift_every, corpus, seed))
     return Job(cfg, mesh, trainer, data, options, corpus, host, hosts)
 

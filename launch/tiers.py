@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 def memory_options(*, store_root: str, job: str, replicas: int, chunk_bytes: int,
                    replication_timeout_s: float, budget_s: float, pec: Any,
-                   traffic_class: str, channel_secret_file: str | None = None) -> Any:
+                   traffic_class: str, channel_secret_file: str | None = None,
+                   time_scale: float = 1.0) -> Any:
     """``InMemoryOptions`` from a command's checkpoint flags.
 
     Args:
@@ -30,14 +31,19 @@ def memory_options(*, store_root: str, job: str, replicas: int, chunk_bytes: int
         in the low-priority class (``LOW_PRIORITY_TOS``) and every part of a
         version at its step's start (``chunk_send="at_once"``: the class lets
         the collectives pass); "fifo" the default class, held to the windows.
+      time_scale: launch.bench's ``--time_scale`` (the step and the links
+        that many times slower): the tier's wall-clock bounds that follow the
+        step or the link, multiplied by it: the replication timeout (and so
+        the chunk channel's, 4x it), the writer timeout and the cost budget.
     """
     import capricorn_jax
 
     priority = traffic_class == "priority"
     return capricorn_jax.InMemoryOptions(
         store_root=store_root, job=job, replicas=replicas, chunk_bytes=chunk_bytes,
-        replication_timeout_s=replication_timeout_s,
-        max_wait_s=None if budget_s < 0 else budget_s, pec=pec,
+        replication_timeout_s=replication_timeout_s * time_scale,
+        writer_timeout_s=capricorn_jax.InMemoryOptions.writer_timeout_s * time_scale,
+        max_wait_s=None if budget_s < 0 else budget_s * time_scale, pec=pec,
         chunk_tos=capricorn_jax.LOW_PRIORITY_TOS if priority else 0,
         chunk_send="at_once" if priority else "windows",
         channel_secret_file=channel_secret_file)

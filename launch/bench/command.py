@@ -40,6 +40,13 @@ past ``--drift_threshold``) and its schedule is at risk; the defaults are the
 library's). A profiled step is timed like any other (issue 15: the
 published ratios before it left out capricorn's profiled steps).
 
+``--time_scale=k`` (emulated runs) dilates time: every emulated wait k times
+longer, every shaped link k times slower (``config.dilated_link``) and the
+workers' wall-clock bounds k times longer, with the same bytes: the step's
+emulated and link-bound parts last k times longer, its fixed-time work (CPU,
+GIL, the kernel's per-packet work) does not, so R would stay but for that
+work's share of none's idle link time, and points at k = 1, 2, 4 split the two.
+
 Output: a markdown table on stdout, ``--json`` (contract in DESIGN.md), and a
 PNG bar chart with ``--png``. Exits non-zero, and reports no number, when any
 host or strategy fails.
@@ -92,6 +99,12 @@ SHARED_FLAGS = {
 }
 BENCH_DEFAULTS = {"steps": 10, "dispatch": "bucketed", "pec_k": 2,
                   "store_root": "/dev/shm/capricorn_jax_bench"}
+# Wall-clock bounds of the workers (seconds at --time_scale=1; each is
+# multiplied by --time_scale): jax.distributed's heartbeat (the runtime's
+# default; the bench takes no --peer_timeout_s) and the wait for the last
+# versions' commits after the timed steps.
+PEER_TIMEOUT_S = 100.0
+CONFIRM_S = 120.0
 
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
@@ -127,6 +140,17 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
                        "Before the strategies: the link each host gets, measured with a "
                        "collective-permute of this many MiB per device, one way and as an "
                        "exchange (the JSON's \"link\"; 0: skip).", flag_values=fv)
+    flags.DEFINE_float("time_scale", 1.0,
+                       "Time dilation, k >= 1 (k != 1 needs --accelerator=emulated): every "
+                       "emulated wait k times longer and every shaped link's rate divided by k "
+                       "(its latency k times longer, its bucket the same bytes), and the "
+                       "bench's wall-clock bounds that follow the step or the link (--timeout_s, "
+                       "the in-memory tier's timeouts and --ckpt_budget, the peer timeout, its "
+                       "own waits) k times longer. The bytes stay and the step's emulated and "
+                       "link-bound parts last k times longer, its fixed-time work (CPU, GIL, "
+                       "the kernel's per-packet work) does not: points at k = 1, 2, 4 split "
+                       "the two (R would stay but for that work's share of the idle link "
+                       "time). The JSON's \"time_scale\".", flag_values=fv)
     return fv
 
 
@@ -142,7 +166,7 @@ def _checkpointer(name: str, job, config: BenchConfig):
         replication_timeout_s=config.setup.timeout_s, budget_s=config.ckpt_budget,
         pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
         if VARIANTS.get(name, name) in PEC else None,
-        traffic_class=config.setup.link.traffic_class)
+        traffic_class=config.setup.link.traffic_class, time_scale=config.setup.time_scale)
     return memory_tier(options, job.trainer, job.mesh, job.host, job.hosts)
 
 
@@ -192,11 +216,12 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
     setup = config.setup
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     runtime.init_distributed(setup.hosts, setup.coordinator, process_id,
-                             single_process="orbax_emergency" in config.strategies)
+                             single_process="orbax_emergency" in config.strategies,
+                             peer_timeout_s=PEER_TIMEOUT_S * setup.time_scale)
     job = runtime.build_job(setup.model, setup.overrides(), setup.expert_parallel,
                             config.total_steps(), 3e-3, 10, setup.workload, setup.shift_every,
                             setup.seed, setup.accelerator.accelerator,
-                            setup.accelerator.profile)
+                            setup.accelerator.profile, setup.time_scale)
     link = None
     if config.link_probe_mib > 0 and job.hosts > 1:
         from launch.link_probe import measure_link
@@ -250,7 +275,8 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                 for n in order if samples[n]), flush=True)
     for name, ckpt in ckpts.items():  # one more status round: the last versions' commits
         runner.save_index[name] = runner.save_index.get(name, 0) + 1
-        runner.committed(name, [{"newly_committed": ckpt.confirm(120).newly_committed}])
+        confirmed = ckpt.confirm(CONFIRM_S * setup.time_scale)
+        runner.committed(name, [{"newly_committed": confirmed.newly_committed}])
     ram = {}
     for name, strategy in strategies.items():
         held = float(ckpts[name].store.bytes_held()) if name in ckpts else 0.0
@@ -264,7 +290,7 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
                         "model_replan_steps": drivers[name].model_replans}
                  for name, strategy in strategies.items()
                  if (summary := strategy.schedule_summary()) is not None}
-    recovery = {name: recovery_times(ckpts[name], job, config.replicas)
+    recovery = {name: recovery_times(ckpts[name], job, config.replicas, setup.time_scale)
                 for name in strategies if name in IN_MEMORY and name not in SCHEDULED}
     for name, strategy in strategies.items():
         if name in ("blocking", "blocking_disk", "orbax_async", "orbax_emergency"):
@@ -328,8 +354,8 @@ def _run_cluster(setup: BenchSetup, workdir: Path, argv: list[str]) -> int:
     ``--store_root``), behind shaped links with --link_gbps (``launch.cluster.netns``)."""
     with links_for("bench", setup.hosts, setup.link) as network:
         return cluster_lib.run_workers("launch.bench", argv, setup.hosts,
-                                       setup.devices_per_host, workdir, setup.timeout_s,
-                                       network=network)
+                                       setup.devices_per_host, workdir,
+                                       setup.timeout_s * setup.time_scale, network=network)
 
 
 def _version_link(results: dict, link: dict, setup: BenchSetup) -> tuple[float, float | None]:
@@ -358,6 +384,20 @@ def _span_idle_share(results: dict, link: dict, setup: BenchSetup) -> float | No
     return step_stats.link_idle_share(*_version_link(results, link, setup), idle, 0.0)
 
 
+def header(config: BenchConfig) -> str:
+    """The console's first line: what runs, behind which link, at which time scale."""
+    s = config.setup
+    k = s.time_scale
+    dilation = "time scale 1"
+    if k != 1:
+        rate = f" of {s.link.gbps * k:g} Gbit/s" if s.link.shaped else ""
+        dilation = (f"time scale {k:g} (emulated waits {k:g}x longer, link rate 1/{k:g}{rate}, "
+                    f"the same bytes)")
+    return (f"bench: {','.join(config.strategies)} on {s.hosts}x{s.devices_per_host} "
+            f"({s.model}, accelerator {s.accelerator.accelerator}), link: {s.link.describe()}; "
+            f"{dilation}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:
@@ -377,6 +417,7 @@ def run(config: BenchConfig) -> None:
     if setup.process_id >= 0:
         runtime.exit_now_on_failure(bench_worker, config, setup.process_id, workdir)
         return
+    print(header(config), flush=True)
     # The run's stores in a folder of its own; what another live run stores
     # under the same root stays (launch.bench.stores: issue 50).
     stores.clear_stale(config.store_root)
@@ -434,6 +475,7 @@ def run(config: BenchConfig) -> None:
     if config.json:
         Path(config.json).write_text(json.dumps({
             "strategies": results, "config": config.record(), "bandwidth": bandwidth,
+            "time_scale": setup.time_scale,
             "link": link, "link_idle_share": share, "span_idle_share": span_share,
             "accelerator": setup.accelerator.accelerator,
             "accelerator_profile": emulated,

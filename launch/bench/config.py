@@ -22,6 +22,7 @@ exits 2. Design choice: the bench's own pair rather than ``launch.train.config``
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from absl import flags
@@ -55,6 +56,12 @@ class BenchSetup:
     shift_every: int
     accelerator: AcceleratorConfig
     routing_bias: str = "none"  # --routing_bias, resolved (launch.accelerator.resolve_routing_bias)
+
+    @property
+    def time_scale(self) -> float:
+        """``--time_scale``: the step and the links this many times slower
+        (``link`` is already the dilated one, ``dilated_link``)."""
+        return self.accelerator.time_scale
 
     def overrides(self) -> dict[str, Any]:
         """The model config's overrides (``--dispatch``, ``--global_batch``, the routing bias)."""
@@ -103,8 +110,9 @@ class BenchConfig:
         _check_strategies(strategies, fv.pec_k)  # first, as the command always did
         try:
             accelerator = AcceleratorConfig(accelerator=fv.accelerator,
-                                            profile=fv.accelerator_profile)
-            link = link_from_flags(fv)
+                                            profile=fv.accelerator_profile,
+                                            time_scale=fv.time_scale)
+            link = dilated_link(link_from_flags(fv), accelerator.time_scale)
         except ValueError as e:
             raise FlagError(str(e)) from None
         if link.shaped and fv.platform == "gpu":
@@ -163,6 +171,21 @@ class BenchConfig:
                 "ckpt_budget": self.ckpt_budget,
                 "accelerator": s.accelerator.accelerator,
                 "accelerator_profile": s.accelerator.profile, "routing_bias": s.routing_bias}
+
+
+def dilated_link(link: LinkOptions, time_scale: float) -> LinkOptions:
+    """The shaped link under ``--time_scale=k``: its rate divided by k and its
+    latency k times longer, while its token bucket holds the same bytes (the
+    default's at the undilated rate, given explicitly) and its frames stay:
+    the same bytes take k times as long, as the emulated compute does. An
+    unshaped link, or k = 1, is returned as it is."""
+    if time_scale == 1 or not link.shaped:
+        return link
+    burst_kb = link.burst_kb or link.burst_bytes() / 1000
+    if int(burst_kb * 1000) < link.burst_bytes():  # a float that lost the last byte
+        burst_kb = math.nextafter(burst_kb, math.inf)
+    return dataclasses.replace(link, gbps=link.gbps / time_scale,
+                               latency_ms=link.latency_ms * time_scale, burst_kb=burst_kb)
 
 
 def _check_strategies(strategies: tuple[str, ...], pec_k: int) -> None:

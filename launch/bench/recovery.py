@@ -21,13 +21,18 @@ if TYPE_CHECKING:
     from capricorn_jax import RestoreInfo
 
 
-def recovery_times(ckpt, job, replicas: int) -> dict:
+FINISH_S = 120.0
+"""The wait for the tier's writers before the recovery (seconds at
+``--time_scale=1``; multiplied by it)."""
+
+
+def recovery_times(ckpt, job, replicas: int, time_scale: float = 1.0) -> dict:
     """An in-memory strategy's recovery: from the local store, then from a
     peer after host 1's store is wiped (with peers and replicas > 1)."""
     import capricorn_jax
     from capricorn_jax.experimental import allgather_floats
 
-    ckpt.wait_until_finished(120)
+    ckpt.wait_until_finished(FINISH_S * time_scale)
     out = {}
     local = capricorn_jax.recover(ckpt)
     if local is None:

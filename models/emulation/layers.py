@@ -10,6 +10,10 @@ all-to-alls, and replaces its heavy compute with a native wait
   profile's balanced time scaled by this step's real load: the busiest local
   expert's received tokens over the balanced share (``expert_scale``).
 
+Time dilation (launch.bench's ``--time_scale=k``): every wait k times the
+profile's (``Emulation.of``), while the links run k times slower: the step's
+emulated and link-bound parts last k times longer, with the same bytes.
+
 What the emulated step still computes, so that training stays deterministic,
 recovery is checked bit for bit and the optimizer updates every byte of the
 state: embeddings, layer norms, routing, dispatch, combine, logits and loss
@@ -22,6 +26,7 @@ real matmuls.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +53,24 @@ class Emulation:
     layers: tuple[LayerTimes, ...]
 
     @classmethod
-    def of(cls, profile: AcceleratorProfile, moe: tuple[bool, ...]) -> Emulation:
+    def of(cls, profile: AcceleratorProfile, moe: tuple[bool, ...],
+           time_scale: float = 1.0) -> Emulation:
         """The profile on a model whose layer i is MoE where ``moe[i]``; a dense
         layer of the model takes its group's expert time as dense time (it has
-        no experts to wait in), so the step's total is kept."""
+        no experts to wait in), so the step's total is kept. ``time_scale``
+        (``--time_scale``, >= 1): every wait that many times longer."""
+        if not (math.isfinite(time_scale) and time_scale >= 1):
+            raise ValueError(f"time_scale must be a finite number >= 1, got {time_scale}")
         native.register()
-        return cls(profile.name, profile.on_layers(moe))
+        layers = profile.on_layers(moe)
+        if time_scale != 1:
+            layers = tuple(t.dilated(time_scale) for t in layers)
+        return cls(profile.name, layers)
 
     @classmethod
-    def for_config(cls, profile: AcceleratorProfile, cfg) -> Emulation:
-        """The profile on a ``models.config.ModelConfig``."""
-        return cls.of(profile, tuple(cfg.is_moe(i) for i in range(cfg.n_layers)))
+    def for_config(cls, profile: AcceleratorProfile, cfg, time_scale: float = 1.0) -> Emulation:
+        """The profile on a ``models.config.ModelConfig`` (``time_scale``: as ``of``)."""
+        return cls.of(profile, tuple(cfg.is_moe(i) for i in range(cfg.n_layers)), time_scale)
 
     def step_ms(self, scales: dict[int, float] | None = None) -> float:
         """The emulated compute of one step (expert parts at ``scales``, default 1)."""

@@ -80,6 +80,12 @@ class LayerTimes:
         """Forward plus backward at balanced load."""
         return sum(getattr(self, name) for name in _FIELDS)
 
+    def dilated(self, time_scale: float) -> LayerTimes:
+        """This layer's compute ``time_scale`` times longer (every ``*_ms``
+        field; its bytes unchanged): the emulation under ``--time_scale``."""
+        return dataclasses.replace(self, **{name: getattr(self, name) * time_scale
+                                            for name in _FIELDS})
+
 
 @dataclasses.dataclass(frozen=True)
 class AcceleratorProfile:
