@@ -557,27 +557,16 @@ class BulkControl(Strategy):
                 "traffic_class": self.traffic_class}
 
 
-def _flag(name: str, default: Any) -> Any:
-    """A launcher's parsed flag (launch.train's and launch.bench's workers
-    parse ``--traffic_class`` and ``--replicas``; a launcher that dilates
-    time, ``--time_scale``), else ``default``."""
-    from absl import flags
-
-    try:
-        return getattr(flags.FLAGS, name)
-    except (AttributeError, flags.Error):
-        return default
-
-
 def build(args: Any) -> BulkControl:
     """The registry's builder (``launch.strategies``): ``args.extra``'s
-    ``traffic_class`` and ``replicas`` when given, else the launcher's flags;
-    its bounds follow the link, so a ``--time_scale`` of k makes them k times
-    longer."""
+    ``traffic_class`` (default fifo), ``replicas`` (default 2) and
+    ``time_scale`` (default 1): its bounds follow the link, so a time scale
+    of k makes them k times longer. The launchers pass all three from their
+    parsed configs (a strategy reads no flag: ``tests/test_launch_flags.py``)."""
     extra = args.extra
-    traffic = extra.get("traffic_class") or _flag("traffic_class", "fifo")
-    replicas = extra.get("replicas") or _flag("replicas", 2)
-    scale = max(1.0, float(_flag("time_scale", 1.0)))
+    traffic = extra.get("traffic_class") or "fifo"
+    replicas = extra.get("replicas") or 2
+    scale = max(1.0, float(extra.get("time_scale") or 1.0))
     return BulkControl(args.train, traffic_class=traffic, replicas=int(replicas),
                        drain_timeout_s=DRAIN_TIMEOUT_S * scale,
                        timeout_s=CONNECT_TIMEOUT_S * scale)

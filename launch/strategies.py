@@ -103,7 +103,7 @@ def make_strategy(name: str, train, *, checkpointer=None, directory: Path | None
                   chunk_path: str = "auto", span_windows: bool = True,
                   tier: str = "persistent", local_directory: Path | None = None,
                   persist_every: int = 10, traffic_class: str | None = None,
-                  replicas: int | None = None) -> Strategy:
+                  replicas: int | None = None, time_scale: float = 1.0) -> Strategy:
     """The strategy ``name`` of this host.
 
     Args:
@@ -127,13 +127,13 @@ def make_strategy(name: str, train, *, checkpointer=None, directory: Path | None
       local_directory: ``orbax_emergency``'s local tier (a RAM disk; each host
         writes its own folder in it).
       persist_every: ``orbax_emergency``'s persistent interval, steps.
-      traffic_class, replicas: ``control``'s traffic class ("fifo" or
-        "priority") and the in-memory tier's m its peers follow; None: the
-        launcher's ``--traffic_class`` and ``--replicas`` (defaults outside one).
+      traffic_class, replicas, time_scale: ``control``'s traffic class
+        ("fifo" or "priority"), the in-memory tier's m its peers follow and
+        the bench's ``--time_scale`` (its bounds scale with it); None: fifo, 2.
     """
     return build(name, BuildArgs(
         train, checkpointer, first_n=first_n, chunk_cap=chunk_cap, chunk_path=chunk_path,
         spans=None if span_windows else False,
         extra={"directory": directory, "tier": tier, "local_directory": local_directory,
                "persist_every": persist_every, "traffic_class": traffic_class,
-               "replicas": replicas}))
+               "replicas": replicas, "time_scale": time_scale}))

@@ -195,7 +195,9 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
             chunk_cap=config.chunk_bytes, chunk_path=config.chunk_path_of(name),
             span_windows=not name.endswith("_layers"), tier="local",
             local_directory=ram / "orbax_local",
-            persist_every=config.persist_every or 10)
+            persist_every=config.persist_every or 10,
+            traffic_class=config.setup.link.traffic_class, replicas=config.replicas,
+            time_scale=config.setup.time_scale)
         strategies[name].name = name  # a variant's row keeps its own name
         options = capricorn_jax.ProfilingOptions(
             capricorn_jax.ProfilePolicy(STRATEGY_PROFILE.get(base, "off")),

@@ -63,7 +63,8 @@ def _make_strategy(config: Config, trainer, ckpt, host: int) -> capricorn_jax.St
                          chunk_path=c.chunk_path,
                          # Its local tier on the RAM disk, beside the stores.
                          local_directory=c.job_root / "orbax_local",
-                         persist_every=c.persist_every or 10)
+                         persist_every=c.persist_every or 10,
+                         traffic_class=config.cluster.traffic_class, replicas=c.replicas)
 
 
 def _make_driver(config: Config, trainer, strategy) -> capricorn_jax.ProfilingDriver:
