@@ -95,8 +95,8 @@ _spec("float", "link_latency_ms", 0.0,
                    "--link_gbps.")
 _spec("float", "link_burst_kb", 0.0,
                    "The shaped links' token bucket (tc tbf burst), KB a host may send at "
-                   "loopback speed after an idle spell; 0 = max(256 KB, 2 ms of the rate). "
-                   "A real link's is a frame or two; needs --link_gbps.")
+                   "loopback speed after an idle spell; 0 = one frame (the MTU and the "
+                   "Ethernet header), as a real link; needs --link_gbps.")
 _spec("integer", "link_mtu", 0,
                      "The shaped links' frame size in bytes (the veths' MTU; 1280..65000); "
                      "0 = the kernel's 1500. Jumbo frames (9000) cut the per-byte kernel work "

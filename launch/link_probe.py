@@ -12,8 +12,10 @@ Each repetition starts at a barrier and ends when the slowest host has its
 output; the first call (compilation) is left out. The rate is the bytes one
 host sends divided by the median time, in Gbit/s (1e9 bits). With
 ``--link_gbps`` the shaped rate is what a host may send (and receive) per
-direction, so both figures are comparable to the flag; tc's token bucket and
-TCP's ramp usually give less than the nominal rate, which is why the bench
+direction, so both figures are comparable to the flag; the frames' headers,
+TCP's ramp and tc's one-frame token bucket (each frame waits for a kernel
+timer, whose lateness is lost: ``launch.cluster.netns.LinkOptions``) give less
+than the nominal rate, the more so the faster the link, which is why the bench
 records the measured figure beside the requested one.
 """
 

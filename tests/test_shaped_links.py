@@ -32,8 +32,11 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": float("nan")}, "--link_gbps"),
     ({"gbps": 1.0, "latency_ms": -2.0}, "--link_latency_ms"),
     ({"gbps": 0.0, "latency_ms": 2.0}, "--link_latency_ms needs --link_gbps"),
-    ({"gbps": 1.0, "burst_kb": 1.0}, "--link_burst_kb must be 0 .* or >= 2 .*got 1.0"),
+    ({"gbps": 1.0, "burst_kb": 1.0}, "--link_burst_kb must be 0 \\(one frame\\) or hold one frame "
+     "of 1514 bytes \\(the kernel's MTU 1500 and the Ethernet header\\), got 1.0"),
     ({"gbps": 1.0, "burst_kb": -3.0}, "--link_burst_kb must be"),
+    ({"gbps": 1.0, "burst_kb": float("nan")}, "--link_burst_kb must be .*got nan"),
+    ({"gbps": 1.0, "burst_kb": float("inf")}, "--link_burst_kb must be .*got inf"),
     ({"gbps": 0.0, "burst_kb": 20.0}, "--link_burst_kb needs --link_gbps"),
     ({"gbps": 1.0, "traffic_class": "wfq"}, "--traffic_class must be one of fifo, priority"),
     ({"gbps": 0.0, "traffic_class": "priority"}, "--traffic_class=priority needs --link_gbps"),
@@ -43,7 +46,7 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": 1.0, "mtu": 1000}, "--link_mtu must be 0 .* or in 1280..65000, got 1000"),
     ({"gbps": 1.0, "mtu": 70000}, "--link_mtu must be .*got 70000"),
     ({"gbps": 1.0, "burst_kb": 5, "mtu": 9000},
-     "--link_mtu=9000: the tbf bucket \\(5000 bytes\\) must hold one frame of 9014 bytes"),
+     "--link_burst_kb must be .* one frame of 9014 bytes \\(--link_mtu=9000 and .*got 5"),
 ])
 def test_bad_link_options_name_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -57,9 +60,10 @@ def test_unshaped_is_the_default():
 
 
 def test_the_bucket_is_the_flag_or_the_default():
-    # Default: at least 256 KB, else 2 ms of the rate (8 Gbit/s: 1 GB/s -> 2 MB).
-    assert netns.LinkOptions(gbps=0.154).burst_bytes() == 256 << 10
-    assert netns.LinkOptions(gbps=8.0).burst_bytes() == 2_000_000
+    # Default: one frame at the link's MTU, whatever the rate (tests/test_link_shaping.py).
+    assert netns.LinkOptions(gbps=0.154).burst_bytes() == 1514
+    assert netns.LinkOptions(gbps=8.0, mtu=9000).burst_bytes() == 9014
+    assert netns.LinkOptions(gbps=0.1, burst_kb=1.514).burst_bytes() == 1514  # the smallest
     small = netns.LinkOptions(gbps=0.154, burst_kb=20)
     assert small.burst_bytes() == 20_000
     assert small.describe() == "0.154 Gbit/s each way per host, a 20 KB bucket"
@@ -96,14 +100,26 @@ def test_the_traffic_class_is_recorded_and_described():
 
 @needs_root
 def test_priority_links_put_a_priority_queue_under_each_tbf():
+    """Both ends of every link: two bands under the tbf, the second for the
+    frames whose TOS byte is the checkpoint's (tests/test_link_shaping.py
+    measures what that does)."""
     with netns.ShapedNetwork(2, netns.LinkOptions(gbps=0.25, burst_kb=20,
                                                   traffic_class="priority")) as net:
         for h in range(2):
-            for ns, dev in ((net.host_namespace(h), "eth0"), (net.switch, f"h{h}")):
-                shown = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],
-                                       capture_output=True, text=True, check=True).stdout
-                assert "tbf" in shown and "pfifo_fast 10:" in shown and "parent 1:1" in shown, \
-                    shown
+            for ns, dev in net.shapers(h):
+                def show(what, *args, ns=ns, dev=dev):
+                    return subprocess.run(["tc", "-n", ns, what, "show", "dev", dev, *args],
+                                          capture_output=True, text=True, check=True).stdout
+                qdiscs = show("qdisc")
+                assert "tbf 1: root" in qdiscs and "htb 10: parent 1:1" in qdiscs, qdiscs
+                assert "pfifo 11: parent 10:1" in qdiscs and "pfifo 12: parent 10:2" in qdiscs, \
+                    qdiscs
+                classes = show("class")
+                assert "htb 10:1 root leaf 11: prio 0" in classes, classes
+                assert "htb 10:2 root leaf 12: prio 1" in classes, classes
+                filters = show("filter", "parent", "10:")
+                assert "flowid 10:2" in filters and "match 00080000/00fc0000 at 0" in filters, \
+                    filters
 
 
 @needs_root

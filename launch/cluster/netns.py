@@ -11,8 +11,10 @@ Layout of one job (names carry the supervisor's pid: ``cjx<pid>``):
 - ``cjx<pid>h<i>``: host i's namespace; its veth ``eth0`` (address
   ``10.93.0.<i+1>/24``) is paired with ``h<i>`` in the switch, a bridge port;
 - a ``tbf`` qdisc on ``eth0`` (what host i sends) and on ``h<i>`` (what it
-  receives) at the rate asked for; ``--link_latency_ms`` adds a ``netem`` delay
-  (half on each end) where the kernel has netem;
+  receives) at the rate asked for, its bucket one frame (``LinkOptions``);
+  ``--link_latency_ms`` adds a ``netem`` delay (half on each end) where the
+  kernel has netem; ``--traffic_class=priority`` puts a strict-priority child
+  under each tbf that sorts by the IP header's TOS byte (``shaper_commands``);
 - ``/etc/netns/cjx<pid>h<i>/hosts`` maps this machine's hostname to host i's
   address: gloo advertises the address its hostname resolves to, and
   ``ip netns exec`` bind-mounts that file over /etc/hosts for the worker.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -48,20 +51,24 @@ NETNS_ETC = Path("/etc/netns")
 _NAME = re.compile(rf"{PREFIX}(\d+)([sh]\d*)$")
 
 
-MIN_BURST_KB = 2.0
-"""The smallest bucket: one full Ethernet frame with its headers (a larger GSO
-packet is split by tbf into frames)."""
 KERNEL_MTU = 1500
 """A veth's frame size unless ``--link_mtu`` sets one."""
 MTU_RANGE = (1280, 65000)
 """``--link_mtu``: IPv6's minimum to what a veth takes with headroom to spare."""
 ETHERNET_HEADER = 14
+"""The bytes tbf counts in a frame beyond the MTU (the Ethernet header, no FCS)."""
 TRAFFIC_CLASSES = ("fifo", "priority")
 """``--traffic_class``: one queue per link, or checkpoint bytes behind the rest."""
-DEFAULT_BURST_FLOOR = 256 << 10
-DEFAULT_BURST_S = 2e-3
-"""The default bucket: at least 256 KB (a few GSO segments of a veth), else
-2 ms of the rate; every run before ``--link_burst_kb`` used it."""
+TOS_MASK = 0xFC
+"""The TOS byte less its two ECN bits (which TCP may set on any segment): the
+priority child matches ``capricorn_jax.LOW_PRIORITY_TOS`` under this mask."""
+PRIORITY_BAND_PACKETS = 1000
+"""Each band's queue under ``--traffic_class=priority``, in frames: what
+``pfifo_fast`` held per band (a veth's txqueuelen) before the bands sorted by TOS."""
+BAND_RATE = "100gbit"
+"""The priority child's classes' own rate and bucket: far above what a veth
+here carries, so that they only order frames and the tbf above them sets the rate."""
+BAND_BURST = "1mb"
 
 
 class LinkError(RuntimeError):
@@ -73,8 +80,7 @@ class LinkOptions:
     """A simulated host's link: ``gbps`` each way (0: unshaped loopback),
     ``latency_ms`` one way between two hosts (needs netem), and ``burst_kb``,
     the tbf bucket: how many KB a host may send at the machine's own speed
-    after an idle spell (0: the default, ``DEFAULT_BURST_FLOOR`` or
-    ``DEFAULT_BURST_S`` of the rate, whichever is larger).
+    after an idle spell (0: the default, one frame: ``frame_bytes``).
 
     ``mtu``: the veths' frame size (0: the kernel's 1500). tbf splits every
     GSO packet into frames of it, and each frame costs the hosts' shared cores
@@ -83,12 +89,22 @@ class LinkOptions:
     emulation's share of the cores that a real NIC would take off them.
 
     The bucket matters to this project's question: a real link has no credit
-    beyond a frame or two, while a large bucket lets the bytes that follow an
-    idle spell (here: the next all-to-all) pass at loopback speed, so any
-    checkpoint byte sent in that idle spell costs the all-to-all its free
-    ride (measured 2026-12-04 on the emulated 2x2 run at 0.154 Gbit/s: none's
-    all-to-alls took 128 ms per step with the 256 KB bucket, 220 ms with
-    20 KB).
+    beyond the frame on the wire, while a large bucket lets the bytes that
+    follow an idle spell (here: the next all-to-all) pass at loopback speed,
+    so any checkpoint byte sent in that idle spell costs the all-to-all its
+    free ride and a strategy that sends in idle time looks cheaper than it
+    would be on a real link. The default was max(256 KB, 2 ms of the rate)
+    up to 0.20.0 (measured 2026-12-04 on the emulated 2x2 run at
+    0.154 Gbit/s: none's all-to-alls took 128 ms per step with the 256 KB
+    bucket, 220 ms with 20 KB; BUILD_NOTES.md "Shaped links"); it is now
+    one frame, and ``--link_burst_kb`` sets another for an experiment. The
+    price of one frame: tbf keeps no credit beyond its bucket, so the time
+    between a frame's due time and the hrtimer that sends it is lost on
+    every frame, a larger share of a frame's time the faster the link
+    (``launch.link_probe`` one way on a loaded 2-core VM whose timers fire
+    15-20 us late, 2026-12-06: 0.082 of 0.1 Gbit/s, 0.21 of 0.3, 0.41 of
+    1.0; with ``--link_mtu=9000``, a sixth as many frames: 0.096, 0.27,
+    0.82). The bench records the measured rate beside the requested one.
     """
 
     gbps: float = 0.0
@@ -104,21 +120,21 @@ class LinkOptions:
             raise ValueError(f"--link_latency_ms must be >= 0, got {self.latency_ms}")
         if self.latency_ms and not self.gbps:
             raise ValueError("--link_latency_ms needs --link_gbps > 0 (the hosts' own links)")
-        if not (self.burst_kb == 0 or self.burst_kb >= MIN_BURST_KB):
-            raise ValueError(f"--link_burst_kb must be 0 (the default bucket) or >= "
-                             f"{MIN_BURST_KB:g} (one full frame), got {self.burst_kb}")
-        if self.burst_kb and not self.gbps:
-            raise ValueError("--link_burst_kb needs --link_gbps > 0 (the hosts' own links)")
         if self.mtu:
             if not self.gbps:
                 raise ValueError("--link_mtu needs --link_gbps > 0 (the hosts' own links)")
             if not MTU_RANGE[0] <= self.mtu <= MTU_RANGE[1]:
                 raise ValueError(f"--link_mtu must be 0 (the kernel's 1500) or in "
                                  f"{MTU_RANGE[0]}..{MTU_RANGE[1]}, got {self.mtu}")
-            if self.burst_bytes() < self.mtu + ETHERNET_HEADER:
-                raise ValueError(f"--link_mtu={self.mtu}: the tbf bucket "
-                                 f"({self.burst_bytes()} bytes) must hold one frame of "
-                                 f"{self.mtu + ETHERNET_HEADER} bytes; raise --link_burst_kb")
+        if self.burst_kb != 0 and not (math.isfinite(self.burst_kb)
+                                       and round(self.burst_kb * 1000) >= self.frame_bytes()):
+            # A bucket smaller than a frame never sends it: tbf drops the frame.
+            mtu = f"--link_mtu={self.mtu}" if self.mtu else f"the kernel's MTU {KERNEL_MTU}"
+            raise ValueError(f"--link_burst_kb must be 0 (one frame) or hold one frame of "
+                             f"{self.frame_bytes()} bytes ({mtu} and the Ethernet header), "
+                             f"got {self.burst_kb}")
+        if self.burst_kb and not self.gbps:
+            raise ValueError("--link_burst_kb needs --link_gbps > 0 (the hosts' own links)")
         if self.traffic_class not in TRAFFIC_CLASSES:
             raise ValueError(f"--traffic_class must be one of {', '.join(TRAFFIC_CLASSES)}, "
                              f"got {self.traffic_class!r}")
@@ -127,17 +143,23 @@ class LinkOptions:
                              "queue sits on the hosts' shaped links)")
         if self.traffic_class == "priority" and self.latency_ms:
             raise ValueError("--traffic_class=priority and --link_latency_ms both need the "
-                             "link's one child queue (pfifo_fast, netem): use one of them")
+                             "link's one child queue (the priority bands, netem): use one "
+                             "of them")
 
     @property
     def shaped(self) -> bool:
         return self.gbps > 0
 
+    def frame_bytes(self) -> int:
+        """One full frame on the link as tbf counts it: the MTU and the Ethernet header."""
+        return (self.mtu or KERNEL_MTU) + ETHERNET_HEADER
+
     def burst_bytes(self) -> int:
-        """The tbf bucket in bytes: ``burst_kb``, or the default (see the class)."""
+        """The tbf bucket in bytes: ``burst_kb``, or the default, one frame
+        (``frame_bytes``; see the class)."""
         if self.burst_kb:
-            return int(self.burst_kb * 1000)
-        return max(DEFAULT_BURST_FLOOR, int(self.gbps * 1e9 / 8 * DEFAULT_BURST_S))
+            return round(self.burst_kb * 1000)  # a float's lost last byte kept
+        return self.frame_bytes()
 
     def record(self) -> dict:
         """What was asked for, as the JSONs of the bench and the link probe hold it."""
@@ -279,22 +301,59 @@ def check_available(options: LinkOptions) -> None:
         _delete(probe)
 
 
-def _tbf(namespace: str, dev: str, options: LinkOptions, verb: str = "add",
-         gbps: float | None = None) -> None:
-    burst = options.burst_bytes()
+def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = "add",
+                    gbps: float | None = None) -> list[list[str]]:
+    """The ``tc`` commands (argv lists, run in order) that shape ``dev`` in
+    ``namespace``: a tbf of the link's rate (``gbps``: another rate) and
+    bucket (``LinkOptions.burst_bytes``, a queue of 100 ms), and under it, for
+    ``verb="add"``, the netem delay or the priority child. ``verb="change"``:
+    the tbf's rate alone, its child kept.
+
+    The priority child (``--traffic_class=priority``) is an htb of two classes
+    that only order frames (``BAND_RATE``): 10:1, first, for everything, and
+    10:2 for the frames whose IP header carries TOS
+    ``capricorn_jax.LOW_PRIORITY_TOS`` (a ``u32`` filter on the header's byte,
+    under ``TOS_MASK``); each a FIFO of ``PRIORITY_BAND_PACKETS`` frames. It
+    reads the packet itself, so both ends of a link sort alike: ``pfifo_fast``,
+    used before, sorts by ``skb->priority``, which the sender's socket sets
+    from its TOS and the veth clears as a frame crosses into the switch, so
+    the receiving end (``h<i>``) was one FIFO. A frame of the low class that
+    tbf already holds (it peeks at the child) still leaves first: a frame of
+    the high class waits for at most one low frame per shaper. (An htb rather
+    than ``prio``: some kernels, this project's test machines among them,
+    build htb and not prio.)
+    """
+    if verb not in ("add", "change"):
+        raise ValueError(f"shaper_commands: verb must be 'add' or 'change', got {verb!r}")
     rate = options.gbps if gbps is None else gbps
-    _run("tc", "-n", namespace, "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf",
-         "rate", f"{rate * 1000:g}mbit", "burst", str(burst), "latency", "100ms")
+    if not rate > 0:
+        raise ValueError(f"shaper_commands: the rate must be > 0 Gbit/s, got {rate}")
+    tc = ["tc", "-n", namespace]
+    commands = [[*tc, "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf",
+                 "rate", f"{rate * 1000:g}mbit", "burst", str(options.burst_bytes()),
+                 "latency", "100ms"]]
     if verb != "add":
-        return
+        return commands
     if options.latency_ms:
-        _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-             "netem", "delay", f"{options.latency_ms / 2:g}ms")
+        commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                         "netem", "delay", f"{options.latency_ms / 2:g}ms"])
     elif options.traffic_class == "priority":
-        # Three bands by the packets' TOS-derived priority: the collectives
-        # (default class) leave before any queued checkpoint byte (TOS 0x08).
-        _run("tc", "-n", namespace, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-             "pfifo_fast")
+        from capricorn_jax import LOW_PRIORITY_TOS
+
+        commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                         "htb", "default", "1"])
+        for band in (1, 2):
+            commands.append([*tc, "class", "add", "dev", dev, "parent", "10:",
+                             "classid", f"10:{band}", "htb", "rate", BAND_RATE,
+                             "burst", BAND_BURST, "cburst", BAND_BURST, "prio", str(band - 1),
+                             "quantum", str(options.frame_bytes())])
+            commands.append([*tc, "qdisc", "add", "dev", dev, "parent", f"10:{band}",
+                             "handle", f"1{band}:", "pfifo", "limit",
+                             str(PRIORITY_BAND_PACKETS)])
+        commands.append([*tc, "filter", "add", "dev", dev, "parent", "10:", "protocol", "ip",
+                         "prio", "1", "u32", "match", "ip", "tos", f"{LOW_PRIORITY_TOS:#04x}",
+                         f"{TOS_MASK:#04x}", "flowid", "10:2"])
+    return commands
 
 
 class ShapedNetwork:
@@ -322,6 +381,17 @@ class ShapedNetwork:
 
     def command_prefix(self, host: int) -> list[str]:
         return ["ip", "netns", "exec", self.host_namespace(host)]
+
+    def shapers(self, host: int) -> list[tuple[str, str]]:
+        """Host ``host``'s two shapers as (namespace, device): what it sends
+        (``eth0`` in its namespace), what it receives (``h<i>`` in the switch's)."""
+        return [(self.host_namespace(host), "eth0"), (self.switch, f"h{host}")]
+
+    def shaper_commands(self, host: int, verb: str = "add",
+                        gbps: float | None = None) -> list[list[str]]:
+        """The ``tc`` commands of both of host ``host``'s shapers (``shaper_commands``)."""
+        return [argv for namespace, dev in self.shapers(host)
+                for argv in shaper_commands(namespace, dev, self.options, verb, gbps)]
 
     def open(self) -> ShapedNetwork:
         check_available(self.options)
@@ -357,8 +427,8 @@ class ShapedNetwork:
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", self.switch, "link", "set", f"h{host}", "master", "br0")
             _run("ip", "-n", self.switch, "link", "set", f"h{host}", "up")
-            _tbf(ns, "eth0", self.options)
-            _tbf(self.switch, f"h{host}", self.options)
+            for argv in self.shaper_commands(host):
+                _run(*argv)
             etc = NETNS_ETC / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.address(host)} {hostname}\n")
@@ -370,8 +440,8 @@ class ShapedNetwork:
 
     def set_rate(self, host: int, gbps: float | None = None) -> None:
         """Host ``host``'s link rate, both ways (None: the job's own rate)."""
-        _tbf(self.host_namespace(host), "eth0", self.options, "change", gbps)
-        _tbf(self.switch, f"h{host}", self.options, "change", gbps)
+        for argv in self.shaper_commands(host, "change", gbps):
+            _run(*argv)
 
     def close(self) -> None:
         remove_job(self.job)
