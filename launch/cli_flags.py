@@ -104,7 +104,8 @@ _spec("integer", "link_mtu", 0,
 _spec("enum", "traffic_class", "fifo", ["fifo", "priority"],
       "fifo: the shaped links are one first-in-first-out queue (the paper's premise); "
       "priority: the checkpoint's chunk channel sends as a low-priority class (IP TOS 0x08) "
-      "and each shaped link gets a priority queue under its tbf (pfifo_fast), so a "
+      "and both shapers of each link (what a host sends, what it receives) classify by "
+      "that TOS byte into two bands under their tbf, so a "
       "collective waits for at most a frame of checkpoint bytes, and gemini and capricorn "
       "send each version whole at its step's start; needs --link_gbps.")
 

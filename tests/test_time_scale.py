@@ -99,11 +99,11 @@ def test_the_shaped_links_rate_is_divided_by_k(tmp_path, k):
     link, plain = cfg.setup.link, LinkOptions(gbps=0.154, latency_ms=1.5)
     assert cfg.setup.time_scale == k
     assert link.gbps == 0.154 / k and link.latency_ms == 1.5 * k
-    # The bucket holds the same bytes (the default one made explicit), frames as asked.
-    assert link.burst_bytes() == plain.burst_bytes() and link.mtu == 0
-    # An explicit bucket, frames and a large rate's default bucket (2 ms of the rate).
+    # The bucket holds the same bytes (the default: one frame), frames as asked.
+    assert link.burst_bytes() == plain.burst_bytes() == 1514 and link.mtu == 0
+    # An explicit bucket, and jumbo frames' default bucket (one 9014-byte frame).
     big = bench_config.dilated_link(LinkOptions(gbps=8.0, mtu=9000), k)
-    assert big.gbps == 8.0 / k and big.burst_bytes() == 2_000_000 and big.mtu == 9000
+    assert big.gbps == 8.0 / k and big.burst_bytes() == 9014 and big.mtu == 9000
     given = bench_config.dilated_link(LinkOptions(gbps=0.2, burst_kb=20), k)
     assert given.burst_kb == 20 and given.gbps == 0.2 / k
     # Unshaped loopback stays unshaped; k = 1 leaves the link as asked.
@@ -143,7 +143,7 @@ def _run_point(tmp_path, k: float) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI: tests/test_bench.py's long-run contract runs it too
 @pytest.mark.multiprocess
 @needs_root
 def test_a_dilated_run_keeps_the_bytes_and_halves_the_measured_link(tmp_path):

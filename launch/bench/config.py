@@ -22,7 +22,6 @@ exits 2. Design choice: the bench's own pair rather than ``launch.train.config``
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from absl import flags
@@ -176,16 +175,13 @@ class BenchConfig:
 def dilated_link(link: LinkOptions, time_scale: float) -> LinkOptions:
     """The shaped link under ``--time_scale=k``: its rate divided by k and its
     latency k times longer, while its token bucket holds the same bytes (the
-    default's at the undilated rate, given explicitly) and its frames stay:
-    the same bytes take k times as long, as the emulated compute does. An
-    unshaped link, or k = 1, is returned as it is."""
+    default, one frame, does whatever the rate; an explicit ``burst_kb`` is
+    kept) and its frames stay: the same bytes take k times as long, as the
+    emulated compute does. An unshaped link, or k = 1, is returned as it is."""
     if time_scale == 1 or not link.shaped:
         return link
-    burst_kb = link.burst_kb or link.burst_bytes() / 1000
-    if int(burst_kb * 1000) < link.burst_bytes():  # a float that lost the last byte
-        burst_kb = math.nextafter(burst_kb, math.inf)
     return dataclasses.replace(link, gbps=link.gbps / time_scale,
-                               latency_ms=link.latency_ms * time_scale, burst_kb=burst_kb)
+                               latency_ms=link.latency_ms * time_scale)
 
 
 def _check_strategies(strategies: tuple[str, ...], pec_k: int) -> None:
