@@ -13,6 +13,7 @@ module for the command and its loop, past the size a reader holds.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from launch.bench import step_stats
 from launch.cluster import cpu_account
@@ -56,7 +57,7 @@ class Runner:
         # strategy -> per timed step, seconds the training thread spent in the
         # step call and in the strategy's save (launch.bench.step_stats.blocked);
         # and the emulated windows' check records (step_stats.emulation_errors).
-        self.blocked: dict[str, list[dict[str, float]]] = {}
+        self.blocked: dict[str, list[dict[str, Any]]] = {}
         self.emulation: dict[str, list[dict]] = {}
         # ``every_step``: the probe rides on every step (but the profiled ones
         # of a strategy that profiles with an instrumented variant; one whose
@@ -169,7 +170,7 @@ class Runner:
                 if self.record:
                     self.blocked.setdefault(strategy.name, []).append(
                         {"step": t_stepped - t0, "save": t_saved - t_stepped,
-                         "phases": phases,
+                         "phases": {**phases, "observe": driver.observe_s},
                          "steady": run.profile is None and not compiled})
                 if self.record:  # the timed repetitions, as the step times
                     used = cpu_account.delta(cpu_before, cpu_account.sample())

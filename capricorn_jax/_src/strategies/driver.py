@@ -14,6 +14,7 @@ of ``strategies.base``, an upward arrow between the floors.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,10 @@ class ProfilingDriver:
         no estimate of that traffic.
 
     Attributes:
+      observe_s: the last step's seconds in the driver after its program
+        returned (the detector's and the profile cache's decisions and the
+        strategy's re-plans: work on the training thread between two steps;
+        the bench's ``blocked_ms`` ``phase.observe``).
       profile_next: whether the next step this driver runs is profiled.
       profiled_steps: every profiled step, cold ones too.
       cache_replans: the steps after which the strategy re-planned from a
@@ -99,6 +104,7 @@ class ProfilingDriver:
                            if options.policy is ProfilePolicy.FIRST_N else None)
         self.decision: Decision | None = None  # the detector's, about the previous step
         self.steps_run = 0
+        self.observe_s = 0.0  # the last step's time in ``_observe`` (detector, re-plans)
         self.profiled_steps: list[int] = []
         self._variants: set[tuple[float, ...]] = set()  # profiled variants run here
         self._reprofile = False
@@ -143,8 +149,12 @@ class ProfilingDriver:
         else:
             compiled = not self.strategy.has_step(self.train, step, factors, hooks)
             state, metrics = self.strategy.run_step(self.train, step, factors, state, batch, hooks)
+        observed = time.perf_counter()
         events = self._observe(step, factors, metrics, profile, compiled)
         self.steps_run += 1
+        # The training thread's time in the detector and the strategy's
+        # planning after the step (its re-plans among it): on the timed path.
+        self.observe_s = time.perf_counter() - observed
         self.profile_next = self._decide_next()
         return StepOutcome(state, metrics, profile, compiled, tuple(events))
 
