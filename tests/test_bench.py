@@ -140,13 +140,15 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     behind shaped links: the three numbers per strategy, per timed step the
     windows' byte records and every collective, and none's warm-up treated
     like the others' (its own compile, although inmem compiled the same
-    program before it)."""
+    program before it). The control (the emulator's floor) moves inmem's
+    bytes with no checkpoint; the same point at ``--time_scale=2`` keeps the
+    bytes and halves the measured link (``tests/test_time_scale.py``)."""
     out = tmp_path / "bench.json"
-    proc = _bench("--strategies=inmem,none,capricorn", "--accelerator=emulated", "--hosts=2",
-                  "--devices_per_host=2", "--workload=dynamic", "--shift_every=4", "--steps=6",
-                  "--reps=1", "--warmup=3", "--link_gbps=0.126", "--link_burst_kb=20",
-                  "--bandwidth_mib=0", "--link_probe_mib=1", f"--store_root={tmp_path / 'shm'}",
-                  f"--workdir={tmp_path / 'w'}", f"--json={out}", timeout=900)
+    point = ("--accelerator=emulated", "--hosts=2", "--devices_per_host=2", "--workload=dynamic",
+             "--shift_every=4", "--link_gbps=0.126", "--link_burst_kb=20", "--bandwidth_mib=0",
+             "--link_probe_mib=4", f"--store_root={tmp_path / 'shm'}")
+    proc = _bench("--strategies=inmem,none,capricorn,control", *point, "--steps=6", "--reps=1",
+                  "--warmup=3", f"--workdir={tmp_path / 'w'}", f"--json={out}", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "steady ratio | long-run ratio | warm-up (s)" in proc.stdout
     doc = json.loads(out.read_text())
@@ -157,6 +159,8 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
         # Each strategy compiled its own step in its warm-up, none after inmem too.
         assert row["warmup_compiles"] >= 1, name
         assert row["long_run_ratio"] is not None and row["warmup_s"] is not None
+        # The driver's work between two steps (detector, re-plans), on the timed path.
+        assert row["blocked_ms"]["phase.observe"] >= 0, name
         assert len(row["windows"]) == len(row["collectives"]) == len(row["expert_spans"]) == 5
         assert row["record_steps"] == sorted(row["record_steps"])
         for profiled, collectives in zip(row["step_profiled"], row["collectives"], strict=True):
@@ -193,6 +197,25 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     tables = subprocess.run([sys.executable, "-m", "launch.tables", "windows", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert tables.returncode == 0 and "### capricorn" in tables.stdout, tables.stderr
+    # The control: inmem's bytes per step, each version acknowledged whole by
+    # the peer, no recovery row (the bench compared its losses with none's).
+    control = rows["control"]
+    assert control["ckpt_bytes_per_step"] == rows["inmem"]["ckpt_bytes_per_step"] > 0
+    sent = [v for v in control["schedule"]["versions"] if v["outcome"] == "sent"]
+    assert sent and all(v["bytes"] == v["sent"] == v["received"] for v in sent)
+    assert "recovery" not in control and control.get("steady_ratio_ci") is not None
+    # Time dilation: the same point at k = 2 moves the same bytes over a link
+    # measured at half the rate; R moves up by the fixed-time work's share
+    # (tests/test_time_scale.py's slow pair says why it is not held to 5%).
+    out2 = tmp_path / "bench_k2.json"
+    proc = _bench("--strategies=none,inmem", *point, "--time_scale=2", "--steps=3", "--reps=1",
+                  "--warmup=2", f"--workdir={tmp_path / 'w2'}", f"--json={out2}", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two = json.loads(out2.read_text())
+    assert (doc["time_scale"], two["time_scale"]) == (1.0, 2.0)
+    assert two["strategies"]["inmem"]["ckpt_bytes_per_step"] == rows["inmem"]["ckpt_bytes_per_step"]
+    assert doc["link"]["one_way_gbps"] / two["link"]["one_way_gbps"] == pytest.approx(2.0, rel=0.05)
+    assert 0.95 * doc["link_idle_share"] <= two["link_idle_share"] <= 2.5 * doc["link_idle_share"]
 
 
 @pytest.mark.soak

@@ -176,7 +176,7 @@ def _version_bytes_of_tiny_on_two_hosts() -> int:
     return plan.payload_bytes * len(plan.host_positions(0))
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # CI: tests/test_bench.py's long-run contract runs it too
 @pytest.mark.multiprocess
 def test_control_in_the_bench_moves_a_version_per_step_and_trains_as_none(tmp_path):
     out = tmp_path / "bench.json"
