@@ -464,3 +464,37 @@ def test_even_partition_names_a_bad_share():
         even_partition(10, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e6), 4, max_share=1.5)
     schedule, share = even_partition(0, [Window("b0", "fwd", 1.0)], LinkModel(0.0, 1e6), 4)
     assert share == 0.0 and not schedule.all_chunks()
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.integers(0, 3_000_000),
+       durations=st.lists(st.one_of(st.just(0.0), st.floats(0.0, 0.05), st.floats(0.0, 1e-3)),
+                          max_size=12),
+       alpha=st.sampled_from([0.0, 1e-5, 2e-4, 3e-3]),
+       rate=st.sampled_from([1e6, 1.5e7, 1.2e8]), cap=st.integers(1_000, 3 << 20),
+       low=st.integers(1, 1_000), share=st.floats(0.0, 1.0))
+def test_placed_bytes_is_what_the_schedule_places(payload, durations, alpha, rate, cap, low,
+                                                  share):
+    """The even fill's search asks ``placed_bytes`` at each share it tries
+    instead of building a schedule: it must be exactly the bytes the
+    schedule at that share places (the search then takes the same steps)."""
+    from capricorn_jax._src.scheduling.plan.partitioner import placed_bytes
+
+    low = min(low, cap)
+    link = LinkModel(alpha, rate)
+    windows = [Window(f"b{i}", "fwd", d) for i, d in enumerate(durations)]
+    schedule = partition(payload, scale_windows(windows, share), link, cap, low)
+    assert placed_bytes(payload, [w.duration_s * share for w in windows], link, cap,
+                        low) == payload - schedule.tail_bytes
+
+
+@settings(max_examples=500, deadline=None)
+@given(lo=st.integers(-5, 50), span=st.integers(-3, 5000), answer=st.integers(-60, 5100),
+       guess=st.one_of(st.floats(allow_nan=True), st.integers(-10_000, 10_000).map(float)))
+def test_the_search_from_a_guess_finds_what_bisection_finds(lo, span, answer, guess):
+    from capricorn_jax._src.scheduling.plan.partitioner import _largest, _largest_near
+
+    def ok(x):
+        return x <= answer
+
+    assert _largest_near(lo, lo + span, ok, guess) == _largest(lo, lo + span, ok)

@@ -23,6 +23,7 @@ from capricorn_jax._src.scheduling.plan.partitioner import (
     Window,
     _index,
     partition,
+    placed_bytes,
     scale_windows,
 )
 
@@ -66,19 +67,22 @@ def even_partition(payload_bytes: int, windows: Sequence[Window], link: LinkMode
     def at(share: float) -> Schedule:
         return partition(payload_bytes, scale_windows(windows, share), link, chunk_cap, min_chunk)
 
-    best, share = at(max_share), max_share
-    if not best.tail and payload_bytes:
-        lo, hi = 0.0, max_share
-        while hi - lo > tolerance:
-            mid = (lo + hi) / 2
-            trial = at(mid)
-            if trial.tail:
-                lo = mid
+    def holds(share: float) -> bool:  # partition(at(share)) leaves no tail, unbuilt
+        return placed_bytes(payload_bytes, [w.duration_s * share for w in windows], link,
+                            chunk_cap, min_chunk) == payload_bytes
+
+    share = max_share
+    if payload_bytes and holds(max_share):
+        lo = 0.0
+        while share - lo > tolerance:
+            mid = (lo + share) / 2
+            if holds(mid):
+                share = mid
             else:
-                hi, best = mid, trial
-        share = hi
+                lo = mid
     elif not payload_bytes:
         share = 0.0
+    best = at(share if payload_bytes else max_share)
     return dataclasses.replace(best, windows=windows), share
 
 

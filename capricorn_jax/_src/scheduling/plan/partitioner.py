@@ -398,6 +398,30 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     return lo
 
 
+def _largest_near(lo: int, hi: int, ok: Callable[[int], bool], guess: float) -> int:
+    """``_largest(lo, hi, ok)``, searched from ``guess`` (the closed-form
+    answer, which float rounding may put a step off): galloping from the
+    guess, then bisecting the bracket found, so a guess one off costs a few
+    calls of ``ok`` instead of a bisection of the whole range. The same
+    answer for any guess (ok true then false)."""
+    if hi < lo or not ok(lo):
+        return lo - 1
+    x = min(max(int(guess), lo), hi) if math.isfinite(guess) else hi
+    if ok(x):  # the answer is in [x, hi]: gallop up to a failing bound
+        step = 1
+        while x < hi and ok(min(x + step, hi)):
+            x, step = min(x + step, hi), step * 2
+        if x == hi:
+            return hi
+        return _largest(x, min(x + step, hi) - 1, ok)
+    top, step = x - 1, 1  # ok(x) false: the answer is in [lo, x - 1]; ok(lo) holds
+    y = max(lo, x - step)
+    while not ok(y):
+        top, step = y - 1, step * 2
+        y = max(lo, x - step)
+    return _largest(y, top, ok)
+
+
 def _split(total: int, count: int, cap: int, low: int) -> list[int]:
     """``total`` bytes as ``count`` chunk sizes in [low, cap], largest first.
 
@@ -411,10 +435,12 @@ def _split(total: int, count: int, cap: int, low: int) -> list[int]:
     return sizes
 
 
-def _fill(remaining: int, duration_s: float, link: LinkModel, cap: int, low: int) -> list[int]:
-    """Chunk sizes for one window, given the bytes still unscheduled."""
+def _take(remaining: int, duration_s: float, link: LinkModel, cap: int,
+          low: int) -> tuple[int, int, int]:
+    """(bytes, chunks, smallest chunk) one window takes of the bytes still
+    unscheduled: the greedy fill's decision (``partition``'s docstring)."""
     if remaining == 0:
-        return []
+        return 0, 0, 1
 
     def fits(n: int, nbytes: int) -> bool:
         return link.cost_s(n, nbytes) <= duration_s
@@ -422,15 +448,40 @@ def _fill(remaining: int, duration_s: float, link: LinkModel, cap: int, low: int
     # The rest of the payload fits: take it all (its last chunk may be short).
     n_rest = -(-remaining // cap)
     if fits(n_rest, remaining):
-        return _split(remaining, n_rest, cap, 1)
+        return remaining, n_rest, 1
     # Else the most bytes: n_full full chunks, or one more chunk, partial.
-    n_full = _largest(0, n_rest, lambda n: fits(n, n * cap))
+    # Both searches start from their closed forms (a step off at most, by
+    # float rounding): a re-plan partitions for every share it tries
+    # (``partition_search.even_partition``), on the training thread.
+    per_chunk = link.alpha_s + cap / link.bytes_per_s
+    n_full = _largest_near(0, n_rest, lambda n: fits(n, n * cap),
+                           duration_s / per_chunk if per_chunk > 0 else math.inf)
     best, count = n_full * cap, n_full
     n = n_full + 1
-    most = _largest(0, min(n * cap, remaining), lambda s: fits(n, s))
+    most = _largest_near(0, min(n * cap, remaining), lambda s: fits(n, s),
+                         (duration_s - n * link.alpha_s) * link.bytes_per_s)
     if most >= n * low and most > best:
         best, count = most, n
-    return _split(best, count, cap, low)
+    return best, count, low
+
+
+def _fill(remaining: int, duration_s: float, link: LinkModel, cap: int, low: int) -> list[int]:
+    """Chunk sizes for one window, given the bytes still unscheduled."""
+    best, count, smallest = _take(remaining, duration_s, link, cap, low)
+    return _split(best, count, cap, smallest) if count else []
+
+
+def placed_bytes(payload_bytes: int, durations: Sequence[float], link: LinkModel,
+                 chunk_cap: int, min_chunk: int = 1) -> int:
+    """The bytes ``partition`` would place in windows of these durations (the
+    payload less its tail), without building the schedule: what a search
+    over window scales asks of each scale it tries."""
+    pos = 0
+    for d in durations:
+        if pos == payload_bytes:
+            break
+        pos += _take(payload_bytes - pos, d, link, chunk_cap, min_chunk)[0]
+    return pos
 
 
 def partition(payload_bytes: int, windows: Sequence[Window], link: LinkModel,
