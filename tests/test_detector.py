@@ -461,3 +461,42 @@ def test_a_strategys_own_request_profiles_the_next_step_past_the_cache():
     strategy.requested = True
     event = driver._detect(4, (1.0,), {}, tpe, None, False)
     assert event["profile_next"] and event["requested"] and driver.decision.profile_next
+
+
+def test_plan_s_counts_the_strategys_planning_calls_only(monkeypatch):
+    """``ProfilingDriver.plan_s``: the time of the strategy's planning calls
+    after a step (the bench's ``phase.plan``), each call timed, none of the
+    driver's own work (a clock that ticks one second per reading)."""
+    from capricorn_jax import ProfilingDriver, ProfilingOptions
+    from capricorn_jax._src.strategies import driver as driver_module
+
+    calls = []
+
+    class Counting(_PlanningStrategy):
+        def allow_profile(self, detector, tokens_per_expert):
+            calls.append("allow_profile")
+            return True
+
+        def profile_requested(self):
+            calls.append("profile_requested")
+            return False
+
+        def replan_at_load(self, step, detector, tokens_per_expert):
+            calls.append("replan_at_load")
+            return None
+
+    def failing(*args):
+        calls.append("failing")
+        raise RuntimeError("a planning call that fails is timed too")
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(driver_module.time, "perf_counter", lambda: float(next(ticks)))
+    driver = ProfilingDriver(object(), Counting(), ProfilingOptions("speculative"),
+                             next_factors=lambda m: (1.0,))
+    tpe = np.full((1, 4), 8.0)
+    driver._detect(3, (1.0,), {}, tpe, None, False)
+    assert calls and driver.plan_s == float(len(calls))
+    driver.plan_s, calls[:] = 0.0, []
+    with pytest.raises(RuntimeError, match="timed too"):
+        driver._planning(failing, 4, None, tpe)
+    assert driver.plan_s == 1.0 and calls == ["failing"]

@@ -170,7 +170,7 @@ class Runner:
                 if self.record:
                     self.blocked.setdefault(strategy.name, []).append(
                         {"step": t_stepped - t0, "save": t_saved - t_stepped,
-                         "phases": {**phases, "observe": driver.observe_s},
+                         "phases": {**phases, "plan": driver.plan_s},
                          "steady": run.profile is None and not compiled})
                 if self.record:  # the timed repetitions, as the step times
                     used = cpu_account.delta(cpu_before, cpu_account.sample())

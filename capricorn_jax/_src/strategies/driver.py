@@ -58,10 +58,12 @@ class ProfilingDriver:
         no estimate of that traffic.
 
     Attributes:
-      observe_s: the last step's seconds in the driver after its program
-        returned (the detector's and the profile cache's decisions and the
-        strategy's re-plans: work on the training thread between two steps;
-        the bench's ``blocked_ms`` ``phase.observe``).
+      plan_s: the last step's seconds in the strategy's planning calls after
+        its program returned (``on_profile``, ``allow_profile``,
+        ``replan_at_load``, ``profile_requested``: its re-plans and their
+        agreements), work on the training thread between two steps; the
+        bench's ``blocked_ms`` ``phase.plan``. Not the wait for the step's
+        results, which an asynchronous step's first read of its metrics holds.
       profile_next: whether the next step this driver runs is profiled.
       profiled_steps: every profiled step, cold ones too.
       cache_replans: the steps after which the strategy re-planned from a
@@ -104,7 +106,7 @@ class ProfilingDriver:
                            if options.policy is ProfilePolicy.FIRST_N else None)
         self.decision: Decision | None = None  # the detector's, about the previous step
         self.steps_run = 0
-        self.observe_s = 0.0  # the last step's time in ``_observe`` (detector, re-plans)
+        self.plan_s = 0.0  # the last step's seconds in the strategy's planning calls
         self.profiled_steps: list[int] = []
         self._variants: set[tuple[float, ...]] = set()  # profiled variants run here
         self._reprofile = False
@@ -149,12 +151,9 @@ class ProfilingDriver:
         else:
             compiled = not self.strategy.has_step(self.train, step, factors, hooks)
             state, metrics = self.strategy.run_step(self.train, step, factors, state, batch, hooks)
-        observed = time.perf_counter()
+        self.plan_s = 0.0
         events = self._observe(step, factors, metrics, profile, compiled)
         self.steps_run += 1
-        # The training thread's time in the detector and the strategy's
-        # planning after the step (its re-plans among it): on the timed path.
-        self.observe_s = time.perf_counter() - observed
         self.profile_next = self._decide_next()
         return StepOutcome(state, metrics, profile, compiled, tuple(events))
 
@@ -174,7 +173,7 @@ class ProfilingDriver:
                         "iterations": done.iterations, "median_s": round_us(done.median_s),
                         "step_times_s": [round_us(t) for t in done.step_times_s],
                         "collective_s": round_us(collective)})
-            repartition = self.strategy.on_profile(step, profile, compiled)
+            repartition = self._planning(self.strategy.on_profile, step, profile, compiled)
             if not compiled:
                 self._warm[factors] = profile
                 if repartition is not None:
@@ -192,6 +191,15 @@ class ProfilingDriver:
                                "strategy": self.strategy.name, **plan})
         return events
 
+    def _planning(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, one of the strategy's planning calls, its time
+        added to ``plan_s``."""
+        t0 = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.plan_s += time.perf_counter() - t0
+
     def _replan_from_cache(self, step: int, event: dict[str, Any]) -> dict[str, Any] | None:
         """After a cache hit for the next step's tuple, a strategy that plans on
         profiles re-plans from that tuple's newest warm profile (unless its
@@ -201,7 +209,7 @@ class ProfilingDriver:
         if (not event["cache_hit"] or not self.strategy.plans_on_profiles
                 or key == self._planned_key or key not in self._warm):
             return None
-        repartition = self.strategy.on_profile(step, self._warm[key], False)
+        repartition = self._planning(self.strategy.on_profile, step, self._warm[key], False)
         if repartition is None:
             return None
         self._planned_key = key
@@ -234,18 +242,20 @@ class ProfilingDriver:
                 assert cells is not None, "a cached decision means the cache answers its step"
                 sources = sorted(set().union(*cells.values()))
         # The load drifted, but the strategy may judge the profile not worth it.
-        gated = decision.profile_next and not self.strategy.allow_profile(self.detector, tpe)
+        gated = decision.profile_next and not self._planning(self.strategy.allow_profile,
+                                                             self.detector, tpe)
         if gated:
             decision = dataclasses.replace(decision, profile_next=False)
         # A profile is due, unless the strategy re-plans from its cost model.
         self._modelled = None
         if decision.profile_next:
-            self._modelled = self.strategy.replan_at_load(step, self.detector, tpe)
+            self._modelled = self._planning(self.strategy.replan_at_load, step, self.detector,
+                                            tpe)
             if self._modelled is not None:
                 decision = dataclasses.replace(decision, profile_next=False)
         # The strategy's own request (capricorn: its windows spilled in the
         # steps it measured), past the trigger and the cache.
-        requested = not decision.profile_next and self.strategy.profile_requested()
+        requested = not decision.profile_next and self._planning(self.strategy.profile_requested)
         if requested:
             decision = dataclasses.replace(decision, profile_next=True)
         self.decision = decision
