@@ -69,6 +69,9 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    parts += _long_run_section(res, "frame_bucket", "one-frame link buckets and the control "
+                               "(issue 53, 0.21.0, 2026-12-06: the first points of the corrected "
+                               "emulator; each JSON's command)")
     parts += _long_run_section(res, "headline", "the sweep of 0.18.0 (issue 38's rerun, "
                                "2026-12-05 19:29-21:21 UTC; the README's table and plot)")
     parts += _long_run_section(res, "data_plane", "the receive loop off the GIL and the "
