@@ -95,8 +95,10 @@ def reference(tmp_path_factory, cache):
 #             a paused host (short and long), a frame corrupted in transit (below)
 #   also none, orbax_async and capricorn_pec through a process kill (here) and
 #   orbax_emergency's local tier (test_orbax_emergency_restores_...), so every
-#   strategy of the factory is killed and recovered in CI.
-SOAK_STRATEGIES = ("gemini", "pec", "capricorn")  # repeats of the family runs above
+#   checkpointing strategy of the factory is killed and recovered in CI.
+# Repeats of the family runs above; control restarts from step 0 as none does
+# (its bytes and its losses: test_bench's long-run contract).
+SOAK_STRATEGIES = ("gemini", "pec", "capricorn", "control")
 
 
 @pytest.mark.parametrize("strategy", [
