@@ -100,22 +100,17 @@ def version_bytes(train: Any) -> int:
 
 def job_address() -> str:
     """The address this host listens on and advertises: the chunk channel's
-    rule (``job_address`` of its module): the one it reaches the
+    rule (``capricorn_jax.experimental.job_address``: the one it reaches the
     jax.distributed coordinator from, never a loopback alias unless the
-    coordinator is on loopback."""
+    coordinator is on loopback)."""
     from jax._src import distributed
 
-    coordinator = distributed.global_state.coordinator_address
-    if coordinator is None:
-        return socket.gethostbyname(socket.gethostname())
-    host = coordinator.rsplit(":", 1)[0].strip("[]")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))  # no packet is sent: this only picks the route
-        address = probe.getsockname()[0]
-    if address.startswith("127.") and not socket.gethostbyname(host).startswith("127."):
-        raise OSError(f"strategy {NAME!r}: this host would advertise the loopback address "
-                      f"{address} to reach the coordinator {coordinator}")
-    return address
+    from capricorn_jax.experimental import job_address as advertised
+
+    try:
+        return advertised(distributed.global_state.coordinator_address)
+    except OSError as e:
+        raise OSError(f"strategy {NAME!r}: {e}") from None
 
 
 @dataclasses.dataclass

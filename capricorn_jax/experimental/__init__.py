@@ -41,6 +41,7 @@ from capricorn_jax.experimental.multihost import (
     allgather_floats,
     allgather_json,
     distributed_client,
+    job_address,
     start_job_secret,
 )
 from capricorn_jax.experimental.planning import (
@@ -117,6 +118,7 @@ __all__ = [
     "committed_steps",
     "DEFAULT_FIRST_N",
     "distributed_client",
+    "job_address",
     "DRIFT_METRICS",
     "DynamicityDetector",
     "DynamicK",
