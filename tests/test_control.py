@@ -211,3 +211,12 @@ def test_control_in_the_bench_moves_a_version_per_step_and_trains_as_none(tmp_pa
     assert all(r["received"] == r["bytes"] == want for r in summary["received"])
     assert "| control |" in proc.stdout
     assert_no_orphans(str(tmp_path / "w"))
+
+
+def test_the_control_listens_where_the_chunk_channel_would():
+    """One rule for the address a host advertises (the chunk channel's): with
+    no coordinator in this process, the address the host's name resolves to."""
+    from capricorn_jax.experimental import job_address
+    from launch import control
+
+    assert control.job_address() == job_address(None)
