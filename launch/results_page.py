@@ -59,6 +59,19 @@ def _long_run_section(res: Path, folder: str, title: str, note: str = "") -> lis
     return parts
 
 
+def _sweep_section(res: Path, folder: str, title: str, note: str = "") -> list[str]:
+    """An R sweep's part of the results page (``sweep_table``, then every
+    column of its points); nothing when ``results/emulated/folder`` holds no
+    bench JSON."""
+    paths = sorted((res / "emulated" / folder).glob("bench_*.json"))
+    if not paths:
+        return []
+    docs = _load(paths)
+    return [f"## Emulated accelerator: {title}", "", *([note, ""] if note else []),
+            sweep_table(docs), "", "The points' commands and every column:", "",
+            emulated_table(docs), ""]
+
+
 def results_page(root: Path) -> str:
     """``docs/results.md``: every published table, generated from the JSONs
     in ``root/results`` (``python -m launch.tables results > docs/results.md``;
@@ -103,35 +116,23 @@ def results_page(root: Path) -> str:
                   "whose marks were host callbacks.", "", long_run_table(_load(first)), ""]
     parts += _long_run_section(res, "long_run", "the long-run sweep before the deadline sender "
                                "(issue 37; superseded)", BLIND_RECORDS)
-    current = sorted((res / "emulated" / "sweep3").glob("bench_*.json"))
-    if current:
-        parts += ["## Emulated accelerator: the sweep of R (span windows, the budget's spread; "
-                  "superseded by the long-run sweep)",
-                  "", sweep_table(_load(current)), "",
-                  "The points' commands and every column:", "", emulated_table(_load(current)),
-                  ""]
+    parts += _sweep_section(res, "sweep3", "the sweep of R (span windows, the budget's spread; "
+                            "superseded by the long-run sweep)")
     spans = sorted((res / "emulated" / "spans").glob("bench_*.json"))
     if spans:
         parts += ["## Emulated accelerator: span windows against layer windows (one run)", "",
                   "capricorn plans on the idle spans between each layer's all-to-alls; "
                   "capricorn_layers on one window per layer segment (BUILD_NOTES, \"Span "
                   "windows\").", "", emulated_table(_load(spans)), ""]
-    previous = sorted((res / "emulated" / "sweep2").glob("bench_*.json"))
-    if previous:
-        parts += ["## Emulated accelerator: the sweep before span windows (superseded)", "",
-                  "The same points before capricorn's profile was net of its marks' cost, "
-                  "before span windows and before the budget spread a version over steps "
-                  "(2026-12-04, code 1f6799d).", "", sweep_table(_load(previous)), "",
-                  "The points' commands and every column:", "", emulated_table(_load(previous)),
-                  ""]
-    sweep = sorted((res / "emulated" / "sweep").glob("bench_*.json"))
-    if sweep:
-        parts += ["## Emulated accelerator: the first sweep of R (superseded)", "",
-                  "Superseded by the sweep above: every point's emulated dense waits also "
-                  "all-gathered the activation over the link, and the links' 256 KB bucket let "
-                  "the all-to-alls after an idle spell pass at loopback speed (BUILD_NOTES).", "",
-                  sweep_table(_load(sweep)), "",
-                  "The points' commands and every column:", "", emulated_table(_load(sweep)), ""]
+    parts += _sweep_section(res, "sweep2", "the sweep before span windows (superseded)",
+                            "The same points before capricorn's profile was net of its marks' "
+                            "cost, before span windows and before the budget spread a version "
+                            "over steps (2026-12-04, code 1f6799d).")
+    parts += _sweep_section(res, "sweep", "the first sweep of R (superseded)",
+                            "Superseded by the sweep above: every point's emulated dense waits "
+                            "also all-gathered the activation over the link, and the links' 256 KB "
+                            "bucket let the all-to-alls after an idle spell pass at loopback "
+                            "speed (BUILD_NOTES).")
     emulated = sorted((res / "emulated").glob("bench_*.json"))
     if emulated:
         parts += ["## Emulated accelerator: the first runs", "", emulated_table(_load(emulated)),
