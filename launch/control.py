@@ -78,6 +78,10 @@ DRAIN_TIMEOUT_S = 30.0
 POLL_S = 0.5
 """How often an idle receiver looks whether it was told to stop."""
 BUFFER_BYTES = 1 << 20
+RCVLOWAT_BYTES = 1 << 16
+"""The most a receive waits to have queued before it wakes (measured, the
+priority point of 0.21.0: waking per packet, the receiver thread took 66 ms
+of CPU per step, 4.5 MB; its GIL and cores are the training process's)."""
 _HEADER = struct.Struct("!4sqq")  # magic, version, bytes
 _ACK = struct.Struct("!4sqq")  # magic, version, bytes received
 _HELLO = struct.Struct("!16sii")  # nonce, round, host
@@ -269,6 +273,7 @@ class _Receiver:
         self.error: str | None = None
         self._stop = threading.Event()
         self._buffer = bytearray(BUFFER_BYTES)
+        self._lowat = 1  # the socket's SO_RCVLOWAT, last set
         sock.settimeout(POLL_S)
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"chunk-receiver-control-{round_}")
@@ -278,9 +283,20 @@ class _Receiver:
         self._stop.set()
 
     def _read(self, view: memoryview) -> int:
-        """Bytes into ``view`` until full, the peer's end, or ``stop``."""
+        """Bytes into ``view`` until full, the peer's end, or ``stop``. Each
+        wait asks the kernel to wake the thread once the rest of the view (at
+        most ``RCVLOWAT_BYTES``) is queued (``SO_RCVLOWAT``, honoured by the
+        poll under the socket's timeout): one wake-up per 64 KiB rather than
+        one per packet, as the chunk channel's receiver does."""
         got = 0
         while got < len(view) and not self._stop.is_set():
+            want = max(1, min(len(view) - got, RCVLOWAT_BYTES))
+            if want != self._lowat:
+                try:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                except OSError:
+                    pass  # a platform without it: one wake-up per arrival
+                self._lowat = want
             try:
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
