@@ -139,15 +139,17 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     """The long-run accounting (DESIGN.md contracts) on a short emulated run
     behind shaped links: the three numbers per strategy, per timed step the
     windows' byte records and every collective, and none's warm-up treated
-    like the others' (its own compile, although inmem compiled the same
-    program before it). The control (the emulator's floor) moves inmem's
-    bytes with no checkpoint; the same point at ``--time_scale=2`` keeps the
-    bytes and halves the measured link (``tests/test_time_scale.py``)."""
+    like the others' (its own compile, although the control compiled the same
+    program before it). The control (the emulator's floor) moves the
+    in-memory tier's bytes of a version (capricorn's) with no checkpoint;
+    the same point at ``--time_scale=2`` keeps the bytes and halves the
+    measured link (``tests/test_time_scale.py``). inmem runs in the bench
+    in ``test_bench_reports_every_strategy``."""
     out = tmp_path / "bench.json"
     point = ("--accelerator=emulated", "--hosts=2", "--devices_per_host=2", "--workload=dynamic",
              "--shift_every=4", "--link_gbps=0.126", "--link_burst_kb=20", "--bandwidth_mib=0",
              "--link_probe_mib=4", f"--store_root={tmp_path / 'shm'}")
-    proc = _bench("--strategies=inmem,none,capricorn,control", *point, "--steps=6", "--reps=1",
+    proc = _bench("--strategies=control,none,capricorn", *point, "--steps=6", "--reps=1",
                   "--warmup=3", f"--workdir={tmp_path / 'w'}", f"--json={out}", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "steady ratio | long-run ratio | warm-up (s)" in proc.stdout
@@ -156,7 +158,7 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     assert doc["config"]["collectives"] and doc["config"]["shift_every"] == 4
     for name, row in rows.items():
         assert row["steps_timed"] == 5
-        # Each strategy compiled its own step in its warm-up, none after inmem too.
+        # Each strategy compiled its own step in its warm-up, none after the control too.
         assert row["warmup_compiles"] >= 1, name
         assert row["long_run_ratio"] is not None and row["warmup_s"] is not None
         # The strategy's planning between two steps (re-plans), on the timed path.
@@ -182,7 +184,7 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
                                   - rows["none"]["a2a_median_s"]) / idle)
     assert "over the spans outside every collective (the all-reduce too): " in proc.stdout
     # Only the scheduled strategy has windows; each accounts for every byte.
-    assert not any(rows["none"]["windows"]) and not any(rows["inmem"]["windows"])
+    assert not any(rows["none"]["windows"]) and not any(rows["control"]["windows"])
     windows = [w for step in rows["capricorn"]["windows"] for w in step]
     assert windows and all(w["bytes_planned"] > 0 for w in windows)
     # Handed over in a window: its own bytes less those the deadline carried
@@ -197,10 +199,11 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     tables = subprocess.run([sys.executable, "-m", "launch.tables", "windows", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert tables.returncode == 0 and "### capricorn" in tables.stdout, tables.stderr
-    # The control: inmem's bytes per step, each version acknowledged whole by
-    # the peer, no recovery row (the bench compared its losses with none's).
+    # The control: the in-memory tier's bytes of a version per step (what
+    # capricorn moves), each version acknowledged whole by the peer, no
+    # recovery row (the bench compared its losses with none's).
     control = rows["control"]
-    assert control["ckpt_bytes_per_step"] == rows["inmem"]["ckpt_bytes_per_step"] > 0
+    assert control["ckpt_bytes_per_step"] == rows["capricorn"]["ckpt_bytes_per_step"] > 0
     sent = [v for v in control["schedule"]["versions"] if v["outcome"] == "sent"]
     assert sent and all(v["bytes"] == v["sent"] == v["received"] for v in sent)
     assert "recovery" not in control and control.get("steady_ratio_ci") is not None
@@ -208,12 +211,13 @@ def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     # measured at half the rate; R moves up by the fixed-time work's share
     # (tests/test_time_scale.py's slow pair says why it is not held to 5%).
     out2 = tmp_path / "bench_k2.json"
-    proc = _bench("--strategies=none,inmem", *point, "--time_scale=2", "--steps=3", "--reps=1",
+    proc = _bench("--strategies=none,control", *point, "--time_scale=2", "--steps=3", "--reps=1",
                   "--warmup=2", f"--workdir={tmp_path / 'w2'}", f"--json={out2}", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = json.loads(out2.read_text())
     assert (doc["time_scale"], two["time_scale"]) == (1.0, 2.0)
-    assert two["strategies"]["inmem"]["ckpt_bytes_per_step"] == rows["inmem"]["ckpt_bytes_per_step"]
+    assert (two["strategies"]["control"]["ckpt_bytes_per_step"]
+            == control["ckpt_bytes_per_step"])
     assert doc["link"]["one_way_gbps"] / two["link"]["one_way_gbps"] == pytest.approx(2.0, rel=0.05)
     assert 0.95 * doc["link_idle_share"] <= two["link_idle_share"] <= 2.5 * doc["link_idle_share"]
 

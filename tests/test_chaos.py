@@ -106,13 +106,11 @@ def test_chaos_refuses_a_topology_no_chosen_strategy_runs_on(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "w").exists()
 
 
-def test_a_pec_trial_matches_a_reference_that_takes_its_roll_backs(tmp_path, monkeypatch,
-                                                                   request):
+def _pec_trial(tmp_path, monkeypatch, request):
     """A PEC job whose host 0 is lost as a machine halfway through writing the
     replicas of version 6 (it recovers from a peer, composing experts from
-    older versions) ends in the state of a fault-free run that takes the
-    same roll-back from its own stores (``launch.chaos.pec_reference``); a
-    reference that rolls back to another version is reported."""
+    older versions): (its flags, its records, its recovery, its roll-backs,
+    a runner of more jobs beside it)."""
     for key, value in child_env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
@@ -132,12 +130,28 @@ def test_a_pec_trial_matches_a_reference_that_takes_its_roll_backs(tmp_path, mon
     assert recovery["tiers"][0] == "peer" and len(recovery["versions"]) > 1  # composed
     plan = pec_reference.rollbacks(faulted, 2, 2, STEPS)
     assert plan == (Fault((0, 1), recovery["step"] - 1, "rollback", version=recovery["step"]),)
+    return flags, faulted, recovery, plan, run
+
+
+def test_a_pec_trial_matches_a_reference_that_takes_its_roll_backs(tmp_path, monkeypatch,
+                                                                   request):
+    """The PEC job of ``_pec_trial`` ends in the state of a fault-free run
+    that takes the same roll-back from its own stores
+    (``launch.chaos.pec_reference``)."""
+    flags, faulted, recovery, plan, run = _pec_trial(tmp_path, monkeypatch, request)
     reference = run("reference", pec_reference.reference_flags(flags, plan))
     problems, info = pec_reference.compare(faulted, reference)
     assert problems == [] and info == {"resumed_from": [recovery["step"]], "match": True}
     assert [r["tier"] for r in reference if r.get("event") == "recovery"] == ["local"]
     digest = pec_reference.state_digest(reference)
     assert digest is not None and any(k.startswith("['params']") for k in digest)
+    assert_no_orphans(str(tmp_path))
+
+
+@pytest.mark.soak  # CI: tests/test_chaos_pec_reference.py compares such records
+def test_a_pec_reference_that_rolls_back_to_another_version_is_reported(tmp_path, monkeypatch,
+                                                                        request):
+    flags, faulted, recovery, plan, run = _pec_trial(tmp_path, monkeypatch, request)
     older = (dataclasses.replace(plan[0], version=plan[0].version - 1),)
     wrong = run("wrong", pec_reference.reference_flags(flags, older))
     problems, info = pec_reference.compare(faulted, wrong)
