@@ -135,6 +135,7 @@ def test_bench_failure_reports_no_numbers(tmp_path):
     assert bad.returncode == 2 and "--strategies" in bad.stderr
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_bench_long_run_contract_on_an_emulated_run(tmp_path):
     """The long-run accounting (DESIGN.md contracts) on a short emulated run
     behind shaped links: the three numbers per strategy, per timed step the

@@ -37,6 +37,7 @@ SEED, STEPS = 1018, 8
 FLAGS = ("--trials=1", f"--seed={SEED}", "--topologies=2x1", f"--steps={STEPS}")
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_chaos_runs_trials_checks_them_and_writes_the_json(tmp_path):
     trials = [draw_trial(0, SEED, [parse_topology("2x1")],
                          ["inmem", "gemini", "capricorn", "pec"], STEPS)]

@@ -292,6 +292,7 @@ os._exit(0)
 
 @pytest.mark.slow
 @pytest.mark.skipif(not netns_usable(), reason="a shaped link needs root and iproute2")
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_on_a_shaped_fifo_link_a_window_sends_what_its_time_carries_and_carries_the_rest():
     """Loopback at 2 Mbit/s (250 KB/s) in its own namespace; window 0 has 50 ms
     of planned idle time for 24 KB planned: the sender hands over what the

@@ -53,6 +53,7 @@ class _Job(PumpedProcesses):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_the_switched_loop_loses_a_host_and_resumes_from_the_peer_tier(tmp_path):
     job = _Job(tmp_path, steps=12)
     job.wait_for(1, r"host 1: step 9 loss")
@@ -73,6 +74,7 @@ def test_the_switched_loop_loses_a_host_and_resumes_from_the_peer_tier(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_sigterm_stops_every_host_at_one_step_saved_to_both_tiers(tmp_path):
     job = _Job(tmp_path, steps=40)
     job.wait_for(0, r"host 0: step 3 loss")
@@ -89,6 +91,7 @@ def test_sigterm_stops_every_host_at_one_step_saved_to_both_tiers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_restart_with_swapped_process_ids_recovers_from_each_machines_store(tmp_path):
     """The scheduler numbers the processes the other way round after the
     restart: each machine's RAM store is found by what it holds, not by the

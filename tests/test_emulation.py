@@ -153,6 +153,7 @@ def test_the_emulated_step_adds_no_collective_to_the_real_models():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_profiled_windows_follow_the_emulated_waits(tmp_path):
     """A 2-host job on loopback, every step profiled: each MoE layer's window
     (forward and backward) holds at least its emulated wait at that step's

@@ -29,6 +29,7 @@ def _records(workdir):
     return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_frozen_safe_version_is_reported_and_the_job_goes_on_under_on_lag_warn(
         tmp_path, cache):
     workdir = tmp_path / "w"
@@ -54,6 +55,7 @@ def test_a_frozen_safe_version_is_reported_and_the_job_goes_on_under_on_lag_warn
     assert_no_orphans(str(workdir))
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_on_lag_fail_ends_the_job_with_the_reason_and_no_traceback(tmp_path, cache):
     workdir = tmp_path / "w"
     proc = run_train(*COMMON, "--steps=40", "--stall_seconds=120", "--on_lag=fail",

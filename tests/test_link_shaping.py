@@ -219,6 +219,7 @@ def _probe_delays(server, probe, count: int, before=None) -> list[float]:
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_default_class_probe_passes_a_checkpoint_backlog_on_both_shapers():
     """Three hosts at 0.05 Gbit/s with the priority class. Checkpoint-class
     bulk (TOS 0x08: host 0 -> 1 and 2, host 2 -> 1) fills both shapers a

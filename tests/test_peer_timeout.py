@@ -36,6 +36,7 @@ print("the collective returned", flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_paused_host_ends_the_job_within_the_peer_timeout_naming_it(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -239,6 +239,7 @@ def test_a_step_is_durable_before_its_rename_names_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_library_program_whose_peer_never_arrives_ends_at_the_bound(tmp_path):
     """Two processes of a program that never parses absl flags: process 1 is
     alive but never builds its manager; process 0's manager fails at Orbax's
@@ -254,6 +255,7 @@ def test_a_library_program_whose_peer_never_arrives_ends_at_the_bound(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_collective_whose_peer_never_arrives_ends_at_gloos_bound():
     """launch.runtime sets gloo's collective timeout from the peer timeout
     (3 x 2 s): a live peer that never enters a sum no longer holds the other

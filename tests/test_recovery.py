@@ -391,6 +391,7 @@ def test_kill_mid_replication(tmp_path, reference):
     assert "paused halfway through writing replicas" in proc.stdout
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_peer_that_stops_answering_leaves_versions_under_replicated(tmp_path):
     # Host 1 holds host 0's replicas; its replica writer stalls for 4 s at step 3.
     proc, records = _train(tmp_path / "w", tmp_path / "s", "--stall_host=1",

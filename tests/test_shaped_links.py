@@ -250,6 +250,7 @@ def test_stale_namespaces_of_a_dead_job_are_removed():
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
     workdir = tmp_path / "run"
     # With the traffic class: the chunk channel's bytes in the low-priority
@@ -277,6 +278,7 @@ def test_two_hosts_on_shaped_links_train_and_recover(tmp_path):
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_no_namespace_left_after_the_supervisor_is_killed(tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -306,6 +308,7 @@ def test_no_namespace_left_after_the_supervisor_is_killed(tmp_path):
 
 @needs_root
 @pytest.mark.slow
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_measured_link_rate_is_within_a_factor_of_the_requested_one(tmp_path):
     """launch.link_probe on shaped links and on loopback: the shaped rate is
     near the flag, and far below what the same probe gets on loopback."""

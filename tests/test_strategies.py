@@ -166,6 +166,7 @@ def test_capricorn_machine_loss_restores_the_chunks_moved_in_the_step(tmp_path, 
     assert [r["step"] for r in _steps(records)][-1] == STEPS - 1
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_capricorn_under_a_budget_spreads_a_version_over_steps_and_recovers(tmp_path, cache,
                                                                           reference):
     """A link too slow for one step's windows (0.05 Gbit/s) with the cost
@@ -369,6 +370,7 @@ def test_a_full_disk_in_the_primarys_finalize_drops_that_step_and_nobody_waits(t
 
 
 @pytest.mark.parametrize("point", ["persist_error", "persist_hang"])
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_path, cache,
                                                                          point):
     """Host 1's persistent write of version 4 fails with an I/O error (or
@@ -395,6 +397,7 @@ def test_a_fault_in_one_hosts_persistent_write_drops_that_step_everywhere(tmp_pa
     assert not _events(records, "recovery")
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_host_paused_less_than_the_peer_timeout_slows_the_job_and_ends_nothing(
         tmp_path, cache, reference):
     """Slow is not dead: host 1 stopped (SIGSTOP) for 6 s after step 3 with
@@ -414,6 +417,7 @@ def test_a_host_paused_less_than_the_peer_timeout_slows_the_job_and_ends_nothing
     assert _losses(records) == reference
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_host_paused_past_the_peer_timeout_ends_the_attempt_and_the_job_recovers(
         tmp_path, cache, reference):
     """A pause longer than --peer_timeout_s (5 s): jax.distributed declares
@@ -512,6 +516,7 @@ def test_a_byte_corrupted_in_the_in_graph_exchange_is_never_committed(tmp_path, 
     assert _losses(records) == reference
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_hung_chunk_channel_is_lost_on_every_host_skipped_and_reconnected(
         tmp_path, cache, reference):
     """Fault class stall_channel: host 1's chunk channel sends nothing for 30 s
@@ -609,6 +614,7 @@ def _network_fault(tmp_path, cache, point, pause_s, *flags):
 
 
 @pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_link_slowed_mid_run_slows_the_job_and_ends_nothing(tmp_path, cache, reference):
     """Fault class slow_link: host 1's shaped link (1 Gbit/s) slowed 10x, both
     ways, for 5 s after step 3: the job goes on, no attempt ends, and every
@@ -623,6 +629,7 @@ def test_a_link_slowed_mid_run_slows_the_job_and_ends_nothing(tmp_path, cache, r
 
 
 @pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_host_cut_off_less_than_the_peer_timeout_rejoins_and_ends_nothing(
         tmp_path, cache, reference):
     """Fault class partition: host 1's link down at the switch (both ways) for
@@ -639,6 +646,7 @@ def test_a_host_cut_off_less_than_the_peer_timeout_rejoins_and_ends_nothing(
 
 @pytest.mark.soak
 @pytest.mark.skipif(not netns_usable(), reason="shaped links need root and iproute2")
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_host_cut_off_past_the_peer_timeout_ends_the_attempt_and_the_job_recovers(
         tmp_path, cache, reference):
     """A partition (40 s) longer than --peer_timeout_s (5 s): host 1 is
@@ -653,6 +661,7 @@ def test_a_host_cut_off_past_the_peer_timeout_ends_the_attempt_and_the_job_recov
     assert _losses(records) == reference
 
 
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_a_host_killed_while_serving_a_lost_peer_in_recovery_is_survived(
         tmp_path, cache, reference):
     """Fault class kill_mid_serve: host 1 is lost as a machine after step 3

@@ -147,6 +147,7 @@ def _run(mover: InGraphMover, planner: ReplanningPlanner, trainer, batch, rows, 
 
 
 @pytest.mark.slow  # long: compiles three variants of the scheduled step
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
     trainer, transport, batch, rows = setup
     # Every chunk costs 10^4 s on the link model and the plan's windows (1.5 x
@@ -187,6 +188,7 @@ def test_capricorn_asks_for_a_profile_when_its_in_graph_windows_spill(setup):
 
 
 @pytest.mark.slow  # long: compiles a scheduled step
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_no_request_when_no_window_spills_on_the_in_graph_path(setup):
     trainer, transport, batch, rows = setup
     # A free link: every chunk's modelled time rounds to 0, so no window spills.
