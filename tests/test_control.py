@@ -167,7 +167,7 @@ def test_the_receiver_wakes_once_per_64_kib_not_once_per_packet():
         conn, _ = server.accept()
     nbytes, piece = 256 << 10, 1 << 10
     counted = _CountingSocket(conn)
-    receiver = control._Receiver(counted, 0, 1)  # type: ignore[arg-type]
+    receiver = control._Receiver(counted, 0, 1)
     try:
         sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sender.sendall(control._HEADER.pack(control._MAGIC, 7, nbytes))
