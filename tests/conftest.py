@@ -17,6 +17,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One JAX compilation cache for the whole session, this process and every one it
 # starts (only a multi-process job's process 0 writes it, as JAX does).
+# Every program, however fast it compiles (JAX caches only those over 1 s by
+# default; the tiny model's at optimization level 0 take less): measured on a
+# 2-host job of 8 steps, 15.2 s -> 14.3 s with the cache warm.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

@@ -81,8 +81,9 @@ def reference(tmp_path_factory, cache):
 # What CI runs, by strategy family and fault class (the soak marker holds
 # repeats and long variants only: pytest -m soak):
 #   baseline  blocking: a process kill (here)
-#   inmem     inmem: a process kill (here); a machine loss (test_recovery.py
-#             test_kill_resumes_from_memory_bitwise[host-peer])
+#   inmem     inmem: a machine loss (test_recovery.py
+#             test_kill_resumes_from_memory_bitwise[host-peer], and over the
+#             chunk channel below); its process kill is a soak repeat
 #   scheduled capricorn: a machine loss, the replica moved in the step
 #             (test_capricorn_machine_loss_...[threaded]); gemini: two hosts
 #             killed at once (test_two_hosts_killed_at_once_...)
@@ -98,7 +99,7 @@ def reference(tmp_path_factory, cache):
 #   checkpointing strategy of the factory is killed and recovered in CI.
 # Repeats of the family runs above; control restarts from step 0 as none does
 # (its bytes and its losses: test_bench's long-run contract).
-SOAK_STRATEGIES = ("gemini", "pec", "capricorn", "control")
+SOAK_STRATEGIES = ("gemini", "pec", "capricorn", "control", "inmem")
 
 
 @pytest.mark.parametrize("strategy", [
