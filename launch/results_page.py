@@ -84,7 +84,8 @@ def results_page(root: Path) -> str:
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
     parts += _long_run_section(res, "floor", "the emulator's floor, the control's receiver "
                                "waking per 64 KiB (issue 53, 0.21.1, 2026-12-06, code fcbf5ef: "
-                               "the priority point at MTU 1500 and 9000; each JSON's command)")
+                               "the priority point at MTU 1500 and 9000; 29b014c: a FIFO point "
+                               "at 9000; each JSON's command)")
     parts += _long_run_section(res, "frame_bucket", "one-frame link buckets and the control "
                                "(issue 53, 0.21.0, 2026-12-06: the first points of the corrected "
                                "emulator; each JSON's command)")
