@@ -124,3 +124,35 @@ def test_a_key_in_another_protocol_is_refused():
         got = _on_hosts(clients, {0: lambda c, h: agree.exchange("a", 2, "step 7", 30, c, h)})
     assert isinstance(got[0], agree.AgreementMismatch)
     assert "host 1 on a key in an unknown protocol" in str(got[0])
+
+
+def test_a_stream_numbers_its_agreements_apart_from_the_training_threads():
+    """Two threads per host agree at once, the training thread on the default
+    stream and a planner's thread on its own: each stream's agreements match
+    across the hosts whatever order the two threads' calls interleave in (one
+    numbering for both would pair host 0's plan agreement with host 1's
+    training one: a mismatch)."""
+    import threading
+
+    def host(client, h):
+        results = {}
+
+        def run(stream, what):
+            results[stream] = [agree.exchange(f"{what} {i} of {h}", 2, f"{what} {i}", 30,
+                                              client, h, stream=stream) for i in range(3)]
+
+        # Host 0 starts its plan thread first, host 1 its training thread first.
+        order = [("plan", "plan"), ("", "train")] if h == 0 else [("", "train"), ("plan", "plan")]
+        threads = [threading.Thread(target=run, args=args) for args in order]
+        for t in threads:
+            t.start()
+            t.join(0.05)
+        for t in threads:
+            t.join()
+        return results
+
+    with _store(2) as clients:
+        got = _on_hosts(clients, {0: host, 1: host})
+    for h in (0, 1):
+        assert got[h] == {"plan": [[f"plan {i} of 0", f"plan {i} of 1"] for i in range(3)],
+                          "": [[f"train {i} of 0", f"train {i} of 1"] for i in range(3)]}, got[h]

@@ -13,7 +13,7 @@ the multi-process bench and training tests the whole path."""
 from __future__ import annotations
 
 import collections
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -139,16 +139,24 @@ class _Transfers:
         self.schedule = partition(70, windows, LINK, chunk_cap=1000)
         return self.schedule
 
+    def prepare(self, windows, agreed=False):
+        assert agreed  # the planner's thread agrees its windows itself
+        return list(windows)
+
+    def install(self, prepared):
+        return self.repartition(prepared)
+
     def summary(self):
         return {"scheduled": self.schedule is not None}
 
 
-def _planner(kind: str, first_n: int = 3, spans: bool = False) -> Planner:
+def _planner(kind: str, first_n: int = 3, spans: bool = False,
+             background: bool = False) -> Planner:
     """The planner of ``kind`` ("gemini": fixed, "capricorn": replan) over test doubles."""
     target = cast(PlanTarget, _Transfers())
     if kind == "gemini":
         return FixedPlanner(StatusNotes(), target, MOE, spans, first_n)
-    return ReplanningPlanner(StatusNotes(), target, MOE, spans)
+    return ReplanningPlanner(StatusNotes(), target, MOE, spans, background)
 
 
 def test_gemini_plans_once_on_the_mean_of_its_first_n_warm_profiles_and_keeps_it():
@@ -419,3 +427,88 @@ def test_capricorn_replans_an_expert_window_its_load_moves_beyond_its_noise():
     assert s.target.plans[-1][2] == Window("block0", "fwd", 0.05, "fwd:combine.end")
     assert s.replan_at_load(6, detector, _load(20)) == {}  # the plan in force already
     assert s.replan_at_load(7, detector, _load(100)) is None  # beyond the loads seen
+
+
+def _fitted_window_model_planner(background: bool) -> ReplanningPlanner:
+    """capricorn planned on one profile with span windows, its window model
+    fitted on the expert window's idle time = 0.3 + 0.02 x peak load (+-1 ms)."""
+    spans = (Span("", 0.25, 0.1), Span("fwd:dispatch.end", 0.5, 0.1),
+             Span("fwd:combine.end", 0.05, 0.0))
+    profile = LayerProfile(2, 1.0, (Segment("block0", "fwd", 0.0, 1.0, 0.2, spans),))
+    s = cast(ReplanningPlanner, _planner("capricorn", spans=True, background=background))
+    s.on_profile(2, profile, cold=False)
+    rng = np.random.default_rng(0)
+    for peak in (10, 12, 14, 16, 18, 20, 22, 24):  # +-1 ms of noise
+        s._observe_windows([{"window": "block0/fwd@fwd:dispatch.end",
+                             "observed_s": 0.3 + 0.02 * peak + rng.uniform(-1e-3, 1e-3)}],
+                           _load(peak))
+    return s
+
+
+def test_a_background_replan_runs_off_the_calling_thread_and_comes_into_force_a_step_later():
+    """Issue 53 item 7: the re-plan at a new load (its agreement and its
+    partition) runs on the planner's thread; the step that asked gets no
+    profile and no new plan, the next settles it (the same windows the
+    synchronous re-plan builds at once)."""
+    import threading
+
+    at_once = _fitted_window_model_planner(background=False)
+    expected = at_once.replan_at_load(5, DynamicityDetector(), _load(20))
+    s = _fitted_window_model_planner(background=True)
+    try:
+        plans = len(s.target.plans)
+        assert s.replan_at_load(5, DynamicityDetector(), _load(20)) == {}  # no profile either
+        assert len(s.target.plans) == plans and s.window_model_replans == []
+        assert s.replan_at_load(5, DynamicityDetector(), _load(20)) == {}  # one on its way
+        event = s.settle(6)
+        assert s._thread is not None and s._thread.ran == 1
+        assert s._thread.thread_names == {"capricorn-plan"} != {threading.current_thread().name}
+        assert event["source"] == "window_model" and event["decided_at"] == 5
+        assert event["windows_s"] == expected["windows_s"]
+        # (float32 durations: agreed here; the double's synchronous re-plan agrees none)
+        assert [w.duration_s for w in s.target.plans[-1]] == pytest.approx(
+            [w.duration_s for w in at_once.target.plans[-1]], rel=1e-6)
+        assert [w.edge for w in s.target.plans[-1]] == [w.edge for w in at_once.target.plans[-1]]
+        assert s.window_model_replans == [6] and s.repartitions[-1] == 6
+        assert s.settle(7) is None  # nothing on its way
+        # The same load again: within the new plan's noise, nothing changes.
+        assert s.replan_at_load(8, DynamicityDetector(), _load(20)) == {}
+        assert s.settle(9) is None and s.repartitions[-1] == 6
+    finally:
+        s.close()
+
+
+def test_a_background_replan_no_model_covers_asks_for_a_profile_at_settle():
+    s = _fitted_window_model_planner(background=True)
+    try:
+        assert s.replan_at_load(5, DynamicityDetector(), _load(100)) == {}  # beyond the fit
+        assert not s.profile_requested()
+        assert s.settle(6) is None
+        assert s.profile_requested() and s.model_profile_requests == [6]
+    finally:
+        s.close()
+
+
+def test_the_driver_settles_a_background_plan_before_its_other_planning_calls():
+    from capricorn_jax import ProfilingDriver
+    from capricorn_jax._src.strategies.base import Strategy
+
+    calls = []
+
+    class Settling(Strategy):
+        name, plans_on_profiles = "settling", True
+
+        def settle_plan(self, step):
+            calls.append(("settle", step))
+            return {"source": "window_model", "decided_at": step - 1}
+
+        def on_profile(self, step, profile, cold):
+            calls.append(("on_profile", step))
+
+    driver = ProfilingDriver(cast(Any, object()), Settling())
+    profile = LayerProfile(4, 1.0, (Segment("block0", "fwd", 0.0, 1.0),))
+    driver.train = cast(Any, type("T", (), {"moe_layers": MOE})())
+    events = driver._observe(4, (1.0,), {}, profile, False)
+    assert calls == [("settle", 4), ("on_profile", 4)]
+    assert {"event": "repartition", "step": 4, "strategy": "settling",
+            "source": "window_model", "decided_at": 3} in events

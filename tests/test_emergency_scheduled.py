@@ -288,7 +288,11 @@ def test_capricorn_through_the_one_object_moves_versions_in_step_and_restores_bi
     job.kill()
     first = [job.digests(pid) for pid in range(2)]
     moved = job.moved(0) & job.moved(1)
-    assert {2, 3, 4, 5} <= moved, job.text(0)[-3000:]  # after the cold and 2 warm profiles
+    # Steps 0 and 1 profiled (cold, then the first plan); the load step 1
+    # ends at asks for a profile, which no model covers yet: the planner's
+    # thread says so and the profile comes a step later (step 3), so step 2
+    # moves version 1 and version 2 is saved after its profiled step.
+    assert {1, 3, 4, 5} <= moved and 2 not in moved, job.text(0)[-3000:]
     shutil.rmtree(tmp_path / "local1")
 
     # The restart trains on to step 18: 3 profiled steps (a new process), then moves.

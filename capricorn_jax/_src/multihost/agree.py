@@ -56,6 +56,14 @@ naming the host. The store's client is a private JAX API
 (``capricorn_jax.experimental.distributed_client``), already used by the
 chunk channel to exchange addresses.
 
+Agreements are numbered per ``stream``: the training thread's share the
+default stream; a thread of its own that agrees while the training thread
+runs on (capricorn's background re-plans, ``strategies.planners``) passes its
+stream, whose agreements are numbered apart (their keys are
+``capricorn/agree/<stream>/<n>/<host>``), so the two threads' call orders
+never interleave into one numbering. Every host must make a stream's
+agreements in the same order, as for the default one.
+
 Every function takes ``hosts``, the number of processes taking part (default
 ``jax.process_count()``); with ``hosts == 1`` nothing is exchanged, which is
 how a single-process caller that simulates several hosts stays local.
@@ -78,7 +86,7 @@ import numpy as np
 DEFAULT_TIMEOUT_S = 1800.0
 PROTOCOL = "cjx-agree/2"
 """The agreement's wire format (bumped when a key's layout changes)."""
-_KEY = "capricorn/agree/{seq}/{host}"
+_KEY = "capricorn/agree/{stream}{seq}/{host}"
 
 
 def _package_version() -> str:
@@ -135,7 +143,8 @@ def _open(raw: str, host: int, other: int, seq: int, what: str, shared: str) -> 
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.seq: dict[tuple[int, int], int] = {}  # (client, host) -> agreements so far
+        # (client, host, stream) -> agreements so far
+        self.seq: dict[tuple[int, int, str], int] = {}
         self.shared: dict[tuple[int, int], str] = {}  # (client, host) -> agreed shared digest
         self.timeout_s = DEFAULT_TIMEOUT_S
 
@@ -150,6 +159,11 @@ def set_timeout(seconds: float) -> None:
     if not seconds > 0:
         raise ValueError(f"agreement timeout must be positive, got {seconds}")
     _state.timeout_s = float(seconds)
+
+
+def current_timeout() -> float:
+    """The bound of this process's agreements (``set_timeout``'s value)."""
+    return _state.timeout_s
 
 
 def _hosts(hosts: int | None) -> int:
@@ -167,7 +181,7 @@ def _client() -> Any:
 
 
 def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
-             client: Any = None, host: int | None = None) -> list[str]:
+             client: Any = None, host: int | None = None, stream: str = "") -> list[str]:
     """Every host's string ``doc`` in process order, through the key-value store.
 
     Args:
@@ -178,6 +192,8 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
       timeout_s: the bound (default: ``set_timeout``'s).
       client, host: the store's client and this host's index (default: this
         process's ``jax.distributed`` client and ``jax.process_index()``).
+      stream: the numbering this agreement takes part in ("": the default
+        one; module docstring).
 
     Raises:
       AgreementTimeout: a host did not set its key within the bound; the
@@ -188,16 +204,20 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
     client = _client() if client is None else client
     host = jax.process_index() if host is None else host
     timeout_s = _state.timeout_s if timeout_s is None else timeout_s
+    prefix = f"{stream}/" if stream else ""
     with _state.lock:
-        seq = _state.seq[(id(client), host)] = _state.seq.get((id(client), host), 0) + 1
+        key = (id(client), host, stream)
+        seq = _state.seq[key] = _state.seq.get(key, 0) + 1
         shared = _state.shared.get((id(client), host), "")
-    client.key_value_set(_KEY.format(seq=seq, host=host), _envelope(what, doc, shared))
+    client.key_value_set(_KEY.format(stream=prefix, seq=seq, host=host),
+                         _envelope(what, doc, shared))
     deadline = time.monotonic() + timeout_s
     out = []
     for other in range(hosts):
         left_ms = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            raw = client.blocking_key_value_get(_KEY.format(seq=seq, host=other), left_ms)
+            raw = client.blocking_key_value_get(_KEY.format(stream=prefix, seq=seq, host=other),
+                                                left_ms)
         except Exception as e:  # noqa: BLE001 - the store's deadline error (JaxRuntimeError)
             raise AgreementTimeout(
                 f"host {host}: agreement #{seq} ({what}): host {other} did not answer within "
@@ -206,7 +226,7 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
         out.append(_open(raw, host, other, seq, what, shared))
     if seq > 1:
         try:
-            client.key_value_delete(_KEY.format(seq=seq - 1, host=host))
+            client.key_value_delete(_KEY.format(stream=prefix, seq=seq - 1, host=host))
         except Exception:  # noqa: BLE001 - a key left behind costs a few bytes
             pass
     return out
@@ -230,18 +250,19 @@ def allgather_json(doc: Any, hosts: int | None = None, what: str = "allgather_js
     return [json.loads(x) for x in exchange(json.dumps(doc), n, what)]
 
 
-def broadcast_json(doc: Any, hosts: int | None = None, what: str = "broadcast_json") -> Any:
+def broadcast_json(doc: Any, hosts: int | None = None, what: str = "broadcast_json",
+                   stream: str = "") -> Any:
     """Host 0's JSON-able ``doc`` on every host (every host calls it and passes
-    its own, only host 0's is used)."""
+    its own, only host 0's is used; ``stream``: ``exchange``'s)."""
     n = _hosts(hosts)
     if n == 1:
         return doc
     mine = json.dumps(doc) if jax.process_index() == 0 else "null"
-    return json.loads(exchange(mine, n, what)[0])
+    return json.loads(exchange(mine, n, what, stream=stream)[0])
 
 
 def agree_floats(values: Sequence[float | None], hosts: int | None = None,
-                 what: str = "agree_floats") -> list[float | None]:
+                 what: str = "agree_floats", stream: str = "") -> list[float | None]:
     """Host 0's ``values`` on every host, as float32 (every host calls it).
 
     Every host passes as many values. Each value is rounded to float32 on
@@ -251,17 +272,18 @@ def agree_floats(values: Sequence[float | None], hosts: int | None = None,
     """
     arr = np.array([np.nan if v is None else v for v in values], np.float32)
     if _hosts(hosts) > 1:
-        got = broadcast_json([None if math.isnan(v) else float(v) for v in arr], hosts, what)
+        got = broadcast_json([None if math.isnan(v) else float(v) for v in arr], hosts, what,
+                             stream)
         arr = np.array([np.nan if v is None else v for v in got], np.float32)
     return [None if math.isnan(v) else float(v) for v in arr]
 
 
 def agree_measured(values: Sequence[float], hosts: int | None = None,
-                   what: str = "agree_floats") -> list[float]:
+                   what: str = "agree_floats", stream: str = "") -> list[float]:
     """``agree_floats`` of measured values (times, durations: never None nor
     NaN), typed as floats; raises ValueError naming a value that came back
     unmeasured (NaN on host 0)."""
-    got = agree_floats(values, hosts, what)
+    got = agree_floats(values, hosts, what, stream)
     out = [v for v in got if v is not None]
     if len(out) != len(got):
         raise ValueError(f"{what}: host 0's values {[i for i, v in enumerate(got) if v is None]} "

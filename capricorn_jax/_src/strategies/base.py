@@ -173,6 +173,13 @@ class Strategy(Protocol):
         the trigger says (the same answer on every host). Default: never."""
         return False
 
+    def settle_plan(self, step: int) -> dict[str, Any] | None:
+        """Called after step ``step`` before the other planning calls: puts
+        in force a plan prepared off the training thread since the last step
+        (the same step on every host). Returns the fields of a
+        ``repartition`` event when it did, else None (the default)."""
+        return None
+
     def schedule(self) -> Schedule | None:
         """The in-step transfer schedule in force (None: none)."""
         return None

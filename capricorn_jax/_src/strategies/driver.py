@@ -59,9 +59,10 @@ class ProfilingDriver:
 
     Attributes:
       plan_s: the last step's seconds in the strategy's planning calls after
-        its program returned (``on_profile``, ``allow_profile``,
-        ``replan_at_load``, ``profile_requested``: its re-plans and their
-        agreements), work on the training thread between two steps; the
+        its program returned (``settle_plan``, ``on_profile``,
+        ``allow_profile``, ``replan_at_load``, ``profile_requested``: its
+        re-plans and their agreements, or the wait for a re-plan prepared on
+        the planner's thread), work on the training thread between two steps; the
         bench's ``blocked_ms`` ``phase.plan``. Not the wait for the step's
         results, which an asynchronous step's first read of its metrics holds.
       profile_next: whether the next step this driver runs is profiled.
@@ -162,6 +163,8 @@ class ProfilingDriver:
         """Feeds the step to the first-N profiler, the strategy and the detector."""
         events: list[dict[str, Any]] = []
         repartition = replanned = None
+        # A re-plan prepared off the training thread since the last step, first.
+        settled = self._planning(self.strategy.settle_plan, step)
         if profile is not None:
             events.append(profile_event(step, profile, compiled, self.train.moe_layers))
             if self.iterations is not None and self.iterations.profile is None:
@@ -185,7 +188,7 @@ class ProfilingDriver:
             replanned = self._replan_from_cache(step, events[-1]) or self._modelled
             if self._modelled:  # {}: the model's plan at this load was in force already
                 self.model_replans.append(step)
-        for plan in (repartition, replanned):
+        for plan in (settled, repartition, replanned):
             if plan:
                 events.append({"event": "repartition", "step": step,
                                "strategy": self.strategy.name, **plan})

@@ -66,6 +66,7 @@ from capricorn_jax._src.scheduling.plan.policies import (
     shortest_windows,
 )
 from capricorn_jax._src.scheduling.plan.window_model import WindowModel, moved_windows, window_key
+from capricorn_jax._src.strategies.plan_thread import Job, PlanThread, plan_stream
 
 if TYPE_CHECKING:
     from capricorn_jax._src.profiling.detector import DynamicityDetector
@@ -100,6 +101,14 @@ class PlanTarget(Protocol):
         """Partitions the payload into ``windows`` (host 0's durations)."""
         ...
 
+    def prepare(self, windows: Sequence[Window], agreed: bool = False) -> Any:
+        """The schedule of ``windows``, not yet in force (any thread)."""
+        ...
+
+    def install(self, prepared: Any) -> Schedule:
+        """Puts a prepared schedule in force (the training thread)."""
+        ...
+
     def summary(self) -> dict[str, Any]:
         """The schedule in force, JSON-able."""
         ...
@@ -127,6 +136,9 @@ class Planner:
       spans: plan on span windows (the idle spans between a layer's
         all-to-alls, ``scheduling.plan.partitioner.windows_from_profile``),
         not one window per layer segment.
+      background: re-plans at a new load run on the planner's own thread
+        (``plan_thread``) and come into force one step later (``settle``);
+        else on the calling thread, at once.
 
     Attributes:
       acts_on_windows: the plan changes on the moved steps' window records,
@@ -148,8 +160,9 @@ class Planner:
     step ~5 ms at the priority point; BUILD_NOTES)."""
 
     def __init__(self, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
-                 spans: bool) -> None:
+                 spans: bool, background: bool = False) -> None:
         self.ckpt, self.target, self.moe_layers, self.spans = ckpt, target, moe_layers, spans
+        self.background = background
         self.planned_on: LayerProfile | None = None
         self.repartitions: list[int] = []
         self.repartition_sources: list[str] = []
@@ -161,10 +174,11 @@ class Planner:
 
     @classmethod
     def create(cls, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
-               spans: bool, first_n: int = DEFAULT_FIRST_N) -> Planner:
+               spans: bool, first_n: int = DEFAULT_FIRST_N, background: bool = False
+               ) -> Planner:
         """The planner from the strategy's arguments (``first_n``: the fixed
         planner's; the others take none)."""
-        return cls(ckpt, target, moe_layers, spans)
+        return cls(ckpt, target, moe_layers, spans, background)
 
     # --- what the strategy asks (the driver's hooks) ---
 
@@ -185,6 +199,15 @@ class Planner:
     def profile_requested(self) -> bool:
         """Whether it asks for the next step to be profiled."""
         return False
+
+    def settle(self, step: int) -> dict[str, Any] | None:
+        """After step ``step``, before any other hook: puts in force the
+        re-plan its thread prepared since the last step (``background``);
+        the ``repartition`` event's fields, or None."""
+        return None
+
+    def close(self) -> None:
+        """Ends the planner's thread, if any."""
 
     # --- the moved steps' windows ---
 
@@ -210,10 +233,15 @@ class Planner:
         """The windows a profile gives this plan (span windows or not)."""
         return windows_from_profile(profile, spans=self.spans)
 
-    def _repartition(self, step: int, windows: list[Window], source: str) -> dict[str, Any]:
-        """Re-partitions the payload into ``windows`` (planned on ``source``);
-        the fields of its ``repartition`` event."""
-        self.target.repartition(windows)
+    def _repartition(self, step: int, windows: list[Window], source: str,
+                     prepared: Any = None) -> dict[str, Any]:
+        """Re-partitions the payload into ``windows`` (planned on ``source``;
+        ``prepared``: already partitioned, ``PlanTarget.prepare``); the
+        fields of its ``repartition`` event."""
+        if prepared is None:
+            self.target.repartition(windows)
+        else:
+            self.target.install(prepared)
         self.repartitions.append(step)
         self.repartition_sources.append(source)
         link = self.target.link
@@ -245,16 +273,17 @@ class FixedPlanner(Planner):
     are a compile's). It reports its spills and acts on none."""
 
     def __init__(self, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
-                 spans: bool, first_n: int = DEFAULT_FIRST_N) -> None:
-        super().__init__(ckpt, target, moe_layers, spans)
+                 spans: bool, first_n: int = DEFAULT_FIRST_N, background: bool = False) -> None:
+        super().__init__(ckpt, target, moe_layers, spans, background)
         self.first_n = first_n
         self._profiles: list[LayerProfile] = []  # its warm profiles, until it plans
         self._seen = 0  # profiles seen (cold ones too)
 
     @classmethod
     def create(cls, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
-               spans: bool, first_n: int = DEFAULT_FIRST_N) -> Planner:
-        return cls(ckpt, target, moe_layers, spans, first_n)
+               spans: bool, first_n: int = DEFAULT_FIRST_N, background: bool = False
+               ) -> Planner:
+        return cls(ckpt, target, moe_layers, spans, first_n, background)
 
     def on_profile(self, step: int, profile: LayerProfile, cold: bool) -> dict[str, Any] | None:
         if self.repartitions:
@@ -278,8 +307,12 @@ class ReplanningPlanner(Planner):
     acts_on_windows = True
 
     def __init__(self, ckpt: StatusNote, target: PlanTarget, moe_layers: Sequence[int],
-                 spans: bool) -> None:
-        super().__init__(ckpt, target, moe_layers, spans)
+                 spans: bool, background: bool = False) -> None:
+        super().__init__(ckpt, target, moe_layers, spans, background)
+        self._thread = PlanThread() if background else None
+        self._stream = plan_stream() if background else ""
+        self._pending: Job | None = None  # a re-plan its thread is preparing
+        self.model_profile_requests: list[int] = []  # steps a background re-plan asked one at
         self._recent: collections.deque[LayerProfile] = collections.deque(maxlen=PLAN_PROFILES)
         self._wants_profile = False
         self._plan_windows: list[Window] = []  # the windows of the plan in force
@@ -302,8 +335,9 @@ class ReplanningPlanner(Planner):
         self.planned_on, self._modelled_windows = profile, None
         return self._repartition(step, windows, "profile")
 
-    def _repartition(self, step: int, windows: list[Window], source: str) -> dict[str, Any]:
-        event = super()._repartition(step, windows, source)
+    def _repartition(self, step: int, windows: list[Window], source: str,
+                     prepared: Any = None) -> dict[str, Any]:
+        event = super()._repartition(step, windows, source, prepared)
         self._plan_windows = list(windows)
         return event
 
@@ -339,6 +373,8 @@ class ReplanningPlanner(Planner):
             return {}
         if self.planned_on is None:
             return None
+        if self._thread is not None:
+            return self._submit(step, detector, tokens_per_expert)
         by_model = self._replan_by_window_model(step, tokens_per_expert)
         if by_model is not None:
             return by_model
@@ -351,6 +387,91 @@ class ReplanningPlanner(Planner):
         self._modelled_windows = windows
         self._spills.clear()  # a new schedule in force: its spills count afresh
         return self._repartition(step, windows, "cost_model")
+
+    # --- the re-plans at a new load, on the planner's thread (``background``) ---
+
+    def _submit(self, step: int, detector: DynamicityDetector,
+                tokens_per_expert: np.ndarray) -> dict[str, Any]:
+        """``replan_at_load`` with its agreement and partition on the
+        planner's thread: what its models say at this load is taken here (the
+        window model's windows and the segment models' fallback, read on
+        this thread), host 0's answer is agreed and partitioned there, and
+        ``settle`` puts it in force after the next step (or asks for a
+        profile where no model covers the load). Returns ``{}``: no profile
+        now (one already on its way waits for its answer, as a profile
+        would)."""
+        if self._pending is not None:
+            return {}
+        assert self._thread is not None and self.planned_on is not None  # replan_at_load's
+        plan, mine = list(self._plan_windows), self._model_windows(tokens_per_expert)
+        fallback = None if mine is not None else windows_at_load(
+            self.planned_on, detector, tokens_per_expert, self.moe_layers, spans=self.spans)
+        modelled = self._modelled_windows
+        self._pending = self._thread.submit(
+            step, lambda: self._decide(plan, mine, fallback, modelled))
+        return {}
+
+    def _decide(self, plan: list[Window], mine: dict[int, float] | None,
+                fallback: list[Window] | None, modelled: list[Window] | None) -> Any:
+        """On the planner's thread: host 0's answer, in one agreement on the
+        planner's stream (the window model's windows, code n >= 0 moved; the
+        segment models' windows, code -1; neither covers the load, code -2),
+        then its schedule prepared. Returns None (the plan stands),
+        "profile", or (source, windows, prepared)."""
+        if mine is not None:
+            values = [float(len(mine)), *(mine.get(i, w.duration_s) for i, w in enumerate(plan))]
+        elif fallback is not None:
+            values = [-1.0, *(w.duration_s for w in fallback)]
+        else:
+            values = [-2.0]
+        code, *durations = agree_measured(values, what="a re-plan at a new load",
+                                          stream=self._stream)
+        if code == -2:
+            return "profile"
+        if code == 0:
+            return None  # every expert window within its noise
+        if code > 0:
+            source, base = "window_model", plan
+        elif fallback is None:
+            raise RuntimeError("host 0's segment models cover the load and this host's do not: "
+                               "the hosts' models differ")
+        else:
+            source, base = "cost_model", fallback
+        windows = [dataclasses.replace(w, duration_s=d)
+                   for w, d in zip(base, durations, strict=True)]
+        if source == "cost_model" and windows == modelled:
+            return None  # the plan in force already is the model's at this load
+        return source, windows, self.target.prepare(windows, agreed=True)
+
+    def settle(self, step: int) -> dict[str, Any] | None:
+        job, self._pending = self._pending, None
+        if job is None:
+            return None
+        outcome = job.outcome()
+        if outcome is None or self._settled:
+            return None
+        if outcome == "profile":  # no model covers the load: profile the next step
+            self._wants_profile = True
+            self.model_profile_requests.append(step)
+            return None
+        source, windows, prepared = outcome
+        self._modelled_windows = windows
+        self._spills.clear()  # a new schedule in force: its spills count afresh
+        if source == "window_model":
+            self.window_model_replans.append(step)
+        return {**self._repartition(step, windows, source, prepared), "decided_at": job.step}
+
+    def close(self) -> None:
+        """Waits for a re-plan on its way (every host's thread agrees on it:
+        none is left in a store round trip at exit), then ends the thread."""
+        if self._pending is not None:
+            try:
+                self._pending.outcome()
+            except (RuntimeError, TimeoutError):
+                pass  # ending anyway
+            self._pending = None
+        if self._thread is not None:
+            self._thread.close()
 
     def profile_requested(self) -> bool:
         """The windows its schedule filled spilled in most of the last
@@ -407,6 +528,18 @@ class ReplanningPlanner(Planner):
                 self.window_model.observe(record["window"], float(peaks[layer]),
                                           record["observed_s"])
 
+    def _model_windows(self, tokens_per_expert: np.ndarray) -> dict[int, float] | None:
+        """This host's window model at this load: plan window index -> its
+        predicted idle time, for each expert window the load moves beyond its
+        noise (``{}``: none moves); None: the model cannot say."""
+        experts = self._expert_windows()
+        if not experts or not self._plan_windows:
+            return None
+        peaks = np.asarray(tokens_per_expert).max(axis=-1)
+        loads = {key: float(peaks[layer]) for key, layer in experts.items()}
+        fits = {key: f for key in experts if (f := self.window_model.fit_of(key))}
+        return moved_windows(self._plan_windows, loads, fits)
+
     def _replan_by_window_model(self, step: int, tokens_per_expert: np.ndarray
                                 ) -> dict[str, Any] | None:
         """The plan's windows with each expert window that the next step's
@@ -416,13 +549,7 @@ class ReplanningPlanner(Planner):
         this is called on every host at the same steps). None: the model
         cannot say (no fit covers the load): the caller tries the segments'
         models."""
-        experts = self._expert_windows()
-        mine: dict[int, float] | None = None
-        if experts and self._plan_windows:
-            peaks = np.asarray(tokens_per_expert).max(axis=-1)
-            loads = {key: float(peaks[layer]) for key, layer in experts.items()}
-            fits = {key: f for key in experts if (f := self.window_model.fit_of(key))}
-            mine = moved_windows(self._plan_windows, loads, fits)
+        mine = self._model_windows(tokens_per_expert)
         (code,) = agree_measured([-1.0 if mine is None else float(len(mine))],
                                  what="window_model")
         if code < 0:

@@ -94,6 +94,9 @@ class ScheduledStrategy(InMemoryStrategy):
         path.
       planner: "fixed" or "replan" (``registry.PLANNERS``); None: the
         library's for ``name`` (``LIBRARY_PLANNERS``).
+      background_plan: the planner's re-plans at a new load run on its own
+        thread and come into force a step later (``planners``,
+        ``plan_thread``), not inside the step that asked.
 
     Attributes:
       planner: its ``Planner``; mover: its ``Mover``.
@@ -104,7 +107,7 @@ class ScheduledStrategy(InMemoryStrategy):
     def __init__(self, name: str, checkpointer: TierWriter, train: TrainStep,
                  first_n: int = DEFAULT_FIRST_N, chunk_cap: int = 1 << 20,
                  chunk_path: str = "auto", spans: bool | None = None,
-                 planner: str | None = None) -> None:
+                 planner: str | None = None, background_plan: bool = True) -> None:
         planner = planner or LIBRARY_PLANNERS.get(name)
         if planner not in PLANNERS:
             raise ValueError(f"scheduled strategy {name!r}: planner must be one of "
@@ -123,7 +126,8 @@ class ScheduledStrategy(InMemoryStrategy):
         self.mover: Mover = mover_cls.build(checkpointer, train, chunk_cap,
                                             time_windows=planner_cls.acts_on_windows)
         self.planner: Planner = planner_cls.create(checkpointer, self.mover.transfers,
-                                                   train.moe_layers, self.spans, first_n)
+                                                   train.moe_layers, self.spans, first_n,
+                                                   background_plan)
         self.planner.windows_unused = self.mover.sends_at_once
         self._host_states: dict[int, tuple[HostState, np.ndarray | None]] = {}
         self._last_saved = -1
@@ -241,6 +245,9 @@ class ScheduledStrategy(InMemoryStrategy):
     def profile_requested(self) -> bool:
         return self.planner.profile_requested()
 
+    def settle_plan(self, step: int) -> dict[str, Any] | None:
+        return self.planner.settle(step)
+
     # --- the lifecycle: save, defer, commit ---
 
     def save(self, step: int, state: State, host_state: HostState, *,
@@ -316,6 +323,7 @@ class ScheduledStrategy(InMemoryStrategy):
                                      tokens_per_expert=tokens_per_expert)
 
     def close(self) -> None:
+        self.planner.close()
         self.mover.close()
         super().close()
 

@@ -58,6 +58,20 @@ if TYPE_CHECKING:
     from capricorn_jax._src.profiling.train_step import TrainStep
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A schedule built off the training thread, not yet in force
+    (``ScheduledTransfers.prepare`` / ``install``): the margin-scaled
+    windows, the payload size, the schedule, where its bytes go and the
+    even fill's share."""
+
+    windows: list[Window]
+    size: int
+    schedule: Schedule
+    where: tuple
+    share: float | None
+
+
 def measure_link(transport: Transport, sizes: Sequence[int] = (1 << 16, 1 << 20, 1 << 22),
                  repeats: int = 5) -> LinkModel:
     """Fits alpha + bytes/B from timed collective-permutes on the replication link.
@@ -126,13 +140,32 @@ class ScheduledTransfers:
 
     def repartition(self, windows: Sequence[Window]) -> Schedule:
         """A new schedule from ``windows`` (host 0's durations, on every host)."""
-        durations = agree_measured([w.duration_s for w in windows])
-        windows = [dataclasses.replace(w, duration_s=d)
-                   for w, d in zip(windows, durations, strict=True)]
-        self._windows = scale_windows(windows, self.margin)
-        self._schedules = {}
+        return self.install(self.prepare(windows))
+
+    def prepare(self, windows: Sequence[Window], agreed: bool = False) -> Prepared:
+        """The schedule of ``windows`` for the full payload, not yet in force
+        (``install``); it reads no state ``install`` changes, so a thread
+        other than the training thread may prepare it. ``agreed``: the
+        durations are every host's already (host 0's, or computed alike from
+        agreed inputs), else host 0's are agreed here (an agreement on the
+        default stream: the training thread's)."""
+        if not agreed:
+            durations = agree_measured([w.duration_s for w in windows])
+            windows = [dataclasses.replace(w, duration_s=d)
+                       for w, d in zip(windows, durations, strict=True)]
+        scaled = scale_windows(list(windows), self.margin)
+        size = self.ckpt.transport.plan.payload_bytes
+        return Prepared(scaled, size, *self._partition(size, scaled))
+
+    def install(self, prepared: Prepared) -> Schedule:
+        """Puts a ``prepare``d schedule in force (the training thread, at the
+        same step on every host)."""
+        self._windows = prepared.windows
+        self._schedules = {prepared.size: (prepared.schedule, prepared.where)}
+        if prepared.share is not None:
+            self._shares[prepared.size] = prepared.share
         self._spreads = {}
-        self.schedule = self.schedule_for(self.ckpt.transport)
+        self.schedule = prepared.schedule
         self.partitions += 1
         return self.schedule
 
@@ -161,16 +194,25 @@ class ScheduledTransfers:
             raise RuntimeError("no schedule yet: repartition first")
         size = transport.plan.payload_bytes
         if size not in self._schedules:
-            if self.even:
-                s, self._shares[size] = even_partition(size, self._windows, self.link,
-                                                       self.chunk_cap)
-            else:
-                s = partition(size, self._windows, self.link, self.chunk_cap)
-            where = (tuple((w.name, w.direction, w.edge, tuple((c.start, c.stop) for c in cs))
-                           for w, cs in zip(s.windows, s.chunks, strict=True)),
-                     tuple((c.start, c.stop) for c in s.tail))
+            s, where, share = self._partition(size, self._windows)
+            if share is not None:
+                self._shares[size] = share
             self._schedules[size] = (s, where)
         return self._schedules[size]
+
+    def _partition(self, size: int, windows: list[Window]
+                   ) -> tuple[Schedule, tuple, float | None]:
+        """(schedule of ``size`` bytes over ``windows``, where its bytes go,
+        the even fill's share or None)."""
+        share = None
+        if self.even:
+            s, share = even_partition(size, windows, self.link, self.chunk_cap)
+        else:
+            s = partition(size, windows, self.link, self.chunk_cap)
+        where = (tuple((w.name, w.direction, w.edge, tuple((c.start, c.stop) for c in cs))
+                       for w, cs in zip(s.windows, s.chunks, strict=True)),
+                 tuple((c.start, c.stop) for c in s.tail))
+        return s, where, share
 
     def _key(self, factors: tuple[float, ...], hooks: tuple, transport: Transport) -> tuple:
         # Compiled variants are keyed by where the bytes go, not by the window
