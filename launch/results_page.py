@@ -82,6 +82,9 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    parts += _long_run_section(res, "replan_thread", "capricorn's re-plans on their own thread "
+                               "(issue 53 item 7, 0.22.0, 2026-12-06, code 4aac387: the FIFO "
+                               "point at MTU 9000; its command)")
     parts += _long_run_section(res, "floor", "the emulator's floor, the control's receiver "
                                "waking per 64 KiB (issue 53, 0.21.1, 2026-12-06, code fcbf5ef: "
                                "the priority point at MTU 1500 and 9000; 29b014c: a FIFO point "
