@@ -82,6 +82,10 @@ def results_page(root: Path) -> str:
              "JSONs in `results/` (each run's command, date and machine beside it). Emulated "
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
+    parts += _long_run_section(res, "corrected", "the sweep on the corrected emulator "
+                               "(issue 53 item 8, 0.22.0, 2026-12-06, code 4aac387: one-frame "
+                               "buckets, MTU 9000, the control beside every point; the README's "
+                               "table and plot; each JSON's command)")
     parts += _long_run_section(res, "replan_thread", "capricorn's re-plans on their own thread "
                                "(issue 53 item 7, 0.22.0, 2026-12-06, code 4aac387: the FIFO "
                                "point at MTU 9000; its command)")
@@ -93,7 +97,8 @@ def results_page(root: Path) -> str:
                                "(issue 53, 0.21.0, 2026-12-06: the first points of the corrected "
                                "emulator; each JSON's command)")
     parts += _long_run_section(res, "headline", "the sweep of 0.18.0 (issue 38's rerun, "
-                               "2026-12-05 19:29-21:21 UTC; the README's table and plot)")
+                               "2026-12-05 19:29-21:21 UTC; 20 KB link buckets; superseded in "
+                               "the README by the corrected sweep)")
     parts += _long_run_section(res, "data_plane", "the receive loop off the GIL and the "
                                "traffic class's send-at-once (issue 38, 2026-12-05 evening; "
                                "code per file name: b86a019 before, fe6f8ca the native "

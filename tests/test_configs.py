@@ -98,9 +98,9 @@ def test_the_cpu_headline_is_generated_from_the_bench_runs_beside_it():
     assert headline_table(docs, recovery=False) in (root / RESULTS_PAGE).read_text()
 
 
-def test_readme_long_run_table_is_generated_from_the_headline_sweeps_jsons_beside_it():
+def test_the_superseded_sweep_of_0_18_stays_on_the_results_page():
     from launch.results_page import RESULTS_PAGE
-    from launch.tables import long_run_summary, long_run_table
+    from launch.tables import long_run_table
 
     root = Path(__file__).resolve().parent.parent
     paths = sorted((root / "results" / "emulated" / "headline").glob("bench_*.json"))
@@ -115,12 +115,34 @@ def test_readme_long_run_table_is_generated_from_the_headline_sweeps_jsons_besid
         for row in d["strategies"].values():
             assert row["steps_timed"] >= 78 and row["long_run_ratio"] is not None
             assert "warmup_s" in row and len(row["collectives"]) == row["steps_timed"]
-    assert long_run_summary(docs) in (root / "README.md").read_text()
-    assert long_run_table(docs) in (root / RESULTS_PAGE).read_text()
+    assert long_run_table(docs) in (root / RESULTS_PAGE).read_text()  # superseded: the page only
     assert (root / "results" / "emulated" / "headline.png").stat().st_size > 0
     # The superseded sweeps stay in docs/results.md with their plots.
     for png in ("deadline.png", "long_run.png", "sweep3.png"):
         assert (root / "results" / "emulated" / png).stat().st_size > 0
+
+
+def test_readme_long_run_table_is_generated_from_the_corrected_sweeps_jsons_beside_it():
+    """The README's table: the sweep on the corrected emulator (one-frame
+    buckets, the control beside every point, paired intervals; issue 53)."""
+    from launch.results_page import RESULTS_PAGE
+    from launch.tables import long_run_summary, long_run_table
+
+    root = Path(__file__).resolve().parent.parent
+    paths = sorted((root / "results" / "emulated" / "corrected").glob("bench_*.json"))
+    docs = [json.loads(p.read_text()) for p in paths]
+    assert len(docs) >= 4 and all(d["config"]["accelerator"] == "emulated" for d in docs)
+    assert {d["link"]["traffic_class"] for d in docs} == {"fifo", "priority"}
+    for d in docs:
+        link = d["link"]
+        assert link["burst_bytes"] == link["mtu"] + 14  # one frame at the link's MTU
+        assert {"none", "control", "inmem", "gemini", "capricorn"} <= set(d["strategies"])
+        for name, row in d["strategies"].items():
+            assert row["steps_timed"] >= 78 and row["long_run_ratio"] is not None
+            assert name == "none" or len(row["steady_ratio_ci"]) == 2
+    assert long_run_summary(docs) in (root / "README.md").read_text()
+    assert long_run_table(docs) in (root / RESULTS_PAGE).read_text()
+    assert (root / "results" / "emulated" / "corrected.png").stat().st_size > 0
 
 
 def test_the_projection_is_generated_from_the_planner_json_beside_it():
