@@ -13,6 +13,7 @@ import types
 
 import pytest
 
+from capricorn_jax._src.memory.store.head_seal import seal
 from launch.cluster.console import Console
 from launch.train.config import CheckpointConfig
 from launch.train.supervisor import prepare_workdir
@@ -40,7 +41,8 @@ def _finished_job(tmp_path):
         owner = shm / "job-x" / f"host{host}" / f"owner{host}"
         owner.mkdir(parents=True)
         for slot, step in enumerate((7, 8)):
-            (owner / f"slot{slot}.head").write_text(json.dumps({"step": step, "generation": 1}))
+            (owner / f"slot{slot}.head").write_text(json.dumps(seal({"step": step,
+                                                                         "generation": 1})))
             (owner / f"slot{slot}.data").write_bytes(b"y" * 100)
     (work / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n\n')
     return work, shm
@@ -54,7 +56,7 @@ def test_default_resumes_and_deletes_nothing(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"resume: found persistent checkpoints {work / 'checkpoints'} (2 steps (4, 8)); "
         f"RAM stores {shm / 'job-x'} (2 steps (7, 8) on 2 hosts, "
-        f"{2 * 2 * (100 + len(json.dumps({'step': 7, 'generation': 1})))} bytes); "
+        f"{sum(p.stat().st_size for p in shm.rglob('slot*'))} bytes); "
         f"resuming from the newest (--fresh deletes them and starts over)"]
 
 

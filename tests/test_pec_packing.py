@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import capricorn_jax
+from capricorn_jax._src.memory.store.head_seal import seal
 from capricorn_jax._src.memory.store.store import HostStore
 from capricorn_jax._src.memory.tier import retention
 from capricorn_jax._src.memory.wire.packing import (
@@ -243,7 +244,7 @@ def test_a_version_with_an_unreadable_manifest_is_ignored_on_open(trainer, tmp_p
     else:
         record = json.loads(head.read_text())
         (record["meta"] if "pec" in record.get("meta", {}) else record)["pec"] = {}
-        head.write_text(json.dumps(record))
+        head.write_text(json.dumps(seal(record)))  # as a writer that wrote it so
         said = "version 3 of owner 0 has an unreadable manifest; ignored"
     with caplog.at_level("WARNING", logger="capricorn_jax"):
         fresh = _checkpointer(trainer, tmp_path, PecOptions(k=8, dynamic=False))

@@ -365,10 +365,10 @@ def test_a_store_written_in_another_head_format_is_refused_naming_it(tmp_path):
     _write(store, 0, 3, _chunks(5, [10]))
     head = tmp_path / "h0" / "owner0" / "slot0.head"
     record = json.loads(head.read_text())
-    assert record["format"] == "cjx-head/1"
+    assert record["format"] == "cjx-head/2"
     del record["format"]  # as the code before formats wrote it
     head.write_text(json.dumps(record))
     with pytest.raises(StoreFormatError, match=r"owner0/slot0.head: a commit record of format "
                        r"none \(written before formats were recorded\), this code reads "
-                       r"cjx-head/1: .* --fresh"):
+                       r"cjx-head/2: .* --fresh"):
         HostStore(tmp_path / "h0").versions(0)

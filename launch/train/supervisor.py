@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from capricorn_jax.experimental import committed_steps
 from launch.cluster import processes as cluster_lib
 from launch.cluster.console import Console
 from launch.cluster.netns import ShapedNetwork, links_for
@@ -67,11 +68,9 @@ def _size(path: Path) -> int:
 def _ram_versions(job_root: Path) -> set[int]:
     """Steps of the versions in a job's RAM stores (in-memory tier heads, blocking saves)."""
     steps: set[int] = set()
-    for head in job_root.glob("host*/owner*/*.head"):
-        try:
-            steps.add(int(json.loads(head.read_text())["step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    for store in job_root.glob("host*"):  # sealed heads only, as the store reads them
+        for owned in committed_steps(store).values():
+            steps.update(owned)
     for version in job_root.glob("host*/blocking/v*"):
         if re.fullmatch(r"v\d+", version.name):
             steps.add(int(version.name[1:]))

@@ -30,12 +30,14 @@ from typing import Any, Protocol
 import crc32c as _crc32c
 import numpy as np
 
+from capricorn_jax._src.memory.store.head_seal import seal
 from capricorn_jax._src.memory.store.pinned import SlotRegistry, align_up
 from capricorn_jax._src.memory.store.store_lifecycle import StoreFullError
 
-HEAD_FORMAT = "cjx-head/1"
+HEAD_FORMAT = "cjx-head/2"
 """The commit record's format, written into every head; a store whose heads
-name another is refused (``store.StoreFormatError``)."""
+name another is refused (``store.StoreFormatError``). Format 2: every head
+carries its seal (``head_seal``)."""
 
 ALIGN = 64  # chunk offsets: aligned for the CPU client's zero-copy wrap
 
@@ -210,7 +212,7 @@ class VersionWriter:
                 "slot": self.slot.index, "chunks": self.chunks, **meta}
         path = self.store._slot_path(self.owner, self.slot.index, "head")
         tmp = self.store._check(path.with_suffix(".head.tmp"))
-        tmp.write_text(json.dumps(head))
+        tmp.write_text(json.dumps(seal(head)))
         os.replace(tmp, path)
         self.store._committed(self.owner, self.step, self.slot.index)
         self._finish()

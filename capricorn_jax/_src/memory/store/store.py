@@ -71,6 +71,7 @@ from capricorn_jax._src.memory.store.arena import (
     checksum,
     round_up,
 )
+from capricorn_jax._src.memory.store.head_seal import SEAL, check_seal
 from capricorn_jax._src.memory.store.pinned import SlotRegistry
 from capricorn_jax._src.memory.store.store_lifecycle import (
     LOCK,
@@ -132,6 +133,7 @@ def _check_head(path: Path, head: Any) -> dict[str, Any]:
 
     if not isinstance(head, dict):
         raise ValueError(f"{path}: a commit record that is not an object")
+    check_seal(path, head)  # any field changed to another valid value (head_seal)
     whole(head.get("step"), "step")
     whole(head.get("owner"), "owner")
     whole(head.get("generation"), "generation", 1 << 63)
@@ -390,8 +392,9 @@ class HostStore:
         return best
 
     def manifest(self, owner: int, step: int) -> dict[str, Any]:
-        """The version's commit record: its chunk table and the caller's metadata."""
-        return self._head(owner, step)
+        """The version's commit record: its chunk table and the caller's
+        metadata (without the head's seal, checked when it was read)."""
+        return {k: v for k, v in self._head(owner, step).items() if k != SEAL}
 
     def _still_there(self, owner: int, manifest: dict[str, Any]) -> bool:
         try:

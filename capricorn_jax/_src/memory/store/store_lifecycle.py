@@ -39,6 +39,8 @@ import os
 import shutil
 from pathlib import Path
 
+from capricorn_jax._src.memory.store.head_seal import check_seal
+
 
 class StoreFullError(OSError):
     """A slot could not grow: the RAM disk is full or the stores' bound is reached.
@@ -155,14 +157,17 @@ def remove_unused(path: str | os.PathLike) -> bool:
 
 def committed_steps(root: str | os.PathLike) -> dict[int, list[int]]:
     """{owner: committed steps, ascending} of the store at ``root``, read from
-    its heads without opening it (no lock taken, nothing removed)."""
+    its heads without opening it (no lock taken, nothing removed); a head
+    that fails its seal (``head_seal``) is no version, as in the store."""
     out: dict[int, set[int]] = {}
     for head in Path(root).glob("owner*/slot*.head"):
         owner = head.parent.name[5:]
         if not owner.isdigit():
             continue
         try:
-            step = int(json.loads(head.read_text())["step"])
+            record = json.loads(head.read_text())
+            check_seal(head, record)
+            step = int(record["step"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
         out.setdefault(int(owner), set()).add(step)
