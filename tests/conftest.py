@@ -38,3 +38,10 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow (multi-process) tests first, each group in its own order: two
+    workers that steal work end together, instead of one running a 2-minute
+    test alone at the end of the phase."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
