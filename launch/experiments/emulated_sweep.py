@@ -225,24 +225,25 @@ def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -
               for workload, lines in sorted(series(docs, ratio).items())]
     if not panels:
         raise ValueError("no sweep JSON with a measured R and a none row")
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(9 * len(panels), 5), squeeze=False)
     # One colour per strategy (the same in every panel and topology), the
-    # topology by line and marker, a traffic class dotted, jumbo frames dash-dotted.
+    # topology by marker, a traffic class dotted, jumbo frames dash-dotted.
     strategies = sorted({key.split(" ")[0] for _, _, lines in panels for key in lines})
     colour = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(strategies)}
     titles = {"median": "median step / none's", "steady_ratio": "steady steps: median / none's",
               "long_run_ratio": "long run: mean step / none's"}
     for ax, (ratio, workload, lines) in zip(axes[0], panels, strict=True):
         for key, pts in sorted(lines.items()):
-            style = (":^" if " priority" in key else "-.v" if " mtu" in key
-                     else "-o" if key.split(" ")[1] == "2x2" else "--s")
+            style = ((":" if " priority" in key else "-." if " mtu" in key
+                      else "-" if key.split(" ")[1] == "2x2" else "--")
+                     + ("o" if key.split(" ")[1] == "2x2" else "s"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
                     color=colour[key.split(" ")[0]])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{workload} workload (emulated accelerator)",
                xlabel="R: version link time / idle link time per step",
                ylabel=titles.get(ratio, ratio))
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
