@@ -156,3 +156,17 @@ def test_a_stream_numbers_its_agreements_apart_from_the_training_threads():
     for h in (0, 1):
         assert got[h] == {"plan": [[f"plan {i} of 0", f"plan {i} of 1"] for i in range(3)],
                           "": [[f"train {i} of 0", f"train {i} of 1"] for i in range(3)]}, got[h]
+
+
+def test_a_client_at_a_freed_clients_address_starts_its_own_count():
+    """Counts are keyed by the client's id; one that takes a freed client's id
+    (tests make a store per test) starts at #1, not at the freed one's count
+    (the two-stream test failed so when the tests ran in another order)."""
+    state = agree._State()
+    old, new = object(), object()
+    ident = state.key(new)
+    state.seq[(ident, 0, "")] = 5
+    state.shared[(ident, 0)] = "digest"
+    assert state.key(new) == ident and state.seq == {(ident, 0, ""): 5}  # the same client
+    state.clients[ident] = old  # as if ``old`` had been counted under this id
+    assert state.key(new) == ident and state.seq == {} and state.shared == {}

@@ -10,7 +10,7 @@ from capricorn_jax._src.scheduling.plan.sites import AFTER, START
 from capricorn_jax._src.scheduling.plan.window_bytes import WindowBytes
 from capricorn_jax._src.scheduling.threaded.chunk_channel import CorruptFrame
 from capricorn_jax._src.scheduling.threaded.pacing import part_plan
-from capricorn_jax._src.scheduling.threaded.versions import Version, Versions
+from capricorn_jax._src.scheduling.threaded.versions import StartedTooLate, Version, Versions
 
 BOUNDARIES = ["block0", "block1"]
 B0F, B1F, B1B, B0B = ("block0", "fwd"), ("block1", "fwd"), ("block1", "bwd"), ("block0", "bwd")
@@ -127,3 +127,20 @@ def test_the_version_book():
     book.closed = True  # a version never started is not waited for once closed
     assert book.buffer(7, 60.0, host=0, source=1) is None
     assert book.buffer(7, 60.0, host=0, source=1) is None  # and stays dropped
+
+
+def test_a_version_started_after_its_frames_were_dropped_fails_at_once():
+    """``buffer`` dropped version 3's frames (this host had not started it
+    within the bound): starting it then fails it, as no frame of it is left.
+    A version finished the normal way may start again (a restore in the same
+    process saves its steps anew)."""
+    book = Versions()
+    assert book.buffer(3, 0.01, host=1, source=0) is None  # not started within 10 ms
+    late = Version(3, None, np.zeros((1, 10), np.uint8), [(0, 10)])
+    book.add(late)
+    assert isinstance(late.error, StartedTooLate) and late.complete.is_set()
+    book.add(Version(4, None, np.zeros((1, 10), np.uint8), [(0, 10)]))
+    book.finish(4)
+    anew = Version(4, None, np.zeros((1, 10), np.uint8), [(0, 10)])
+    book.add(anew)
+    assert anew.error is None and not anew.complete.is_set()

@@ -33,6 +33,7 @@ from capricorn_jax._src.scheduling.plan.sites import START
 from capricorn_jax._src.scheduling.threaded import channel_hello, chunk_channel
 from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender
+from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 SECRET = b"a secret for the threaded tests"
@@ -520,8 +521,14 @@ def test_a_wait_that_times_out_names_the_peer_drops_the_version_and_the_next_goe
         with pytest.raises(TimeoutError, match=r"^host 0: version 1: receiving from host 1 did "
                                                r"not finish within 0.2s"):
             a.wait(1, 0.2)
-        # Host 1 dropped version 1 after its bound (its frames discarded), and
-        # a late start of it on host 1 finds nothing and times out too.
+        # Host 1 dropped version 1 after its bound (its frames discarded); a
+        # late start of it on host 1 drops that version at once (it used to
+        # wait out its bound, and a caller counted the channel lost).
+        time.sleep(1.0)  # past host 1's 0.5 s bound for a version it has not started
+        _, own1 = _own(mesh, 1, 1)
+        b.start(1, own1, _schedule(split=False))
+        with pytest.raises(VersionDropped, match="arrived before this host started it"):
+            b.wait(1, 3.0)
         _round(mesh, (a, b), 2, _schedule(split=False))
         assert a.failure is None and b.failure is None
     finally:

@@ -146,7 +146,21 @@ class _State:
         # (client, host, stream) -> agreements so far
         self.seq: dict[tuple[int, int, str], int] = {}
         self.shared: dict[tuple[int, int], str] = {}  # (client, host) -> agreed shared digest
+        # id -> the client counted under it, held so that no other client takes
+        # its id while its counts stand (the store's client takes no weak
+        # reference): a new client at a freed one's address started at that
+        # one's count (two hosts in one test process, one at #2 and one at #1).
+        self.clients: dict[int, Any] = {}
         self.timeout_s = DEFAULT_TIMEOUT_S
+
+    def key(self, client: Any) -> int:
+        """``id(client)``, its counts dropped if they were another client's (under the lock)."""
+        ident = id(client)
+        if self.clients.get(ident) is not client:
+            self.clients[ident] = client
+            self.seq = {k: v for k, v in self.seq.items() if k[0] != ident}
+            self.shared = {k: v for k, v in self.shared.items() if k[0] != ident}
+        return ident
 
 
 _state = _State()
@@ -206,9 +220,10 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
     timeout_s = _state.timeout_s if timeout_s is None else timeout_s
     prefix = f"{stream}/" if stream else ""
     with _state.lock:
-        key = (id(client), host, stream)
+        ident = _state.key(client)
+        key = (ident, host, stream)
         seq = _state.seq[key] = _state.seq.get(key, 0) + 1
-        shared = _state.shared.get((id(client), host), "")
+        shared = _state.shared.get((ident, host), "")
     client.key_value_set(_KEY.format(stream=prefix, seq=seq, host=host),
                          _envelope(what, doc, shared))
     deadline = time.monotonic() + timeout_s
@@ -349,5 +364,5 @@ def agree_shared(parts: Mapping[str, Any], hosts: int | None = None,
                 f"(digest {shared_digest(theirs)}, this host's {digest}): {named}; the "
                 f"hosts' collectives would not match, so the job stops")
         with _state.lock:
-            _state.shared[(id(client), host)] = digest
+            _state.shared[(_state.key(client), host)] = digest
     return digest

@@ -140,7 +140,9 @@ class ChannelKeeper:
         counts = self.counts
         try:
             received = self.sender.wait(version)
-        except VersionDropped:
+        except VersionDropped as e:
+            if not e.corrupt:  # started after its frames were dropped: not the link's doing
+                raise
             counts.corrupt += 1
             counts.corrupt_in_a_row += 1
             if _repeats(counts.corrupt_in_a_row):

@@ -183,9 +183,9 @@ class ChannelReplication(InMemoryStrategy):
         try:
             with self.ckpt.clock.phase("peer_wait"):
                 received = self.keeper.wait(version)  # [local devices, bytes]; bounded
-        except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
+        except VersionDropped as e:  # no version here, the job goes on
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, version)
-            report = self.ckpt.drop(version, status_round=status_round)
+            report = self.ckpt.drop(version, status_round=status_round, corrupt=e.corrupt)
         except Exception as e:
             if not self.keeper.is_loss(e):
                 raise

@@ -122,8 +122,9 @@ class Moved:
     bytes]); ``corrupt`` the in-step CRC32C verdict on it (in-graph only);
     ``windows`` the per-window records (``window_spills``; None: the path
     did not time them); ``fields`` more fields of its ``checkpoint`` event;
-    ``dropped`` "corrupt" or "channel_lost" when nothing usable arrived
-    (this host takes no version)."""
+    ``dropped`` "corrupt", "late_start" (its frames dropped before this host
+    started it) or "channel_lost" when nothing usable arrived (this host
+    takes no version)."""
 
     version: int
     own: jax.Array
@@ -422,9 +423,9 @@ class ThreadedMover(Mover):
         try:
             with self.ckpt.clock.phase("peer_wait"):
                 moved.received = self.keeper.wait(moved.version)  # [local devices, bytes]
-        except VersionDropped as e:  # a corrupt frame: no version here, the job goes on
+        except VersionDropped as e:  # no version here, the job goes on
             log.warning("%s; host %d takes no version %d", e, self.ckpt.host, moved.version)
-            moved.dropped = "corrupt"
+            moved.dropped = "corrupt" if e.corrupt else "late_start"
             return moved
         except Exception as e:
             if not self.keeper.is_loss(e):

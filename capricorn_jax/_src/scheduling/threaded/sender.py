@@ -74,7 +74,12 @@ from capricorn_jax._src.scheduling.threaded import stop_rule
 from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel, CorruptFrame
 from capricorn_jax._src.scheduling.threaded.pacing import PartPlan, part_plan
 from capricorn_jax._src.scheduling.threaded.receiver import receive_loop
-from capricorn_jax._src.scheduling.threaded.versions import Version, VersionDropped, Versions
+from capricorn_jax._src.scheduling.threaded.versions import (
+    StartedTooLate,
+    Version,
+    VersionDropped,
+    Versions,
+)
 from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
 
 STEP_END = (STEP, END)
@@ -473,9 +478,10 @@ class ThreadedSender:
                 self._versions.finish(version)  # dropped whole: its late frames are discarded
                 raise TimeoutError(f"host {self.channel.host}: version {version}: {what} did "
                                    f"not finish within {timeout_s:g}s")
-            if isinstance(entry.error, CorruptFrame):
+            if isinstance(entry.error, (CorruptFrame, StartedTooLate)):  # this version only
                 self._versions.finish(version)
-                raise VersionDropped(version, str(entry.error)) from entry.error
+                raise VersionDropped(version, str(entry.error),
+                                     corrupt=isinstance(entry.error, CorruptFrame)) from entry.error
             if entry.error is not None:
                 self._versions.finish(version)
                 raise RuntimeError(f"host {self.channel.host}: version {version}: {what} "

@@ -37,15 +37,25 @@ FINISHED_KEPT = 1024
 discarded); past it the newest half is kept."""
 
 
+class StartedTooLate(RuntimeError):
+    """A version this host started after its receiver had dropped the peer's
+    frames of it (they arrived and this host did not start the version
+    within the channel's bound: ``Versions.buffer``). Those frames are gone,
+    so the version can never complete here: ``wait`` drops it at once
+    (``VersionDropped``) instead of waiting out its bound and counting the
+    channel lost."""
+
+
 class VersionDropped(RuntimeError):
     """``wait``'s answer for a version whose peer payload failed its
-    end-to-end check (``chunk_channel.CorruptFrame``): the caller takes no
-    version at that step (``InMemoryCheckpointer.drop``); the channel and the
-    next versions go on."""
+    end-to-end check (``chunk_channel.CorruptFrame``; ``corrupt``) or whose
+    frames were dropped before this host started it (``StartedTooLate``):
+    the caller takes no version at that step (``InMemoryCheckpointer.drop``);
+    the channel and the next versions go on."""
 
-    def __init__(self, version: int, message: str) -> None:
+    def __init__(self, version: int, message: str, corrupt: bool = True) -> None:
         super().__init__(message)
-        self.version = version
+        self.version, self.corrupt = version, corrupt
 
 
 class Version:
@@ -156,11 +166,20 @@ class Versions:
         self._lock = threading.Lock()
         self._entries: dict[int, Version] = {}
         self._finished: set[int] = set()
+        self._unstarted: set[int] = set()  # dropped by ``buffer`` before this host started them
         self.closed = False
 
     def add(self, entry: Version) -> None:
+        """A version this host starts; one whose peer frames ``buffer`` dropped
+        before it started fails at once (``StartedTooLate``)."""
         with self._lock:
             self._entries[entry.version] = entry
+            late = entry.version in self._unstarted
+            self._unstarted.discard(entry.version)
+        if late:
+            entry.fail(StartedTooLate(
+                f"version {entry.version}: the peer's frames arrived before this host started "
+                f"it and were dropped"))
 
     def get(self, version: int) -> Version | None:
         with self._lock:
@@ -186,6 +205,7 @@ class Versions:
             self._finished.add(version)
             if len(self._finished) > FINISHED_KEPT:
                 self._finished = set(sorted(self._finished)[-(FINISHED_KEPT // 2):])
+                self._unstarted &= self._finished
 
     def buffer(self, version: int, timeout_s: float, host: int, source: int
                ) -> np.ndarray | None:
@@ -206,6 +226,8 @@ class Versions:
                             "did not start that version within %gs; version %d dropped",
                             host, version, source, timeout_s, version)
                 self.finish(version)
+                with self._lock:
+                    self._unstarted.add(version)
                 return None
             time.sleep(0.001)
 
