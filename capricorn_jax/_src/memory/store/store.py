@@ -131,9 +131,7 @@ def _check_head(path: Path, head: Any) -> dict[str, Any]:
             raise ValueError(f"{path}: {what} is {value!r}, not an integer in [0, {high})")
         return value
 
-    if not isinstance(head, dict):
-        raise ValueError(f"{path}: a commit record that is not an object")
-    check_seal(path, head)  # any field changed to another valid value (head_seal)
+    check_seal(path, head)  # an object, no field changed since it was written (head_seal)
     whole(head.get("step"), "step")
     whole(head.get("owner"), "owner")
     whole(head.get("generation"), "generation", 1 << 63)
