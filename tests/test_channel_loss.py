@@ -48,7 +48,7 @@ class _Sender:
     def __init__(self):
         self.failure, self.channel, self.inflight = None, _Channel(), [7]
 
-    def abandon(self):
+    def abandon(self, keep_arrived=False):
         lost, self.inflight = self.inflight, []
         return lost
 
@@ -75,6 +75,27 @@ def test_a_timed_out_wait_is_a_loss_a_corrupt_or_other_error_is_not():
     assert tier.noted == []
     assert keeper.is_loss(TimeoutError("host 0: version 3: receiving from host 1 ..."))
     assert sender.failure is not None and tier.noted == [True]
+
+
+def test_a_loss_warning_names_the_error_that_failed_the_channel(caplog):
+    """A version's wait says which version failed; its cause (the receive
+    that raised) says why: the warning names both (soak seed 66 trial 15
+    lost a version to "receiving from host 1 failed", and the cause, the
+    only clue, was not on the console)."""
+    _, sender, keeper = _keeper([])
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError as cause:
+            sender.failure = cause  # the receive loop's report (ThreadedSender._failed)
+            raise RuntimeError("host 0: version 12: receiving from host 1 failed") from cause
+    except RuntimeError as e:
+        error = e
+    with caplog.at_level("WARNING", logger="capricorn_jax"):
+        assert keeper.is_loss(error)
+    assert ("the chunk channel is lost (RuntimeError: host 0: version 12: receiving from host 1 "
+            "failed, caused by ConnectionResetError: [Errno 104] Connection reset by peer)"
+            in caplog.text)
 
 
 def test_hosts_skip_until_an_attempt_connects_then_versions_move_again():

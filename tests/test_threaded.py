@@ -35,6 +35,7 @@ from capricorn_jax._src.scheduling.threaded.chunk_channel import ChunkChannel
 from capricorn_jax._src.scheduling.threaded.sender import ThreadedSender
 from capricorn_jax._src.scheduling.threaded.versions import VersionDropped
 from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
+from capricorn_jax._src.strategies.channel_loss import ChannelKeeper
 
 SECRET = b"a secret for the threaded tests"
 """The job's secret the channels here prove (tests/test_channel_auth.py: the hello)."""
@@ -631,6 +632,55 @@ def test_a_hung_channel_times_out_then_both_hosts_reconnect_and_move_every_byte_
     finally:
         for s in senders:
             s.close()
+
+
+class _Flag:
+    """The status flag a keeper notes (the memory tier's, alone)."""
+
+    host = 0
+
+    def note_channel(self, lost):
+        self.lost = lost
+
+
+@pytest.mark.parametrize("native_receive", [True, False])
+@pytest.mark.parametrize("via_keeper", [False, True])
+def test_a_version_that_arrived_whole_is_kept_when_the_peer_closes_before_it_is_waited_for(
+        native_receive, via_keeper):
+    """Soak seed 66 trial 15: the job's last version arrived whole on both
+    hosts; host 1 waited, committed and closed its channel (its status round
+    is dispatched, not waited for), and host 0's receiver, seeing the peer
+    go, failed every version still in its book, the one already complete
+    too, before host 0's training thread (behind on a busy box) checked it:
+    "version 12: receiving from host 1 failed", a version lost that was
+    there. A version whose bytes all arrived keeps them: the wait returns it,
+    the keeper's wait (its host now knows the channel lost) too; the channel
+    is still lost for what comes after."""
+    mesh, (a, b) = _senders(timeout_s=5.0, native_receive=native_receive)
+    try:
+        schedule, data = _schedule(split=False), {}
+        for h, sender in enumerate((a, b)):
+            data[h], own = _own(mesh, 1, h)
+            sender.start(1, own, schedule)
+        assert (b.wait(1, 20.0) == data[0]).all()
+        b.close()
+        deadline = time.monotonic() + 10.0
+        while a.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.failure is not None  # host 0's receiver saw the peer go
+        if via_keeper:
+            keeper = ChannelKeeper(_Flag(), a, lambda attempt: None)
+            assert keeper.lost_here()
+            received = keeper.wait(1)
+        else:
+            received = a.wait(1, 20.0)
+        assert (received == data[1]).all()
+        a.start(2, _own(mesh, 2, 0)[1], schedule)  # what comes after is lost at once
+        with pytest.raises(RuntimeError, match=r"^host 0: version 2: sending to host 1 failed"):
+            a.wait(2, 20.0)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_measurement_that_does_not_grow_with_size_is_taken_again_then_raised():

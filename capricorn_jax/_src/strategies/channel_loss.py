@@ -94,6 +94,19 @@ def _repeats(n: int) -> bool:
     return n >= 2 and n & (n - 1) == 0
 
 
+def described(error: BaseException) -> str:
+    """``error`` and the chain of errors that caused it, each as ``Type: message``
+    (a version's wait names the version; its cause, the receive or send that
+    failed, says why)."""
+    parts, seen = [], set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return ", caused by ".join(parts)
+
+
 def attempt_due(saves_down: int) -> bool:
     """Whether the save ``saves_down`` saves after the hosts agreed the channel
     was lost (0: that save) tries to reconnect: saves 0, 1, 3, 7, 15, ...
@@ -133,10 +146,11 @@ class ChannelKeeper:
 
     def wait(self, version: int) -> np.ndarray:
         """The sender's ``wait`` for ``version``; on a host that knows its
-        channel is lost, nothing in flight will arrive: abandoned first, so
-        the wait raises at once instead of at its bound."""
+        channel is lost, nothing more will arrive: what is still missing
+        bytes is abandoned first, so the wait raises at once instead of at
+        its bound (a version that arrived whole is kept)."""
         if self.lost_here():
-            self.sender.abandon()
+            self.sender.abandon(keep_arrived=True)
         counts = self.counts
         try:
             received = self.sender.wait(version)
@@ -174,9 +188,8 @@ class ChannelKeeper:
                             "each reconnect connected: the link is slower than the channel's "
                             "bound", self.ckpt.host, counts.lost_in_a_row, counts.timeouts,
                             self.sender.channel.timeout_s)
-            log.warning("host %d: the chunk channel is lost (%s: %s); every host skips "
-                        "versions until it reconnects", self.ckpt.host, type(error).__name__,
-                        error)
+            log.warning("host %d: the chunk channel is lost (%s); every host skips "
+                        "versions until it reconnects", self.ckpt.host, described(error))
             self.note()
         return lost
 

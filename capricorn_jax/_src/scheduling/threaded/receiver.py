@@ -6,7 +6,8 @@ GIL where that was built (``ChunkChannel.receive_frames``), a frame at a time
 in Python otherwise, into the buffer of the version each names
 (``Versions.buffer``), and counts them (``Versions.received``). A corrupt
 frame (checked end to end) drops its version and the channel goes on; any
-other failure fails every version in flight and ends the loop, unless the
+other failure fails every version in flight whose bytes have not all
+arrived and ends the loop, unless the
 channel is no longer the sender's (closed, or replaced by ``reconnect``),
 when the loop ends without a trace.
 """
@@ -57,7 +58,6 @@ def receive_loop(channel: ChunkChannel, versions: Versions, timeout_s: float, na
             if not live():
                 return
             failed(e)
-            for _, waiting in versions.pending():
-                waiting.fail(e)
+            versions.fail_incomplete(e)  # a version that arrived whole keeps its bytes
             return
         versions.received(frames, channel.host)

@@ -492,12 +492,15 @@ class ThreadedSender:
             self.marks.opened_at, self.marks.collective_starts(), self.marks.queued_at)
         return entry.received
 
-    def abandon(self) -> list[int]:
+    def abandon(self, keep_arrived: bool = False) -> list[int]:
         """Gives up every version not waited for yet (the hosts declared the
         channel lost: none of them will wait for these): each is finished
         (its late frames discarded) and its ``wait`` would raise. Returns
-        their numbers, oldest first."""
-        pending = self._versions.pending()
+        their numbers, oldest first. ``keep_arrived``: a version whose peer
+        bytes all arrived intact stays (this host alone knows the channel
+        lost: what arrived is still good, its wait returns it)."""
+        pending = [(v, e) for v, e in self._versions.pending()
+                   if not (keep_arrived and e.arrived)]
         for version, entry in pending:
             entry.error = entry.error or ConnectionError(
                 f"host {self.channel.host}: version {version} abandoned with its chunk channel")

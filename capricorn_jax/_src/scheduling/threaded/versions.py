@@ -106,6 +106,11 @@ class Version:
         self.error = self.error or error
         self.complete.set()
 
+    @property
+    def arrived(self) -> bool:
+        """Whether the peer's bytes of this version all arrived intact."""
+        return self.complete.is_set() and self.error is None
+
     def part_done(self, upto: int) -> None:
         """The sender finished the parts before ``upto``."""
         with self.done:
@@ -197,6 +202,17 @@ class Versions:
         """The versions in flight, oldest first."""
         with self._lock:
             return sorted(self._entries.items())
+
+    def fail_incomplete(self, error: BaseException) -> None:
+        """The channel failed: the versions in flight whose peer bytes have
+        not all arrived end with ``error``; one that arrived whole keeps them
+        (a peer closes its channel once it holds its copy: at a job's end,
+        before this host's training thread waited for the last version, soak
+        seed 66 trial 15)."""
+        with self._lock:  # ``received`` completes a version under it
+            for entry in self._entries.values():
+                if not entry.complete.is_set():
+                    entry.fail(error)
 
     def finish(self, version: int) -> None:
         """Forgets ``version``: its later frames are discarded."""
