@@ -234,9 +234,9 @@ def plot(docs: Sequence[dict], png: Path, ratios: Sequence[str] = ("median",)) -
               "long_run_ratio": "long run: mean step / none's"}
     for ax, (ratio, workload, lines) in zip(axes[0], panels, strict=True):
         for key, pts in sorted(lines.items()):
+            two_by_two = key.split(" ")[1] == "2x2"  # the topology
             style = ((":" if " priority" in key else "-." if " mtu" in key
-                      else "-" if key.split(" ")[1] == "2x2" else "--")
-                     + ("o" if key.split(" ")[1] == "2x2" else "s"))
+                      else "-" if two_by_two else "--") + ("o" if two_by_two else "s"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=key, markersize=4,
                     color=colour[key.split(" ")[0]])
         ax.axhline(1.0, color="grey", linewidth=0.8)
