@@ -83,9 +83,9 @@ def results_page(root: Path) -> str:
              "numbers name their accelerator profile; CPU numbers are this 2-core machine's "
              "simulated hosts; GPU numbers are in BUILD_NOTES (\"GPU\").", ""]
     parts += _long_run_section(res, "corrected", "the sweep on the corrected emulator "
-                               "(issue 53 item 8, 0.22-0.23, 2026-12-06, code 4aac387 (2x2), "
-                               "5d2ae87 (4x1): one-frame buckets, MTU 9000, the control beside "
-                               "every point; the README's "
+                               "(issue 53 item 8, 0.22-0.23, 2026-12-06/07, code 4aac387 (2x2), "
+                               "5d2ae87 (4x1), cc4d617 (2x2 R 1.5): one-frame buckets, MTU 9000, "
+                               "the control beside every point; the README's "
                                "table and plot; each JSON's command)")
     parts += _long_run_section(res, "replan_thread", "capricorn's re-plans on their own thread "
                                "(issue 53 item 7, 0.22.0, 2026-12-06, code 4aac387: the FIFO "
