@@ -129,6 +129,10 @@ class BlockingCheckpoint(_Baseline):
     A version is written to ``v<step>.tmp`` (each file fsynced), renamed to
     ``v<step>`` and then the versions older than the previous one are
     removed, so a crash mid-save leaves the last two complete versions.
+    Versions at or after ``step`` are an abandoned attempt's (the job
+    restarted before them: no version on every host's disk after a machine
+    loss); the new version supersedes them: each is renamed aside (so a
+    crash never leaves a partial ``v<step>``) and removed before the rename.
 
     Args:
       directory: this host's own folder (local storage).
@@ -161,6 +165,11 @@ class BlockingCheckpoint(_Baseline):
                 os.fsync(f.fileno())
             total += data.nbytes
         _write_json(tmp / "meta.json", {"step": step, "host_state": host_state})
+        for stale in (v for v in self._versions() if v >= step):
+            aside = self.directory / f"v{stale:012d}.stale"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(self.directory / f"v{stale:012d}", aside)
+            shutil.rmtree(aside)
         os.replace(tmp, self.directory / f"v{step:012d}")
         for old in self._versions()[:-2]:
             shutil.rmtree(self.directory / f"v{old:012d}", ignore_errors=True)

@@ -95,10 +95,11 @@ def test_the_factory_refuses_what_a_strategy_does_not_take(trainer, tmp_path, na
             plain.close()
 
 
-def _lifecycle(strategy, trainer, versions):
-    """Saves ``versions``, finishes at the last, closes; returns the last state."""
+def _lifecycle(strategy, trainer, versions, seed=0):
+    """Saves ``versions`` (the states ``init_state(seed + v)``), finishes at
+    the last, closes; returns the last state."""
     tokens = np.ones((len(trainer.moe_layers), trainer.cfg.num_experts), np.int64)
-    states = {v: trainer.init_state(v) for v in versions}
+    states = {v: trainer.init_state(seed + v) for v in versions}
     last = versions[-1]
     want = jax.tree.map(np.array, states[last])
     for v in versions:
@@ -126,6 +127,31 @@ def test_strategy_saves_finishes_closes_and_restores_bitwise(trainer, tmp_path, 
     restarted.close()
     assert info.step == 3 and info.host_state == {"data": {"step": 3}}
     assert info.tier in ("memory", "persistent")
+    assert_trees_equal(state, want)
+
+
+STARTS_OVER = [s for s in RESTORED if s not in ("none", "orbax_async", "orbax_emergency")]
+"""The strategies whose own stores a restarted job can save over: Orbax's
+manager never saves a step at or below its newest (``should_save``), and
+a job restarts there only at that newest step (Orbax's restore reads it)."""
+
+
+@pytest.mark.parametrize("name", STARTS_OVER)
+def test_a_job_that_starts_over_saves_the_steps_it_saved_before_and_restores_the_new_bytes(
+        trainer, tmp_path, name):
+    """A job that found no version every host holds (a peer machine's store
+    lost, and no replica of it) starts over at step 0 beside the versions this
+    host kept of the attempt it abandoned, and saves those steps again: each
+    save goes through, and a restore returns the new attempt's bytes.
+    (``blocking`` renamed a step's new folder onto the old one's and failed
+    the job, after pruning the version it had just saved as older than the
+    old attempt's two.)"""
+    _lifecycle(_build(name, trainer, tmp_path), trainer, (1, 2, 3, 4))
+    want = _lifecycle(_build(name, trainer, tmp_path), trainer, (1, 2, 3, 4), seed=100)
+    restarted = _build(name, trainer, tmp_path)
+    state, info = restarted.restore()
+    restarted.close()
+    assert info.step == 4 and info.host_state == {"data": {"step": 4}}
     assert_trees_equal(state, want)
 
 

@@ -16,7 +16,7 @@ import pytest
 from capricorn_jax._src.memory.store.head_seal import seal
 from launch.cluster.console import Console
 from launch.train.config import CheckpointConfig
-from launch.train.supervisor import prepare_workdir
+from launch.train.supervisor import prepare_workdir, report
 from models.config import get_config
 from tests.helpers import assert_no_orphans, run_train
 
@@ -162,6 +162,23 @@ def test_console_after_an_injected_kill_says_one_line_per_survivor():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("steps, line", [
+    ([0, 1, 2, 3, 0, 1], "recovery: no version every host could restore; the job started over "
+                         "from step 0 (2 steps run again)"),
+    ([0, 1, 2, 3], "recovery: none happened"),
+])
+def test_the_report_says_a_job_that_restarted_from_nothing_started_over(tmp_path, capsys,
+                                                                         steps, line):
+    """An injected fault whose job restored nothing (no version on every
+    host: ``blocking`` after a machine loss) ran its steps again from step 0:
+    the report says so, not that no recovery happened."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "step_time_s": 0.1}) + "\n"
+                            for s in steps))
+    report(path, injected=True)
+    assert capsys.readouterr().out.splitlines()[-1] == line
+
+
 def test_rerun_resumes_and_fresh_starts_over(tmp_path):
     work, shm = tmp_path / "w", tmp_path / "shm"
     cmd = ("--hosts=2", "--devices_per_host=2", "--model=tiny", "--steps=6", "--ckpt=inmem",

@@ -58,7 +58,9 @@ def report(metrics_path: Path, injected: bool) -> None:
         for r in recoveries]}
     print("report:", json.dumps(summary), flush=True)
     if injected and not recoveries:
-        print("recovery: none happened", flush=True)
+        rerun = summary.get("steps_rerun_after_recovery", 0)
+        print(f"recovery: no version every host could restore; the job started over from step "
+              f"0 ({rerun} steps run again)" if rerun else "recovery: none happened", flush=True)
 
 
 def _size(path: Path) -> int:
