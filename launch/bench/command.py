@@ -117,7 +117,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     flags.DEFINE_list("strategies", ["none", "inmem"],
                       f"Strategies, from {', '.join(STRATEGIES)}, and {', '.join(VARIANTS)} "
                       f"(blocking writing to the scratch directory's disk instead of the RAM "
-                      f"disk; a *_in_graph row on the in-graph path).", flag_values=fv)
+                      f"disk; a *_in_graph row on the in-graph path; capricorn_paced: its "
+                      f"chunk socket paced at the link probe's rate).", flag_values=fv)
     flags.DEFINE_integer("reps", 5, "Repetitions; strategies interleave within each.",
                          flag_values=fv)
     flags.DEFINE_integer("a2a_steps", 0,
@@ -154,8 +155,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> flags.FlagValues:
     return fv
 
 
-def _checkpointer(name: str, job, config: BenchConfig):
-    """An in-memory strategy's InMemoryCheckpointer (its own job in the store root)."""
+def _checkpointer(name: str, job, config: BenchConfig, link: dict | None = None):
+    """An in-memory strategy's InMemoryCheckpointer (its own job in the store
+    root); a ``*_paced`` row's chunk socket paced at ``link``'s (the probe's)
+    one-way rate."""
+    import dataclasses
+
     import capricorn_jax
 
     options = memory_options(
@@ -167,11 +172,18 @@ def _checkpointer(name: str, job, config: BenchConfig):
         pec=capricorn_jax.PecOptions(k=config.pec_k, k_persist=config.pec_k, dynamic=False)
         if VARIANTS.get(name, name) in PEC else None,
         traffic_class=config.setup.link.traffic_class, time_scale=config.setup.time_scale)
+    if name.endswith("_paced"):
+        if link is None:
+            raise ValueError(f"{name} paces at the link probe's rate: it needs --hosts > 1 "
+                             f"and --link_probe_mib > 0")
+        options = dataclasses.replace(options, chunk_pacing_gbps=link["one_way_gbps"])
     return memory_tier(options, job.trainer, job.mesh, job.host, job.hosts)
 
 
-def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, dict]:
-    """({name: strategy}, {name: its ProfilingDriver}, {name: its checkpointer})."""
+def _strategies(job, workdir: Path, config: BenchConfig,
+                link: dict | None = None) -> tuple[dict, dict, dict]:
+    """({name: strategy}, {name: its ProfilingDriver}, {name: its checkpointer});
+    ``link``: the link probe's measurement (``*_paced`` rows pace at it)."""
     import capricorn_jax
     from launch.strategies import make_strategy
 
@@ -188,7 +200,7 @@ def _strategies(job, workdir: Path, config: BenchConfig) -> tuple[dict, dict, di
         # Its own step cache: it compiles what it would compile in its own run.
         trainer = job.trainer.with_own_steps()
         if base in IN_MEMORY:
-            ckpts[name] = _checkpointer(name, job, config)
+            ckpts[name] = _checkpointer(name, job, config, link)
         strategies[name] = make_strategy(
             base, trainer, checkpointer=ckpts.get(name),
             directory=directories.get(name), first_n=config.profile_first_n,
@@ -229,7 +241,7 @@ def bench_worker(config: BenchConfig, process_id: int, workdir: Path) -> None:
         from launch.link_probe import measure_link
 
         link = measure_link(config.link_probe_mib)
-    strategies, drivers, ckpts = _strategies(job, workdir, config)
+    strategies, drivers, ckpts = _strategies(job, workdir, config, link)
     runner = Runner(job, setup.seed, every_step=config.collectives)
     probed = config.a2a_steps
     warmup = {}

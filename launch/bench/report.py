@@ -23,11 +23,13 @@ from launch.strategies import IN_MEMORY
 # replicating in the in-graph exchange (gloo) beside their rows on the chunk
 # channel, to compare the transports in one interleaved run; gemini_layers /
 # capricorn_layers: one window per layer segment instead of the idle spans
-# between its all-to-alls (the threaded path's default), to measure the spans.
+# between its all-to-alls (the threaded path's default), to measure the spans;
+# capricorn_paced: its chunk socket paced at the link probe's one-way rate
+# (``InMemoryOptions.chunk_pacing_gbps``), against capricorn in one run.
 VARIANTS = {"blocking_disk": "blocking", "gemini_in_graph": "gemini",
             "capricorn_in_graph": "capricorn", "inmem_in_graph": "inmem",
             "pec_in_graph": "pec", "gemini_layers": "gemini",
-            "capricorn_layers": "capricorn"}
+            "capricorn_layers": "capricorn", "capricorn_paced": "capricorn"}
 
 
 def summarize(raw: dict) -> dict:

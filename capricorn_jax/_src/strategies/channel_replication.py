@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import socket
 from typing import Any
 
 import jax
@@ -98,10 +99,31 @@ def peer_channel(ckpt: TierWriter, job: str | None = None, faults: bool = True
                            ckpt.options.replication_timeout_s * 4, tos=ckpt.options.chunk_tos,
                            secret=resolve_secret(ckpt.options.channel_secret_file),
                            shared=shared)
+    if ckpt.options.chunk_pacing_gbps is not None:
+        pace(channel.out, ckpt.options.chunk_pacing_gbps)
     if faults:
         channel.flip_version, channel.on_flip = ckpt.hooks.flip_frame_at, ckpt.hooks.on_flip
         channel.stall_at, channel.on_stall = ckpt.hooks.stall_channel_at, ckpt.hooks.on_stall
     return channel
+
+
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+"""Linux's socket option (asm-generic/socket.h: 47; Python names it on few builds)."""
+
+
+def pace(sock: socket.socket, gbps: float) -> None:
+    """Paces what ``sock`` sends at ``gbps`` (``InMemoryOptions.chunk_pacing_gbps``:
+    TCP's own pacing, no qdisc needed); raises naming the option where the
+    kernel has no pacing."""
+    rate = int(gbps * 1e9 / 8)  # bytes per second
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, rate)
+    except OSError as e:
+        raise OSError(f"chunk_pacing_gbps={gbps:g}: this kernel cannot pace a socket "
+                      f"(SO_MAX_PACING_RATE: {e})") from e
+    if sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) != rate:
+        raise OSError(f"chunk_pacing_gbps={gbps:g}: the socket did not take the rate "
+                      f"{rate} B/s")
 
 
 def channel_keeper(ckpt: TierWriter, sender: ThreadedSender) -> ChannelKeeper:

@@ -10,6 +10,7 @@ no option of a user's: tests pass a ``hooks.FaultHooks`` to the checkpointer.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from capricorn_jax._src.memory.wire.host_arrays import check_host_memory_kind
 from capricorn_jax._src.partial.selection import PecOptions
@@ -93,6 +94,12 @@ class InMemoryOptions:
         Measured (R 0.77, priority class): held to the windows, 6-7% of the
         version was still under way at the step's end (capricorn 1.10x,
         inmem 1.04x).
+      chunk_pacing_gbps: the chunk channel's sending socket paced at this
+        rate (Gbit/s of all of a host's rows; Linux ``SO_MAX_PACING_RATE``,
+        TCP's own pacing): the kernel spaces the frames it holds at the
+        link's rate instead of sending a congestion window's worth at once
+        into a first-in-first-out queue the collectives share. None: not
+        paced. Set it at (or just under) the link's measured rate.
       channel_secret_file: the file holding the job's secret, which the
         chunk channel's ends prove they know in their hello (the threaded
         path): read, or created when absent (random, mode 0600); one the
@@ -119,11 +126,15 @@ class InMemoryOptions:
     arena_copy: str = "auto"
     chunk_tos: int = 0
     chunk_send: str = "windows"
+    chunk_pacing_gbps: float | None = None
     channel_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_send not in CHUNK_SENDS:
             raise ValueError(f"chunk_send must be one of {CHUNK_SENDS}, got {self.chunk_send!r}")
+        if self.chunk_pacing_gbps is not None and not 0 < self.chunk_pacing_gbps < math.inf:
+            raise ValueError(f"chunk_pacing_gbps must be a rate > 0 (Gbit/s) or None, got "
+                             f"{self.chunk_pacing_gbps}")
         if not 0 <= self.chunk_tos <= 255:
             raise ValueError(f"chunk_tos must be an IP TOS byte in [0, 255], got "
                              f"{self.chunk_tos}")
