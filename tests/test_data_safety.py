@@ -179,6 +179,8 @@ def test_the_report_says_a_job_that_restarted_from_nothing_started_over(tmp_path
     assert capsys.readouterr().out.splitlines()[-1] == line
 
 
+@pytest.mark.slow  # four launches of a 2-host job
+@pytest.mark.multiprocess
 def test_rerun_resumes_and_fresh_starts_over(tmp_path):
     work, shm = tmp_path / "w", tmp_path / "shm"
     cmd = ("--hosts=2", "--devices_per_host=2", "--model=tiny", "--steps=6", "--ckpt=inmem",
