@@ -87,6 +87,13 @@ def results_page(root: Path) -> str:
                                "5d2ae87 (4x1), cc4d617 (2x2 R 1.5): one-frame buckets, MTU 9000, "
                                "the control beside every point; the README's "
                                "table and plot; each JSON's command)")
+    parts += _long_run_section(res, "pacing", "the chunk socket paced at the link's rate "
+                               "(issue 53 item 6, 0.24.0, 2026-12-07, code c66af3f: capricorn "
+                               "and capricorn_paced in one run, 297 timed steps each, FIFO R "
+                               "0.50; its command)")
+    parts += _long_run_section(res, "dilation", "time dilation k = 1, 2, 4 (issue 53 item 3, "
+                               "0.24.0, 2026-12-07, code c66af3f: the control and capricorn "
+                               "at FIFO R 0.5, each k's link rate / k; each JSON's command)")
     parts += _long_run_section(res, "replan_thread", "capricorn's re-plans on their own thread "
                                "(issue 53 item 7, 0.22.0, 2026-12-06, code 4aac387: the FIFO "
                                "point at MTU 9000; its command)")

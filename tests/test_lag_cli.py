@@ -7,6 +7,7 @@ every version of host 0 that arrives while it is stuck, so no version after
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -21,8 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+def cache():
+    """The jobs' JAX compilation cache: the session's (tests/conftest.py), which
+    programs compiled by other modules' jobs and the other test phase are in."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 def _records(workdir):

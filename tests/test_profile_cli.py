@@ -7,6 +7,7 @@ for real in every run that profiles.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,8 +22,10 @@ STEP_FIELDS = {"step", "loss", "step_time_s", "tokens_per_expert", "domain", "ca
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+def cache():
+    """The jobs' JAX compilation cache: the session's (tests/conftest.py), which
+    programs compiled by other modules' jobs and the other test phase are in."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 def _train(workdir, cache, steps, *flags):
