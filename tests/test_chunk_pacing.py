@@ -3,6 +3,7 @@ the kernel (``channel_replication.pace``), on a real loopback TCP connection."""
 
 import math
 import socket
+import sys
 import threading
 import time
 
@@ -53,6 +54,19 @@ def test_a_paced_socket_sends_no_faster_than_its_rate():
         reader.join(timeout=60)
         assert not reader.is_alive() and bytes(got) == payload
         assert time.perf_counter() - t0 >= 2.0
+    finally:
+        for s in (out, inc, listener):
+            s.close()
+
+
+def test_a_rate_past_32_bits_is_taken_whole():
+    """100 Gbit/s is 12.5e9 B/s, past a 32-bit int option: set and read back
+    as the kernel's unsigned long (passed as a Python int, it raised TypeError)."""
+    listener, out, inc = _pair()
+    try:
+        pace(out, 100.0)
+        taken = out.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8)
+        assert int.from_bytes(taken, sys.byteorder) == 12_500_000_000
     finally:
         for s in (out, inc, listener):
             s.close()

@@ -46,6 +46,7 @@ import functools
 import itertools
 import logging
 import socket
+import struct
 from typing import Any
 
 import jax
@@ -116,12 +117,15 @@ def pace(sock: socket.socket, gbps: float) -> None:
     TCP's own pacing, no qdisc needed); raises naming the option where the
     kernel has no pacing."""
     rate = int(gbps * 1e9 / 8)  # bytes per second
+    # An unsigned long, as the kernel takes and returns it whole: an int
+    # option is 32 bits (a 100 Gbit/s link's 12.5e9 B/s would not fit).
     try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, rate)
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=Q", rate))
     except OSError as e:
         raise OSError(f"chunk_pacing_gbps={gbps:g}: this kernel cannot pace a socket "
                       f"(SO_MAX_PACING_RATE: {e})") from e
-    if sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) != rate:
+    taken = struct.unpack("=Q", sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8))[0]
+    if taken != rate:
         raise OSError(f"chunk_pacing_gbps={gbps:g}: the socket did not take the rate "
                       f"{rate} B/s")
 
