@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -45,3 +47,11 @@ def pytest_collection_modifyitems(config, items):
     workers that steal work end together, instead of one running a 2-minute
     test alone at the end of the phase."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="module")
+def cache():
+    """The environment that points a test's jobs at the session's JAX
+    compilation cache (above), which programs compiled by other modules' jobs
+    and by the other test phase are in."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}

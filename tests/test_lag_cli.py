@@ -7,7 +7,6 @@ every version of host 0 that arrives while it is stuck, so no version after
 """
 
 import json
-import os
 import re
 
 import pytest
@@ -19,13 +18,6 @@ COMMON = ("--hosts=2", "--devices_per_host=1", "--model=tiny", "--eval_sequences
           "--stall_at_step=2")
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
-
-
-@pytest.fixture(scope="module")
-def cache():
-    """The jobs' JAX compilation cache: the session's (tests/conftest.py), which
-    programs compiled by other modules' jobs and the other test phase are in."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 def _records(workdir):

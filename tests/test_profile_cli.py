@@ -7,7 +7,6 @@ for real in every run that profiles.
 """
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,13 +18,6 @@ MOE_SEGMENTS = [("block0", "fwd"), ("block1", "fwd"), ("head", "fwd"), ("block1"
                 ("tail", "bwd")]
 STEP_FIELDS = {"step", "loss", "step_time_s", "tokens_per_expert", "domain", "capacity_factors",
                "dropped", "profiled", "compiled"}
-
-
-@pytest.fixture(scope="module")
-def cache():
-    """The jobs' JAX compilation cache: the session's (tests/conftest.py), which
-    programs compiled by other modules' jobs and the other test phase are in."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 def _train(workdir, cache, steps, *flags):

@@ -25,7 +25,6 @@ step.
 """
 
 import json
-import os
 import re
 
 import pytest
@@ -40,13 +39,6 @@ EXTRA = {"gemini": ("--profile_first_n=2",), "pec": ("--pec_k=2", "--nopec_dynam
          "capricorn_pec": ("--pec_k=2", "--nopec_dynamic")}
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
-
-
-@pytest.fixture(scope="module")
-def cache():
-    """The jobs' JAX compilation cache: the session's (tests/conftest.py), which
-    programs compiled by other modules' jobs and the other test phase are in."""
-    return {"JAX_COMPILATION_CACHE_DIR": os.environ["JAX_COMPILATION_CACHE_DIR"]}
 
 
 def _train(root, cache, *flags):
