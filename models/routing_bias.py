@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 AUTO, NONE = "auto", "none"
 CONG24 = "cong24"
@@ -179,6 +181,8 @@ class RoutingBias:
 
     def row_index(self, step: jax.Array) -> jax.Array:
         """The table row of a traced step counter."""
+        import jax.numpy as jnp  # in-graph code only: the schedules' readers need no JAX
+
         period = step // self.shift_every
         return jnp.where(period < self.transient_periods, period,
                          self.transient_periods + period % self.n_domains)
@@ -186,6 +190,8 @@ class RoutingBias:
     def at(self, step: jax.Array) -> jax.Array:
         """[n_moe, num_experts] float32: the step's target loads, read in-graph
         from the constant table (one compiled program for every step)."""
+        import jax.numpy as jnp
+
         return jnp.asarray(self.table)[self.row_index(step)]
 
 
@@ -230,6 +236,9 @@ def apply(logits: jax.Array, load: jax.Array, top_k: int) -> jax.Array:
     ``load`` x the mean. Which tokens go to which expert stays the router's
     preference; the statistics and the bias are not differentiated through.
     """
+    import jax
+    import jax.numpy as jnp
+
     x = logits.astype(jnp.float32)
     num_tokens, num_experts = x.shape
     mean = jax.lax.stop_gradient(jnp.mean(x, axis=0, keepdims=True))

@@ -38,14 +38,52 @@ def child_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax")
+"""What a launcher's supervisor never imports (its workers do): 1.7 s of CPU a launch."""
+
+# ``python -m MODULE FLAGS``, then the top-level packages of HEAVY it imported, to a file.
+_RECORDING_IMPORTS = """
+import json, os, runpy, sys
+heavy, out = os.environ.pop("_TEST_HEAVY").split(","), os.environ.pop("_TEST_IMPORTS_OUT")
+module = sys.argv.pop(1)
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+finally:
+    with open(out, "w") as f:
+        json.dump(sorted({m.split(".")[0] for m in sys.modules} & set(heavy)), f)
+"""
+
+
+def run_launcher(module: str, *flags: str, timeout: float = 300.0,
+                 env: dict[str, str] | None = None,
+                 light: bool = True) -> subprocess.CompletedProcess:
+    """Runs ``python -m MODULE FLAGS`` (``launch.train``, ``launch.bench``) from
+    the repo root; captures output. With ``light``, a supervisor (no
+    ``--process_id``, not ``--platform=gpu``) is checked to have imported none
+    of ``HEAVY``: its flags, the hosts it starts, the faults it injects and its
+    report need none (the bench's parent imports JAX to measure this host's
+    copy bandwidth, ``--bandwidth_mib``)."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "imports.json"
+        env = child_env(None, **(env or {}), _TEST_HEAVY=",".join(HEAVY),
+                        _TEST_IMPORTS_OUT=str(out))
+        proc = subprocess.run([sys.executable, "-c", _RECORDING_IMPORTS, module, *flags],
+                              cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        supervisor = not any(f.startswith(("--process_id", "--platform=gpu")) for f in flags)
+        if light and supervisor and out.exists():
+            assert json.loads(out.read_text()) == [], (
+                f"{module}'s supervisor imported {out.read_text()}")
+    return proc
+
+
 def run_train(*flags: str, timeout: float = 300.0,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Runs ``python -m launch.train FLAGS`` from the repo root; captures output."""
-    env = child_env(None, **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "launch.train", *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    """``run_launcher("launch.train", *flags)``."""
+    return run_launcher("launch.train", *flags, timeout=timeout, env=env)
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -8,15 +8,16 @@ import pytest
 
 from launch.bench.records import idle_outside_collectives
 from launch.cluster import cpu_account
-from tests.helpers import ROOT, assert_no_orphans, child_env
+from tests.helpers import ROOT, assert_no_orphans, run_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes
 
 
 def _bench(*flags, timeout=400):
-    env = child_env()
-    return subprocess.run([sys.executable, "-m", "launch.bench", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """``python -m launch.bench FLAGS``; its parent imports no JAX unless it
+    measures the copy bandwidth."""
+    return run_launcher("launch.bench", *flags, timeout=timeout,
+                        light="--bandwidth_mib=0" in flags)
 
 
 def test_bench_reports_every_strategy(tmp_path):

@@ -10,13 +10,16 @@ from pathlib import Path
 import pytest
 
 from launch.gpu_bench import DRY_RUN_BIG_STRATEGIES, PARTS, STRATEGIES, h100_target
+from tests.helpers import TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow  # about 100 s: six processes, two benches and three trainings
 def test_dry_run_writes_every_field(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The test XLA flags (LLVM's optimizations off, as every test job), not the
+    # forced device count of this process: each part sets its own devices.
+    env = {**os.environ, "XLA_FLAGS": " ".join(TEST_XLA_FLAGS)}
     env.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu")
     run = subprocess.run(["bash", str(ROOT / "launch/gpu_bench.sh"), str(tmp_path / "out"),
                           "--platform=cpu"], env=env, capture_output=True, text=True,

@@ -114,7 +114,7 @@ def python_files(root: Path, top: str) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(base):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "__pycache__")))
         for f in sorted(filenames):
-            if f.endswith(".py"):
+            if f.endswith((".py", ".pyi")):  # a face's imports are in its stub
                 yield Path(dirpath) / f
 
 
@@ -123,7 +123,7 @@ def imports_of(root: Path, path: Path, known: set[str]) -> list[Import]:
     names: ``from a.b import c`` names ``a.b.c`` when that is a module of the
     tree, else ``a.b``."""
     name = module_name(root, path)
-    is_pkg = path.name == "__init__.py"
+    is_pkg = path.stem == "__init__"
     package = name if is_pkg else name.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):

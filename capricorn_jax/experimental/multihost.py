@@ -3,18 +3,7 @@ advertises and the job's secret the launchers use.
 
 Unstable: see ``capricorn_jax.experimental``."""
 
-from __future__ import annotations
+from capricorn_jax._faces import attach
 
-from capricorn_jax._src.multihost.agree import allgather_floats, allgather_json
-from capricorn_jax._src.multihost.client import distributed_client
-from capricorn_jax._src.multihost.secret import SECRET_NAME, start_job_secret
-from capricorn_jax._src.scheduling.threaded.chunk_channel import job_address
-
-__all__ = [
-    "SECRET_NAME",
-    "allgather_floats",
-    "allgather_json",
-    "distributed_client",
-    "job_address",
-    "start_job_secret",
-]
+# The names are in the stub beside this file (multihost.pyi), imported on first use.
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -7,18 +7,7 @@ API; CHANGELOG 0.20.0 says why they moved.)
 
 Unstable: see ``capricorn_jax.experimental``."""
 
-from __future__ import annotations
+from capricorn_jax._faces import attach
 
-from capricorn_jax._src.profiling.detector import DynamicityDetector
-from capricorn_jax._src.profiling.layer_profile import LayerProfile
-from capricorn_jax._src.profiling.policy import StepOutcome
-from capricorn_jax._src.profiling.probe import CollectiveProbe
-from capricorn_jax._src.profiling.profiler import make_profiled_step
-
-__all__ = [
-    "CollectiveProbe",
-    "DynamicityDetector",
-    "LayerProfile",
-    "StepOutcome",
-    "make_profiled_step",
-]
+# The names are in the stub beside this file (profiling.pyi), imported on first use.
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -3,26 +3,7 @@ read every strategy's traits (``specs``).
 
 Unstable: see ``capricorn_jax.experimental``."""
 
-from __future__ import annotations
+from capricorn_jax._faces import attach
 
-from capricorn_jax._src.strategies.registry import (
-    PLANNERS,
-    BuildArgs,
-    StrategySpec,
-    build,
-    register,
-    spec,
-    specs,
-    unregister,
-)
-
-__all__ = [
-    "BuildArgs",
-    "PLANNERS",
-    "StrategySpec",
-    "build",
-    "register",
-    "spec",
-    "specs",
-    "unregister",
-]
+# The names are in the stub beside this file (strategies.pyi), imported on first use.
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

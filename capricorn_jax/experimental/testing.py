@@ -2,10 +2,7 @@
 
 Unstable: see ``capricorn_jax.experimental``."""
 
-from __future__ import annotations
+from capricorn_jax._faces import attach
 
-from capricorn_jax._src.memory.tier.hooks import FaultHooks
-
-__all__ = [
-    "FaultHooks",
-]
+# The names are in the stub beside this file (testing.pyi), imported on first use.
+__getattr__, __dir__, __all__ = attach(__name__, __file__)

@@ -354,13 +354,12 @@ def _bandwidth(mib: int, store_root: str) -> dict:
 def _machine(raw: dict) -> str:
     """The machine in words, for the tables' captions."""
     import platform
-
-    import jax
+    from importlib.metadata import version  # the installed JAX's, without starting it
 
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     where = raw.get("device_kind") or f"{os.cpu_count()}-core CPU"
     return (f"{where}, {pages / 2**30:.0f} GiB RAM, {platform.system()}, python "
-            f"{platform.python_version()}, jax {jax.__version__}")
+            f"{platform.python_version()}, jax {version('jax')}")
 
 
 def _run_cluster(setup: BenchSetup, workdir: Path, argv: list[str]) -> int:
@@ -419,7 +418,8 @@ def main(argv: list[str]) -> None:
     except FlagError as e:
         print(f"bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    runtime.bound_orbax_barriers(FLAGS)
+    if config.setup.process_id >= 0 or config.setup.platform == "gpu":  # a trainer
+        runtime.bound_orbax_barriers(FLAGS)  # (the supervisor imports no Orbax)
     run(config)
 
 

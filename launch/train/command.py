@@ -332,13 +332,14 @@ def main(argv: list[str]) -> None:
     except FlagError as e:
         print(f"train: error: {e}", file=sys.stderr)
         sys.exit(2)
-    runtime.bound_orbax_barriers(FLAGS)
     if config.cluster.process_id >= 0:
+        runtime.bound_orbax_barriers(FLAGS)  # a trainer's; the supervisor imports no Orbax
         lock = _hold_workdir(config, "worker", config.cluster.process_id)
         runtime.exit_now_on_failure(_train_or_lag_exit, config, config.cluster.process_id)
         lock.release()  # one process: exit_now_on_failure returns
     elif config.cluster.platform == "gpu":  # --hosts=1 (ClusterConfig checks it)
         xla_flags.set_overlap_flags()  # before the GPU backend starts
+        runtime.bound_orbax_barriers(FLAGS)
         lock = _hold_workdir(config, "single process", 0)
         try:
             prepare_workdir(config)

@@ -80,7 +80,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -180,8 +179,17 @@ def current_timeout() -> float:
     return _state.timeout_s
 
 
+def _jax() -> Any:
+    """JAX, imported at the first agreement rather than with this module: a
+    process that only reads the options built on it (a launcher's
+    supervisor) never starts JAX."""
+    import jax
+
+    return jax
+
+
 def _hosts(hosts: int | None) -> int:
-    return jax.process_count() if hosts is None else hosts
+    return _jax().process_count() if hosts is None else hosts
 
 
 def _client() -> Any:
@@ -216,7 +224,7 @@ def exchange(doc: str, hosts: int, what: str, timeout_s: float | None = None,
         version, shared digest or ``what`` (module docstring).
     """
     client = _client() if client is None else client
-    host = jax.process_index() if host is None else host
+    host = _jax().process_index() if host is None else host
     timeout_s = _state.timeout_s if timeout_s is None else timeout_s
     prefix = f"{stream}/" if stream else ""
     with _state.lock:
@@ -272,7 +280,7 @@ def broadcast_json(doc: Any, hosts: int | None = None, what: str = "broadcast_js
     n = _hosts(hosts)
     if n == 1:
         return doc
-    mine = json.dumps(doc) if jax.process_index() == 0 else "null"
+    mine = json.dumps(doc) if _jax().process_index() == 0 else "null"
     return json.loads(exchange(mine, n, what, stream=stream)[0])
 
 
@@ -349,7 +357,7 @@ def agree_shared(parts: Mapping[str, Any], hosts: int | None = None,
     if n > 1:
         mine = {k: json.loads(json.dumps(v, default=str)) for k, v in parts.items()}
         client = _client() if client is None else client
-        host = jax.process_index() if host is None else host
+        host = _jax().process_index() if host is None else host
         docs = exchange(json.dumps(mine, sort_keys=True), n, what, client=client, host=host)
         for other, raw in enumerate(docs):
             theirs = json.loads(raw)

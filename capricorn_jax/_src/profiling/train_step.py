@@ -19,16 +19,17 @@ the names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import jax
-from jax.sharding import Mesh, NamedSharding
+if TYPE_CHECKING:  # the protocol's types; JAX is not imported to read them
+    import jax
+    from jax.sharding import Mesh, NamedSharding
 
 State = Any
 """A train state pytree of global arrays (e.g. {"step", "params", "opt_state", "rng"})."""
 Metrics = dict[str, Any]
 """A step's metrics; the library reads ``"tokens_per_expert"`` ([moe_layers, experts])."""
-StepFn = Callable[[State, jax.Array], tuple[State, Metrics]]
+StepFn = Callable[[State, "jax.Array"], tuple[State, Metrics]]
 
 
 class TrainStep(Protocol):

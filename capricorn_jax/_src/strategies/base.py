@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import jax
 import numpy as np
 
 from capricorn_jax._src.memory.tier.restore_info import NoCheckpoint
 from capricorn_jax._src.profiling.train_step import Metrics, State, StepFn, TrainStep
 
 if TYPE_CHECKING:
+    import jax
+
     from capricorn_jax._src.memory.tier.restore_info import RestoreInfo
     from capricorn_jax._src.profiling.detector import DynamicityDetector
     from capricorn_jax._src.profiling.layer_profile import LayerProfile

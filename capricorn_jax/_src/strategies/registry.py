@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from capricorn_jax._src.memory.tier.writer_door import TierWriter
-from capricorn_jax._src.profiling.train_step import TrainStep
-from capricorn_jax._src.strategies.base import Strategy
+if TYPE_CHECKING:  # the registry's readers (a launcher's flag check) import no JAX
+    from capricorn_jax._src.memory.tier.writer_door import TierWriter
+    from capricorn_jax._src.profiling.train_step import TrainStep
+    from capricorn_jax._src.strategies.base import Strategy
 
 PLANNERS = ("fixed", "replan")
 """``fixed``: a schedule built once from the first profiled steps and kept

@@ -21,11 +21,12 @@ the other.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+
+if TYPE_CHECKING:  # the options check the kinds without JAX
+    from jax.sharding import Mesh
 
 log = logging.getLogger("capricorn_jax")
 
@@ -84,6 +85,9 @@ def global_arrays(blocks: dict[int, list[np.ndarray]], abstract: Any, shardings:
     Returns:
       ``abstract``'s pytree of ``jax.Array``s.
     """
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
     devices = list(mesh.devices.flat)
     leaves, treedef = jax.tree.flatten(abstract)
     out = []
