@@ -87,6 +87,10 @@ def results_page(root: Path) -> str:
                                "5d2ae87 (4x1), cc4d617 (2x2 R 1.5): one-frame buckets, MTU 9000, "
                                "the control beside every point; the README's "
                                "table and plot; each JSON's command)")
+    parts += _long_run_section(res, "pairs300", "a headline point at 300 pairs (issue 53 "
+                               "item 5, 0.24.1, 2026-12-07, code 16c72f3: the traffic class "
+                               "at R 0.75, none, the control and inmem, 297 timed steps each; "
+                               "its command)")
     parts += _long_run_section(res, "pacing", "the chunk socket paced at the link's rate "
                                "(issue 53 item 6, 0.24.0, 2026-12-07, code c66af3f: capricorn "
                                "and capricorn_paced in one run, 297 timed steps each, FIFO R "
