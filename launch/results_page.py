@@ -89,7 +89,8 @@ def results_page(root: Path) -> str:
                                "table and plot; each JSON's command)")
     parts += _long_run_section(res, "pairs300", "a headline point at 300 pairs (issue 53 "
                                "item 5, 0.24.1, 2026-12-07, code 16c72f3: the traffic class "
-                               "at R 0.75, none, the control and inmem, 297 timed steps each; "
+                               "at R 0.72 (the sweep's R 0.75 link), none, the control and inmem, "
+                               "297 timed steps each; "
                                "its command)")
     parts += _long_run_section(res, "pacing", "the chunk socket paced at the link's rate "
                                "(issue 53 item 6, 0.24.0, 2026-12-07, code c66af3f: capricorn "

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import HEAVY
+
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "capricorn_jax"
 SRC = f"{LIB}._src"
@@ -86,7 +88,7 @@ chunk paths (in the step's XLA program on GPU, on host threads on CPU) build
 on its pure plan and never on each other; the plan knows neither."""
 
 PURE: dict[str, tuple[str, ...]] = {
-    f"{SRC}.scheduling.plan": ("jax", "jaxlib", "flax", "optax", "orbax"),
+    f"{SRC}.scheduling.plan": HEAVY,
 }
 """Packages of the library that import none of these distributions, directly
 or through the library modules they reach: the planner replays their

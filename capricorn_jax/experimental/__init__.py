@@ -23,7 +23,7 @@ public API (whose names are a promise) or letting tools import private modules
 (which ties them to the package layout).
 """
 
-from capricorn_jax._faces import attach
+from capricorn_jax._faces import attach as _attach
 
 # The names are in the stub beside this file (__init__.pyi), imported on first use.
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+__getattr__, __dir__, __all__ = _attach(__name__, __file__)

@@ -2,7 +2,7 @@
 
 Unstable: see ``capricorn_jax.experimental``."""
 
-from capricorn_jax._faces import attach
+from capricorn_jax._faces import attach as _attach
 
 # The names are in the stub beside this file (testing.pyi), imported on first use.
-__getattr__, __dir__, __all__ = attach(__name__, __file__)
+__getattr__, __dir__, __all__ = _attach(__name__, __file__)
