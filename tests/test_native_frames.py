@@ -9,6 +9,8 @@ dropped version's frames are read and discarded, a corrupt frame is named
 after the frames before it, a stalled frame ends within the bound."""
 
 import contextlib
+import os
+import socket
 import threading
 import time
 
@@ -216,3 +218,91 @@ def test_the_native_receiver_refuses_a_frame_that_does_not_fit():
         with pytest.raises(ValueError, match="a frame of 2 x 200 bytes at 900 from host 0 does "
                                              "not fit version 7's"):
             b.receive_frames(lambda v: np.zeros((2, 1000), np.uint8), lambda v: 200)
+
+
+def _switches():
+    """The calling thread's voluntary context switches (each sleep is one)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
+    return int(line.split()[1])
+
+
+def test_a_frame_waiting_for_the_link_sleeps_on_the_marks_until_one_comes():
+    """A frame held back by the queue bound waits on the mark table's
+    eventfd: one sleep until the collective's start edge is stamped, where
+    without it the loop looks at the marks every millisecond (~200 sleeps
+    here). Both stop at the mark with the one frame the link took. (A unix
+    socket pair, whose unread bytes are its queue: loopback TCP acknowledges
+    at once and would let every frame go.)"""
+    rows = _rows(200_000)
+    counts = {}
+    for wake in (True, False):
+        a, b = socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        a.setblocking(False)
+        stamps = np.zeros((3, 2), np.int64)
+        slots = np.array([1], np.int64)
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        floor = time.monotonic_ns()
+
+        def mark(stamps=stamps, efd=efd):
+            time.sleep(0.2)
+            stamps[1, :] = time.monotonic_ns()
+            os.eventfd_write(efd, 1)
+
+        marker = threading.Thread(target=mark)
+        try:
+            marker.start()
+            before = _switches()
+            # 100 KB frames on a 100 KB/s link, nothing ahead allowed: the
+            # second frame would wait a second for the first to drain.
+            stop, frames, _, error = native_frames.send_window(
+                a.fileno(), rows, 1, 0, 200_000, 50_000, time.perf_counter() + FAR, 1e5, 0,
+                (0.0, 0.0), (stamps, slots, 2, floor), 10.0, wake_fd=efd if wake else -1)
+            counts[wake] = _switches() - before
+            assert (stop, len(frames), error) == (50_000, 1, None)
+        finally:
+            marker.join()
+            os.close(efd)
+            a.close()
+            b.close()
+    assert counts[True] <= 5 < 50 <= counts[False], counts
+
+
+def test_the_wait_for_a_mark_ends_at_the_stamps_at_a_new_step_and_at_its_deadline():
+    row = np.zeros(3, np.int64)
+    epoch = np.array([4], np.int64)
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        floor = time.monotonic_ns()
+
+        def later(action):
+            def run():
+                time.sleep(0.1)
+                action()
+                os.eventfd_write(efd, 1)
+            t = threading.Thread(target=run)
+            t.start()
+            return t
+
+        row[0] = floor + 1  # one of two local devices: not yet open
+        t = later(lambda: row.__setitem__(2, time.monotonic_ns()))
+        before = _switches()
+        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 4,
+                                          time.monotonic_ns() + 10 * 10**9) is True
+        assert _switches() - before <= 3  # one sleep, woken by the mark
+        t.join()
+        # Stamps at or under the floor are an earlier step's.
+        assert native_frames.wait_stamped(efd, row, 2, row.max(), epoch, 4,
+                                          time.monotonic_ns() + 5 * 10**7) is False
+        t = later(lambda: epoch.__setitem__(0, 5))
+        assert native_frames.wait_stamped(efd, row, 3, floor, epoch, 4,
+                                          time.monotonic_ns() + 10 * 10**9) is None
+        t.join()
+        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 4, 0) is None  # moved on
+        with pytest.raises(ValueError, match="epoch cell"):
+            native_frames.wait_stamped(efd, row, 2, floor, epoch.astype(np.int32), 5, 0)
+        with pytest.raises(ValueError, match="local >= 1"):
+            native_frames.wait_stamped(efd, row, 0, floor, epoch, 5, 0)
+    finally:
+        os.close(efd)

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native import marks as native_marks
 from capricorn_jax._src.profiling.profiler import mark
 from capricorn_jax._src.scheduling.threaded.window_marks import WindowMarks
@@ -59,9 +60,14 @@ def test_marks_in_the_step_are_native_stamps_that_open_their_sites_in_order():
         marks.close()
 
 
-def test_a_waiting_sender_wakes_at_the_mark_and_at_a_new_step():
-    marks = WindowMarks(local_devices=1, devices=2)
+@pytest.mark.parametrize("native_wait", [False, True])
+def test_a_waiting_sender_wakes_at_the_mark_and_at_a_new_step(native_wait):
+    if native_wait and not native_frames.available():
+        pytest.skip("no native frame library")
+    marks = WindowMarks(local_devices=1, devices=2, native_wait=native_wait)
     try:
+        marks.native_slot("b0", "bwd")  # the sites a compiled step marks have slots
+        marks.native_slot("b1", "bwd")
         epoch = marks.reset()
         got = {}
 

@@ -15,6 +15,10 @@
 //   * hand a frame over only while at most ``queue_bound`` bytes are ahead on
 //     the link (a model at the link's rate, capped by SIOCOUTQ).
 //
+// While a frame waits for the link to drain to the bound, the loop sleeps on
+// the mark table's eventfd (every mark writes it), so a collective's start
+// ends the wait at once and nothing else wakes it.
+//
 // Each frame is sent with one gathered sendmsg (partial sends go on; the
 // socket is non-blocking under Python's timeout, so each wait is a bounded
 // poll); one call per window.
@@ -90,6 +94,20 @@ int send_all(int fd, iovec* iov, int n, int timeout_ms) {
   return 0;
 }
 
+// Until wake_fd (the mark table's eventfd) is readable or wait_ns passed;
+// then drains it (non-blocking: a wake that found it empty is no failure).
+// The caller looks at the marks again either way.
+void wait_for_mark(int wake_fd, int64_t wait_ns) {
+  if (wait_ns < 0) wait_ns = 0;
+  timespec t{static_cast<time_t>(wait_ns / 1000000000), static_cast<long>(wait_ns % 1000000000)};
+  pollfd p{wake_fd, POLLIN, 0};
+  if (ppoll(&p, 1, &t, nullptr) > 0) {
+    uint64_t count = 0;
+    const ssize_t got = read(wake_fd, &count, sizeof(count));
+    (void)got;
+  }
+}
+
 bool collective_started(const int64_t* stamps, const int64_t* slots, int nslots, int columns,
                         int local_devices, int64_t floor_ns) {
   for (int s = 0; s < nslots; ++s) {
@@ -138,6 +156,8 @@ extern "C" int CapricornStopRule(int started, int64_t now, double link_bytes, do
 // while the stop rule allows; *lo advances past what was handed over.
 // link[0..1]: bytes modelled ahead on the link and when (ns), updated.
 // log: 3 int64 per frame (handed from, to: ns; bytes), at most max_frames.
+// wake_fd: the mark table's eventfd, waited on while the link drains (-1:
+// none; the wait then looks at the marks every millisecond).
 // flip = 1 (fault injection, ``ChunkChannel.flip_version``): the first
 // frame's row 0 leaves with its middle byte flipped after its checksum, from
 // a copy (the rows are the caller's and stay as they are).
@@ -149,8 +169,8 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
                                        int64_t close_ns, double rate, int64_t queue_bound,
                                        double* link, const int64_t* stamps, const int64_t* slots,
                                        int nslots, int columns, int local_devices,
-                                       int64_t floor_ns, int64_t* log, int64_t max_frames,
-                                       int timeout_ms, int flip) {
+                                       int64_t floor_ns, int wake_fd, int64_t* log,
+                                       int64_t max_frames, int timeout_ms, int flip) {
   if (nrows < 1 || nrows > 64 || per_row < 1 || *lo < 0 || hi < *lo || !(rate > 0) ||
       (stamps != nullptr && (nslots < 0 || columns < 1 || slots == nullptr)))
     return -EINVAL;
@@ -179,8 +199,14 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
         break;
       }
       double wait_ns = (ahead - queue_bound) / rate * 1e9;
-      if (wait_ns > 1e6) wait_ns = 1e6;  // look at the marks at least every millisecond
-      timespec t{0, static_cast<long>(wait_ns)};
+      if (wait_ns > 6e10) wait_ns = 6e10;
+      if (wake_fd >= 0) {  // until the link drained to the bound, or a mark
+        wait_for_mark(wake_fd, static_cast<int64_t>(wait_ns));
+        continue;
+      }
+      if (stamps != nullptr && wait_ns > 1e6) wait_ns = 1e6;  // look at the marks every ms
+      const int64_t wait = static_cast<int64_t>(wait_ns);
+      timespec t{static_cast<time_t>(wait / 1000000000), static_cast<long>(wait % 1000000000)};
       nanosleep(&t, nullptr);
     }
     Header header{version, *lo, stop - *lo, nrows, 0, 0};
@@ -206,6 +232,29 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
     *lo = stop;
   }
   return frames;
+}
+
+// The sender's wait for a window's mark (``WindowMarks.wait_open``), the
+// GIL released: until `local` columns of `row` hold a stamp > floor_ns (1),
+// the step moved on (*epoch_cell no longer `epoch`: 2), or the monotonic
+// clock reached deadline_ns (0), waking on wake_fd (every mark writes it).
+// -EINVAL: arguments out of range.
+extern "C" int CapricornWaitStamped(int wake_fd, const int64_t* row, int columns, int local,
+                                    int64_t floor_ns, const int64_t* epoch_cell, int64_t epoch,
+                                    int64_t deadline_ns) {
+  if (wake_fd < 0 || row == nullptr || epoch_cell == nullptr || columns < 1 || local < 1)
+    return -EINVAL;
+  for (;;) {
+    if (__atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) != epoch) return 2;
+    int stamped = 0;
+    for (int d = 0; d < columns; ++d)
+      if (__atomic_load_n(&row[d], __ATOMIC_ACQUIRE) > floor_ns) ++stamped;
+    if (stamped >= local)  // of this step only if the step did not move on meanwhile
+      return __atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) == epoch ? 1 : 2;
+    const int64_t left = deadline_ns - now_ns();
+    if (left <= 0) return 0;
+    wait_for_mark(wake_fd, left);
+  }
 }
 
 // CRC32C of n bytes, continuing crc (tests compare it with the crc32c package's).

@@ -72,7 +72,10 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.CapricornSendWindow.argtypes = [
         ctypes.c_int, _P, ctypes.c_int, _I64, ctypes.POINTER(_I64), _I64, _I64, _I64,
         ctypes.c_double, _I64, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64,
-        _P, _I64, ctypes.c_int, ctypes.c_int]
+        ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.c_int]
+    lib.CapricornWaitStamped.restype = ctypes.c_int
+    lib.CapricornWaitStamped.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, _I64, _P,
+                                         _I64, _I64]
     lib.CapricornStopRule.restype = ctypes.c_int
     lib.CapricornStopRule.argtypes = [
         ctypes.c_int, _I64, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
@@ -142,7 +145,7 @@ def _check_array(name: str, a: np.ndarray, dtype: type, ndim: int,
 def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
                 closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                 start_edges: tuple[np.ndarray, np.ndarray, int, float] | None,
-                timeout_s: float, flip: bool = False
+                timeout_s: float, flip: bool = False, wake_fd: int = -1
                 ) -> tuple[int, list[tuple[float, float, int]], tuple[float, float],
                            BaseException | None]:
     """Sends bytes [lo, hi) of every row (1-D contiguous uint8, one per local
@@ -161,6 +164,9 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
       timeout_s: bound on each wait for the socket.
       flip: fault injection: the first frame leaves with a byte of its row 0
         flipped after its checksum (``ChunkChannel.flip_version``).
+      wake_fd: the mark table's eventfd: a frame waiting for the link to
+        drain sleeps on it (a mark wakes it at once) rather than looking at
+        the marks every millisecond; -1: none.
 
     Returns:
       (where it stopped, the frames (handed from, to: perf_counter seconds;
@@ -203,7 +209,7 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     done = lib.CapricornSendWindow(
         fd, pointers, len(rows), version, ctypes.byref(cursor), hi, per_row,
         int((closes - offset) * 1e9), float(rate), queue_bound, state.ctypes.data, stamps_p,
-        slots_p, nslots, columns, local, floor, frames_log.ctypes.data, most,
+        slots_p, nslots, columns, local, floor, int(wake_fd), frames_log.ctypes.data, most,
         max(1, int(timeout_s * 1000)), int(flip))
     error: BaseException | None = None
     count = int(done)
@@ -216,6 +222,30 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
     frames = [(t0 / 1e9 + offset, t1 / 1e9 + offset, int(n))
               for t0, t1, n in frames_log[:count]]
     return int(cursor.value), frames, (float(state[0]), state[1] / 1e9 + offset), error
+
+
+def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
+                 epoch_cell: np.ndarray, epoch: int, deadline_ns: int) -> bool | None:
+    """Waits, the GIL released, until ``local`` entries of ``row`` (a mark
+    table's stamps of one site, int64 ns) are above ``floor_ns``: True; or
+    the step moved on (``epoch_cell[0]`` is no longer ``epoch``): None; or
+    the monotonic clock reached ``deadline_ns``: False. Wakes on
+    ``wake_fd`` (the table's eventfd, which every mark writes), nothing else.
+
+    Raises:
+      ValueError: ``row`` or ``epoch_cell`` not a C-contiguous int64 vector,
+        or ``local`` < 1 or ``wake_fd`` < 0.
+    """
+    _check_array("the site's stamps", row, np.int64, 1)
+    _check_array("the epoch cell", epoch_cell, np.int64, 1)
+    if row.size < 1 or epoch_cell.size < 1 or local < 1 or wake_fd < 0:
+        raise ValueError(f"wait_stamped needs stamps, an epoch cell, local >= 1 and an "
+                         f"eventfd (got {row.size} stamps, local={local}, fd {wake_fd})")
+    got = load().CapricornWaitStamped(wake_fd, row.ctypes.data, row.size, local, floor_ns,
+                                      epoch_cell.ctypes.data, epoch, deadline_ns)
+    if got < 0:
+        raise OSError(-got, f"waiting for a mark: {os.strerror(-got)}")
+    return None if got == 2 else got == 1
 
 
 # The stop rule's decisions (frames.cc's Decision; ``scheduling.threaded.stop_rule``'s).
@@ -238,7 +268,7 @@ def stop_rule(started: bool, now_ns: int, link: tuple[float, float], kernel: int
 # How a ``receive_frames`` call ended (frames.cc's Status).
 COVERED, HEADER, IDLE, CORRUPT, DISCARDED, FULL = range(6)
 __all__ = ["HEADER_BYTES", "available", "crc32c", "load", "receive_frames", "send_window",
-           "stop_rule"]
+           "stop_rule", "wait_stamped"]
 
 
 def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: int,

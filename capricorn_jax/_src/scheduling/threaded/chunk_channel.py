@@ -353,7 +353,8 @@ class ChunkChannel:
     @_holding
     def send_window(self, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
                     closes: float, rate: float, queue_bound: int, link: tuple[float, float],
-                    edges: tuple[np.ndarray, np.ndarray, int, float] | None
+                    edges: tuple[np.ndarray, np.ndarray, int, float] | None,
+                    wake_fd: int = -1
                     ) -> tuple[int, list[tuple[float, float, int]], tuple[float, float],
                                BaseException | None]:
         """``native.frames.send_window`` on the sending socket (the deadline
@@ -362,7 +363,7 @@ class ChunkChannel:
         flip = self.flip_version is not None and version >= self.flip_version
         out = native_frames.send_window(self.out.fileno(), rows, version, lo, hi, per_row,
                                         closes, rate, queue_bound, link, edges, self.timeout_s,
-                                        flip=flip)
+                                        flip=flip, wake_fd=wake_fd)
         if flip and out[1]:  # a frame left flipped
             self.flip_version = None
             if self.on_flip is not None:

@@ -115,7 +115,8 @@ class ThreadedSender:
       queue_bytes: the most unacknowledged bytes the deadline sender leaves
         on the link before its next frame (``QUEUE_BYTES``).
       native_send: a window's frames go from the native loop
-        (``native.frames``, the GIL released) where it could be built; the
+        (``native.frames``, the GIL released) where it could be built, and
+        the wait for a window's mark is native too (``WindowMarks``); the
         Python loop otherwise, and for frames with a fault armed.
       native_receive: the receive loop takes runs of frames in native code
         (``ChunkChannel.receive_frames``) where it could be built; a frame
@@ -154,7 +155,8 @@ class ThreadedSender:
         self.channel, self.boundaries, self.timeout_s = channel, boundaries, timeout_s
         self.deadline, self.piece_bytes, self.hold_tail = deadline, piece_bytes, hold_tail
         self.marks = WindowMarks(local_devices, lambda: self.channel.queued_bytes(),
-                                 devices=mesh.size)
+                                 devices=mesh.size,
+                                 native_wait=native_send and native_frames.available())
         self.marks.bind_socket(channel.out_fileno())
         self.mesh = mesh
         self._hook: ProfileHook | None = None
@@ -440,7 +442,7 @@ class ThreadedSender:
             edges = None if opened is None else self.marks.start_edges(opened)
             stop, frames, self._link, error = channel.send_window(
                 rows, entry.version, lo, hi, per_row, closes, rate, self.queue_bytes, self._link,
-                edges)
+                edges, wake_fd=-1 if edges is None else self.marks.table.eventfd)
             entry.frames.extend((site, t0, t1, n, origin) for t0, t1, n in frames)
             if error is not None:
                 raise error

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from capricorn_jax._src.native import PERF_MINUS_MONOTONIC
+from capricorn_jax._src.native import frames as native_frames
 from capricorn_jax._src.native.marks import MarkTable
 from capricorn_jax._src.profiling.layer_profile import is_edge, opens_span
 from capricorn_jax._src.scheduling.plan.sites import Site
@@ -41,12 +42,17 @@ class WindowMarks:
       devices: the mesh's device count (a mark's tag is its global index).
       sites: the most distinct sites the step marks.
       native: stamp from the native handler where available.
+      native_wait: ``wait_open`` waits in native code (``native.frames.wait_stamped``:
+        a mark costs the waiting thread a system call, not a Python pass);
+        the caller checked the frame library is available.
     """
 
     def __init__(self, local_devices: int,
                  queued: Callable[[], int | None] | None = None, devices: int = 64,
-                 sites: int = 1024, native: bool = True) -> None:
+                 sites: int = 1024, native: bool = True, native_wait: bool = False) -> None:
         self.local_devices = local_devices
+        self.native_wait = native_wait
+        self._epoch_cell = np.zeros(1, np.int64)  # the epoch, for the native wait
         self.table = MarkTable(sites, max(devices, local_devices), native=native)
         self._index: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
@@ -194,6 +200,7 @@ class WindowMarks:
             self._epoch += 1
             self._epoch_ns = time.monotonic_ns()
             epoch = self._epoch
+            self._epoch_cell[0] = epoch
         self.table.wake()
         return epoch
 
@@ -208,6 +215,13 @@ class WindowMarks:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            index = self._index.get(site)
+            if self.native_wait and index is not None:
+                opened = native_frames.wait_stamped(
+                    self.table.eventfd, self.table.stamps[index], self.local_devices,
+                    self._epoch_ns - 1, self._epoch_cell, epoch,
+                    time.monotonic_ns() + int(left * 1e9))
+                return bool(opened)
             self.table.wait(left)
 
     def close(self) -> None:
