@@ -288,21 +288,56 @@ def test_the_wait_for_a_mark_ends_at_the_stamps_at_a_new_step_and_at_its_deadlin
         row[0] = floor + 1  # one of two local devices: not yet open
         t = later(lambda: row.__setitem__(2, time.monotonic_ns()))
         before = _switches()
-        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 4,
-                                          time.monotonic_ns() + 10 * 10**9) is True
+        opened = native_frames.wait_stamped(efd, row, 2, floor, epoch, 4,
+                                            time.monotonic_ns() + 10 * 10**9)
         assert _switches() - before <= 3  # one sleep, woken by the mark
         t.join()
-        # Stamps at or under the floor are an earlier step's.
-        assert native_frames.wait_stamped(efd, row, 2, row.max(), epoch, 4,
-                                          time.monotonic_ns() + 5 * 10**7) is False
+        assert opened == row[2] > row[0]  # the last local stamp
+        # Stamps at or under the floor are an earlier step's: the deadline ends it.
+        deadline = time.monotonic_ns() + 5 * 10**7
+        assert native_frames.wait_stamped(efd, row, 2, row.max(), epoch, 4, deadline) is None
+        assert time.monotonic_ns() >= deadline
         t = later(lambda: epoch.__setitem__(0, 5))
         assert native_frames.wait_stamped(efd, row, 3, floor, epoch, 4,
                                           time.monotonic_ns() + 10 * 10**9) is None
         t.join()
-        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 4, 0) is None  # moved on
+        # Open, but the step moved on: none of its own.
+        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 4, 0) is None
+        assert native_frames.wait_stamped(efd, row, 2, floor, epoch, 5, 0) == row[2]
         with pytest.raises(ValueError, match="epoch cell"):
             native_frames.wait_stamped(efd, row, 2, floor, epoch.astype(np.int32), 5, 0)
         with pytest.raises(ValueError, match="local >= 1"):
             native_frames.wait_stamped(efd, row, 0, floor, epoch, 5, 0)
     finally:
         os.close(efd)
+
+
+def test_rows_checked_once_send_what_the_rows_send_and_refuse_what_they_refuse():
+    rows = _rows(30_000)
+    prepared = native_frames.SendRows(rows)
+    stamps, slots = np.zeros((4, 2), np.int64), np.array([1, 3], np.int64)
+    sent = []
+    for given in (rows, prepared, prepared):  # the second call skips the table's check
+        a, b = socket.socketpair()
+        try:
+            stop, frames, link, error = native_frames.send_window(
+                a.fileno(), given, 3, 100, 30_000, 7000, time.perf_counter() + FAR, 1e12,
+                1 << 30, (0.0, 0.0), (stamps, slots, 2, 0), 10.0)
+            got = b.recv(1 << 20, socket.MSG_DONTWAIT)
+            while len(got) < 2 * 29_900 + 5 * integrity.HEADER_BYTES:
+                got += b.recv(1 << 20)
+            sent.append((stop, [n for *_, n in frames], error, got))
+        finally:
+            a.close()
+            b.close()
+    assert sent[0] == sent[1] == sent[2] and sent[0][0] == 30_000 and sent[0][1][0] == 14_000
+    with pytest.raises(ValueError, match="inside rows of 30000"):
+        native_frames.send_window(-1, prepared, 1, 0, 30_001, 10, FAR, 1e9, 1, (0.0, 0.0), None,
+                                  1.0)
+    with pytest.raises(ValueError, match="not rows of a mark table"):
+        native_frames.send_window(-1, prepared, 1, 0, 10, 10, FAR, 1e9, 1, (0.0, 0.0),
+                                  (stamps, np.array([4], np.int64), 2, 0), 1.0)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        native_frames.SendRows([])
+    with pytest.raises(ValueError, match="uint8"):
+        native_frames.SendRows([np.zeros(8, np.int16)])

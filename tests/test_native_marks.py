@@ -82,6 +82,8 @@ def test_a_waiting_sender_wakes_at_the_mark_and_at_a_new_step(native_wait):
         marks.record("b0", "bwd", np.array([1.0, 0.0], np.float32))
         t.join(5.0)
         assert got["open"] and got["at"] >= marked
+        opened = marks.wait_opened(("b0", "bwd"), epoch, 0.0)  # open: no wait
+        assert opened == marks.open_time(("b0", "bwd")) and marked <= opened <= got["at"]
         waiter = threading.Thread(target=lambda: got.update(stale=marks.wait_open(
             ("b1", "bwd"), epoch, 10.0)))
         waiter.start()

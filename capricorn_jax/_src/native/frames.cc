@@ -234,23 +234,33 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
   return frames;
 }
 
-// The sender's wait for a window's mark (``WindowMarks.wait_open``), the
-// GIL released: until `local` columns of `row` hold a stamp > floor_ns (1),
-// the step moved on (*epoch_cell no longer `epoch`: 2), or the monotonic
-// clock reached deadline_ns (0), waking on wake_fd (every mark writes it).
-// -EINVAL: arguments out of range.
+// The sender's wait for a window's mark (``WindowMarks.wait_opened``), the
+// GIL released: until `local` columns of `row` hold a stamp > floor_ns (1,
+// the last of them in *opened_ns), the step moved on (*epoch_cell no longer
+// `epoch`: 2), or the monotonic clock reached deadline_ns (0), waking on
+// wake_fd (every mark writes it). -EINVAL: arguments out of range.
 extern "C" int CapricornWaitStamped(int wake_fd, const int64_t* row, int columns, int local,
                                     int64_t floor_ns, const int64_t* epoch_cell, int64_t epoch,
-                                    int64_t deadline_ns) {
-  if (wake_fd < 0 || row == nullptr || epoch_cell == nullptr || columns < 1 || local < 1)
+                                    int64_t deadline_ns, int64_t* opened_ns) {
+  if (wake_fd < 0 || row == nullptr || epoch_cell == nullptr || opened_ns == nullptr ||
+      columns < 1 || local < 1)
     return -EINVAL;
   for (;;) {
     if (__atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) != epoch) return 2;
     int stamped = 0;
-    for (int d = 0; d < columns; ++d)
-      if (__atomic_load_n(&row[d], __ATOMIC_ACQUIRE) > floor_ns) ++stamped;
-    if (stamped >= local)  // of this step only if the step did not move on meanwhile
-      return __atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) == epoch ? 1 : 2;
+    int64_t last = 0;
+    for (int d = 0; d < columns; ++d) {
+      const int64_t stamp = __atomic_load_n(&row[d], __ATOMIC_ACQUIRE);
+      if (stamp > floor_ns) {
+        ++stamped;
+        if (stamp > last) last = stamp;
+      }
+    }
+    if (stamped >= local) {  // of this step only if the step did not move on meanwhile
+      if (__atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) != epoch) return 2;
+      *opened_ns = last;
+      return 1;
+    }
     const int64_t left = deadline_ns - now_ns();
     if (left <= 0) return 0;
     wait_for_mark(wake_fd, left);

@@ -48,6 +48,7 @@ import functools
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,7 @@ def _configure(lib: ctypes.CDLL) -> None:
         ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.c_int]
     lib.CapricornWaitStamped.restype = ctypes.c_int
     lib.CapricornWaitStamped.argtypes = [ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, _I64, _P,
-                                         _I64, _I64]
+                                         _I64, _I64, ctypes.POINTER(_I64)]
     lib.CapricornStopRule.restype = ctypes.c_int
     lib.CapricornStopRule.argtypes = [
         ctypes.c_int, _I64, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
@@ -142,15 +143,52 @@ def _check_array(name: str, a: np.ndarray, dtype: type, ndim: int,
                          f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
 
 
-def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
+class SendRows:
+    """Rows checked once for ``send_window`` (1 to 64 1-D contiguous uint8
+    arrays, one per local device) and their pointers, for the many windows
+    of a part: a window's call then checks only its range. The arrays are
+    kept referenced (the pointers stay valid while this lives).
+
+    Raises:
+      ValueError: rows the native loop would read out of place.
+    """
+
+    def __init__(self, rows: Sequence[np.ndarray]) -> None:
+        if not 1 <= len(rows) <= 64:
+            raise ValueError(f"send_window takes 1 to 64 rows, got {len(rows)}")
+        for r in rows:
+            _check_array("a row", r, np.uint8, 1)
+        self.rows = list(rows)
+        self.size = min(r.size for r in rows)
+        self.pointers = (_P * len(rows))(*[r.ctypes.data for r in rows])
+        self._edges: tuple[np.ndarray, np.ndarray] | None = None  # the last mark table checked
+
+    def check_edges(self, stamps: np.ndarray, slots: np.ndarray) -> None:
+        """Raises ValueError unless ``slots`` are rows of the mark table
+        ``stamps`` (int64 [sites, devices >= 1]); the pair last checked is
+        not checked again (the marks keep one table, and replace, never
+        rewrite, their slots array)."""
+        if self._edges is not None and self._edges[0] is stamps and self._edges[1] is slots:
+            return
+        _check_array("the mark table's stamps", stamps, np.int64, 2)
+        _check_array("the start slots", slots, np.int64, 1)
+        if stamps.shape[1] < 1 or not np.all((slots >= 0) & (slots < stamps.shape[0])):
+            raise ValueError(f"start slots {slots.tolist()} are not rows of a mark table of "
+                             f"{stamps.shape}")
+        self._edges = (stamps, slots)
+
+
+def send_window(fd: int, rows: Sequence[np.ndarray] | SendRows, version: int, lo: int, hi: int,
+                per_row: int,
                 closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                 start_edges: tuple[np.ndarray, np.ndarray, int, float] | None,
                 timeout_s: float, flip: bool = False, wake_fd: int = -1
                 ) -> tuple[int, list[tuple[float, float, int]], tuple[float, float],
                            BaseException | None]:
     """Sends bytes [lo, hi) of every row (1-D contiguous uint8, one per local
-    device) as frames of at most ``per_row`` bytes per row, while the stop
-    rule allows (``frames.cc``).
+    device; or a ``SendRows`` of them, checked once for many calls) as
+    frames of at most ``per_row`` bytes per row, while the stop rule allows
+    (``frames.cc``).
 
     Args:
       fd: the chunk channel's sending socket.
@@ -178,19 +216,14 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
         past a row, a bad mark table or a slot outside it.
     """
     lib = load()
-    if not 1 <= len(rows) <= 64:
-        raise ValueError(f"send_window takes 1 to 64 rows, got {len(rows)}")
-    for r in rows:
-        _check_array("a row", r, np.uint8, 1)
-    if not 0 <= lo <= hi <= min(r.size for r in rows):
-        raise ValueError(f"bytes [{lo}, {hi}) are not inside rows of "
-                         f"{min(r.size for r in rows)} bytes")
+    prepared = rows if isinstance(rows, SendRows) else SendRows(rows)
+    if not 0 <= lo <= hi <= prepared.size:
+        raise ValueError(f"bytes [{lo}, {hi}) are not inside rows of {prepared.size} bytes")
     if per_row < 1 or not rate > 0:
         raise ValueError(f"per_row={per_row} and rate={rate} must be positive")
     offset = PERF_MINUS_MONOTONIC
-    pointers = (_P * len(rows))(*[r.ctypes.data for r in rows])
     cursor = _I64(lo)
-    state = np.array([link[0], (link[1] - offset) * 1e9], np.float64)
+    state = (ctypes.c_double * 2)(link[0], (link[1] - offset) * 1e9)
     most = (hi - lo) // per_row + 2
     frames_log = np.zeros((most, 3), np.int64)
     if start_edges is None:
@@ -199,16 +232,12 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
         floor = 0
     else:
         stamps, slots, local, floor_ns = start_edges
-        _check_array("the mark table's stamps", stamps, np.int64, 2)
-        _check_array("the start slots", slots, np.int64, 1)
-        if stamps.shape[1] < 1 or not np.all((slots >= 0) & (slots < stamps.shape[0])):
-            raise ValueError(f"start slots {slots.tolist()} are not rows of a mark table of "
-                             f"{stamps.shape}")
+        prepared.check_edges(stamps, slots)
         stamps_p, slots_p = stamps.ctypes.data, slots.ctypes.data
         nslots, columns, floor = len(slots), stamps.shape[1], int(floor_ns)
     done = lib.CapricornSendWindow(
-        fd, pointers, len(rows), version, ctypes.byref(cursor), hi, per_row,
-        int((closes - offset) * 1e9), float(rate), queue_bound, state.ctypes.data, stamps_p,
+        fd, prepared.pointers, len(prepared.rows), version, ctypes.byref(cursor), hi, per_row,
+        int((closes - offset) * 1e9), float(rate), queue_bound, state, stamps_p,
         slots_p, nslots, columns, local, floor, int(wake_fd), frames_log.ctypes.data, most,
         max(1, int(timeout_s * 1000)), int(flip))
     error: BaseException | None = None
@@ -219,18 +248,19 @@ def send_window(fd: int, rows: list[np.ndarray], version: int, lo: int, hi: int,
             error = TimeoutError(f"a frame's send waited over {timeout_s:g}s for the socket")
         else:
             error = ConnectionError(f"sending a frame failed: {os.strerror(int(-done))}")
-    frames = [(t0 / 1e9 + offset, t1 / 1e9 + offset, int(n))
-              for t0, t1, n in frames_log[:count]]
-    return int(cursor.value), frames, (float(state[0]), state[1] / 1e9 + offset), error
+    frames = [(t0 / 1e9 + offset, t1 / 1e9 + offset, n)
+              for t0, t1, n in frames_log[:count].tolist()]
+    return int(cursor.value), frames, (state[0], state[1] / 1e9 + offset), error
 
 
 def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
-                 epoch_cell: np.ndarray, epoch: int, deadline_ns: int) -> bool | None:
+                 epoch_cell: np.ndarray, epoch: int, deadline_ns: int) -> int | None:
     """Waits, the GIL released, until ``local`` entries of ``row`` (a mark
-    table's stamps of one site, int64 ns) are above ``floor_ns``: True; or
-    the step moved on (``epoch_cell[0]`` is no longer ``epoch``): None; or
-    the monotonic clock reached ``deadline_ns``: False. Wakes on
-    ``wake_fd`` (the table's eventfd, which every mark writes), nothing else.
+    table's stamps of one site, int64 ns) are above ``floor_ns``: returns the
+    last of them (monotonic ns). None: the step moved on first
+    (``epoch_cell[0]`` is no longer ``epoch``) or the monotonic clock reached
+    ``deadline_ns``. Wakes on ``wake_fd`` (the table's eventfd, which every
+    mark writes), nothing else.
 
     Raises:
       ValueError: ``row`` or ``epoch_cell`` not a C-contiguous int64 vector,
@@ -241,11 +271,13 @@ def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
     if row.size < 1 or epoch_cell.size < 1 or local < 1 or wake_fd < 0:
         raise ValueError(f"wait_stamped needs stamps, an epoch cell, local >= 1 and an "
                          f"eventfd (got {row.size} stamps, local={local}, fd {wake_fd})")
+    opened = _I64(0)
     got = load().CapricornWaitStamped(wake_fd, row.ctypes.data, row.size, local, floor_ns,
-                                      epoch_cell.ctypes.data, epoch, deadline_ns)
+                                      epoch_cell.ctypes.data, epoch, deadline_ns,
+                                      ctypes.byref(opened))
     if got < 0:
         raise OSError(-got, f"waiting for a mark: {os.strerror(-got)}")
-    return None if got == 2 else got == 1
+    return opened.value if got == 1 else None
 
 
 # The stop rule's decisions (frames.cc's Decision; ``scheduling.threaded.stop_rule``'s).
@@ -267,8 +299,8 @@ def stop_rule(started: bool, now_ns: int, link: tuple[float, float], kernel: int
 
 # How a ``receive_frames`` call ended (frames.cc's Status).
 COVERED, HEADER, IDLE, CORRUPT, DISCARDED, FULL = range(6)
-__all__ = ["HEADER_BYTES", "available", "crc32c", "load", "receive_frames", "send_window",
-           "stop_rule", "wait_stamped"]
+__all__ = ["HEADER_BYTES", "SendRows", "available", "crc32c", "load", "receive_frames",
+           "send_window", "stop_rule", "wait_stamped"]
 
 
 def receive_frames(fd: int, version: int, target: np.ndarray | None, remaining: int,

@@ -351,7 +351,8 @@ class ChunkChannel:
         _send_all(self.out, [header, *views])
 
     @_holding
-    def send_window(self, rows: list[np.ndarray], version: int, lo: int, hi: int, per_row: int,
+    def send_window(self, rows: list[np.ndarray] | native_frames.SendRows, version: int, lo: int,
+                    hi: int, per_row: int,
                     closes: float, rate: float, queue_bound: int, link: tuple[float, float],
                     edges: tuple[np.ndarray, np.ndarray, int, float] | None,
                     wake_fd: int = -1

@@ -332,6 +332,9 @@ class ThreadedSender:
         by_site, last, hold = plan.by_site, plan.last, plan.hold
         t0 = entry.t0
         local = local_rows(entry.own, copy=False)  # views of the packed payload
+        # The native loop's rows, checked once for the part's windows.
+        prepared = (native_frames.SendRows([np.asarray(r) for r in local])
+                    if self.native_send else None)
         t_packed = time.perf_counter()
         entry.times.setdefault("packed_s", t_packed - t0)
         # Bytes a window could not send before its deadline go in the
@@ -352,10 +355,11 @@ class ThreadedSender:
             own = [(site, lo, hi) for lo, hi in by_site.get(site, ())]
             if not own and (not carry or (idle is None and site != AFTER)):
                 continue  # no window here to take the carried bytes
+            at = None
             if site not in (START, AFTER):
                 # A window opens at its mark; a missed mark (a step that
                 # ended another way) sends at once rather than never.
-                self.marks.wait_open(site, epoch, self.timeout_s)
+                at = self.marks.wait_opened(site, epoch, self.timeout_s)
             elif site == AFTER and entry.site_idle and self.marks.has_site(STEP_END):
                 # What the windows could not carry goes after the step
                 # (its end mark), not into the gradient all-reduce's
@@ -365,10 +369,10 @@ class ThreadedSender:
             closes = opened = None
             if idle is not None and site != AFTER:
                 opened = (max(entry.part_t0, t_packed) if site == START
-                          else self.marks.open_time(site) or time.perf_counter())
+                          else at or time.perf_counter())
                 closes = opened + idle
             carry = self._send_until(channel, entry, local, site, ranges, closes,
-                                     rate, opened)
+                                     rate, opened, prepared)
             entry.site_sent[site] = time.perf_counter()
         if carry and hold:  # held for a later step: its windows carry them in
             entry.carry = [(AFTER, lo, hi) for _, lo, hi in carry]
@@ -380,7 +384,8 @@ class ThreadedSender:
 
     def _send_until(self, channel: ChunkChannel, entry: Version, local: list, site: Site,
                     ranges: list[tuple[Site, int, int]], closes: float | None, rate: float,
-                    opened: float | None = None) -> list[tuple[Site, int, int]]:
+                    opened: float | None = None, prepared: native_frames.SendRows | None = None
+                    ) -> list[tuple[Site, int, int]]:
         """Sends ``ranges`` ((planning site, lo, hi), in order) in window
         ``site`` as frames of at most ``piece_bytes`` over all rows; with a
         deadline (``closes``), stops before a frame that the link could not
@@ -397,7 +402,8 @@ class ThreadedSender:
         carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
         if closes is not None and rate > 0 and self.native_send and channel.stall_at is None:
-            return self._send_native(channel, entry, local, site, ranges, closes, rate, opened,
+            rows = prepared or native_frames.SendRows([np.asarray(r) for r in local])
+            return self._send_native(channel, entry, rows, site, ranges, closes, rate, opened,
                                      per_row)
         left = list(ranges)
         while left:
@@ -429,13 +435,12 @@ class ThreadedSender:
                 left.pop(0)
         return []
 
-    def _send_native(self, channel: ChunkChannel, entry: Version, local: list, site: Site,
-                     ranges: list[tuple[Site, int, int]], closes: float, rate: float,
+    def _send_native(self, channel: ChunkChannel, entry: Version, rows: native_frames.SendRows,
+                     site: Site, ranges: list[tuple[Site, int, int]], closes: float, rate: float,
                      opened: float | None, per_row: int
                      ) -> list[tuple[Site, int, int]]:
         """``_send_until``'s loop in native code (``native.frames``): one call
         per range, the GIL released; the same stop rule and records."""
-        rows = [np.asarray(r) for r in local]
         left = list(ranges)
         while left:
             origin, lo, hi = left[0]

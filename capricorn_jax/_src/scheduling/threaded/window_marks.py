@@ -42,7 +42,7 @@ class WindowMarks:
       devices: the mesh's device count (a mark's tag is its global index).
       sites: the most distinct sites the step marks.
       native: stamp from the native handler where available.
-      native_wait: ``wait_open`` waits in native code (``native.frames.wait_stamped``:
+      native_wait: ``wait_opened`` waits in native code (``native.frames.wait_stamped``:
         a mark costs the waiting thread a system call, not a Python pass);
         the caller checked the frame library is available.
     """
@@ -206,22 +206,31 @@ class WindowMarks:
 
     def wait_open(self, site: Site, epoch: int, timeout_s: float) -> bool:
         """Whether ``site`` opened in step ``epoch`` within the timeout."""
+        return self.wait_opened(site, epoch, timeout_s) is not None
+
+    def wait_opened(self, site: Site, epoch: int, timeout_s: float) -> float | None:
+        """When ``site`` opened in step ``epoch`` (its last local device's
+        stamp, perf_counter seconds), once it did within the timeout; None
+        if it did not, or the step moved on first."""
+        index = self._index.get(site)
+        if self.native_wait and index is not None:  # the checks and the wait in one call
+            at = native_frames.wait_stamped(
+                self.table.eventfd, self.table.stamps[index], self.local_devices,
+                self._epoch_ns - 1, self._epoch_cell, epoch,
+                time.monotonic_ns() + int(max(0.0, timeout_s) * 1e9))
+            return None if at is None else at / 1e9 + self._to_perf
         deadline = time.monotonic() + timeout_s
         while True:
             if self._epoch != epoch:
-                return False
-            if self._stamps(site) is not None:
-                return True
+                return None
+            mine = self._stamps(site)
+            if mine is not None:
+                return float(mine.max()) / 1e9 + self._to_perf
             left = deadline - time.monotonic()
             if left <= 0:
-                return False
-            index = self._index.get(site)
-            if self.native_wait and index is not None:
-                opened = native_frames.wait_stamped(
-                    self.table.eventfd, self.table.stamps[index], self.local_devices,
-                    self._epoch_ns - 1, self._epoch_cell, epoch,
-                    time.monotonic_ns() + int(left * 1e9))
-                return bool(opened)
+                return None
+            if self.native_wait and site in self._index:  # its slot was given out meanwhile
+                return self.wait_opened(site, epoch, left)
             self.table.wait(left)
 
     def close(self) -> None:
