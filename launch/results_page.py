@@ -92,6 +92,10 @@ def results_page(root: Path) -> str:
                                "at R 0.72 (the sweep's R 0.75 link), none, the control and inmem, "
                                "297 timed steps each; "
                                "its command)")
+    parts += _long_run_section(res, "sender_cpu", "the sender's CPU cut, before and after "
+                               "(issue 53 item 6, 0.24.2, 2026-12-07: capricorn at FIFO R 0.50, "
+                               "297 timed steps each; first row code 0b749ec (before), second "
+                               "54565db (after); their command)")
     parts += _long_run_section(res, "pacing", "the chunk socket paced at the link's rate "
                                "(issue 53 item 6, 0.24.0, 2026-12-07, code c66af3f: capricorn "
                                "and capricorn_paced in one run, 297 timed steps each, FIFO R "
