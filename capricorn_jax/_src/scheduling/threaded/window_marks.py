@@ -223,9 +223,9 @@ class WindowMarks:
         while True:
             if self._epoch != epoch:
                 return None
-            mine = self._stamps(site)
-            if mine is not None:
-                return float(mine.max()) / 1e9 + self._to_perf
+            at = self.open_time(site)
+            if at is not None:
+                return at
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
