@@ -87,11 +87,12 @@ def results_page(root: Path) -> str:
                                "5d2ae87 (4x1), cc4d617 (2x2 R 1.5): one-frame buckets, MTU 9000, "
                                "the control beside every point; the README's "
                                "table and plot; each JSON's command)")
-    parts += _long_run_section(res, "pairs300", "a headline point at 300 pairs (issue 53 "
-                               "item 5, 0.24.1, 2026-12-07, code 16c72f3: the traffic class "
-                               "at R 0.72 (the sweep's R 0.75 link), none, the control and inmem, "
-                               "297 timed steps each; "
-                               "its command)")
+    parts += _long_run_section(res, "pairs300", "headline points at 300 pairs (issue 53 "
+                               "item 5, 2026-12-07, 297 timed steps each, each JSON's command: "
+                               "FIFO at the sweep's R 0.75 link, none, the control, gemini and "
+                               "capricorn, 0.24.2, code b65f46f; the traffic class at R 0.72 "
+                               "(the sweep's R 0.75 link), none, the control and inmem, 0.24.1, "
+                               "code 16c72f3)")
     parts += _long_run_section(res, "sender_cpu", "the sender's CPU cut, before and after "
                                "(issue 53 item 6, 0.24.2, 2026-12-07: capricorn at FIFO R 0.50, "
                                "297 timed steps each; first row code 0b749ec (before), second "
