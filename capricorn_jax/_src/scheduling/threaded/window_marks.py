@@ -214,11 +214,11 @@ class WindowMarks:
         if it did not, or the step moved on first."""
         index = self._index.get(site)
         if self.native_wait and index is not None:  # the checks and the wait in one call
-            at = native_frames.wait_stamped(
+            stamp = native_frames.wait_stamped(
                 self.table.eventfd, self.table.stamps[index], self.local_devices,
                 self._epoch_ns - 1, self._epoch_cell, epoch,
                 time.monotonic_ns() + int(max(0.0, timeout_s) * 1e9))
-            return None if at is None else at / 1e9 + self._to_perf
+            return None if stamp is None else stamp / 1e9 + self._to_perf
         deadline = time.monotonic() + timeout_s
         while True:
             if self._epoch != epoch:
