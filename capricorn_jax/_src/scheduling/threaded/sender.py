@@ -398,12 +398,12 @@ class ThreadedSender:
         than the plan), and hands a frame over only while at most
         ``queue_bytes`` are unacknowledged (waiting on the marks meanwhile),
         so an early close meets at most that and one frame (a low-priority
-        channel has no deadline: ``start``). Returns the ranges left (to
-        carry)."""
+        channel has no deadline: ``start``). ``prepared``: ``local`` checked
+        for the native loop (``_send_part`` gives it where ``native_send``);
+        None: the Python loop. Returns the ranges left (to carry)."""
         per_row = max(1, self.piece_bytes // max(1, len(local)))
-        if closes is not None and rate > 0 and self.native_send and channel.stall_at is None:
-            rows = prepared or native_frames.SendRows([np.asarray(r) for r in local])
-            return self._send_native(channel, entry, rows, site, ranges, closes, rate, opened,
+        if closes is not None and rate > 0 and prepared is not None and channel.stall_at is None:
+            return self._send_native(channel, entry, prepared, site, ranges, closes, rate, opened,
                                      per_row)
         left = list(ranges)
         while left:
