@@ -108,15 +108,27 @@ void wait_for_mark(int wake_fd, int64_t wait_ns) {
   }
 }
 
+// How many of a site's `columns` stamps are above floor_ns (the devices that
+// passed it since), the last of them in *last (0: none).
+int stamped_since(const int64_t* row, int columns, int64_t floor_ns, int64_t* last) {
+  int stamped = 0;
+  *last = 0;
+  for (int d = 0; d < columns; ++d) {
+    const int64_t stamp = __atomic_load_n(&row[d], __ATOMIC_ACQUIRE);
+    if (stamp > floor_ns) {
+      ++stamped;
+      if (stamp > *last) *last = stamp;
+    }
+  }
+  return stamped;
+}
+
 bool collective_started(const int64_t* stamps, const int64_t* slots, int nslots, int columns,
                         int local_devices, int64_t floor_ns) {
-  for (int s = 0; s < nslots; ++s) {
-    const int64_t* row = stamps + slots[s] * columns;
-    int stamped = 0;
-    for (int d = 0; d < columns; ++d)
-      if (__atomic_load_n(&row[d], __ATOMIC_ACQUIRE) > floor_ns) ++stamped;
-    if (stamped >= local_devices) return true;
-  }
+  int64_t last = 0;
+  for (int s = 0; s < nslots; ++s)
+    if (stamped_since(stamps + slots[s] * columns, columns, floor_ns, &last) >= local_devices)
+      return true;
   return false;
 }
 
@@ -199,7 +211,7 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
         break;
       }
       double wait_ns = (ahead - queue_bound) / rate * 1e9;
-      if (wait_ns > 6e10) wait_ns = 6e10;
+      if (wait_ns > 6e10) wait_ns = 6e10;  // one sleep at most a minute: decided again after
       if (wake_fd >= 0) {  // until the link drained to the bound, or a mark
         wait_for_mark(wake_fd, static_cast<int64_t>(wait_ns));
         continue;
@@ -247,16 +259,9 @@ extern "C" int CapricornWaitStamped(int wake_fd, const int64_t* row, int columns
     return -EINVAL;
   for (;;) {
     if (__atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) != epoch) return 2;
-    int stamped = 0;
     int64_t last = 0;
-    for (int d = 0; d < columns; ++d) {
-      const int64_t stamp = __atomic_load_n(&row[d], __ATOMIC_ACQUIRE);
-      if (stamp > floor_ns) {
-        ++stamped;
-        if (stamp > last) last = stamp;
-      }
-    }
-    if (stamped >= local) {  // of this step only if the step did not move on meanwhile
+    if (stamped_since(row, columns, floor_ns, &last) >= local) {
+      // of this step only if the step did not move on meanwhile
       if (__atomic_load_n(epoch_cell, __ATOMIC_ACQUIRE) != epoch) return 2;
       *opened_ns = last;
       return 1;
