@@ -341,3 +341,29 @@ def test_rows_checked_once_send_what_the_rows_send_and_refuse_what_they_refuse()
         native_frames.SendRows([])
     with pytest.raises(ValueError, match="uint8"):
         native_frames.SendRows([np.zeros(8, np.int16)])
+
+
+def test_a_wake_descriptor_that_is_not_open_is_refused_naming_it_not_spun_on():
+    """A wake descriptor that is not open would make every poll return at
+    once (a spin for the whole wait): both waits refuse it, naming it."""
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    a.setblocking(False)
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    os.close(efd)  # its number is not open now (nothing opens one before the calls)
+    try:
+        stamps, slots = np.zeros((3, 2), np.int64), np.array([1], np.int64)
+        stop, frames, _, error = native_frames.send_window(
+            a.fileno(), _rows(200_000), 1, 0, 200_000, 50_000, time.perf_counter() + FAR, 1e5,
+            0, (0.0, 0.0), (stamps, slots, 2, time.monotonic_ns()), 10.0, wake_fd=efd)
+        assert (stop, len(frames)) == (50_000, 1)  # the frame before the wait went
+        assert isinstance(error, ConnectionError) and f"descriptor {efd} is not open" in str(error)
+        with pytest.raises(OSError, match=f"descriptor {efd}: Bad file descriptor"):
+            native_frames.wait_stamped(efd, np.zeros(2, np.int64), 1, 0, np.zeros(1, np.int64),
+                                       0, time.monotonic_ns() + 10**9)
+        with pytest.raises(ValueError, match="wake_fd=-2"):
+            native_frames.send_window(a.fileno(), _rows(10), 1, 0, 10, 10, FAR, 1e9, 1,
+                                      (0.0, 0.0), None, 1.0, wake_fd=-2)
+    finally:
+        a.close()
+        b.close()

@@ -96,16 +96,21 @@ int send_all(int fd, iovec* iov, int n, int timeout_ms) {
 
 // Until wake_fd (the mark table's eventfd) is readable or wait_ns passed;
 // then drains it (non-blocking: a wake that found it empty is no failure).
-// The caller looks at the marks again either way.
-void wait_for_mark(int wake_fd, int64_t wait_ns) {
+// The caller looks at the marks again either way. 0, or -EBADF for a
+// descriptor that is not open (it would wake every poll at once: a spin).
+int wait_for_mark(int wake_fd, int64_t wait_ns) {
   if (wait_ns < 0) wait_ns = 0;
   timespec t{static_cast<time_t>(wait_ns / 1000000000), static_cast<long>(wait_ns % 1000000000)};
   pollfd p{wake_fd, POLLIN, 0};
-  if (ppoll(&p, 1, &t, nullptr) > 0) {
+  const int ready = ppoll(&p, 1, &t, nullptr);
+  if (ready < 0) return errno == EINTR ? 0 : -errno;
+  if (ready > 0 && (p.revents & POLLNVAL)) return -EBADF;
+  if (ready > 0) {
     uint64_t count = 0;
     const ssize_t got = read(wake_fd, &count, sizeof(count));
     (void)got;
   }
+  return 0;
 }
 
 // How many of a site's `columns` stamps are above floor_ns (the devices that
@@ -169,7 +174,7 @@ extern "C" int CapricornStopRule(int started, int64_t now, double link_bytes, do
 // link[0..1]: bytes modelled ahead on the link and when (ns), updated.
 // log: 3 int64 per frame (handed from, to: ns; bytes), at most max_frames.
 // wake_fd: the mark table's eventfd, waited on while the link drains (-1:
-// none; the wait then looks at the marks every millisecond).
+// none; the wait then looks at the marks every millisecond; not open: -EBADF).
 // flip = 1 (fault injection, ``ChunkChannel.flip_version``): the first
 // frame's row 0 leaves with its middle byte flipped after its checksum, from
 // a copy (the rows are the caller's and stay as they are).
@@ -213,7 +218,8 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
       double wait_ns = (ahead - queue_bound) / rate * 1e9;
       if (wait_ns > 6e10) wait_ns = 6e10;  // one sleep at most a minute: decided again after
       if (wake_fd >= 0) {  // until the link drained to the bound, or a mark
-        wait_for_mark(wake_fd, static_cast<int64_t>(wait_ns));
+        const int failed = wait_for_mark(wake_fd, static_cast<int64_t>(wait_ns));
+        if (failed != 0) return failed;
         continue;
       }
       if (stamps != nullptr && wait_ns > 1e6) wait_ns = 1e6;  // look at the marks every ms
@@ -250,7 +256,8 @@ extern "C" int64_t CapricornSendWindow(int fd, const uint8_t* const* rows, int n
 // GIL released: until `local` columns of `row` hold a stamp > floor_ns (1,
 // the last of them in *opened_ns), the step moved on (*epoch_cell no longer
 // `epoch`: 2), or the monotonic clock reached deadline_ns (0), waking on
-// wake_fd (every mark writes it). -EINVAL: arguments out of range.
+// wake_fd (every mark writes it). -EINVAL: arguments out of range; -EBADF:
+// wake_fd is not open.
 extern "C" int CapricornWaitStamped(int wake_fd, const int64_t* row, int columns, int local,
                                     int64_t floor_ns, const int64_t* epoch_cell, int64_t epoch,
                                     int64_t deadline_ns, int64_t* opened_ns) {
@@ -268,7 +275,8 @@ extern "C" int CapricornWaitStamped(int wake_fd, const int64_t* row, int columns
     }
     const int64_t left = deadline_ns - now_ns();
     if (left <= 0) return 0;
-    wait_for_mark(wake_fd, left);
+    const int failed = wait_for_mark(wake_fd, left);
+    if (failed != 0) return failed;
   }
 }
 

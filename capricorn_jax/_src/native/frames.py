@@ -204,7 +204,8 @@ def send_window(fd: int, rows: Sequence[np.ndarray] | SendRows, version: int, lo
         flipped after its checksum (``ChunkChannel.flip_version``).
       wake_fd: the mark table's eventfd: a frame waiting for the link to
         drain sleeps on it (a mark wakes it at once) rather than looking at
-        the marks every millisecond; -1: none.
+        the marks every millisecond; -1: none (one not open ends the call
+        with a ConnectionError naming it).
 
     Returns:
       (where it stopped, the frames (handed from, to: perf_counter seconds;
@@ -213,7 +214,7 @@ def send_window(fd: int, rows: Sequence[np.ndarray] | SendRows, version: int, lo
     Raises:
       ValueError: an argument the native loop would read out of place: rows
         that are not 1-D contiguous uint8 (1 to 64 of them), ``lo < 0``, ``hi``
-        past a row, a bad mark table or a slot outside it.
+        past a row, a bad mark table or a slot outside it, ``wake_fd`` < -1.
     """
     lib = load()
     prepared = rows if isinstance(rows, SendRows) else SendRows(rows)
@@ -221,6 +222,8 @@ def send_window(fd: int, rows: Sequence[np.ndarray] | SendRows, version: int, lo
         raise ValueError(f"bytes [{lo}, {hi}) are not inside rows of {prepared.size} bytes")
     if per_row < 1 or not rate > 0:
         raise ValueError(f"per_row={per_row} and rate={rate} must be positive")
+    if wake_fd < -1:
+        raise ValueError(f"wake_fd={wake_fd}: a descriptor, or -1 for none")
     offset = PERF_MINUS_MONOTONIC
     cursor = _I64(lo)
     state = (ctypes.c_double * 2)(link[0], (link[1] - offset) * 1e9)
@@ -246,11 +249,21 @@ def send_window(fd: int, rows: Sequence[np.ndarray] | SendRows, version: int, lo
         count = int(np.count_nonzero(frames_log[:, 2]))
         if -done == errno.ETIMEDOUT:
             error = TimeoutError(f"a frame's send waited over {timeout_s:g}s for the socket")
+        elif -done == errno.EBADF and wake_fd >= 0 and not _is_open(wake_fd):
+            error = ConnectionError(f"the marks' wake descriptor {wake_fd} is not open")
         else:
             error = ConnectionError(f"sending a frame failed: {os.strerror(int(-done))}")
     frames = [(t0 / 1e9 + offset, t1 / 1e9 + offset, n)
               for t0, t1, n in frames_log[:count].tolist()]
     return int(cursor.value), frames, (state[0], state[1] / 1e9 + offset), error
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
@@ -265,6 +278,7 @@ def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
     Raises:
       ValueError: ``row`` or ``epoch_cell`` not a C-contiguous int64 vector,
         or ``local`` < 1 or ``wake_fd`` < 0.
+      OSError: ``wake_fd`` is not open (EBADF).
     """
     _check_array("the site's stamps", row, np.int64, 1)
     _check_array("the epoch cell", epoch_cell, np.int64, 1)
@@ -276,7 +290,7 @@ def wait_stamped(wake_fd: int, row: np.ndarray, local: int, floor_ns: int,
                                       epoch_cell.ctypes.data, epoch, deadline_ns,
                                       ctypes.byref(opened))
     if got < 0:
-        raise OSError(-got, f"waiting for a mark: {os.strerror(-got)}")
+        raise OSError(-got, f"waiting for a mark on descriptor {wake_fd}: {os.strerror(-got)}")
     return opened.value if got == 1 else None
 
 
