@@ -164,6 +164,8 @@ class ChaosConfig:
                 f"--traffic_class={self.link.traffic_class}"] if self.link.shaped else [])
         if self.link.mtu:
             out.append(f"--link_mtu={self.link.mtu}")
+        if self.link.filler:
+            out.append("--link_filler")
         if self.accelerator.accelerator != "none":
             out.append(f"--accelerator={self.accelerator.accelerator}")
         if self.accelerator.profile:

@@ -14,7 +14,10 @@ Layout of one job (names carry the supervisor's pid: ``cjx<pid>``):
   receives) at the rate asked for, its bucket one frame (``LinkOptions``);
   ``--link_latency_ms`` adds a ``netem`` delay (half on each end) where the
   kernel has netem; ``--traffic_class=priority`` puts a strict-priority child
-  under each tbf that sorts by the IP header's TOS byte (``shaper_commands``);
+  under each tbf that sorts by the IP header's TOS byte (``shaper_commands``),
+  and ``--link_filler`` a third band below it that a stream from each host to
+  the next keeps sending (``launch.cluster.filler``: a link that is never idle
+  charges every frame its time on the wire, as a real one does);
 - ``/etc/netns/cjx<pid>h<i>/hosts`` maps this machine's hostname to host i's
   address: gloo advertises the address its hostname resolves to, and
   ``ip netns exec`` bind-mounts that file over /etc/hosts for the worker.
@@ -112,6 +115,7 @@ class LinkOptions:
     burst_kb: float = 0.0
     traffic_class: str = "fifo"
     mtu: int = 0
+    filler: bool = False
 
     def __post_init__(self) -> None:
         if not self.gbps >= 0:
@@ -145,6 +149,10 @@ class LinkOptions:
             raise ValueError("--traffic_class=priority and --link_latency_ms both need the "
                              "link's one child queue (the priority bands, netem): use one "
                              "of them")
+        if self.filler and self.traffic_class != "priority":
+            raise ValueError("--link_filler needs --traffic_class=priority (the filler's band "
+                             "sits below the checkpoint's class; on a FIFO link it would "
+                             "queue ahead of the collectives)")
 
     @property
     def shaped(self) -> bool:
@@ -167,6 +175,7 @@ class LinkOptions:
                 "burst_bytes": self.burst_bytes() if self.shaped else None,
                 "traffic_class": self.traffic_class,
                 "mtu": (self.mtu or KERNEL_MTU) if self.shaped else None,
+                "filler": self.filler,
                 "describe": self.describe()}
 
     def describe(self) -> str:
@@ -177,7 +186,8 @@ class LinkOptions:
         frames = f", {self.mtu}-byte frames" if self.mtu else ""
         cls = (", checkpoint bytes in a low-priority class" if self.traffic_class == "priority"
                else "")
-        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{frames}{cls}"
+        busy = ", kept busy by a lowest-band filler" if self.filler else ""
+        return f"{self.gbps:g} Gbit/s each way per host{lat}{burst}{frames}{cls}{busy}"
 
 
 def own_mtu(record: dict | None) -> int | None:
@@ -189,12 +199,13 @@ def own_mtu(record: dict | None) -> int | None:
 
 def link_from_flags(fv: object) -> LinkOptions:
     """The link the parsed flags ask for (``--link_gbps``, ``--link_latency_ms``,
-    ``--link_burst_kb``, ``--traffic_class``, ``--link_mtu``); raises ValueError
-    naming a bad one."""
+    ``--link_burst_kb``, ``--traffic_class``, ``--link_mtu``, ``--link_filler``);
+    raises ValueError naming a bad one."""
     return LinkOptions(gbps=fv.link_gbps, latency_ms=fv.link_latency_ms,  # type: ignore[attr-defined]
                        burst_kb=fv.link_burst_kb,  # type: ignore[attr-defined]
                        traffic_class=fv.traffic_class,  # type: ignore[attr-defined]
-                       mtu=fv.link_mtu)  # type: ignore[attr-defined]
+                       mtu=fv.link_mtu,  # type: ignore[attr-defined]
+                       filler=fv.link_filler)  # type: ignore[attr-defined]
 
 
 def _run(*cmd: str) -> str:
@@ -321,7 +332,8 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
     tbf already holds (it peeks at the child) still leaves first: a frame of
     the high class waits for at most one low frame per shaper. (An htb rather
     than ``prio``: some kernels, this project's test machines among them,
-    build htb and not prio.)
+    build htb and not prio.) ``--link_filler`` adds 10:3, last, for the
+    filler's TOS (``launch.cluster.filler.FILLER_TOS``).
     """
     if verb not in ("add", "change"):
         raise ValueError(f"shaper_commands: verb must be 'add' or 'change', got {verb!r}")
@@ -342,7 +354,7 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
 
         commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                          "htb", "default", "1"])
-        for band in (1, 2):
+        for band in (1, 2, 3) if options.filler else (1, 2):
             commands.append([*tc, "class", "add", "dev", dev, "parent", "10:",
                              "classid", f"10:{band}", "htb", "rate", BAND_RATE,
                              "burst", BAND_BURST, "cburst", BAND_BURST, "prio", str(band - 1),
@@ -353,6 +365,12 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
         commands.append([*tc, "filter", "add", "dev", dev, "parent", "10:", "protocol", "ip",
                          "prio", "1", "u32", "match", "ip", "tos", f"{LOW_PRIORITY_TOS:#04x}",
                          f"{TOS_MASK:#04x}", "flowid", "10:2"])
+        if options.filler:
+            from launch.cluster.filler import FILLER_TOS
+
+            commands.append([*tc, "filter", "add", "dev", dev, "parent", "10:", "protocol",
+                             "ip", "prio", "1", "u32", "match", "ip", "tos", f"{FILLER_TOS:#04x}",
+                             f"{TOS_MASK:#04x}", "flowid", "10:3"])
     return commands
 
 
@@ -371,6 +389,7 @@ class ShapedNetwork:
         self.job = job or f"{PREFIX}{os.getpid()}"
         self.switch = f"{self.job}s"
         self._guardian: subprocess.Popen | None = None
+        self._fillers: list[subprocess.Popen] = []
         self.stale_removed: list[str] = []
 
     def host_namespace(self, host: int) -> str:
@@ -403,6 +422,12 @@ class ShapedNetwork:
             start_new_session=True, cwd=Path(__file__).resolve().parents[2])
         try:
             self._build()
+            if self.options.filler:
+                from launch.cluster import filler
+
+                self._fillers = filler.start(
+                    [self.command_prefix(h) for h in range(self.hosts)],
+                    [self.address(h) for h in range(self.hosts)])
         except BaseException:
             self.close()
             raise
@@ -444,6 +469,11 @@ class ShapedNetwork:
             _run(*argv)
 
     def close(self) -> None:
+        if self._fillers:
+            from launch.cluster import filler
+
+            filler.stop(self._fillers)
+            self._fillers = []
         remove_job(self.job)
         if self._guardian is not None:
             if self._guardian.stdin is not None:

@@ -74,6 +74,7 @@ class ClusterConfig:
     link_burst_kb: float = 0.0
     traffic_class: str = "fifo"
     link_mtu: int = 0
+    link_filler: bool = False
     peer_timeout_s: float = 100.0
 
     def __post_init__(self) -> None:
@@ -106,7 +107,7 @@ class ClusterConfig:
     def link(self) -> LinkOptions:
         return LinkOptions(gbps=self.link_gbps, latency_ms=self.link_latency_ms,
                            burst_kb=self.link_burst_kb, traffic_class=self.traffic_class,
-                           mtu=self.link_mtu)
+                           mtu=self.link_mtu, filler=self.link_filler)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -463,7 +464,7 @@ def from_flags(fv: flags.FlagValues) -> Config:
         platform=fv.platform, timeout_s=fv.timeout_s, process_id=fv.process_id,
         coordinator=fv.coordinator, link_gbps=fv.link_gbps, link_latency_ms=fv.link_latency_ms,
         link_burst_kb=fv.link_burst_kb, traffic_class=fv.traffic_class, link_mtu=fv.link_mtu,
-        peer_timeout_s=fv.peer_timeout_s)
+        link_filler=fv.link_filler, peer_timeout_s=fv.peer_timeout_s)
     train = TrainConfig(
         model=fv.model, steps=fv.steps, workdir=fv.workdir, seed=fv.seed, workload=fv.workload,
         shift_every=fv.shift_every, dispatch=fv.dispatch, global_batch=fv.global_batch,
