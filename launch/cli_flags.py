@@ -102,9 +102,10 @@ _spec("integer", "link_mtu", 0,
                      "0 = the kernel's 1500. Jumbo frames (9000) cut the per-byte kernel work "
                      "the emulated links cost the hosts' cores; needs --link_gbps.")
 _spec("boolean", "link_filler", False,
-      "Keep the shaped links sending: each host streams to the next in a band below the "
-      "checkpoint's class, so every frame pays its time on the wire as on a real link "
-      "(tbf sends a frame that finds the link idle at once); needs --traffic_class=priority.")
+      "Keep the shaped links sending: each host streams to the next in a band below "
+      "everything else (and below the checkpoint's class with --traffic_class=priority), "
+      "so every frame pays its time on the wire as on a real link (tbf sends a frame that "
+      "finds the link idle at once); needs --link_gbps.")
 _spec("enum", "traffic_class", "fifo", ["fifo", "priority"],
       "fifo: the shaped links are one first-in-first-out queue (the paper's premise); "
       "priority: the checkpoint's chunk channel sends as a low-priority class (IP TOS 0x08) "

@@ -104,6 +104,18 @@ def test_train_flags_build_the_config_with_the_accelerator_group(tmp_path):
         config.from_flags(fv)
 
 
+def test_train_flags_carry_the_busy_link_to_the_cluster(tmp_path):
+    fv = train.define_flags(flags.FlagValues())
+    fv(["train", f"--workdir={tmp_path}", "--link_gbps=0.2", "--traffic_class=priority",
+        "--link_filler"])
+    link = config.from_flags(fv).cluster.link
+    assert link.filler and link.record()["filler"] is True
+    fv = train.define_flags(flags.FlagValues())
+    fv(["train", f"--workdir={tmp_path}", "--link_filler"])
+    with pytest.raises(config.FlagError, match="--link_filler needs --link_gbps > 0"):
+        config.from_flags(fv)
+
+
 BENCH_RECORDED = ("model", "workload", "shift_every", "steps", "reps", "hosts",
                   "devices_per_host", "dispatch", "replicas", "global_batch", "platform",
                   "a2a_steps", "collectives", "ckpt_budget", "accelerator", "accelerator_profile")
@@ -145,6 +157,7 @@ def test_bench_config_holds_the_flags_and_records_them_as_the_json_did(tmp_path)
     (["--link_latency_ms=2"], "--link_latency_ms needs --link_gbps > 0"),
     (["--link_burst_kb=20"], "--link_burst_kb needs --link_gbps > 0"),
     (["--link_mtu=9000"], "--link_mtu needs --link_gbps > 0"),
+    (["--link_filler"], "--link_filler needs --link_gbps > 0"),
     (["--link_gbps=1", "--platform=gpu"], "--link_gbps shapes the simulated CPU hosts' links"),
 ])
 def test_bench_config_names_a_bad_flag(tmp_path, argv, message):
@@ -175,6 +188,9 @@ def test_chaos_config_holds_the_flags_and_the_jobs_flags():
         "--traffic_class=priority"
     assert _chaos("--link_gbps=0.2", "--link_burst_kb=20", "--link_mtu=9000").job_flags()[-1] \
         == "--link_mtu=9000"
+    busy = _chaos("--link_gbps=0.2", "--link_filler")
+    assert busy.link.filler and busy.job_flags()[-1] == "--link_filler"
+    assert "--link_filler" not in _chaos("--link_gbps=0.2").job_flags()
 
 
 @pytest.mark.parametrize("argv, error, message", [

@@ -84,6 +84,62 @@ def test_priority_sorts_by_the_tos_byte_on_both_shapers():
     assert all(argv[3:5] == ["qdisc", "change"] and "50mbit" in argv for argv in changed)
 
 
+def test_the_filler_is_a_third_band_below_the_checkpoint_s_on_both_shapers():
+    from capricorn_jax import LOW_PRIORITY_TOS
+    from launch.cluster.filler import FILLER_TOS
+
+    for ecn in range(4):  # distinct classes whatever TCP's ECN bits say
+        assert (FILLER_TOS | ecn) & netns.TOS_MASK == FILLER_TOS != LOW_PRIORITY_TOS
+    link = netns.LinkOptions(gbps=0.1, traffic_class="priority", filler=True)
+    assert link.record()["filler"] is True
+    assert link.describe().endswith("low-priority class, kept busy by a lowest-band filler")
+    assert netns.LinkOptions(gbps=0.1, traffic_class="priority").record()["filler"] is False
+    net = netns.ShapedNetwork(2, link, job="cjx1")
+    for namespace, dev in net.shapers(1):
+        text = [" ".join(argv[3:]) for argv in net.shaper_commands(1)
+                if argv[2] == namespace and dev in argv]
+        assert any(t.startswith(f"class add dev {dev} parent 10: classid 10:3 htb")
+                   and " prio 2 " in t for t in text), text
+        assert f"qdisc add dev {dev} parent 10:3 handle 13: pfifo limit 1000" in text
+        assert [t for t in text if t.startswith("filter")] == [
+            f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip tos {tos} 0xfc "
+            f"flowid 10:{band}" for tos, band in (("0x08", 2), ("0x04", 3))]
+
+
+def test_a_filler_that_cannot_start_is_named_and_none_is_left_running():
+    from launch.cluster import filler
+
+    # The "namespace" prefix runs an interpreter that exits with a reason.
+    prefix = [sys.executable, "-c", "import sys; sys.exit('no such namespace')"]
+    with pytest.raises(RuntimeError, match=r"host 0's filler did not start within 5s "
+                                           r"\(no such namespace\)"):
+        filler.start([prefix, prefix], ["10.0.0.1", "10.0.0.2"], timeout_s=5)
+    # One that never answers is bounded by the timeout, and stopped.
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"host 0's filler did not start within 1s "
+                                           r"\(no answer\)"):
+        filler.start([silent], ["10.0.0.1"], timeout_s=1)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_fifo_link_with_the_filler_keeps_its_one_queue_above_the_filler_s():
+    link = netns.LinkOptions(gbps=0.1, filler=True)
+    text = [" ".join(argv[3:]) for argv in netns.shaper_commands("ns", "eth0", link)]
+    limit = round(0.1e9 / 8 * 0.1) + link.frame_bytes()  # the tbf's own 100 ms queue
+    assert text[1:] == [
+        "qdisc add dev eth0 parent 1:1 handle 10: htb default 1",
+        f"class add dev eth0 parent 10: classid 10:1 htb rate 100gbit burst 1mb cburst 1mb "
+        f"prio 0 quantum {link.frame_bytes()}",
+        f"qdisc add dev eth0 parent 10:1 handle 11: bfifo limit {limit}",
+        f"class add dev eth0 parent 10: classid 10:3 htb rate 100gbit burst 1mb cburst 1mb "
+        f"prio 2 quantum {link.frame_bytes()}",
+        "qdisc add dev eth0 parent 10:3 handle 13: pfifo limit 1000",
+        "filter add dev eth0 parent 10: protocol ip prio 1 u32 match ip tos 0x04 0xfc "
+        "flowid 10:3"]
+    assert link.describe() == "0.1 Gbit/s each way per host, kept busy by a lowest-band filler"
+
+
 def test_fifo_links_are_one_queue_under_the_tbf():
     net = netns.ShapedNetwork(2, netns.LinkOptions(gbps=0.1), job="cjx1")
     commands = net.shaper_commands(0)
@@ -145,7 +201,7 @@ BULK_PORT, PROBE_PORT = 9411, 9412
 
 SERVER = f"""
 import socket, sys, threading, time
-host = sys.argv[1]
+host, size = sys.argv[1], int(sys.argv[2])
 def discard(c):
     while c.recv(1 << 16):
         pass
@@ -159,19 +215,20 @@ print("ready", flush=True)
 c, _ = probe.accept()
 while True:
     data = b""
-    while len(data) < {PROBE_BYTES}:
-        data += c.recv({PROBE_BYTES} - len(data)) or sys.exit(0)
+    while len(data) < size:
+        data += c.recv(size - len(data)) or sys.exit(0)
     print(time.monotonic_ns(), flush=True)
 """
 
 PROBE = f"""
 import socket, sys, time
 c = socket.create_connection((sys.argv[1], {PROBE_PORT}), 30)
+size = int(sys.argv[2])
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 print("ready", flush=True)
 for _ in sys.stdin:
     t = time.monotonic_ns()
-    c.sendall(bytes({PROBE_BYTES}))
+    c.sendall(bytes(size))
     print(t, flush=True)
 """
 
@@ -248,11 +305,11 @@ def test_a_default_class_probe_passes_a_checkpoint_backlog_on_both_shapers():
 
     with netns.ShapedNetwork(3, link) as net:
         try:
-            server = start(1, SERVER, net.address(1))
+            server = start(1, SERVER, net.address(1), str(PROBE_BYTES))
             assert server.stdout.readline().strip() == "ready"
-            other = start(2, SERVER, net.address(2))
+            other = start(2, SERVER, net.address(2), str(PROBE_BYTES))
             assert other.stdout.readline().strip() == "ready"
-            probe = start(0, PROBE, net.address(1), stdin=subprocess.PIPE)
+            probe = start(0, PROBE, net.address(1), str(PROBE_BYTES), stdin=subprocess.PIPE)
             assert probe.stdout.readline().strip() == "ready"
             idle = _probe_delays(server, probe, 7)
 
@@ -286,3 +343,77 @@ def test_a_default_class_probe_passes_a_checkpoint_backlog_on_both_shapers():
     for end, frames in backlog.items():
         assert statistics.median(frames) >= want, (end, report)
     assert statistics.median(busy) <= statistics.median(idle) + bound_s, report
+
+
+def _band_sent(namespace: str, dev: str, handle: str) -> int:
+    """Bytes a band's queue (``12:`` the checkpoint's, ``13:`` the filler's) sent."""
+    shown = subprocess.run(["tc", "-s", "-n", namespace, "qdisc", "show", "dev", dev],
+                           capture_output=True, text=True, check=True).stdout
+    block = shown.split(f"qdisc pfifo {handle} ", 1)[1].split("qdisc ", 1)[0]
+    return int(block.split("Sent ", 1)[1].split()[0])
+
+
+@needs_root
+@pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
+def test_the_filler_makes_a_frame_pay_its_time_and_yields_to_both_classes():
+    """Two hosts at 0.01 Gbit/s with the priority class. A probe of one
+    frame crosses an idle link in less than its time on the wire (tbf sends
+    it on the credit its one-frame bucket gathered: what ``--link_filler``
+    removes); with the filler it pays at least that time and at most the
+    filler's frame and its own per shaper (and a frame of timer lateness). The
+    filler's frames flow on both of the probe's shapers, and a checkpoint-class
+    stream takes the link from it. On the code before ``--link_filler`` (no
+    filler) every probe crosses in under a frame's time."""
+    from capricorn_jax import LOW_PRIORITY_TOS
+
+    size = 1400  # one frame's payload at the kernel's MTU (with TCP's timestamps)
+    delays, shares = {}, {}
+    for busy in (False, True):
+        link = netns.LinkOptions(gbps=0.01, traffic_class="priority", filler=busy)
+        rate = link.gbps * 1e9 / 8
+        frame_s, link_frame_s = (size + 66) / rate, link.frame_bytes() / rate
+        bound_s = 2 * (2 * link_frame_s + frame_s)
+        procs: list[subprocess.Popen] = []
+        with netns.ShapedNetwork(2, link) as net:
+            def start(host, code, *args, stdin=None, net=net, procs=procs):
+                proc = subprocess.Popen([*net.command_prefix(host), sys.executable, "-c", code,
+                                         *args], stdin=stdin, stdout=subprocess.PIPE, text=True)
+                procs.append(proc)
+                return proc
+
+            ends = net.shapers(0)[:1] + net.shapers(1)[1:]  # host 0's eth0, the switch's h1
+            try:
+                server = start(1, SERVER, net.address(1), str(size))
+                assert server.stdout.readline().strip() == "ready"
+                probe = start(0, PROBE, net.address(1), str(size), stdin=subprocess.PIPE)
+                assert probe.stdout.readline().strip() == "ready"
+                filled = [_band_sent(*end, "13:") if busy else 0 for end in ends]
+                delays[busy] = _probe_delays(server, probe, 9)
+                if busy:
+                    assert all(_band_sent(*end, "13:") - n > 20 * link.frame_bytes()
+                               for end, n in zip(ends, filled, strict=True))
+                    start(0, BULK, hex(LOW_PRIORITY_TOS), net.address(1))
+                    time.sleep(1.0)  # the stream's window opens
+                    before = [_band_sent(*ends[0], band) for band in ("12:", "13:")]
+                    time.sleep(2.0)
+                    after = [_band_sent(*ends[0], band) for band in ("12:", "13:")]
+                    shares["checkpoint"], shares["filler"] = (
+                        a - b for a, b in zip(after, before, strict=True))
+            finally:
+                for proc in procs:
+                    proc.kill()
+                for proc in procs:
+                    proc.wait(timeout=30)
+            # The fillers end with the network.
+            fillers = list(net._fillers)
+        assert not any(p.poll() is None for p in fillers)
+        assert len(fillers) == (2 if busy else 0)
+    report = (f"idle {[round(d * 1e3, 2) for d in delays[False]]} ms, filled "
+              f"{[round(d * 1e3, 2) for d in delays[True]]} ms, a frame {frame_s * 1e3:.2f} ms, "
+              f"bound {bound_s * 1e3:.2f} ms; bytes in 2 s with a checkpoint stream {shares}")
+    print(report)
+    assert statistics.median(delays[False]) < frame_s, report
+    # Every probe but at most one found the link sending (one filler flow: 2 of 9 did not).
+    assert sum(d < frame_s for d in delays[True]) <= 1, report
+    assert statistics.median(delays[True]) <= bound_s, report
+    assert shares["checkpoint"] >= 0.9 * (shares["checkpoint"] + shares["filler"]), report

@@ -45,6 +45,8 @@ def _job_namespaces(pid: int) -> list[str]:
     ({"gbps": 0.0, "mtu": 9000}, "--link_mtu needs --link_gbps"),
     ({"gbps": 1.0, "mtu": 1000}, "--link_mtu must be 0 .* or in 1280..65000, got 1000"),
     ({"gbps": 1.0, "mtu": 70000}, "--link_mtu must be .*got 70000"),
+    ({"gbps": 0.0, "filler": True}, "--link_filler needs --link_gbps > 0"),
+    ({"gbps": 1.0, "latency_ms": 2.0, "filler": True}, "--link_filler and --link_latency_ms"),
     ({"gbps": 1.0, "burst_kb": 5, "mtu": 9000},
      "--link_burst_kb must be .* one frame of 9014 bytes \\(--link_mtu=9000 and .*got 5"),
 ])

@@ -44,6 +44,9 @@ FILLER_TOS = 0x04
 """The filler's IP TOS byte: its own band, below ``capricorn_jax.LOW_PRIORITY_TOS``."""
 FILLER_MSS = 1448
 """The filler's TCP segment: a 1500-byte frame (with TCP's timestamps, 1436 of payload)."""
+FILLER_FLOWS = 4
+"""Connections per filler: TCP's small queues keep one flow's frames in the
+shaper to about two, so one flow leaves the band empty now and then."""
 FILLER_PORT = 45999
 """Where each host's filler listens, in the host's own namespace."""
 _BLOCK = bytes(1 << 20)
@@ -87,7 +90,8 @@ def main(argv: list[str]) -> None:
     address, peer = argv
     listener = socket.create_server((address, FILLER_PORT))
     threading.Thread(target=_serve, args=(listener,), daemon=True).start()
-    threading.Thread(target=_send, args=(peer,), daemon=True).start()
+    for _ in range(FILLER_FLOWS):
+        threading.Thread(target=_send, args=(peer,), daemon=True).start()
     print("ready", flush=True)
     sys.stdin.read()  # EOF: the supervisor closed the pipe or died
 

@@ -149,10 +149,12 @@ class LinkOptions:
             raise ValueError("--traffic_class=priority and --link_latency_ms both need the "
                              "link's one child queue (the priority bands, netem): use one "
                              "of them")
-        if self.filler and self.traffic_class != "priority":
-            raise ValueError("--link_filler needs --traffic_class=priority (the filler's band "
-                             "sits below the checkpoint's class; on a FIFO link it would "
-                             "queue ahead of the collectives)")
+        if self.filler and not self.gbps:
+            raise ValueError("--link_filler needs --link_gbps > 0 (it keeps the hosts' shaped "
+                             "links sending)")
+        if self.filler and self.latency_ms:
+            raise ValueError("--link_filler and --link_latency_ms both need the link's one "
+                             "child queue (the filler's band, netem): use one of them")
 
     @property
     def shaped(self) -> bool:
@@ -333,7 +335,8 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
     the high class waits for at most one low frame per shaper. (An htb rather
     than ``prio``: some kernels, this project's test machines among them,
     build htb and not prio.) ``--link_filler`` adds 10:3, last, for the
-    filler's TOS (``launch.cluster.filler.FILLER_TOS``).
+    filler's TOS (``launch.cluster.filler.FILLER_TOS``); on a FIFO link it is
+    the one band under 10:1, which then holds what the tbf alone held.
     """
     if verb not in ("add", "change"):
         raise ValueError(f"shaper_commands: verb must be 'add' or 'change', got {verb!r}")
@@ -349,28 +352,30 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
     if options.latency_ms:
         commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                          "netem", "delay", f"{options.latency_ms / 2:g}ms"])
-    elif options.traffic_class == "priority":
+    elif options.traffic_class == "priority" or options.filler:
         from capricorn_jax import LOW_PRIORITY_TOS
+        from launch.cluster.filler import FILLER_TOS
 
+        sorted_out = [(band, tos) for band, tos, on in (
+            (2, LOW_PRIORITY_TOS, options.traffic_class == "priority"),
+            (3, FILLER_TOS, options.filler)) if on]
         commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                          "htb", "default", "1"])
-        for band in (1, 2, 3) if options.filler else (1, 2):
+        for band in (1, *(band for band, _ in sorted_out)):
             commands.append([*tc, "class", "add", "dev", dev, "parent", "10:",
                              "classid", f"10:{band}", "htb", "rate", BAND_RATE,
                              "burst", BAND_BURST, "cburst", BAND_BURST, "prio", str(band - 1),
                              "quantum", str(options.frame_bytes())])
+            # A FIFO link's one queue holds what the tbf alone held (100 ms of the rate).
+            queue = (["bfifo", "limit", str(round(rate * 1e9 / 8 * 0.1) + options.burst_bytes())]
+                     if band == 1 and options.traffic_class == "fifo"
+                     else ["pfifo", "limit", str(PRIORITY_BAND_PACKETS)])
             commands.append([*tc, "qdisc", "add", "dev", dev, "parent", f"10:{band}",
-                             "handle", f"1{band}:", "pfifo", "limit",
-                             str(PRIORITY_BAND_PACKETS)])
-        commands.append([*tc, "filter", "add", "dev", dev, "parent", "10:", "protocol", "ip",
-                         "prio", "1", "u32", "match", "ip", "tos", f"{LOW_PRIORITY_TOS:#04x}",
-                         f"{TOS_MASK:#04x}", "flowid", "10:2"])
-        if options.filler:
-            from launch.cluster.filler import FILLER_TOS
-
+                             "handle", f"1{band}:", *queue])
+        for band, tos in sorted_out:
             commands.append([*tc, "filter", "add", "dev", dev, "parent", "10:", "protocol",
-                             "ip", "prio", "1", "u32", "match", "ip", "tos", f"{FILLER_TOS:#04x}",
-                             f"{TOS_MASK:#04x}", "flowid", "10:3"])
+                             "ip", "prio", "1", "u32", "match", "ip", "tos", f"{tos:#04x}",
+                             f"{TOS_MASK:#04x}", "flowid", f"10:{band}"])
     return commands
 
 
