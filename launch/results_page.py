@@ -93,6 +93,12 @@ def results_page(root: Path) -> str:
                                "capricorn, 0.24.2, code b65f46f; the traffic class at R 0.72 "
                                "(the sweep's R 0.75 link), none, the control and inmem, 0.24.1, "
                                "code 16c72f3)")
+    parts += _long_run_section(res, "busy_link", "the busy link, `--link_filler` (issue 53, "
+                               "0.25.0, 2026-12-07: a lowest-band filler keeps every link "
+                               "sending, so none's frames pay their time on the wire too; 297 "
+                               "timed steps each; with the class, R 0.70: code 65bb174 (one "
+                               "filler flow), R 0.66: b289474 (four flows, the flag's); FIFO "
+                               "b289474; each JSON's command)")
     parts += _long_run_section(res, "sender_cpu", "the sender's CPU cut, before and after "
                                "(issue 53 item 6, 0.24.2, 2026-12-07: capricorn at FIFO R 0.50, "
                                "297 timed steps each; first row code 0b749ec (before), second "

@@ -179,9 +179,11 @@ def _traffic_class(doc: dict) -> str:
 
 
 def _link_cell(doc: dict) -> str:
-    """The link discipline, and the frame size where it is not the kernel's 1500."""
+    """The link discipline, the frame size where it is not the kernel's 1500,
+    and the filler where one kept the link sending (``--link_filler``)."""
     mtu = own_mtu(doc.get("link"))
-    return _traffic_class(doc) + (f", MTU {mtu}" if mtu else "")
+    busy = ", busy (filler)" if (doc.get("link") or {}).get("filler") else ""
+    return _traffic_class(doc) + (f", MTU {mtu}" if mtu else "") + busy
 
 
 def _point_order(doc: dict) -> tuple:

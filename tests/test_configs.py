@@ -191,5 +191,7 @@ def test_the_long_run_tables_name_the_link_and_where_queued_bytes_wait():
     assert _late_cell(None, "priority") == "-"
     assert _link_cell({"link": {"traffic_class": "fifo", "mtu": 1500}}) == "fifo"
     assert _link_cell({"link": {"traffic_class": "fifo", "mtu": 9000}}) == "fifo, MTU 9000"
+    assert _link_cell({"link": {"traffic_class": "priority", "mtu": 9000, "filler": True}}) \
+        == "priority, MTU 9000, busy (filler)"
     assert _link_cell({"link": {"traffic_class": "priority"}}) == "priority"
     assert _link_cell({}) == "fifo"

@@ -10,11 +10,13 @@ a checkpoint that only ever yields to the collectives still costs them a
 frame per shaper per message, which a real link would have charged anyway.
 The collectives here send in many small exchanges (gloo's exchange runs at
 half the link's rate), so none's steps gain that frame on most messages
-(BUILD_NOTES.md, "round 14": a plain bulk sender's floor moves with it).
+(BUILD_NOTES.md, "round 14": a plain bulk sender's floor with the traffic
+class goes with the filler).
 
 What. Each host runs one filler process in its namespace: it sends zeros to
-the next host (a ring, so every host's two shapers carry one stream) in the
-lowest band (``FILLER_TOS``, below the checkpoint's class), its frames a
+the next host (a ring, so every host's two shapers carry its streams,
+``FILLER_FLOWS`` connections) in the last band (``FILLER_TOS``: below the
+checkpoint's class, or below the one FIFO of a FIFO link), its frames a
 standard Ethernet frame's payload (``FILLER_MSS``: a high frame waits behind
 at most one of them, 1514 bytes, against a jumbo checkpoint frame), and
 receives its own predecessor's stream, acknowledging it in the same band.
