@@ -249,13 +249,31 @@ for t in threads:
 """
 
 
-def _low_band_frames(namespace: str, dev: str) -> int:
-    """Frames queued in the low band (qdisc 12:) of a priority shaper."""
+def _band_stats(namespace: str, dev: str, handle: str) -> str:
+    """``tc -s``'s lines of a band's queue (``12:`` the checkpoint's, ``13:`` the filler's)."""
     shown = subprocess.run(["tc", "-s", "-n", namespace, "qdisc", "show", "dev", dev],
                            capture_output=True, text=True, check=True).stdout
-    block = shown.split("qdisc pfifo 12:", 1)[1].split("qdisc ", 1)[0]
-    backlog = block.split("backlog ", 1)[1].split()
+    return shown.split(f"qdisc pfifo {handle} ", 1)[1].split("qdisc ", 1)[0]
+
+
+def _low_band_frames(namespace: str, dev: str) -> int:
+    """Frames queued in the low band (qdisc 12:) of a priority shaper."""
+    backlog = _band_stats(namespace, dev, "12:").split("backlog ", 1)[1].split()
     return int(backlog[1].rstrip("p"))
+
+
+def _band_sent(namespace: str, dev: str, handle: str) -> int:
+    """Bytes a band's queue sent."""
+    return int(_band_stats(namespace, dev, handle).split("Sent ", 1)[1].split()[0])
+
+
+def _start_in(net, procs: list, host: int, code: str, *args: str, stdin=None):
+    """``python -c code args`` in host ``host``'s namespace, its stdout a text
+    pipe; kept in ``procs``."""
+    proc = subprocess.Popen([*net.command_prefix(host), sys.executable, "-c", code, *args],
+                            stdin=stdin, stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    return proc
 
 
 def _probe_delays(server, probe, count: int, before=None) -> list[float]:
@@ -295,15 +313,11 @@ def test_a_default_class_probe_passes_a_checkpoint_backlog_on_both_shapers():
     # Per shaper: the low frame tbf may already hold, the probe's own frame and
     # a frame's time of timer and wake-up lateness; twice, for the two shapers.
     bound_s = 2 * 3 * frame_s
-    procs = []
-
-    def start(host, code, *args, stdin=None):
-        proc = subprocess.Popen([*net.command_prefix(host), sys.executable, "-c", code, *args],
-                                stdin=stdin, stdout=subprocess.PIPE, text=True)
-        procs.append(proc)
-        return proc
-
+    procs: list[subprocess.Popen] = []
     with netns.ShapedNetwork(3, link) as net:
+        def start(host, code, *args, stdin=None, net=net):
+            return _start_in(net, procs, host, code, *args, stdin=stdin)
+
         try:
             server = start(1, SERVER, net.address(1), str(PROBE_BYTES))
             assert server.stdout.readline().strip() == "ready"
@@ -345,14 +359,6 @@ def test_a_default_class_probe_passes_a_checkpoint_backlog_on_both_shapers():
     assert statistics.median(busy) <= statistics.median(idle) + bound_s, report
 
 
-def _band_sent(namespace: str, dev: str, handle: str) -> int:
-    """Bytes a band's queue (``12:`` the checkpoint's, ``13:`` the filler's) sent."""
-    shown = subprocess.run(["tc", "-s", "-n", namespace, "qdisc", "show", "dev", dev],
-                           capture_output=True, text=True, check=True).stdout
-    block = shown.split(f"qdisc pfifo {handle} ", 1)[1].split("qdisc ", 1)[0]
-    return int(block.split("Sent ", 1)[1].split()[0])
-
-
 @needs_root
 @pytest.mark.alone  # timing-sensitive: run by itself (pyproject markers)
 def test_the_filler_makes_a_frame_pay_its_time_and_yields_to_both_classes():
@@ -376,10 +382,7 @@ def test_the_filler_makes_a_frame_pay_its_time_and_yields_to_both_classes():
         procs: list[subprocess.Popen] = []
         with netns.ShapedNetwork(2, link) as net:
             def start(host, code, *args, stdin=None, net=net, procs=procs):
-                proc = subprocess.Popen([*net.command_prefix(host), sys.executable, "-c", code,
-                                         *args], stdin=stdin, stdout=subprocess.PIPE, text=True)
-                procs.append(proc)
-                return proc
+                return _start_in(net, procs, host, code, *args, stdin=stdin)
 
             ends = net.shapers(0)[:1] + net.shapers(1)[1:]  # host 0's eth0, the switch's h1
             try:

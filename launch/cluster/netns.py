@@ -48,6 +48,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from launch.cluster import filler
+
 PREFIX = "cjx"
 SUBNET = "10.93.0"
 NETNS_ETC = Path("/etc/netns")
@@ -72,6 +74,9 @@ BAND_RATE = "100gbit"
 """The priority child's classes' own rate and bucket: far above what a veth
 here carries, so that they only order frames and the tbf above them sets the rate."""
 BAND_BURST = "1mb"
+QUEUE_S = 0.1
+"""What a shaper queues, in seconds of its rate (tbf's ``latency``; with the
+filler on a FIFO link, its one band's byte limit)."""
 
 
 class LinkError(RuntimeError):
@@ -346,7 +351,7 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
     tc = ["tc", "-n", namespace]
     commands = [[*tc, "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf",
                  "rate", f"{rate * 1000:g}mbit", "burst", str(options.burst_bytes()),
-                 "latency", "100ms"]]
+                 "latency", f"{QUEUE_S * 1000:g}ms"]]
     if verb != "add":
         return commands
     if options.latency_ms:
@@ -354,11 +359,10 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
                          "netem", "delay", f"{options.latency_ms / 2:g}ms"])
     elif options.traffic_class == "priority" or options.filler:
         from capricorn_jax import LOW_PRIORITY_TOS
-        from launch.cluster.filler import FILLER_TOS
 
         sorted_out = [(band, tos) for band, tos, on in (
             (2, LOW_PRIORITY_TOS, options.traffic_class == "priority"),
-            (3, FILLER_TOS, options.filler)) if on]
+            (3, filler.FILLER_TOS, options.filler)) if on]
         commands.append([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                          "htb", "default", "1"])
         for band in (1, *(band for band, _ in sorted_out)):
@@ -366,8 +370,9 @@ def shaper_commands(namespace: str, dev: str, options: LinkOptions, verb: str = 
                              "classid", f"10:{band}", "htb", "rate", BAND_RATE,
                              "burst", BAND_BURST, "cburst", BAND_BURST, "prio", str(band - 1),
                              "quantum", str(options.frame_bytes())])
-            # A FIFO link's one queue holds what the tbf alone held (100 ms of the rate).
-            queue = (["bfifo", "limit", str(round(rate * 1e9 / 8 * 0.1) + options.burst_bytes())]
+            # A FIFO link's one queue holds what the tbf alone held (QUEUE_S of the rate).
+            queue = (["bfifo", "limit",
+                      str(round(rate * 1e9 / 8 * QUEUE_S) + options.burst_bytes())]
                      if band == 1 and options.traffic_class == "fifo"
                      else ["pfifo", "limit", str(PRIORITY_BAND_PACKETS)])
             commands.append([*tc, "qdisc", "add", "dev", dev, "parent", f"10:{band}",
@@ -428,8 +433,6 @@ class ShapedNetwork:
         try:
             self._build()
             if self.options.filler:
-                from launch.cluster import filler
-
                 self._fillers = filler.start(
                     [self.command_prefix(h) for h in range(self.hosts)],
                     [self.address(h) for h in range(self.hosts)])
@@ -475,8 +478,6 @@ class ShapedNetwork:
 
     def close(self) -> None:
         if self._fillers:
-            from launch.cluster import filler
-
             filler.stop(self._fillers)
             self._fillers = []
         remove_job(self.job)
